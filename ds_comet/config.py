@@ -1,0 +1,93 @@
+"""The ``"moe"`` section of a ds_config: which MoE backend a job runs and how.
+
+DeepSpeed ignores top-level keys it does not know, so the section lives beside DeepSpeed's own
+ones. It is not called ``"comet"``: DeepSpeed's Comet ML monitor owns that key.
+"""
+
+import json
+import os
+from typing import Any, Literal, Mapping, Optional
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import ValidationError
+
+MOE_SECTION = "moe"
+
+
+class CometMoEConfig(DeepSpeedConfigModel):
+    """Options of the ``"moe"`` section; every key is optional."""
+
+    backend: Literal["deepspeed", "comet"] = "deepspeed"
+    """``"deepspeed"``: stock ``deepspeed.moe.layer.MoE``. ``"comet"``: this package's layer."""
+
+    overlap: Literal["auto", "fused", "none"] = "auto"
+    """How the comet backend overlaps communication with the experts.
+
+    ``"none"``: the reference pipeline (plain torch, any torch.distributed backend).
+    ``"fused"``: the fused COMET kernels, an error where they cannot run.
+    ``"auto"``: fused where it can run, else the reference pipeline, saying once why.
+    """
+
+    def __init__(self, **data):
+        # strict: DeepSpeedConfigModel otherwise drops every value spelled "auto", which would
+        # turn a mistyped {"backend": "auto"} into the default instead of an error.
+        super().__init__(strict=True, **data)
+
+
+def _allowed_values(field_name: str):
+    annotation = CometMoEConfig.model_fields[field_name].annotation
+    return getattr(annotation, "__args__", None)
+
+
+def _explain(error: ValidationError, section: Mapping[str, Any]) -> str:
+    allowed_keys = ", ".join(CometMoEConfig.model_fields)
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{MOE_SECTION}.{key}'; the section takes: {allowed_keys}")
+            continue
+        allowed = _allowed_values(key) if key in CometMoEConfig.model_fields else None
+        value = section.get(key, item.get("input"))
+        if allowed:
+            choices = ", ".join(repr(v) for v in allowed)
+            lines.append(f"'{MOE_SECTION}.{key}' is {value!r}; allowed values: {choices}")
+        else:
+            lines.append(f"'{MOE_SECTION}.{key}' is {value!r}: {item['msg']}")
+    return "invalid ds_config: " + "; ".join(lines)
+
+
+def _config_dict(ds_config) -> Mapping[str, Any]:
+    """The ds_config as a dict, from any of the forms DeepSpeed users hold it in."""
+    if ds_config is None:
+        return {}
+    if isinstance(ds_config, Mapping):
+        return ds_config
+    if isinstance(ds_config, (str, os.PathLike)):
+        with open(ds_config) as handle:
+            return json.load(handle)
+    # DeepSpeedConfig keeps the parsed JSON in _param_dict.
+    param_dict = getattr(ds_config, "_param_dict", None)
+    if isinstance(param_dict, Mapping):
+        return param_dict
+    # A DeepSpeedEngine: .config is what the user passed to deepspeed.initialize.
+    engine_config = getattr(ds_config, "config", None)
+    if engine_config is not None and engine_config is not ds_config:
+        return _config_dict(engine_config)
+    raise TypeError(f"cannot read a ds_config from {type(ds_config).__name__}: pass a dict, a path to a JSON file, "
+                    "a deepspeed DeepSpeedConfig, a DeepSpeed engine or a CometMoEConfig")
+
+
+def moe_config_from(ds_config=None) -> CometMoEConfig:
+    """The validated ``"moe"`` section of ``ds_config`` (defaults where it has none)."""
+    if isinstance(ds_config, CometMoEConfig):
+        return ds_config
+    section: Optional[Any] = _config_dict(ds_config).get(MOE_SECTION, {})
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise ValueError(f"invalid ds_config: '{MOE_SECTION}' must be a JSON object, got {type(section).__name__}")
+    try:
+        return CometMoEConfig(**section)
+    except ValidationError as error:
+        raise ValueError(_explain(error, section)) from None

@@ -1,0 +1,66 @@
+"""Expert modules whose structure the fused pipeline understands.
+
+Any row-wise module works as an expert on the reference pipeline. The fused kernels run two
+grouped GEMMs with an activation between them, so they need to know where the weights are:
+these two modules (and ``nn.Sequential(Linear, activation, Linear)``) say it.
+"""
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def _activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; choose one of {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class FeedForward(nn.Module):
+    """``fc2(act(fc1(x)))``: the classic transformer FFN."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, activation: str = "gelu", bias: bool = True):
+        super().__init__()
+        self.activation = activation
+        self._act = _activation(activation)
+        self.fc1 = nn.Linear(hidden_size, ffn_size, bias=bias)
+        self.fc2 = nn.Linear(ffn_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self._act(self.fc1(x)))
+
+
+class GatedFeedForward(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SwiGLU with ``activation="silu"``, GeGLU with ``"gelu"``."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, activation: str = "silu", bias: bool = False):
+        super().__init__()
+        self.activation = activation
+        self._act = _activation(activation)
+        self.gate_proj = nn.Linear(hidden_size, ffn_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, ffn_size, bias=bias)
+        self.down_proj = nn.Linear(ffn_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def reset_expert_(expert: nn.Module, seed: int) -> None:
+    """Give ``expert`` fresh weights drawn from ``seed`` alone (fan-in scaled normal).
+
+    DeepSpeed builds every local expert as a deep copy of one module, so all start identical; tests
+    and benchmarks that must tell experts apart draw each one's weights from its global id.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in expert.parameters():
+            fan_in = param.shape[-1] if param.dim() > 1 else param.numel()
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float64) / fan_in**0.5
+            param.copy_(values.to(param.dtype))

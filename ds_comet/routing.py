@@ -1,0 +1,62 @@
+"""Routing plans: DeepSpeed's sparse gate routes turned into the order tokens travel in.
+
+A *route* is one (top-k slot j, token s) pair of the gate's ``[k, S]`` outputs; its flat id is
+``j * S + s``. The plan sorts routes by global expert, which is also by destination rank and then
+by local expert, so every destination and every expert owns one contiguous run of the send buffer.
+Routes the gate dropped (expert index -1) sort last and are never sent. Everything stays on the
+device: building a plan needs no host sync and no dense ``[S, E, C]`` tensor.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    route_order: Tensor
+    """[k*S] int64: flat route ids sorted by global expert; kept routes first, in route-id order."""
+    route_position: Tensor
+    """[k*S] int64: where each flat route id sits in ``route_order`` (the inverse permutation)."""
+    expert_counts: Tensor
+    """[E] int64: kept routes of this rank's tokens per global expert."""
+    num_tokens: int
+    top_k: int
+
+    @property
+    def source_token(self) -> Tensor:
+        """[k*S] int64: the token each entry of ``route_order`` carries."""
+        return self.route_order % self.num_tokens
+
+    def rank_counts(self, ep_size: int) -> Tensor:
+        """[ep_size] int64: kept routes sent to each rank of the expert-parallel group."""
+        return self.expert_counts.view(ep_size, -1).sum(dim=1)
+
+
+def plan_routes(indices: Tensor, num_experts: int) -> RoutingPlan:
+    """Build the plan from the gate's ``indices`` ([k, S], global expert id or -1 when dropped)."""
+    if indices.dim() != 2:
+        raise ValueError(f"gate indices must be [k, tokens], got shape {tuple(indices.shape)}")
+    top_k, num_tokens = indices.shape
+    flat = indices.reshape(-1).long()
+    # Dropped routes take the sentinel expert id num_experts so that they sort after every kept one.
+    expert_of_route = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
+    route_order = torch.argsort(expert_of_route, stable=True)
+    route_position = torch.empty_like(route_order)
+    route_position.scatter_(0, route_order, torch.arange(flat.numel(), device=flat.device))
+    expert_counts = torch.bincount(expert_of_route, minlength=num_experts + 1)[:num_experts]
+    return RoutingPlan(route_order, route_position, expert_counts, num_tokens, top_k)
+
+
+def expert_major_order(received_counts: Tensor) -> Tensor:
+    """Permutation that groups received rows by local expert.
+
+    Rows arrive grouped by source rank, then by local expert (``received_counts`` is
+    ``[ep_size, num_local_experts]``); the experts want them grouped by local expert, then by
+    source rank. Entry i of the result is the received row that goes to place i.
+    """
+    ep_size, num_local = received_counts.shape
+    local_expert = torch.arange(num_local, device=received_counts.device).repeat(ep_size)
+    expert_of_row = torch.repeat_interleave(local_expert, received_counts.reshape(-1))
+    return torch.argsort(expert_of_row, stable=True)

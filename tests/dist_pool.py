@@ -1,0 +1,107 @@
+"""A pool of gloo ranks that lives for the whole test session.
+
+Starting ranks costs seconds (importing torch and DeepSpeed, joining the process group), so the
+pool starts them once and each test sends it a case: a module-level function that every rank
+runs. A failure on any rank comes back as that rank's traceback; a rank that does not answer in
+time fails the test instead of hanging it, and the pool is started afresh for the next test.
+"""
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from datetime import timedelta
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, tasks, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port),
+                      RANK=str(rank),
+                      LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size),
+                      LOCAL_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    sys.path.insert(0, TESTS_DIR)
+    import torch
+    torch.set_num_threads(1)
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120))
+    results.put((rank, True, "ready"))
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        module_name, func_name, kwargs = task
+        try:
+            func = getattr(importlib.import_module(module_name), func_name)
+            results.put((rank, True, func(**kwargs)))
+        except BaseException:  # noqa: B902 - every failure must reach the test
+            results.put((rank, False, traceback.format_exc()))
+
+
+class DistPool:
+
+    def __init__(self, world_size: int, start_timeout: float = 600.0):
+        self.world_size = world_size
+        self.start_timeout = start_timeout
+        self.procs = []
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self.procs = [
+            ctx.Process(target=_rank_main, args=(rank, self.world_size, port, self.tasks[rank], self.results),
+                        daemon=True) for rank in range(self.world_size)
+        ]
+        for proc in self.procs:
+            proc.start()
+        # The first start may JIT-build DeepSpeed's shm comm op (a minute on two cores).
+        self._collect(self.start_timeout, "start")
+
+    def stop(self):
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+        self.procs = []
+
+    def _collect(self, timeout: float, what: str):
+        answers, failures = {}, []
+        while len(answers) < self.world_size:
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(answers))
+                self.stop()
+                details = "".join(f"\n--- rank {r} ---\n{v}" for r, v in failures)
+                raise TimeoutError(f"ranks {missing} gave no answer to {what} within {timeout:.0f} s{details}")
+            answers[rank] = value
+            if not ok:
+                failures.append((rank, value))
+        if failures:
+            # A rank that failed may have left the others mid-collective: start afresh next time.
+            self.stop()
+            raise AssertionError("".join(f"\n--- rank {r} ---\n{v}" for r, v in failures))
+        return [answers[rank] for rank in range(self.world_size)]
+
+    def run(self, func, timeout: float = 300.0, **kwargs):
+        """Run ``func(**kwargs)`` on every rank; returns the per-rank results in rank order."""
+        if not self.procs or not all(proc.is_alive() for proc in self.procs):
+            self.stop()
+            self._start()
+        for task_queue in self.tasks:
+            task_queue.put((func.__module__, func.__name__, kwargs))
+        return self._collect(timeout, func.__name__)

@@ -1,0 +1,82 @@
+"""Model builders and comparisons shared by the tests (they run inside the gloo ranks)."""
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+from torch import nn
+
+import ds_comet
+from ds_comet.experts import FeedForward, GatedFeedForward, reset_expert_
+
+COMET = {"moe": {"backend": "comet", "overlap": "none"}}
+
+
+def make_expert(kind: str, hidden: int, ffn: int) -> nn.Module:
+    if kind == "gelu":
+        return FeedForward(hidden, ffn, "gelu")
+    if kind == "swiglu":
+        return GatedFeedForward(hidden, ffn, "silu")
+    if kind == "sequential":
+        return nn.Sequential(nn.Linear(hidden, ffn), nn.ReLU(), nn.Linear(ffn, hidden))
+    raise ValueError(kind)
+
+
+def reset_experts_(layer, seed: int) -> None:
+    """Distinct weights for every expert, drawn from its global expert id."""
+    moe = layer.deepspeed_moe
+    ep_rank = dist.get_rank(group=moe.ep_group) if moe.ep_size > 1 else 0
+    for i, expert in enumerate(moe.experts.deepspeed_experts):
+        reset_expert_(expert, seed * 1000 + ep_rank * moe.num_local_experts + i)
+
+
+def build_pair(seed, hidden, ffn, expert_kind, config=COMET, **moe_kwargs):
+    """Stock DeepSpeed MoE and the comet layer with identical weights."""
+    torch.manual_seed(seed)
+    template = make_expert(expert_kind, hidden, ffn)
+    stock = deepspeed.moe.layer.MoE(hidden, template, **moe_kwargs)
+    stock.set_deepspeed_parallelism()
+    reset_experts_(stock, seed)
+    comet = ds_comet.MoE(hidden, template, config=config, **moe_kwargs)
+    comet.set_deepspeed_parallelism()
+    comet.load_state_dict(stock.state_dict())
+    return stock, comet
+
+
+def run_step(layer, tokens, loss_weight, noise_seed, train=True):
+    """Forward and backward; returns everything a backend must reproduce."""
+    layer.train(train)
+    layer.zero_grad(set_to_none=True)
+    inputs = tokens.clone().requires_grad_()
+    torch.manual_seed(noise_seed)  # the gate's noise (RSample, Jitter, top-2 sampling, RTS)
+    output, l_aux, exp_counts = layer(inputs)
+    ((output * loss_weight).sum() + l_aux).backward()
+    grads = {name: param.grad for name, param in layer.named_parameters()}
+    return dict(output=output.detach(), l_aux=l_aux.detach(), exp_counts=exp_counts, input_grad=inputs.grad,
+                grads=grads)
+
+
+def assert_same_step(expected, actual, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(actual["output"], expected["output"], rtol=rtol, atol=atol, msg="output")
+    torch.testing.assert_close(actual["l_aux"], expected["l_aux"], rtol=rtol, atol=atol, msg="l_aux")
+    assert torch.equal(actual["exp_counts"], expected["exp_counts"]), "exp_counts"
+    torch.testing.assert_close(actual["input_grad"], expected["input_grad"], rtol=rtol, atol=atol, msg="input grad")
+    assert expected["grads"].keys() == actual["grads"].keys()
+    for name, grad in expected["grads"].items():
+        other = actual["grads"][name]
+        assert (grad is None) == (other is None), f"gradient of {name}: {grad is None=} {other is None=}"
+        if grad is not None:
+            torch.testing.assert_close(other, grad, rtol=rtol, atol=atol, msg=f"gradient of {name}")
+
+
+def routing_stats(layer, tokens, noise_seed, train=True):
+    """How many routes the gate dropped and how many experts got no token, for this rank."""
+    layer.train(train)
+    gate = layer.deepspeed_moe.gate
+    torch.manual_seed(noise_seed)
+    with torch.no_grad():
+        _, _, num_experts, indices, _, _, _ = gate(tokens.reshape(-1, tokens.shape[-1]), None, True)
+    kept = indices[indices >= 0].long()
+    per_expert = torch.bincount(kept, minlength=num_experts)
+    return dict(dropped_routes=int((indices < 0).sum()),
+                tokens_with_no_expert=int((indices < 0).all(dim=0).sum()),
+                empty_experts=int((per_expert == 0).sum()))
