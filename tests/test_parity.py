@@ -8,7 +8,9 @@ import pytest
 import torch
 from deepspeed import comm as dist
 
-from moe_helpers import assert_same_step, build_pair, routing_stats, run_step
+import ds_comet
+from ds_comet.experts import reset_expert_
+from moe_helpers import COMET, assert_same_step, build_pair, make_expert, reset_experts_, routing_stats, run_step
 
 HIDDEN, FFN = 24, 40
 
@@ -104,3 +106,62 @@ def test_uneven_tokens_without_drops(dist2, k):
     # across the group, so its equal all-to-all splits line up.
     seed = torch.randint(1, 10**6, ()).item()
     dist2.run(parity_case, seed=seed, ep_size=2, num_experts=8, k=k, drop_tokens=False, tokens_per_rank=(37, 61))
+
+
+def float64_case(seed, num_experts, k, tokens_per_rank, capacity_factor, expert_kind="gelu"):
+    """The comet layer against a float64 evaluation of the same routes, every expert on every rank."""
+    rank, ep_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    layer = ds_comet.MoE(HIDDEN, make_expert(expert_kind, HIDDEN, FFN), num_experts, ep_size, k,
+                         capacity_factor=capacity_factor, min_capacity=0, config=COMET)
+    layer.set_deepspeed_parallelism()
+    reset_experts_(layer, seed)
+    experts64 = []
+    for global_id in range(num_experts):
+        expert = make_expert(expert_kind, HIDDEN, FFN)
+        reset_expert_(expert, seed * 1000 + global_id)
+        experts64.append(expert.double())
+
+    generator = torch.Generator().manual_seed(seed * 17 + rank)
+    tokens = torch.randn(1, tokens_per_rank[rank], HIDDEN, generator=generator)
+    loss_weight = torch.randn(tokens.shape, generator=generator)
+    noise_seed = seed * 31 + rank
+    actual = run_step(layer, tokens, loss_weight, noise_seed)
+
+    layer.zero_grad(set_to_none=True)
+    inputs = tokens[0].clone().requires_grad_()
+    torch.manual_seed(noise_seed)
+    l_aux, _, _, indices, _, gates, _ = layer.deepspeed_moe.gate(inputs, None, True)
+    expected = torch.zeros(inputs.shape, dtype=torch.float64)
+    for j in range(k):
+        for global_id, expert in enumerate(experts64):
+            rows = (indices[j] == global_id).nonzero().flatten()
+            contribution = gates[j, rows].double().unsqueeze(1) * expert(inputs[rows].double())
+            expected = expected.index_add(0, rows, contribution)
+    ((expected * loss_weight[0].double()).sum() + l_aux.double()).backward()
+
+    torch.testing.assert_close(actual["output"][0], expected.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(actual["input_grad"][0], inputs.grad, rtol=1e-5, atol=1e-6)
+    gate_weight = "deepspeed_moe.gate.wg.weight"
+    torch.testing.assert_close(actual["grads"][gate_weight], layer.deepspeed_moe.gate.wg.weight.grad, rtol=1e-5,
+                               atol=1e-6)
+    # An expert's gradient gathers every rank's tokens: sum the float64 contributions over ranks.
+    num_local = num_experts // ep_size
+    for global_id, expert in enumerate(experts64):
+        for name, param in expert.named_parameters():
+            total_grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            dist.all_reduce(total_grad)
+            if global_id // num_local == rank:
+                ours = actual["grads"][f"deepspeed_moe.experts.deepspeed_experts.{global_id % num_local}.{name}"]
+                torch.testing.assert_close(ours, total_grad.float(), rtol=1e-5, atol=1e-6)
+    return int((indices < 0).sum())
+
+
+@pytest.mark.parametrize("k,tokens_per_rank,capacity_factor", [(1, (29, 70), 1.0), (2, (64, 9), 0.5),
+                                                                (4, (50, 33), 0.75)])
+def test_float64_uneven_tokens_with_drops(dist2, k, tokens_per_rank, capacity_factor):
+    # Stock DeepSpeed cannot run this: with drops its capacity follows each rank's token count.
+    seed = torch.randint(1, 10**6, ()).item()
+    dropped = dist2.run(float64_case, seed=seed, num_experts=8, k=k, tokens_per_rank=tokens_per_rank,
+                        capacity_factor=capacity_factor, expert_kind="swiglu" if k == 2 else "gelu")
+    assert sum(dropped) > 0

@@ -1,0 +1,124 @@
+"""The ds_config switch: the "moe" section, its errors, and which class a config builds."""
+
+import json
+
+import deepspeed
+import pytest
+import torch
+from deepspeed.runtime.config import DeepSpeedConfig
+
+import ds_comet
+from ds_comet import CometMOELayer, CometMoEConfig, build_moe, moe_config_from
+from ds_comet.experts import FeedForward
+
+MOE_KWARGS = dict(hidden_size=16, num_experts=4, ep_size=1, k=2)
+
+
+def expert():
+    return FeedForward(16, 32)
+
+
+def test_default_is_stock():
+    assert moe_config_from({}).backend == "deepspeed"
+    assert moe_config_from(None).overlap == "auto"
+    assert moe_config_from({"moe": None}).backend == "deepspeed"
+
+
+def test_same_model_code_two_classes():
+    stock = build_moe({"moe": {"backend": "deepspeed"}}, expert=expert(), **MOE_KWARGS)
+    comet = build_moe({"moe": {"backend": "comet"}}, expert=expert(), **MOE_KWARGS)
+    assert type(stock) is deepspeed.moe.layer.MoE
+    assert type(comet) is ds_comet.MoE
+    assert type(stock.deepspeed_moe) is deepspeed.moe.sharded_moe.MOELayer
+    assert type(comet.deepspeed_moe) is CometMOELayer
+    assert list(stock.state_dict()) == list(comet.state_dict())
+
+
+def test_comet_class_follows_the_config():
+    assert type(ds_comet.MoE(expert=expert(), **MOE_KWARGS).deepspeed_moe) is CometMOELayer
+    stock_inside = ds_comet.MoE(expert=expert(), config={"moe": {"backend": "deepspeed"}}, **MOE_KWARGS)
+    assert type(stock_inside.deepspeed_moe) is deepspeed.moe.sharded_moe.MOELayer
+
+
+def test_same_seed_same_weights():
+    torch.manual_seed(3)
+    stock = build_moe({}, expert=expert(), **MOE_KWARGS)
+    torch.manual_seed(3)
+    comet = build_moe({"moe": {"backend": "comet"}}, expert=expert(), **MOE_KWARGS)
+    for (name, a), b in zip(stock.state_dict().items(), comet.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_expert_parameter_attributes_are_stock():
+    layer = build_moe({"moe": {"backend": "comet"}}, expert=expert(), **MOE_KWARGS)
+    for name, param in layer.named_parameters():
+        if ".experts." in name:
+            assert param.allreduce is False and param.group_name == "ep_size_1", name
+        else:
+            assert getattr(param, "allreduce", True), name
+
+
+def test_config_forms(tmp_path):
+    ds_config = {"train_batch_size": 8, "moe": {"backend": "comet", "overlap": "none"}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds_config))
+    expected = CometMoEConfig(backend="comet", overlap="none")
+    assert moe_config_from(ds_config) == expected
+    assert moe_config_from(str(path)) == expected
+    assert moe_config_from(path) == expected
+    assert moe_config_from(DeepSpeedConfig(ds_config)) == expected
+    assert moe_config_from(expected) is expected
+
+    class Engine:  # what moe_config_from reads of a DeepSpeedEngine
+        config = ds_config
+
+    assert moe_config_from(Engine()) == expected
+
+
+def test_deepspeed_accepts_the_section():
+    # DeepSpeed itself must keep ignoring the section (and never confuse it with its "comet" monitor).
+    parsed = DeepSpeedConfig({"train_batch_size": 8, "moe": {"backend": "comet"}})
+    assert parsed.monitor_config.comet.enabled is False
+
+
+@pytest.mark.parametrize("section,words", [
+    ({"backend": "auto"}, ["moe.backend", "'deepspeed', 'comet'"]),
+    ({"backend": "Comet"}, ["moe.backend", "'deepspeed', 'comet'"]),
+    ({"overlap": "always"}, ["moe.overlap", "'auto', 'fused', 'none'"]),
+    ({"backend": "comet", "overlapp": "none"}, ["unknown key 'moe.overlapp'", "backend, overlap"]),
+    ([1, 2], ["'moe' must be a JSON object"]),
+])
+def test_bad_config_names_key_and_choices(section, words):
+    with pytest.raises(ValueError) as error:
+        moe_config_from({"moe": section})
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_bad_config_type():
+    with pytest.raises(TypeError, match="cannot read a ds_config"):
+        moe_config_from(42)
+
+
+def test_build_moe_rejects_config_keyword():
+    with pytest.raises(TypeError, match="first argument"):
+        build_moe({}, config={}, expert=expert(), **MOE_KWARGS)
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(use_tutel=True), ValueError, "use_tutel"),
+    (dict(enable_expert_tensor_parallelism=True), NotImplementedError, "expert tensor parallelism"),
+    (dict(k=5), ValueError, "k (5)"),
+    (dict(k=0), ValueError, "k (0)"),
+    (dict(ep_size=3), ValueError, "multiple of ep_size"),
+])
+def test_unsupported_refused_at_construction(kwargs, error, words):
+    with pytest.raises(error) as raised:
+        ds_comet.MoE(**{**MOE_KWARGS, "expert": expert(), **kwargs})
+    assert words in str(raised.value)
+
+
+def test_forward_without_group_says_what_to_do():
+    layer = ds_comet.MoE(16, expert(), num_experts=4, ep_size=2, k=1)
+    with pytest.raises(RuntimeError, match="set_deepspeed_parallelism"):
+        layer(torch.randn(1, 8, 16))
