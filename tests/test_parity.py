@@ -13,6 +13,8 @@ from ds_comet.experts import reset_expert_
 from moe_helpers import COMET, assert_same_step, build_pair, make_expert, reset_experts_, routing_stats, run_step
 
 HIDDEN, FFN = 24, 40
+# fp32 arithmetic against a float64 evaluation: rounding, not the pipeline, sets this bound.
+FP32_VS_FP64 = dict(rtol=1e-4, atol=1e-5)
 
 
 def parity_case(seed, ep_size, num_experts, k, drop_tokens=True, capacity_factor=1.0, eval_capacity_factor=1.0,
@@ -140,11 +142,10 @@ def float64_case(seed, num_experts, k, tokens_per_rank, capacity_factor, expert_
             expected = expected.index_add(0, rows, contribution)
     ((expected * loss_weight[0].double()).sum() + l_aux.double()).backward()
 
-    torch.testing.assert_close(actual["output"][0], expected.float(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(actual["input_grad"][0], inputs.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(actual["output"][0], expected.float(), **FP32_VS_FP64)
+    torch.testing.assert_close(actual["input_grad"][0], inputs.grad, **FP32_VS_FP64)
     gate_weight = "deepspeed_moe.gate.wg.weight"
-    torch.testing.assert_close(actual["grads"][gate_weight], layer.deepspeed_moe.gate.wg.weight.grad, rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(actual["grads"][gate_weight], layer.deepspeed_moe.gate.wg.weight.grad, **FP32_VS_FP64)
     # An expert's gradient gathers every rank's tokens: sum the float64 contributions over ranks.
     num_local = num_experts // ep_size
     for global_id, expert in enumerate(experts64):
@@ -153,7 +154,7 @@ def float64_case(seed, num_experts, k, tokens_per_rank, capacity_factor, expert_
             dist.all_reduce(total_grad)
             if global_id // num_local == rank:
                 ours = actual["grads"][f"deepspeed_moe.experts.deepspeed_experts.{global_id % num_local}.{name}"]
-                torch.testing.assert_close(ours, total_grad.float(), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(ours, total_grad.float(), **FP32_VS_FP64)
     return int((indices < 0).sum())
 
 
