@@ -6,10 +6,10 @@ ones. It is not called ``"comet"``: DeepSpeed's Comet ML monitor owns that key.
 
 import json
 import os
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, get_args, get_origin
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 MOE_SECTION = "moe"
 
@@ -28,6 +28,24 @@ class CometMoEConfig(DeepSpeedConfigModel):
     ``"auto"``: fused where it can run, else the reference pipeline, saying once why.
     """
 
+    comm_blocks: Optional[int] = Field(None, ge=1)
+    """Thread blocks that move data while the rest compute (default: a rule on the layer's shape)."""
+
+    tile_m: Literal[64, 128] = 128
+    """Rows of a GEMM tile: the granularity at which arriving tokens start their GEMM."""
+
+    tile_n: Literal[64, 128, 256] = 128
+    """Columns of a GEMM tile."""
+
+    n_chunks: Optional[int] = Field(None, ge=1, le=64)
+    """Column chunks of GEMM2; the combine of chunk j overlaps GEMM2 of chunk j+1 (default: a rule)."""
+
+    max_tokens_per_rank: Optional[int] = Field(None, ge=1)
+    """Most tokens one rank feeds one MoE layer; sizes the fused workspace (default: the first call's)."""
+
+    wait_timeout_s: float = Field(60.0, gt=0)
+    """Longest a fused kernel waits for a peer rank before it stops the job with an error."""
+
     def __init__(self, **data):
         # strict: DeepSpeedConfigModel otherwise drops every value spelled "auto", which would
         # turn a mistyped {"backend": "auto"} into the default instead of an error.
@@ -36,7 +54,7 @@ class CometMoEConfig(DeepSpeedConfigModel):
 
 def _allowed_values(field_name: str):
     annotation = CometMoEConfig.model_fields[field_name].annotation
-    return getattr(annotation, "__args__", None)
+    return get_args(annotation) if get_origin(annotation) is Literal else None
 
 
 def _explain(error: ValidationError, section: Mapping[str, Any]) -> str:

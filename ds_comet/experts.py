@@ -5,6 +5,9 @@ grouped GEMMs with an activation between them, so they need to know where the we
 these two modules (and ``nn.Sequential(Linear, activation, Linear)``) say it.
 """
 
+from dataclasses import dataclass
+from typing import Optional, Union
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -64,3 +67,34 @@ def reset_expert_(expert: nn.Module, seed: int) -> None:
             fan_in = param.shape[-1] if param.dim() > 1 else param.numel()
             values = torch.randn(param.shape, generator=generator, dtype=torch.float64) / fan_in**0.5
             param.copy_(values.to(param.dtype))
+
+
+@dataclass(frozen=True)
+class FusedExpert:
+    """Where the fused kernels find one expert's weights: act(x W1^T + b1) [* (x W3^T + b3)] W2^T + b2."""
+    first: nn.Linear
+    gate: Optional[nn.Linear]  # the multiplying projection of a gated expert (its "up" projection)
+    second: nn.Linear
+    activation: str
+
+
+_SEQUENTIAL_ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu"}
+
+
+def fused_expert(expert: nn.Module) -> Union[FusedExpert, str]:
+    """The expert's weights for the fused kernels, or why the fused kernels cannot run it."""
+    if isinstance(expert, FeedForward):
+        return FusedExpert(expert.fc1, None, expert.fc2, expert.activation)
+    if isinstance(expert, GatedFeedForward):
+        return FusedExpert(expert.gate_proj, expert.up_proj, expert.down_proj, expert.activation)
+    if isinstance(expert, nn.Sequential) and len(expert) == 3:
+        first, act, second = expert
+        name = None
+        if isinstance(act, nn.GELU):
+            name = "gelu" if act.approximate == "none" else "gelu_tanh"
+        elif type(act) in _SEQUENTIAL_ACTIVATIONS:
+            name = _SEQUENTIAL_ACTIVATIONS[type(act)]
+        if isinstance(first, nn.Linear) and isinstance(second, nn.Linear) and name is not None:
+            return FusedExpert(first, None, second, name)
+    return (f"the expert is a {type(expert).__name__}; the fused kernels run ds_comet.experts.FeedForward, "
+            "GatedFeedForward, or nn.Sequential(Linear, GELU|ReLU|SiLU, Linear)")

@@ -11,6 +11,7 @@ from torch import Tensor
 from .config import CometMoEConfig, moe_config_from
 from .reference import reference_moe
 from .routing import plan_routes
+from .selection import PipelineSelector
 
 
 class CometMOELayer(MOELayer):
@@ -24,6 +25,7 @@ class CometMOELayer(MOELayer):
     def __init__(self, gate, experts, ep_group_name, ep_size, num_local_experts, config: CometMoEConfig):
         super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts)
         self.comet_config = config
+        self.selector = PipelineSelector(self, config)
 
     @classmethod
     def from_stock(cls, stock: MOELayer, config: CometMoEConfig) -> "CometMOELayer":
@@ -43,7 +45,11 @@ class CometMOELayer(MOELayer):
         tokens = hidden_states.reshape(-1, hidden)
         self.l_aux, _, num_experts, indices, _, gates, self.exp_counts = self.gate(tokens, used_token, True)
         plan = plan_routes(indices, num_experts)
-        output = reference_moe(tokens, plan, gates, self.experts.deepspeed_experts, self.ep_group, self.ep_size)
+        fused = self.selector.fused_runner(tokens)
+        if fused is not None:
+            output = fused(tokens, plan, gates)
+        else:
+            output = reference_moe(tokens, plan, gates, self.experts.deepspeed_experts, self.ep_group, self.ep_size)
         return output.reshape(hidden_states.shape)
 
 

@@ -45,7 +45,10 @@ def plan_routes(indices: Tensor, num_experts: int) -> RoutingPlan:
     route_order = torch.argsort(expert_of_route, stable=True)
     route_position = torch.empty_like(route_order)
     route_position.scatter_(0, route_order, torch.arange(flat.numel(), device=flat.device))
-    expert_counts = torch.bincount(expert_of_route, minlength=num_experts + 1)[:num_experts]
+    # scatter_add rather than bincount: on CUDA, bincount reads the largest id back to the host.
+    expert_counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    expert_counts.scatter_add_(0, expert_of_route, torch.ones_like(expert_of_route))
+    expert_counts = expert_counts[:num_experts]
     return RoutingPlan(route_order, route_position, expert_counts, num_tokens, top_k)
 
 

@@ -24,7 +24,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, tasks, results):
+def _rank_main(rank, world_size, port, backend, tasks, results):
     os.environ.update(MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port),
                       RANK=str(rank),
@@ -35,8 +35,10 @@ def _rank_main(rank, world_size, port, tasks, results):
     sys.path.insert(0, TESTS_DIR)
     import torch
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120))
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=120))
     results.put((rank, True, "ready"))
     while True:
         task = tasks.get()
@@ -52,8 +54,9 @@ def _rank_main(rank, world_size, port, tasks, results):
 
 class DistPool:
 
-    def __init__(self, world_size: int, start_timeout: float = 600.0):
+    def __init__(self, world_size: int, backend: str = "gloo", start_timeout: float = 600.0):
         self.world_size = world_size
+        self.backend = backend
         self.start_timeout = start_timeout
         self.procs = []
 
@@ -63,7 +66,7 @@ class DistPool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.procs = [
-            ctx.Process(target=_rank_main, args=(rank, self.world_size, port, self.tasks[rank], self.results),
+            ctx.Process(target=_rank_main, args=(rank, self.world_size, port, self.backend, self.tasks[rank], self.results),
                         daemon=True) for rank in range(self.world_size)
         ]
         for proc in self.procs:

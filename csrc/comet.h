@@ -1,0 +1,102 @@
+// ds_comet: communication kernels of the fused COMET pipeline.
+//
+// This header is plain CUDA C++ (no torch): the kernels build with nvcc alone, and the torch
+// binding (comet_binding.cpp) calls the launchers below with raw pointers and a stream.
+//
+// Per expert-parallel group every rank owns the same symmetric buffers, addressable by all ranks:
+//   recv   [max_recv_rows, H]  rows dispatched to this rank, grouped by local expert
+//   origin [max_recv_rows]     int64 (source rank << 32 | position in the source's send list)
+//   ret    [max_routes, H]     expert outputs returned to this rank, by position in its send list
+//   meta   int32               exchanged counts, flags and arrival counters (MetaOffsets)
+// and a local int32 layout array that the exchange kernel fills each call (LayoutOffsets).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace ds_comet {
+
+// What a bounded wait was waiting for; the error record names it.
+enum WaitKind : int64_t {
+    kWaitExchangeFlag = 1,   // a peer's expert counts for this call
+    kWaitDispatchTile = 2,   // rows of a GEMM1 row tile (waited on in the Triton GEMM)
+    kWaitCombineChunk = 3,   // expert outputs of a column chunk returning to this rank
+    kWorkspaceOverflow = 4,  // more rows than the workspace holds
+};
+
+// int64 error record in host memory the device can write (pinned, mapped through UVA):
+// [0] set flag, [1] rank, [2] kind, [3] index, [4] target, [5] observed, [6] waited ns.
+constexpr int kErrorRecordWords = 8;
+
+// Offsets (in int32 words) of the parts of the symmetric meta buffer. ds_comet/layout.py computes
+// them (the one statement of the layout) and the binding passes them in.
+struct MetaOffsets {
+    int64_t counts;          // [2][P][E] expert counts of every source, double-buffered by call parity
+    int64_t exchange_flag;   // [P] call generation each source published its counts for
+    int64_t tile_counter;    // [max_tiles] rows arrived per GEMM1 row tile
+    int64_t chunk_counter;   // [max_chunks] returned (row, column tile) pairs per column chunk
+    int64_t generation;      // [1] this rank's call counter (only the owner touches it)
+};
+
+// Offsets (in int32 words) of the per-call layout the exchange kernel computes.
+struct LayoutOffsets {
+    // This rank as a destination (L = local experts).
+    int64_t expert_start;    // [L+1] first recv row of each local expert's region
+    int64_t tile_start;      // [L+1] first GEMM1 row tile of each local expert
+    int64_t local_tiles;     // [L+1] prefix of the tiles holding only this rank's own rows
+    int64_t remote_tiles;    // [L+1] prefix of the other tiles
+    // This rank as a source (E = global experts).
+    int64_t send_offset;     // [E+1] first entry of each expert's routes in the send list
+    int64_t dest_row;        // [E] recv row of the destination where this rank's rows for e start
+    int64_t dest_rel;        // [E] the same row relative to the start of e's region there
+    int64_t dest_tile;       // [E] the destination's first row tile of e's region
+    int64_t send_order;      // [E] experts in sending order: own rank first, then the next ranks
+    int64_t piece_start;     // [E+1] prefix of dispatch pieces (one per destination tile touched)
+    int64_t totals;          // [8] indexed by Total
+};
+
+enum Total : int64_t {
+    kTotalTiles = 0,      // GEMM1 row tiles on this rank
+    kTotalKept = 1,       // routes this rank sends (kept by the gate)
+    kTotalRecvRows = 2,   // rows this rank receives
+    kTotalPieces = 3,     // dispatch pieces this rank sends
+    kTotalGeneration = 4, // the call generation
+};
+
+struct GroupShape {
+    int rank;              // this rank in the expert-parallel group
+    int ep_size;           // P
+    int num_experts;       // E (global)
+    int tile_m;            // GEMM1 row tile
+    int64_t max_recv_rows;
+    int64_t max_tiles;
+    int64_t max_chunks;
+    int64_t timeout_ns;    // bound of every wait
+    MetaOffsets meta;
+    LayoutOffsets layout;
+};
+
+// Publishes this rank's expert counts to every peer, waits for theirs, and computes the layout.
+// One block. Zeroes this rank's arrival counters first: peers only write them after they saw
+// this call's counts.
+cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, int32_t* meta,
+                            const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
+                            cudaStream_t stream);
+
+// Copies every kept route's token row into its destination's recv buffer, records its origin,
+// and bumps the destination's row-tile counter once per piece.
+cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
+                            int64_t elem_bytes, const int64_t* route_order, const int32_t* layout,
+                            const int64_t* peer_recv, const int64_t* peer_origin, const int64_t* peer_meta,
+                            int blocks, cudaStream_t stream);
+
+// Weighted top-k sum of returned expert outputs, column chunk by column chunk as chunks arrive.
+// dtype_code: 0 = bf16, 1 = fp16.
+cudaError_t launch_combine(const GroupShape& shape, const void* ret, const int64_t* route_position,
+                           const float* gates, void* out, int64_t top_k, int64_t num_tokens, int64_t hidden,
+                           int dtype_code, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
+                           const int32_t* meta, const int32_t* layout, int64_t* error_record, int blocks,
+                           cudaStream_t stream);
+
+}  // namespace ds_comet

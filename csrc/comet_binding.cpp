@@ -1,0 +1,132 @@
+// Torch binding of the ds_comet communication kernels: checks arguments, passes raw pointers and
+// the current CUDA stream to the launchers in comet_kernels.cu.
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/extension.h>
+
+#include "comet.h"
+
+namespace {
+
+using ds_comet::GroupShape;
+
+void check_cuda(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
+    TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+    TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+void check_launch(cudaError_t err, const char* what) {
+    TORCH_CHECK(err == cudaSuccess, "ds_comet ", what, " launch failed: ", cudaGetErrorString(err));
+}
+
+int64_t* as_record(int64_t address) { return reinterpret_cast<int64_t*>(address); }
+
+void exchange(const GroupShape& shape, const torch::Tensor& expert_counts, torch::Tensor& meta,
+              const torch::Tensor& peer_meta, torch::Tensor& layout, int64_t error_record) {
+    check_cuda(expert_counts, "expert_counts", at::kLong);
+    check_cuda(meta, "meta", at::kInt);
+    check_cuda(peer_meta, "peer_meta", at::kLong);
+    check_cuda(layout, "layout", at::kInt);
+    TORCH_CHECK(expert_counts.numel() == shape.num_experts, "expert_counts must have num_experts entries");
+    TORCH_CHECK(peer_meta.numel() == shape.ep_size, "peer_meta must have ep_size entries");
+    check_launch(ds_comet::launch_exchange(shape, expert_counts.data_ptr<int64_t>(), meta.data_ptr<int32_t>(),
+                                           peer_meta.data_ptr<int64_t>(), layout.data_ptr<int32_t>(),
+                                           as_record(error_record), at::cuda::getCurrentCUDAStream()),
+                 "exchange");
+}
+
+void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch::Tensor& route_order,
+              const torch::Tensor& layout, const torch::Tensor& peer_recv, const torch::Tensor& peer_origin,
+              const torch::Tensor& peer_meta, int64_t blocks) {
+    TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2, "tokens must be a contiguous 2-D CUDA tensor");
+    TORCH_CHECK((tokens.size(1) * tokens.element_size()) % 16 == 0, "a token row must be a multiple of 16 bytes");
+    check_cuda(route_order, "route_order", at::kLong);
+    check_cuda(layout, "layout", at::kInt);
+    check_cuda(peer_recv, "peer_recv", at::kLong);
+    check_cuda(peer_origin, "peer_origin", at::kLong);
+    check_cuda(peer_meta, "peer_meta", at::kLong);
+    check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1),
+                                           tokens.element_size(), route_order.data_ptr<int64_t>(),
+                                           layout.data_ptr<int32_t>(), peer_recv.data_ptr<int64_t>(),
+                                           peer_origin.data_ptr<int64_t>(), peer_meta.data_ptr<int64_t>(),
+                                           static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
+                 "dispatch");
+}
+
+void combine(const GroupShape& shape, const torch::Tensor& ret, const torch::Tensor& route_position,
+             const torch::Tensor& gates, torch::Tensor& out, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
+             const torch::Tensor& meta, const torch::Tensor& layout, int64_t error_record, int64_t blocks) {
+    TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2, "out must be a contiguous 2-D CUDA tensor");
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf, "out must be bf16 or fp16");
+    check_cuda(ret, "ret", out.scalar_type());
+    check_cuda(route_position, "route_position", at::kLong);
+    check_cuda(gates, "gates", at::kFloat);
+    check_cuda(meta, "meta", at::kInt);
+    check_cuda(layout, "layout", at::kInt);
+    TORCH_CHECK(gates.dim() == 2 && gates.size(1) == out.size(0), "gates must be [k, tokens]");
+    TORCH_CHECK(out.size(1) % 8 == 0 && chunk_cols % 8 == 0, "hidden size and chunk width must be multiples of 8");
+    const int dtype_code = out.scalar_type() == at::kBFloat16 ? 0 : 1;
+    check_launch(ds_comet::launch_combine(shape, ret.data_ptr(), route_position.data_ptr<int64_t>(),
+                                          gates.data_ptr<float>(), out.data_ptr(), gates.size(0), out.size(0),
+                                          out.size(1), dtype_code, chunk_cols, tile_n, num_chunks,
+                                          meta.data_ptr<int32_t>(), layout.data_ptr<int32_t>(),
+                                          as_record(error_record), static_cast<int>(blocks),
+                                          at::cuda::getCurrentCUDAStream()),
+                 "combine");
+}
+
+py::dict codes() {
+    py::dict d;
+    d["total_tiles"] = static_cast<int64_t>(ds_comet::kTotalTiles);
+    d["total_kept"] = static_cast<int64_t>(ds_comet::kTotalKept);
+    d["total_recv_rows"] = static_cast<int64_t>(ds_comet::kTotalRecvRows);
+    d["total_pieces"] = static_cast<int64_t>(ds_comet::kTotalPieces);
+    d["total_generation"] = static_cast<int64_t>(ds_comet::kTotalGeneration);
+    d["wait_exchange_flag"] = static_cast<int64_t>(ds_comet::kWaitExchangeFlag);
+    d["wait_dispatch_tile"] = static_cast<int64_t>(ds_comet::kWaitDispatchTile);
+    d["wait_combine_chunk"] = static_cast<int64_t>(ds_comet::kWaitCombineChunk);
+    d["workspace_overflow"] = static_cast<int64_t>(ds_comet::kWorkspaceOverflow);
+    d["error_record_words"] = static_cast<int64_t>(ds_comet::kErrorRecordWords);
+    return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    py::class_<GroupShape>(m, "GroupShape")
+        .def(py::init<>())
+        .def_readwrite("rank", &GroupShape::rank)
+        .def_readwrite("ep_size", &GroupShape::ep_size)
+        .def_readwrite("num_experts", &GroupShape::num_experts)
+        .def_readwrite("tile_m", &GroupShape::tile_m)
+        .def_readwrite("max_recv_rows", &GroupShape::max_recv_rows)
+        .def_readwrite("max_tiles", &GroupShape::max_tiles)
+        .def_readwrite("max_chunks", &GroupShape::max_chunks)
+        .def_readwrite("timeout_ns", &GroupShape::timeout_ns)
+        .def_readwrite("meta", &GroupShape::meta)
+        .def_readwrite("layout", &GroupShape::layout);
+    py::class_<ds_comet::MetaOffsets>(m, "MetaOffsets")
+        .def(py::init<>())
+        .def_readwrite("counts", &ds_comet::MetaOffsets::counts)
+        .def_readwrite("exchange_flag", &ds_comet::MetaOffsets::exchange_flag)
+        .def_readwrite("tile_counter", &ds_comet::MetaOffsets::tile_counter)
+        .def_readwrite("chunk_counter", &ds_comet::MetaOffsets::chunk_counter)
+        .def_readwrite("generation", &ds_comet::MetaOffsets::generation);
+    py::class_<ds_comet::LayoutOffsets>(m, "LayoutOffsets")
+        .def(py::init<>())
+        .def_readwrite("expert_start", &ds_comet::LayoutOffsets::expert_start)
+        .def_readwrite("tile_start", &ds_comet::LayoutOffsets::tile_start)
+        .def_readwrite("local_tiles", &ds_comet::LayoutOffsets::local_tiles)
+        .def_readwrite("remote_tiles", &ds_comet::LayoutOffsets::remote_tiles)
+        .def_readwrite("send_offset", &ds_comet::LayoutOffsets::send_offset)
+        .def_readwrite("dest_row", &ds_comet::LayoutOffsets::dest_row)
+        .def_readwrite("dest_rel", &ds_comet::LayoutOffsets::dest_rel)
+        .def_readwrite("dest_tile", &ds_comet::LayoutOffsets::dest_tile)
+        .def_readwrite("send_order", &ds_comet::LayoutOffsets::send_order)
+        .def_readwrite("piece_start", &ds_comet::LayoutOffsets::piece_start)
+        .def_readwrite("totals", &ds_comet::LayoutOffsets::totals);
+    m.def("codes", &codes, "The enum values the kernels use, for ds_comet.layout to check against");
+    m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout");
+    m.def("dispatch", &dispatch, "Send every kept route's token row to its destination's receive buffer");
+    m.def("combine", &combine, "Weighted top-k sum of the returned expert outputs, chunk by chunk");
+}

@@ -1,0 +1,333 @@
+// ds_comet communication kernels: count exchange, dispatch, combine. See comet.h.
+#include <cstdio>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "comet.h"
+
+namespace ds_comet {
+namespace {
+
+constexpr int kWarp = 32;
+
+__device__ __forceinline__ int32_t load_acquire_sys(const int32_t* ptr) {
+    int32_t value;
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
+__device__ const char* wait_name(int64_t kind) {
+    switch (kind) {
+        case kWaitExchangeFlag: return "the expert counts of peer rank";
+        case kWaitDispatchTile: return "the rows of GEMM1 row tile";
+        case kWaitCombineChunk: return "the returned expert outputs of column chunk";
+        default: return "workspace capacity";
+    }
+}
+
+// Writes the error record the host turns into an exception, prints it, and stops the kernel:
+// a wait that never completes must not leave wrong numbers behind or hang the job.
+__device__ void fail(const GroupShape& shape, int64_t* error_record, int64_t kind, int64_t index, int64_t target,
+                     int64_t observed, uint64_t waited_ns) {
+    volatile int64_t* record = error_record;
+    if (record[0] == 0) {
+        record[1] = shape.rank;
+        record[2] = kind;
+        record[3] = index;
+        record[4] = target;
+        record[5] = observed;
+        record[6] = static_cast<int64_t>(waited_ns);
+        __threadfence_system();
+        record[0] = 1;
+        __threadfence_system();
+    }
+    printf("ds_comet: rank %d gave up after %.1f s waiting for %s %lld to reach %lld (saw %lld)\n", shape.rank,
+           waited_ns * 1e-9, wait_name(kind), static_cast<long long>(index), static_cast<long long>(target),
+           static_cast<long long>(observed));
+    __trap();
+}
+
+// Spins until *ptr >= target (acquire, system scope), bounded by shape.timeout_ns.
+__device__ void wait_at_least(const int32_t* ptr, int32_t target, const GroupShape& shape, int64_t kind,
+                              int64_t index, int64_t* error_record) {
+    int32_t seen = load_acquire_sys(ptr);
+    if (seen >= target) return;
+    const uint64_t start = global_timer_ns();
+    while (seen < target) {
+        __nanosleep(100);
+        seen = load_acquire_sys(ptr);
+        const uint64_t waited = global_timer_ns() - start;
+        if (seen < target && waited > static_cast<uint64_t>(shape.timeout_ns)) {
+            fail(shape, error_record, kind, index, target, seen, waited);
+        }
+    }
+}
+
+__device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ int64_t pieces_of(int64_t rel_start, int64_t count, int64_t tile_m) {
+    return count == 0 ? 0 : (rel_start + count - 1) / tile_m - rel_start / tile_m + 1;
+}
+
+__global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, int32_t* meta,
+                                const int64_t* peer_meta, int32_t* layout, int64_t* error_record) {
+    const int P = shape.ep_size, E = shape.num_experts, L = E / P, rank = shape.rank, tid = threadIdx.x;
+    const int64_t tile_m = shape.tile_m;
+    const MetaOffsets& mo = shape.meta;
+    const LayoutOffsets& lo = shape.layout;
+
+    __shared__ int32_t generation;
+    if (tid == 0) {
+        generation = meta[mo.generation] + 1;
+        meta[mo.generation] = generation;
+    }
+    // Counters first: peers add to them as soon as they see this call's counts.
+    for (int64_t i = tid; i < shape.max_tiles + shape.max_chunks; i += blockDim.x) meta[mo.tile_counter + i] = 0;
+    __syncthreads();
+    const int parity = generation & 1;
+    for (int i = tid; i < P * E; i += blockDim.x) {
+        int32_t* peer = reinterpret_cast<int32_t*>(peer_meta[i / E]);
+        peer[mo.counts + (parity * P + rank) * E + i % E] = static_cast<int32_t>(expert_counts[i % E]);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence_system();
+        for (int p = 0; p < P; ++p) {
+            atomicExch_system(reinterpret_cast<int32_t*>(peer_meta[p]) + mo.exchange_flag + rank, generation);
+        }
+    }
+    if (tid < P) {
+        wait_at_least(meta + mo.exchange_flag + tid, generation, shape, kWaitExchangeFlag, tid, error_record);
+    }
+    __syncthreads();
+
+    const volatile int32_t* counts = meta + mo.counts + parity * P * E;  // counts[source * E + expert]
+    // One thread per destination d: where this rank's rows for each of d's experts land.
+    if (tid < P) {
+        const int d = tid;
+        const int steps = (d - rank + P) % P;  // sources fill a region in the order d, d-1, d-2, ...
+        int64_t region_start = 0, tiles_before = 0;
+        for (int l = 0; l < L; ++l) {
+            const int e = d * L + l;
+            int64_t rows = 0, before_me = 0;
+            for (int j = 0; j < P; ++j) {
+                const int64_t c = counts[((d - j + P) % P) * E + e];
+                rows += c;
+                if (j < steps) before_me += c;
+            }
+            layout[lo.dest_row + e] = static_cast<int32_t>(region_start + before_me);
+            layout[lo.dest_rel + e] = static_cast<int32_t>(before_me);
+            layout[lo.dest_tile + e] = static_cast<int32_t>(tiles_before);
+            if (d == rank) {
+                layout[lo.expert_start + l] = static_cast<int32_t>(region_start);
+                layout[lo.tile_start + l] = static_cast<int32_t>(tiles_before);
+            }
+            region_start += rows;
+            tiles_before += ceil_div(rows, tile_m);
+        }
+        if (d == rank) {
+            layout[lo.expert_start + L] = static_cast<int32_t>(region_start);
+            layout[lo.tile_start + L] = static_cast<int32_t>(tiles_before);
+            layout[lo.totals + kTotalTiles] = static_cast<int32_t>(tiles_before);
+            layout[lo.totals + kTotalRecvRows] = static_cast<int32_t>(region_start);
+        }
+    }
+    __syncthreads();
+    if (tid != 0) return;
+
+    // Tile schedule: tiles holding only this rank's own rows (they arrive first) go first.
+    layout[lo.local_tiles] = 0;
+    layout[lo.remote_tiles] = 0;
+    for (int l = 0; l < L; ++l) {
+        const int64_t own_rows = counts[rank * E + rank * L + l];  // own rows open each region
+        const int64_t full_local = own_rows / tile_m;
+        const int64_t tiles = layout[lo.tile_start + l + 1] - layout[lo.tile_start + l];
+        layout[lo.local_tiles + l + 1] = static_cast<int32_t>(layout[lo.local_tiles + l] + full_local);
+        layout[lo.remote_tiles + l + 1] = static_cast<int32_t>(layout[lo.remote_tiles + l] + tiles - full_local);
+    }
+    int64_t kept = 0;
+    for (int e = 0; e < E; ++e) {
+        layout[lo.send_offset + e] = static_cast<int32_t>(kept);
+        kept += expert_counts[e];
+    }
+    layout[lo.send_offset + E] = static_cast<int32_t>(kept);
+    int64_t pieces = 0, i = 0;
+    for (int r = 0; r < P; ++r) {
+        const int d = (rank + r) % P;  // own rank first, then each rank in turn
+        for (int l = 0; l < L; ++l, ++i) {
+            const int e = d * L + l;
+            layout[lo.send_order + i] = e;
+            layout[lo.piece_start + i] = static_cast<int32_t>(pieces);
+            pieces += pieces_of(layout[lo.dest_rel + e], expert_counts[e], tile_m);
+        }
+    }
+    layout[lo.piece_start + E] = static_cast<int32_t>(pieces);
+    layout[lo.totals + kTotalKept] = static_cast<int32_t>(kept);
+    layout[lo.totals + kTotalPieces] = static_cast<int32_t>(pieces);
+    layout[lo.totals + kTotalGeneration] = generation;
+
+    const int64_t recv_rows = layout[lo.totals + kTotalRecvRows];
+    const int64_t tiles = layout[lo.totals + kTotalTiles];
+    if (recv_rows > shape.max_recv_rows) fail(shape, error_record, kWorkspaceOverflow, 0, shape.max_recv_rows, recv_rows, 0);
+    if (tiles > shape.max_tiles) fail(shape, error_record, kWorkspaceOverflow, 1, shape.max_tiles, tiles, 0);
+}
+
+__global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes,
+                                const int64_t* route_order, const int32_t* layout, const int64_t* peer_recv,
+                                const int64_t* peer_origin, const int64_t* peer_meta) {
+    const int P = shape.ep_size, E = shape.num_experts, L = E / P;
+    const int64_t tile_m = shape.tile_m;
+    const MetaOffsets& mo = shape.meta;
+    const LayoutOffsets& lo = shape.layout;
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, num_warps = blockDim.x / kWarp;
+    const int32_t* piece_start = layout + lo.piece_start;
+    const int64_t total_pieces = layout[lo.totals + kTotalPieces];
+
+    // A piece is the part of one (destination, expert) segment that falls in one destination row
+    // tile: copy its rows, then publish them with one release on that tile's counter.
+    for (int64_t piece = blockIdx.x; piece < total_pieces; piece += gridDim.x) {
+        int lo_i = 0, hi_i = E;  // largest i with piece_start[i] <= piece
+        while (hi_i - lo_i > 1) {
+            const int mid = (lo_i + hi_i) / 2;
+            if (piece_start[mid] <= piece) lo_i = mid; else hi_i = mid;
+        }
+        const int e = layout[lo.send_order + lo_i];
+        const int d = e / L;
+        const int64_t rel = layout[lo.dest_rel + e];
+        const int64_t first_pos = layout[lo.send_offset + e];
+        const int64_t count = layout[lo.send_offset + e + 1] - first_pos;
+        const int64_t tile = rel / tile_m + (piece - piece_start[lo_i]);
+        const int64_t r0 = max(rel, tile * tile_m), r1 = min(rel + count, (tile + 1) * tile_m);
+        const int64_t region_row = layout[lo.dest_row + e] - rel;  // recv row of the region's start
+        char* recv = reinterpret_cast<char*>(peer_recv[d]);
+        int64_t* origin = reinterpret_cast<int64_t*>(peer_origin[d]);
+
+        for (int64_t r = r0 + warp; r < r1; r += num_warps) {
+            const int64_t pos = first_pos + (r - rel);
+            const int64_t token = route_order[pos] % num_tokens;
+            const int4* src = reinterpret_cast<const int4*>(tokens + token * row_bytes);
+            int4* dst = reinterpret_cast<int4*>(recv + (region_row + r) * row_bytes);
+            const int64_t vectors = row_bytes / sizeof(int4);
+            int64_t v = lane;
+            for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
+                const int4 a = src[v], b = src[v + kWarp], c = src[v + 2 * kWarp], f = src[v + 3 * kWarp];
+                dst[v] = a;
+                dst[v + kWarp] = b;
+                dst[v + 2 * kWarp] = c;
+                dst[v + 3 * kWarp] = f;
+            }
+            for (; v < vectors; v += kWarp) dst[v] = src[v];
+            if (lane == 0) origin[region_row + r] = (static_cast<int64_t>(shape.rank) << 32) | pos;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            int32_t* counter = reinterpret_cast<int32_t*>(peer_meta[d]) + mo.tile_counter +
+                               layout[lo.dest_tile + e] + tile;
+            atomicAdd_system(counter, static_cast<int32_t>(r1 - r0));
+        }
+    }
+}
+
+template <typename T>
+struct Vec8 {
+    static __device__ __forceinline__ void to_float(const int4& raw, float* out) {
+        const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(values[i]);
+    }
+    static __device__ __forceinline__ int4 from_float(const float* in) {
+        int4 raw;
+        T* values = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) values[i] = static_cast<T>(in[i]);
+        return raw;
+    }
+};
+
+template <typename T>
+__global__ void combine_kernel(GroupShape shape, const T* ret, const int64_t* route_position, const float* gates,
+                               T* out, int64_t top_k, int64_t num_tokens, int64_t hidden, int64_t chunk_cols,
+                               int64_t tile_n, int64_t num_chunks, const int32_t* meta, const int32_t* layout,
+                               int64_t* error_record) {
+    const int P = shape.ep_size, E = shape.num_experts, L = E / P;
+    const MetaOffsets& mo = shape.meta;
+    const LayoutOffsets& lo = shape.layout;
+    const int64_t kept = layout[lo.totals + kTotalKept];
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+
+    for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t col0 = c * chunk_cols;
+        if (col0 >= hidden) break;
+        const int64_t col1 = min(hidden, col0 + chunk_cols);
+        if (threadIdx.x == 0) {
+            const int64_t tiles = ceil_div(col1 - col0, tile_n);
+            wait_at_least(meta + mo.chunk_counter + c, static_cast<int32_t>(kept * tiles), shape, kWaitCombineChunk,
+                          c, error_record);
+        }
+        __syncthreads();
+        const int64_t vectors = (col1 - col0) / 8;
+        for (int64_t w = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; w < num_tokens * vectors;
+             w += stride) {
+            const int64_t token = w / vectors, col = col0 + (w % vectors) * 8;
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int64_t j = 0; j < top_k; ++j) {
+                const int64_t pos = route_position[j * num_tokens + token];
+                if (pos >= kept) continue;  // a dropped route: its output is zero
+                const float gate = gates[j * num_tokens + token];
+                // Peers wrote these rows: read past L1, which does not see their stores.
+                const int4 raw = __ldcg(reinterpret_cast<const int4*>(ret + pos * hidden + col));
+                float values[8];
+                Vec8<T>::to_float(raw, values);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] += gate * values[i];
+            }
+            *reinterpret_cast<int4*>(out + token * hidden + col) = Vec8<T>::from_float(acc);
+        }
+    }
+}
+
+}  // namespace
+
+cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, int32_t* meta,
+                            const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
+                            cudaStream_t stream) {
+    exchange_kernel<<<1, 256, 0, stream>>>(shape, expert_counts, meta, peer_meta, layout, error_record);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
+                            int64_t elem_bytes, const int64_t* route_order, const int32_t* layout,
+                            const int64_t* peer_recv, const int64_t* peer_origin, const int64_t* peer_meta,
+                            int blocks, cudaStream_t stream) {
+    dispatch_kernel<<<blocks, 512, 0, stream>>>(shape, static_cast<const char*>(tokens), num_tokens,
+                                                 hidden * elem_bytes, route_order, layout, peer_recv, peer_origin,
+                                                 peer_meta);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_combine(const GroupShape& shape, const void* ret, const int64_t* route_position,
+                           const float* gates, void* out, int64_t top_k, int64_t num_tokens, int64_t hidden,
+                           int dtype_code, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
+                           const int32_t* meta, const int32_t* layout, int64_t* error_record, int blocks,
+                           cudaStream_t stream) {
+    if (dtype_code == 0) {
+        combine_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(
+            shape, static_cast<const __nv_bfloat16*>(ret), route_position, gates, static_cast<__nv_bfloat16*>(out),
+            top_k, num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record);
+    } else {
+        combine_kernel<__half><<<blocks, 256, 0, stream>>>(
+            shape, static_cast<const __half*>(ret), route_position, gates, static_cast<__half*>(out), top_k,
+            num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record);
+    }
+    return cudaGetLastError();
+}
+
+}  // namespace ds_comet

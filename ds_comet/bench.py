@@ -1,0 +1,213 @@
+"""Benchmark one MoE layer's forward: stock DeepSpeed, the reference and the fused pipeline.
+
+    torchrun --nproc_per_node 2 -m ds_comet.bench [--shape NAME ...] [--custom H,F,E,K,T ...] [--out DIR]
+
+Every number comes from one run on the same GPUs and inputs: the three layers (same weights), the
+gate alone, the expert GEMMs alone on the rows each rank actually receives (cuBLAS: the compute
+bound) and the two all-to-alls alone with the same splits (NCCL: the communication bound). Each
+time is the median of CUDA-event timings of many calls, the ranks lined up before each call.
+Rank 0 prints a table of times and ratios and writes bench.json and bench.png under --out.
+"""
+
+import argparse
+import json
+import os
+import statistics
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+from deepspeed import comm as dist
+
+import ds_comet
+from ds_comet.experts import FeedForward, GatedFeedForward, reset_expert_
+from ds_comet.routing import plan_routes
+
+SHAPES = {
+    "H4096-F14336-E8-k2-T8192": (4096, 14336, 8, 2, 8192),
+    "H2048-F1408-E64-k4-T8192": (2048, 1408, 64, 4, 8192),
+    "H7168-F2048-E32-k8-T4096": (7168, 2048, 32, 8, 4096),
+}
+PIPELINES = ("stock", "reference", "fused")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="a default shape (repeatable)")
+    parser.add_argument("--custom", action="append", default=[], help="H,F,E,K,T (T = tokens per rank)")
+    parser.add_argument("--gated", action="store_true", help="SwiGLU experts instead of GELU FFNs")
+    parser.add_argument("--capacity-factor", type=float, default=1.0)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--comm-blocks", type=int, default=None)
+    parser.add_argument("--n-chunks", type=int, default=None)
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
+    return parser.parse_args()
+
+
+def timed(fn, iters, warmup):
+    """Median milliseconds of fn() over iters calls, every rank starting each call together."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides):
+    torch.manual_seed(0)
+    template = GatedFeedForward(hidden, ffn) if gated else FeedForward(hidden, ffn)
+    kwargs = dict(num_experts=experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
+                  eval_capacity_factor=capacity_factor, min_capacity=4)
+    stock = deepspeed.moe.layer.MoE(hidden, template, **kwargs)
+    stock.set_deepspeed_parallelism()
+    rank = dist.get_rank(group=stock.deepspeed_moe.ep_group)
+    for i, expert in enumerate(stock.deepspeed_moe.experts.deepspeed_experts):
+        reset_expert_(expert, 1000 + rank * len(stock.deepspeed_moe.experts.deepspeed_experts) + i)
+    layers = {"stock": stock}
+    for name, overlap in (("reference", "none"), ("fused", "fused")):
+        section = {"backend": "comet", "overlap": overlap, **overrides}
+        layer = ds_comet.MoE(hidden, template, config={"moe": section}, **kwargs)
+        layer.set_deepspeed_parallelism()
+        layer.load_state_dict(stock.state_dict())
+        layers[name] = layer
+    device = torch.device("cuda", torch.cuda.current_device())
+    for layer in layers.values():
+        layer.to(device=device, dtype=torch.bfloat16).eval()
+    return layers
+
+
+def expert_ffn(expert, rows):
+    if isinstance(expert, GatedFeedForward):
+        return F.linear(F.silu(F.linear(rows, expert.gate_proj.weight)) * F.linear(rows, expert.up_proj.weight),
+                        expert.down_proj.weight)
+    return F.linear(F.gelu(F.linear(rows, expert.fc1.weight, expert.fc1.bias)), expert.fc2.weight, expert.fc2.bias)
+
+
+def grouped_ffn(modules, inputs):
+    """The experts as cuBLAS grouped GEMMs (torch._grouped_mm) on stacked weights, or None."""
+    if not hasattr(torch, "_grouped_mm") or isinstance(modules[0], GatedFeedForward):
+        return None
+    rows = torch.cat(inputs)
+    offsets = torch.cumsum(torch.tensor([len(r) for r in inputs], device=rows.device), 0).to(torch.int32)
+    w1 = torch.stack([m.fc1.weight.t() for m in modules]).contiguous()
+    w2 = torch.stack([m.fc2.weight.t() for m in modules]).contiguous()
+    try:
+        torch._grouped_mm(rows, w1, offs=offsets)
+    except RuntimeError:
+        return None
+    return lambda: torch._grouped_mm(F.gelu(torch._grouped_mm(rows, w1, offs=offsets)), w2, offs=offsets)
+
+
+def bench_shape(name, hidden, ffn, experts, k, tokens, args):
+    ep_size = dist.get_world_size()
+    overrides = {key: value for key, value in (("comm_blocks", args.comm_blocks), ("n_chunks", args.n_chunks))
+                 if value is not None}
+    layers = build(hidden, ffn, experts, k, ep_size, args.gated, args.capacity_factor, overrides)
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16)
+    results = {}
+    with torch.no_grad():
+        for pipeline in PIPELINES:
+            results[pipeline] = timed(lambda: layers[pipeline](x), args.iters, args.warmup)
+        gate = layers["fused"].deepspeed_moe.gate
+        results["gate"] = timed(lambda: plan_routes(gate(x[0], None, True)[3], experts), args.iters, args.warmup)
+
+        # What this rank receives, per local expert, and what it sends to / receives from each rank.
+        plan = plan_routes(gate(x[0], None, True)[3], experts)
+        local = experts // ep_size
+        received = torch.empty_like(plan.expert_counts)
+        dist.all_to_all_single(received, plan.expert_counts)
+        received = received.view(ep_size, local)
+        per_expert = received.sum(0).tolist()
+        send_splits = plan.rank_counts(ep_size).tolist()
+        recv_splits = received.sum(1).tolist()
+        modules = layers["fused"].deepspeed_moe.experts.deepspeed_experts
+        inputs = [torch.randn(rows, hidden, device=device).to(torch.bfloat16) for rows in per_expert]
+        results["experts_loop"] = timed(lambda: [expert_ffn(m, r) for m, r in zip(modules, inputs)], args.iters,
+                                        args.warmup)
+        results["experts"] = results["experts_loop"]
+        grouped = grouped_ffn(modules, inputs)
+        if grouped is not None:
+            results["experts_grouped"] = timed(grouped, args.iters, args.warmup)
+            results["experts"] = min(results["experts"], results["experts_grouped"])
+        send = torch.randn(sum(send_splits), hidden, device=device).to(torch.bfloat16)
+        recv = torch.empty(sum(recv_splits), hidden, device=device, dtype=torch.bfloat16)
+        a2a = lambda: dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+        results["all_to_all"] = timed(a2a, args.iters, args.warmup)
+    results["comm_bound"] = 2 * results["all_to_all"]
+    results["bound"] = max(results["experts"], results["comm_bound"])
+    # The slowest rank sets every step: report the maximum over ranks.
+    values = torch.tensor([results[key] for key in sorted(results)], device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    results = dict(zip(sorted(results), values.tolist()))
+    results.update(stock_over_fused=results["stock"] / results["fused"], fused_over_bound=results["fused"] /
+                   results["bound"], reference_over_fused=results["reference"] / results["fused"])
+    del layers
+    torch.cuda.empty_cache()
+    return results
+
+
+def report(all_results, out_dir):
+    columns = ("stock", "reference", "fused", "gate", "experts", "all_to_all", "bound", "stock_over_fused",
+               "fused_over_bound")
+    lines = ["shape".ljust(28) + "".join(c.rjust(12) for c in columns)]
+    for name, results in all_results.items():
+        lines.append(name.ljust(28) + "".join(f"{results[c]:12.3f}" for c in columns))
+    print("times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench.json"), "w") as handle:
+        json.dump(all_results, handle, indent=2)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no bench.png", flush=True)
+        return
+    names = list(all_results)
+    fig, ax = plt.subplots(figsize=(3 + 2.5 * len(names), 4.5))
+    bars = ("stock", "reference", "fused", "experts", "comm_bound")
+    width = 0.8 / len(bars)
+    for i, bar in enumerate(bars):
+        ax.bar([n + i * width for n in range(len(names))], [all_results[n][bar] for n in names], width, label=bar)
+    ax.set_xticks([n + 0.4 - width / 2 for n in range(len(names))], names, fontsize=8)
+    ax.set_ylabel("forward time per layer (ms)")
+    ax.set_title(f"one MoE layer, EP={dist.get_world_size()}, bf16")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "bench.png"), dpi=120)
+
+
+def main():
+    args = parse_args()
+    deepspeed.init_distributed()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    shapes = {name: SHAPES[name] for name in (args.shape or ([] if args.custom else SHAPES))}
+    for spec in args.custom:
+        values = tuple(int(v) for v in spec.split(","))
+        if len(values) != 5:
+            raise SystemExit(f"--custom takes H,F,E,K,T, got {spec!r}")
+        shapes["H{}-F{}-E{}-k{}-T{}".format(*values)] = values
+    all_results = {}
+    for name, shape in shapes.items():
+        all_results[name] = bench_shape(name, *shape, args)
+        if dist.get_rank() == 0:
+            print(name, json.dumps({k: round(v, 4) for k, v in all_results[name].items()}), flush=True)
+    if dist.get_rank() == 0:
+        report(all_results, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

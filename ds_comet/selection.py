@@ -1,0 +1,168 @@
+"""Which pipeline a Comet layer runs, and with which fused parameters.
+
+The fused pipeline runs when the op builds, the expert-parallel group lies inside one node, the
+experts are FFNs the kernels know, and the tokens are bf16/fp16 on the GPU; otherwise the layer
+runs the reference pipeline and says once, through DeepSpeed's logger, why. With
+``"overlap": "fused"`` a reason is an error instead.
+
+The one-time checks (op, experts, topology, workspace size) are agreed on by the whole group in one
+collective at the first call, so every rank takes the same path; the per-call checks (device,
+dtype, grad mode) depend only on what every rank of an SPMD job has alike.
+"""
+
+import math
+import socket
+from typing import List, Optional, Union
+
+import torch
+import torch.distributed as torch_dist
+from deepspeed.utils import log_dist
+
+from .config import CometMoEConfig
+from .experts import FusedExpert, fused_expert
+from .fused import ExpertTables, FusedParameters, fused_forward
+from .routing import RoutingPlan
+from .workspace import BufferShape, get_buffer
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+# Rates for the split rule (2 x H200, see shared/device/README.md): only their ratio matters.
+GEMM_FLOPS_PER_S = 600e12
+LINK_BYTES_PER_S = 300e9
+
+
+def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool, top_k: int, ep_size: int,
+                      max_tokens: int, elem_bytes: int, num_sms: int) -> FusedParameters:
+    """The first, simple per-shape rule; every value can be pinned in the "moe" section."""
+    comm_blocks = config.comm_blocks
+    if comm_blocks is None:
+        routes = top_k * max_tokens
+        flops = 2 * routes * hidden * ffn * (3 if gated else 2)
+        link_bytes = 2 * routes * hidden * elem_bytes * (ep_size - 1) / ep_size
+        share = (link_bytes / LINK_BYTES_PER_S) / (link_bytes / LINK_BYTES_PER_S + flops / GEMM_FLOPS_PER_S)
+        comm_blocks = min(max(round(num_sms * share), 8), max(num_sms // 6, 1))
+    comm_blocks = min(comm_blocks, max(num_sms - 1, 1))
+    n_chunks = config.n_chunks or (4 if ffn >= 8192 else 8)
+    n_chunks = min(n_chunks, math.ceil(hidden / config.tile_n))
+    return FusedParameters(comm_blocks=comm_blocks, tile_m=config.tile_m, tile_n=config.tile_n, n_chunks=n_chunks)
+
+
+def max_received_rows(max_tokens, top_k, num_experts, ep_size, drop_tokens, capacity_factor, eval_capacity_factor,
+                      min_capacity) -> int:
+    """Most rows one rank can receive in a call, from the gate's own capacity rule."""
+    num_local = num_experts // ep_size
+    rows = ep_size * min(top_k, num_local) * max_tokens
+    if drop_tokens:
+        factor = max(capacity_factor, eval_capacity_factor) * top_k
+        capacity = max(math.ceil(max_tokens / num_experts * factor) + 1, min_capacity)
+        rows = min(rows, num_experts * min(capacity, max_tokens))
+    return max(rows, 1)
+
+
+class PipelineSelector:
+    """Per layer: decides reference or fused for each call and owns the fused state."""
+
+    def __init__(self, moe_layer, config: CometMoEConfig):
+        self.moe = moe_layer
+        self.config = config
+        self._said = set()
+        self._static_reason: Union[None, str] = None
+        self._static_checked = False
+        self._experts: List[FusedExpert] = []
+        self._tables = ExpertTables()
+        self._buffer = None
+        self._params = None
+
+    def say_once(self, reason: str):
+        if reason not in self._said:
+            self._said.add(reason)
+            log_dist(f"ds_comet: MoE layer runs the reference pipeline: {reason}", ranks=[0])
+
+    def _per_call_reason(self, tokens: torch.Tensor) -> Optional[str]:
+        if self.config.overlap == "none":
+            return "\"overlap\" is \"none\""
+        if tokens.device.type != "cuda":
+            return f"the tokens are on {tokens.device.type}, the fused kernels need CUDA"
+        if tokens.dtype not in FUSED_DTYPES:
+            return f"the tokens are {tokens.dtype}; the fused kernels run bf16 and fp16"
+        if torch.is_grad_enabled() and (tokens.requires_grad or any(
+                p.requires_grad for p in self.moe.experts.parameters())):
+            return "the fused pipeline has no backward pass yet, so steps that need gradients run the reference"
+        return None
+
+    def _local_static_reason(self, tokens: torch.Tensor) -> Optional[str]:
+        experts = []
+        for module in self.moe.experts.deepspeed_experts:
+            spec = fused_expert(module)
+            if isinstance(spec, str):
+                return spec
+            experts.append(spec)
+        first = experts[0]
+        for spec in experts:
+            if (spec.activation, spec.gate is None, spec.first.bias is None) != (first.activation, first.gate is None,
+                                                                                 first.first.bias is None):
+                return "the local experts differ in structure"
+            linears = [spec.first, spec.second] + ([spec.gate] if spec.gate is not None else [])
+            for linear in linears:
+                if linear.weight.dtype != tokens.dtype or not linear.weight.is_contiguous():
+                    return f"expert weights are {linear.weight.dtype}, tokens {tokens.dtype}"
+        hidden = tokens.shape[-1]
+        if hidden % 8 or first.first.out_features % 8:
+            return f"hidden ({hidden}) and FFN ({first.first.out_features}) sizes must be multiples of 8"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed (pip install ds_comet[triton])"
+        from .ops import op_unavailable_reason
+        reason = op_unavailable_reason()
+        if reason is not None:
+            return reason
+        self._experts = experts
+        return None
+
+    def _agree_static(self, tokens: torch.Tensor) -> Optional[str]:
+        """One collective: every rank's local reason, host and token count; then the workspace."""
+        group = self.moe.ep_group
+        local = (self._local_static_reason(tokens), socket.gethostname(), tokens.shape[0])
+        everyone = [None] * torch_dist.get_world_size(group)
+        torch_dist.all_gather_object(everyone, local, group=group)
+        for rank, (reason, _, _) in enumerate(everyone):
+            if reason is not None:
+                return reason if len(everyone) == 1 else f"rank {rank}: {reason}"
+        if len({host for _, host, _ in everyone}) > 1:
+            return ("the expert-parallel group spans nodes; the fused kernels need peer memory access inside one "
+                    "node")
+        gate = self.moe.gate
+        max_tokens = self.config.max_tokens_per_rank or max(count for _, _, count in everyone)
+        ffn, gated = self._experts[0].first.out_features, self._experts[0].gate is not None
+        elem = tokens.element_size()
+        num_sms = torch.cuda.get_device_properties(tokens.device).multi_processor_count
+        self._params = choose_parameters(self.config, tokens.shape[-1], ffn, gated, gate.k, self.moe.ep_size,
+                                         max_tokens, elem, num_sms)
+        rows = max_received_rows(max_tokens, gate.k, self.moe.num_local_experts * self.moe.ep_size,
+                                 self.moe.ep_size, gate.drop_tokens, gate.capacity_factor, gate.eval_capacity_factor,
+                                 gate.min_capacity)
+        shape = BufferShape(ep_size=self.moe.ep_size, num_experts=self.moe.num_local_experts * self.moe.ep_size,
+                            hidden=tokens.shape[-1], dtype=tokens.dtype, max_tokens=max_tokens, max_recv_rows=rows,
+                            top_k=gate.k, tile_m=self._params.tile_m)
+        self._buffer = get_buffer(group, shape, self.config.wait_timeout_s)
+        log_dist(f"ds_comet: MoE layer runs the fused pipeline ({self._params}, workspace for {max_tokens} tokens "
+                 f"per rank)", ranks=[0])
+        return None
+
+    def fused_runner(self, tokens: torch.Tensor):
+        """A callable (tokens, plan, gates) -> output for the fused path, or None for the reference."""
+        reason = self._per_call_reason(tokens)
+        if reason is None:
+            if not self._static_checked:
+                self._static_reason = self._agree_static(tokens)
+                self._static_checked = True
+            reason = self._static_reason
+        if reason is None:
+            return self._run
+        if self.config.overlap == "fused":
+            raise RuntimeError(f"\"overlap\": \"fused\" was asked for, but {reason}")
+        self.say_once(reason)
+        return None
+
+    def _run(self, tokens: torch.Tensor, plan: RoutingPlan, gates: torch.Tensor) -> torch.Tensor:
+        return fused_forward(self._buffer, tokens, plan, gates, self._experts, self._tables, self._params)

@@ -1,0 +1,156 @@
+"""CometBuffer: the fused pipeline's workspace for one expert-parallel group inside one node.
+
+One object owns everything the kernels share across ranks: the receive buffer the dispatch writes
+and GEMM1 reads, the return buffer GEMM2 writes and the combine reads, the row origins, and the
+int32 meta array of exchanged counts, flags and arrival counters. All of it is one allocation of
+torch symmetric memory (peer pointers through CUDA IPC), made once from the largest token count
+the layers will see and reused every call; the kernels reset the counters they use each call.
+"""
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as torch_dist
+
+from . import layout
+from .ops import CometWaitTimeout, describe_error_record, load_op
+
+ALIGN = 256  # bytes; keeps every part 16-byte aligned for vector copies
+
+
+@dataclass(frozen=True)
+class BufferShape:
+    ep_size: int
+    num_experts: int
+    hidden: int
+    dtype: torch.dtype
+    max_tokens: int
+    max_recv_rows: int
+    top_k: int
+    tile_m: int
+    max_chunks: int = 64
+
+    @property
+    def max_routes(self) -> int:
+        return self.top_k * self.max_tokens
+
+    @property
+    def max_tiles(self) -> int:
+        return math.ceil(self.max_recv_rows / self.tile_m) + self.num_experts // self.ep_size
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _peer_pointers(handle, local: torch.Tensor, ep_size: int):
+    pointers = getattr(handle, "buffer_ptrs", None)
+    if pointers is None:
+        pointers = [handle.get_buffer(p, local.shape, local.dtype).data_ptr() for p in range(ep_size)]
+    return [int(p) for p in pointers]
+
+
+class CometBuffer:
+    """The symmetric workspace of one group; build it on every rank of the group at once."""
+
+    def __init__(self, group, shape: BufferShape, timeout_s: float):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.shape = shape
+        self.group = group
+        self.op = load_op()
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.rank = torch_dist.get_rank(group) if group is not None else 0
+        P, E, H = shape.ep_size, shape.num_experts, shape.hidden
+        elem = torch.empty((), dtype=shape.dtype).element_size()
+        self.meta_offsets = layout.meta_offsets(P, E, shape.max_tiles, shape.max_chunks)
+        self.layout_offsets = layout.layout_offsets(E // P, E)
+
+        parts = [("recv", shape.max_recv_rows * H * elem), ("ret", shape.max_routes * H * elem),
+                 ("origin", shape.max_recv_rows * 8), ("meta", self.meta_offsets.total * 4)]
+        self._byte_offset, total = {}, 0
+        for name, nbytes in parts:
+            self._byte_offset[name] = total
+            total += _align(nbytes)
+        self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            with warnings.catch_warnings():  # deprecated (and unneeded) on newer torch
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+        handle = symm_mem.rendezvous(self._storage, group)
+        bases = _peer_pointers(handle, self._storage, P)
+
+        self.recv = self._part("recv", shape.dtype, (shape.max_recv_rows, H))
+        self.ret = self._part("ret", shape.dtype, (shape.max_routes, H))
+        self.origin = self._part("origin", torch.int64, (shape.max_recv_rows, ))
+        self.meta = self._part("meta", torch.int32, (self.meta_offsets.total, ))
+        self.meta.zero_()
+
+        def table(name, extra_bytes=0):
+            return torch.tensor([b + self._byte_offset[name] + extra_bytes for b in bases], dtype=torch.int64,
+                                device=self.device)
+
+        self.peer_recv = table("recv")
+        self.peer_ret = table("ret")
+        self.peer_origin = table("origin")
+        self.peer_meta = table("meta")
+        self.peer_chunk_counters = table("meta", 4 * self.meta_offsets.chunk_counter)
+        self.tile_counters = self.meta[self.meta_offsets.tile_counter:]
+        self.layout = torch.zeros(self.layout_offsets.total, dtype=torch.int32, device=self.device)
+        self.error_record = torch.zeros(layout.ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+        self.kernel_shape = self._kernel_shape(timeout_s)
+        self.comm_stream = torch.cuda.Stream(self.device, priority=-1)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # Every rank's meta must be zero before any rank publishes into it.
+        torch.cuda.synchronize(self.device)
+        torch_dist.barrier(group=group)
+
+    def _part(self, name, dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+        start = self._byte_offset[name]
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self._storage[start:start + nbytes].view(dtype).view(shape)
+
+    def _kernel_shape(self, timeout_s: float):
+        ks = self.op.GroupShape()
+        ks.rank, ks.ep_size, ks.num_experts = self.rank, self.shape.ep_size, self.shape.num_experts
+        ks.tile_m, ks.max_recv_rows = self.shape.tile_m, self.shape.max_recv_rows
+        ks.max_tiles, ks.max_chunks = self.shape.max_tiles, self.shape.max_chunks
+        ks.timeout_ns = int(timeout_s * 1e9)
+        meta = self.op.MetaOffsets()
+        for field in ("counts", "exchange_flag", "tile_counter", "chunk_counter", "generation"):
+            setattr(meta, field, getattr(self.meta_offsets, field))
+        offsets = self.op.LayoutOffsets()
+        for field in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row",
+                      "dest_rel", "dest_tile", "send_order", "piece_start", "totals"):
+            setattr(offsets, field, getattr(self.layout_offsets, field))
+        ks.meta, ks.layout = meta, offsets
+        return ks
+
+    @property
+    def error_address(self) -> int:
+        return self.error_record.data_ptr()
+
+    def raise_if_failed(self):
+        message = describe_error_record(self.error_record)
+        if message is not None:
+            raise CometWaitTimeout(message)
+
+    def check_tokens(self, num_tokens: int):
+        if num_tokens > self.shape.max_tokens:
+            raise ValueError(f"this MoE layer got {num_tokens} tokens on one rank but the fused workspace was "
+                             f"sized for {self.shape.max_tokens}; set \"moe\": {{\"max_tokens_per_rank\": "
+                             f"{num_tokens}}} (or more) in the ds_config")
+
+
+_BUFFERS: Dict[tuple, CometBuffer] = {}
+
+
+def get_buffer(group, shape: BufferShape, timeout_s: float) -> CometBuffer:
+    """The group's buffer for this shape, built (collectively) the first time it is asked for."""
+    key = (group.group_name if group is not None else None, shape, timeout_s)
+    if key not in _BUFFERS:
+        _BUFFERS[key] = CometBuffer(group, shape, timeout_s)
+    return _BUFFERS[key]

@@ -1,0 +1,218 @@
+"""The fused pipeline on GPUs (one NCCL rank per GPU, up to two): skipped without CUDA.
+
+Every case builds stock DeepSpeed MoE, the comet layer on the reference pipeline and the comet
+layer on the fused pipeline with the same weights, feeds fresh random bf16 tokens and checks the
+fused output against a float64 evaluation of the gate's routes and against both other layers.
+The workspace is poisoned with NaN before each fused call and the output buffer too, so a row
+nobody wrote cannot pass.
+"""
+
+import deepspeed
+import pytest
+import torch
+from deepspeed import comm as dist
+
+import ds_comet
+from ds_comet.experts import reset_expert_
+from ds_comet.fused import fused_forward
+from ds_comet.ops import CometWaitTimeout
+from ds_comet.routing import plan_routes
+from layout_reference import reference_layout
+from moe_helpers import make_expert, reset_experts_
+
+BF16_REL = 1e-2  # bf16 operands and outputs against float64
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _layers(seed, hidden, ffn, expert_kind, timeout_s=20.0, **moe_kwargs):
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(seed)
+    template = make_expert(expert_kind, hidden, ffn)
+    stock = deepspeed.moe.layer.MoE(hidden, template, **moe_kwargs)
+    stock.set_deepspeed_parallelism()
+    reset_experts_(stock, seed)
+    layers = {"stock": stock}
+    for name, overlap in (("reference", "none"), ("fused", "fused")):
+        config = {"moe": {"backend": "comet", "overlap": overlap, "wait_timeout_s": timeout_s}}
+        layer = ds_comet.MoE(hidden, template, config=config, **moe_kwargs)
+        layer.set_deepspeed_parallelism()
+        layer.load_state_dict(stock.state_dict())
+        layers[name] = layer
+    for layer in layers.values():
+        layer.to(device=device, dtype=torch.bfloat16).eval()
+    return layers
+
+
+def _float64_output(layer, tokens, seed, expert_kind, hidden, ffn):
+    """Every expert on this rank in float64, applied to the gate's routes."""
+    gate = layer.deepspeed_moe.gate
+    num_experts = gate.wg.weight.shape[0]
+    _, _, _, indices, _, gates, _ = gate(tokens, None, True)
+    expected = torch.zeros(tokens.shape, dtype=torch.float64, device=tokens.device)
+    for global_id in range(num_experts):
+        expert = make_expert(expert_kind, hidden, ffn)
+        reset_expert_(expert, seed * 1000 + global_id)
+        expert = expert.to(tokens.device).to(torch.bfloat16).double()  # the bf16 weights, evaluated exactly
+        for j in range(indices.shape[0]):
+            rows = (indices[j] == global_id).nonzero().flatten()
+            if rows.numel():
+                expected.index_add_(0, rows, gates[j, rows].double().unsqueeze(1) * expert(tokens[rows].double()))
+    return expected, indices
+
+
+def _poison(layer):
+    buffer = layer.deepspeed_moe.selector._buffer
+    buffer.recv.fill_(float("nan"))
+    buffer.ret.fill_(float("nan"))
+
+
+def fused_case(seed, hidden, ffn, num_experts, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,
+               capacity_factor=1.0, min_capacity=4, skew=0.0, calls=2):
+    rank, ep_size = dist.get_rank(), dist.get_world_size()
+    layers = _layers(seed, hidden, ffn, expert_kind, num_experts=num_experts, ep_size=ep_size, k=k,
+                     drop_tokens=drop_tokens, capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
+                     min_capacity=min_capacity)
+    device = torch.device("cuda", torch.cuda.current_device())
+    stats = []
+    for call in range(calls):
+        generator = torch.Generator(device=device).manual_seed(seed * 100 + call * 10 + rank)
+        tokens = torch.randn(tokens_per_rank[rank], hidden, generator=generator, device=device)
+        if skew:
+            tokens += skew * layers["stock"].deepspeed_moe.gate.wg.weight[0].float()
+        tokens = tokens.to(torch.bfloat16)
+        with torch.no_grad():
+            if call > 0:
+                _poison(layers["fused"])
+            outputs = {name: layer(tokens.unsqueeze(0)) for name, layer in layers.items()}
+            fused_layer = layers["fused"].deepspeed_moe
+            assert fused_layer.selector._buffer is not None, "the fused pipeline did not run"
+            expected, indices = _float64_output(layers["fused"], tokens, seed, expert_kind, hidden, ffn)
+
+            fused_out = outputs["fused"][0][0]
+            assert torch.isfinite(fused_out).all(), "the fused output has NaN/inf: a row was read before written"
+            err = {name: _rel(out[0][0], expected) for name, out in outputs.items()}
+            assert err["fused"] < BF16_REL, err
+            assert _rel(fused_out, outputs["reference"][0][0]) < 2 * BF16_REL, err
+            assert _rel(fused_out, outputs["stock"][0][0]) < 2 * BF16_REL, err
+            assert torch.equal(outputs["fused"][1], outputs["stock"][1]), "l_aux"
+            assert torch.equal(outputs["fused"][2], outputs["stock"][2]), "exp_counts"
+            no_route = (indices < 0).all(dim=0)
+            assert (fused_out[no_route] == 0).all(), "a token with no kept route must come out zero"
+
+            # The same call through fused_forward into a poisoned output: every row must be written.
+            _poison(layers["fused"])
+            _, _, num, idx, _, gates, _ = fused_layer.gate(tokens, None, True)
+            selector = fused_layer.selector
+            poisoned = torch.full_like(tokens, float("nan"))
+            again = fused_forward(selector._buffer, tokens, plan_routes(idx, num), gates, selector._experts,
+                                  selector._tables, selector._params, out=poisoned)
+            assert torch.equal(again, fused_out), "the fused forward is not deterministic or left rows unwritten"
+
+            counts = plan_routes(idx, num).expert_counts
+            everyone = [torch.empty_like(counts) for _ in range(ep_size)]
+            dist.all_gather(everyone, counts)
+            expected_layout = reference_layout([c.tolist() for c in everyone], rank, selector._params.tile_m)
+            lo, layout = selector._buffer.layout_offsets, selector._buffer.layout.tolist()
+            for key in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row",
+                        "dest_rel", "dest_tile", "send_order", "piece_start"):
+                start = getattr(lo, key)
+                assert layout[start:start + len(expected_layout[key])] == expected_layout[key], key
+        stats.append(dict(err=err, dropped=int((indices < 0).sum()), no_route=int(no_route.sum()),
+                          empty_experts=int((counts == 0).sum())))
+    return stats
+
+
+def _seed():
+    return torch.randint(1, 10**6, ()).item()
+
+
+@pytest.mark.parametrize("case", [
+    dict(hidden=512, ffn=1024, num_experts=8, k=2, tokens_per_rank=(512, 512)),
+    dict(hidden=512, ffn=1024, num_experts=8, k=2, tokens_per_rank=(640, 384), skew=4.0, min_capacity=0),
+    dict(hidden=1408, ffn=704, num_experts=8, k=4, tokens_per_rank=(333, 1000), expert_kind="swiglu"),
+    dict(hidden=384, ffn=768, num_experts=16, k=8, tokens_per_rank=(300, 257), drop_tokens=False),
+    dict(hidden=256, ffn=512, num_experts=2, k=1, tokens_per_rank=(200, 77), expert_kind="sequential",
+         capacity_factor=0.5, min_capacity=0),
+    dict(hidden=320, ffn=640, num_experts=4, k=1, tokens_per_rank=(256, 256), drop_tokens=False, skew=50.0),
+],
+                         ids=["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert",
+                              "all-to-one-expert"])
+def test_fused_forward(gpu_pool, case):
+    stats = gpu_pool.run(fused_case, seed=_seed(), **case)
+    if case.get("skew"):
+        assert sum(s[-1]["empty_experts"] for s in stats) > 0, stats
+
+
+def graph_case(seed):
+    """The fused forward captured in a CUDA graph: it must need no host sync, and replay right."""
+    rank, ep_size = dist.get_rank(), dist.get_world_size()
+    hidden, ffn = 512, 1024
+    layers = _layers(seed, hidden, ffn, "gelu", num_experts=4 * ep_size, ep_size=ep_size, k=2)
+    fused_layer = layers["fused"].deepspeed_moe
+    device = torch.device("cuda", torch.cuda.current_device())
+    tokens = torch.randn(256, hidden, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        layers["fused"](tokens.unsqueeze(0))  # selection, workspace, Triton compilation
+        selector = fused_layer.selector
+        _, _, num, indices, _, gates, _ = fused_layer.gate(tokens, None, True)
+        static = dict(tokens=tokens.clone(), indices=indices.clone(), gates=gates.clone())
+
+        def step():
+            plan = plan_routes(static["indices"], num)
+            return fused_forward(selector._buffer, static["tokens"], plan, static["gates"], selector._experts,
+                                 selector._tables, selector._params)
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_out = step()
+        for trial in range(2):
+            fresh = torch.randn(256, hidden, device=device).to(torch.bfloat16)
+            _, _, _, indices, _, gates, _ = fused_layer.gate(fresh, None, True)
+            static["tokens"].copy_(fresh)
+            static["indices"].copy_(indices)
+            static["gates"].copy_(gates)
+            graph.replay()
+            eager = layers["fused"](fresh.unsqueeze(0))[0][0]
+            torch.cuda.synchronize()
+            assert torch.equal(graph_out, eager), f"graph replay {trial} differs from eager"
+    return rank
+
+
+def test_fused_forward_in_cuda_graph(gpu_pool):
+    gpu_pool.run(graph_case, seed=_seed())
+
+
+def timeout_case(seed):
+    """Rank 0 calls the layer alone: its wait for rank 1's counts must end in a named error."""
+    rank, ep_size = dist.get_rank(), dist.get_world_size()
+    layers = _layers(seed, 256, 512, "gelu", timeout_s=2.0, num_experts=2 * ep_size, ep_size=ep_size, k=1)
+    device = torch.device("cuda", torch.cuda.current_device())
+    tokens = torch.randn(1, 64, 256, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        layers["fused"](tokens)  # both ranks: selection and workspace
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank != 0:
+            return None
+        try:
+            layers["fused"](tokens)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            pass
+        buffer = layers["fused"].deepspeed_moe.selector._buffer
+        with pytest.raises(CometWaitTimeout) as raised:
+            buffer.raise_if_failed()
+        return str(raised.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_wait_timeout_names_rank_and_flag(gpu_pool):
+    # Runs last in this file: it leaves rank 0's CUDA context dead, and the pool restarts after it.
+    message = gpu_pool.run(timeout_case, seed=_seed(), timeout=120)[0]
+    assert "rank 0" in message and "expert counts of peer rank 1" in message and "reach" in message, message
+    gpu_pool.stop()
