@@ -5,7 +5,9 @@ combine run on the buffer's communication stream on ``comm_blocks`` thread block
 take every other multiprocessor. No step reads anything back to the host.
 
 Progress: the dispatch waits for nothing; GEMM1 tiles wait only for dispatches, GEMM2 waits for
-nothing, and the combine waits only for GEMM2s. The GEMM grids leave ``comm_blocks``
+nothing, and the combine waits only for GEMM2s. Every rank launches in the order exchange,
+dispatch, GEMM1, GEMM2, combine, so each spinning kernel's producers are launched on every rank
+before anything that could block a host behind it. The GEMM grids leave ``comm_blocks``
 multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled.
 """
 
@@ -102,8 +104,6 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     with torch.cuda.stream(comm):
         op.dispatch(buffer.kernel_shape, tokens, plan.route_order, buffer.layout, buffer.peer_recv,
                     buffer.peer_origin, buffer.peer_meta, params.comm_blocks)
-        op.combine(buffer.kernel_shape, buffer.ret, plan.route_position, gates, out, chunk_tiles * params.tile_n,
-                   params.tile_n, num_chunks, buffer.meta, buffer.layout, buffer.error_address, params.comm_blocks)
     if not torch.cuda.is_current_stream_capturing():  # a graph's private pool outlives its streams anyway
         for tensor in (tokens, plan.route_order, plan.route_position, gates, out):
             tensor.record_stream(comm)
@@ -120,6 +120,12 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
         buffer.layout, hidden, ffn, num_local, lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
         EP_SIZE=shape.ep_size, L_POW2=l_pow2, BM=params.tile_m, BN=params.tile_n, BK=TILE_K, GROUP_M=GROUP_M,
         CHUNK_TILES=chunk_tiles, NUM_PROGS=grid, HAS_BIAS=has_bias, num_warps=8, num_stages=3)
+    # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
+    # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
+    # whose producers this rank has not launched yet.
+    with torch.cuda.stream(comm):
+        op.combine(buffer.kernel_shape, buffer.ret, plan.route_position, gates, out, chunk_tiles * params.tile_n,
+                   params.tile_n, num_chunks, buffer.meta, buffer.layout, buffer.error_address, params.comm_blocks)
     main.wait_stream(comm)
     return out
 

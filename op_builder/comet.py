@@ -2,6 +2,7 @@
 
 import importlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,18 @@ def csrc_dir() -> Path:
             return candidate
     raise FileNotFoundError(f"ds_comet's CUDA sources are missing: looked for comet.h in {here.parent / 'csrc'} "
                             f"and {here / 'csrc'}")
+
+
+def plain_arch_list(arch_list: str) -> str:
+    """'9.0a;8.0 10.0f+PTX' -> '9.0;8.0;10.0+PTX': arch-specific suffixes dropped, order kept."""
+    plain = []
+    for entry in re.split(r"[;\s]+", arch_list.strip()):
+        match = re.fullmatch(r"(\d+)\.(\d+)[a-z]?(\+PTX)?", entry)
+        if match:
+            value = f"{match.group(1)}.{match.group(2)}{match.group(3) or ''}"
+            if value not in plain:
+                plain.append(value)
+    return ";".join(plain)
 
 
 class CometBuilder(CUDAOpBuilder):
@@ -78,6 +91,20 @@ class CometBuilder(CUDAOpBuilder):
                 self.warning(f"{self.NAME} is not compatible: {reason}")
             return False
         return super().is_compatible(verbose)
+
+    def jit_load(self, verbose=True):
+        # DeepSpeed parses TORCH_CUDA_ARCH_LIST entries as X.Y[+PTX] and fails on arch-specific ones
+        # such as 9.0a; the kernels use no arch-specific instructions, so build for the plain arch.
+        saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if saved:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = plain_arch_list(saved)
+        try:
+            return super().jit_load(verbose)
+        finally:
+            if saved is None:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = saved
 
     def load(self, verbose=False):
         """The ahead-of-time build if `DS_BUILD_COMET=1 pip install` made one, else a JIT build."""
