@@ -21,6 +21,7 @@ from deepspeed import comm as dist
 
 import ds_comet
 from ds_comet.experts import FeedForward, GatedFeedForward, reset_expert_
+from ds_comet.fused import fused_forward
 from ds_comet.routing import plan_routes
 
 SHAPES = {
@@ -120,7 +121,15 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
         for pipeline in PIPELINES:
             results[pipeline] = timed(lambda: layers[pipeline](x), args.iters, args.warmup)
         gate = layers["fused"].deepspeed_moe.gate
-        results["gate"] = timed(lambda: plan_routes(gate(x[0], None, True)[3], experts), args.iters, args.warmup)
+        results["gate"] = timed(lambda: gate(x[0], None, True), args.iters, args.warmup)
+        routes = gate(x[0], None, True)
+        results["plan"] = timed(lambda: plan_routes(routes[3], experts), args.iters, args.warmup)
+        selector = layers["fused"].deepspeed_moe.selector
+        parts = {}
+        fused_forward(selector._buffer, x[0], plan_routes(routes[3], experts), routes[5], selector._experts,
+                      selector._tables, selector._params, profile=parts)
+        for part, launch in parts.items():
+            results[f"fused_{part}"] = timed(launch, args.iters, args.warmup)
 
         # What this rank receives, per local expert, and what it sends to / receives from each rank.
         plan = plan_routes(gate(x[0], None, True)[3], experts)
@@ -158,9 +167,9 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
 
 
 def report(all_results, out_dir):
-    columns = ("stock", "reference", "fused", "gate", "experts", "all_to_all", "bound", "stock_over_fused",
-               "fused_over_bound")
-    lines = ["shape".ljust(28) + "".join(c.rjust(12) for c in columns)]
+    columns = ("stock", "reference", "fused", "gate", "plan", "fused_gemm1", "fused_gemm2", "experts", "all_to_all",
+               "bound", "stock_over_fused", "fused_over_bound")
+    lines = ["shape".ljust(28) + "".join(c[:11].rjust(12) for c in columns)]
     for name, results in all_results.items():
         lines.append(name.ljust(28) + "".join(f"{results[c]:12.3f}" for c in columns))
     print("times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)

@@ -69,8 +69,12 @@ def _grid(buffer: CometBuffer, params: FusedParameters) -> int:
 
 
 def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates: Tensor, experts: List[FusedExpert],
-                  tables: ExpertTables, params: FusedParameters, out: Optional[Tensor] = None) -> Tensor:
-    """The experts' combined output for ``tokens`` ([S, H]); ``out`` ([S, H]) receives it if given."""
+                  tables: ExpertTables, params: FusedParameters, out: Optional[Tensor] = None,
+                  profile: Optional[dict] = None) -> Tensor:
+    """The experts' combined output for ``tokens`` ([S, H]); ``out`` ([S, H]) receives it if given.
+
+    ``profile``, if given, receives callables that relaunch GEMM1 and GEMM2 alone (benchmarks).
+    """
     from .triton_gemm import ACTIVATION_CODES, gemm1_kernel, gemm2_kernel
 
     num_tokens, hidden = tokens.shape
@@ -108,18 +112,27 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
         for tensor in (tokens, plan.route_order, plan.route_position, gates, out):
             tensor.record_stream(comm)
 
-    gemm1_kernel[(grid, )](
-        buffer.recv, h, weight_tables["w1"], weight_tables["b1"], weight_tables["w3"], weight_tables["b3"],
-        buffer.layout, buffer.tile_counters, buffer.error_address, buffer.kernel_shape.timeout_ns, buffer.rank,
-        hidden, ffn, num_local, lo.expert_start, lo.tile_start, lo.local_tiles, lo.remote_tiles,
-        lo.totals + TOTAL_TILES, L_POW2=l_pow2, BM=params.tile_m, BN=params.tile_n, BK=TILE_K, GROUP_M=GROUP_M,
-        NUM_PROGS=grid, HAS_BIAS=has_bias, GATED=gated, ACTIVATION=ACTIVATION_CODES[first.activation], WAIT=True,
-        INTERPRET=interpret, num_warps=8, num_stages=3)
-    gemm2_kernel[(grid, )](
-        h, weight_tables["w2"], weight_tables["b2"], buffer.origin, buffer.peer_ret, buffer.peer_chunk_counters,
-        buffer.layout, hidden, ffn, num_local, lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
-        EP_SIZE=shape.ep_size, L_POW2=l_pow2, BM=params.tile_m, BN=params.tile_n, BK=TILE_K, GROUP_M=GROUP_M,
-        CHUNK_TILES=chunk_tiles, NUM_PROGS=grid, HAS_BIAS=has_bias, num_warps=8, num_stages=3)
+    def run_gemm1():
+        gemm1_kernel[(grid, )](
+            buffer.recv, h, weight_tables["w1"], weight_tables["b1"], weight_tables["w3"], weight_tables["b3"],
+            buffer.layout, buffer.tile_counters, buffer.error_address, buffer.kernel_shape.timeout_ns, buffer.rank,
+            hidden, ffn, num_local, lo.expert_start, lo.tile_start, lo.local_tiles, lo.remote_tiles,
+            lo.totals + TOTAL_TILES, L_POW2=l_pow2, BM=params.tile_m, BN=params.tile_n, BK=TILE_K, GROUP_M=GROUP_M,
+            NUM_PROGS=grid, HAS_BIAS=has_bias, GATED=gated, ACTIVATION=ACTIVATION_CODES[first.activation],
+            WAIT=True, INTERPRET=interpret, num_warps=8, num_stages=3)
+
+    def run_gemm2():
+        gemm2_kernel[(grid, )](
+            h, weight_tables["w2"], weight_tables["b2"], buffer.origin, buffer.peer_ret, buffer.peer_chunk_counters,
+            buffer.layout, hidden, ffn, num_local, lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
+            EP_SIZE=shape.ep_size, L_POW2=l_pow2, BM=params.tile_m, BN=params.tile_n, BK=TILE_K, GROUP_M=GROUP_M,
+            CHUNK_TILES=chunk_tiles, NUM_PROGS=grid, HAS_BIAS=has_bias, num_warps=8, num_stages=3)
+
+    run_gemm1()
+    run_gemm2()
+    if profile is not None:
+        # Relaunching the GEMMs alone is safe until the next call's exchange resets the counters.
+        profile.update(gemm1=run_gemm1, gemm2=run_gemm2)
     # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
     # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
     # whose producers this rank has not launched yet.

@@ -86,9 +86,19 @@ def fused_case(seed, hidden, ffn, num_experts, k, tokens_per_rank, expert_kind="
         with torch.no_grad():
             if call > 0:
                 _poison(layers["fused"])
-            outputs = {name: layer(tokens.unsqueeze(0)) for name, layer in layers.items()}
+            noise = seed * 7 + call * 3 + rank  # top-2 gating samples its second expert even in eval mode
+            # Stock DeepSpeed cannot run uneven token counts with drops (its capacity follows the
+            # local count, so its equal all-to-all splits would not line up): leave it out there.
+            stock_runs = not drop_tokens or len(set(tokens_per_rank)) == 1
+            outputs = {}
+            for name, layer in layers.items():
+                if name == "stock" and not stock_runs:
+                    continue
+                torch.manual_seed(noise)
+                outputs[name] = layer(tokens.unsqueeze(0))
             fused_layer = layers["fused"].deepspeed_moe
             assert fused_layer.selector._buffer is not None, "the fused pipeline did not run"
+            torch.manual_seed(noise)
             expected, indices = _float64_output(layers["fused"], tokens, seed, expert_kind, hidden, ffn)
 
             fused_out = outputs["fused"][0][0]
@@ -96,14 +106,16 @@ def fused_case(seed, hidden, ffn, num_experts, k, tokens_per_rank, expert_kind="
             err = {name: _rel(out[0][0], expected) for name, out in outputs.items()}
             assert err["fused"] < BF16_REL, err
             assert _rel(fused_out, outputs["reference"][0][0]) < 2 * BF16_REL, err
-            assert _rel(fused_out, outputs["stock"][0][0]) < 2 * BF16_REL, err
-            assert torch.equal(outputs["fused"][1], outputs["stock"][1]), "l_aux"
-            assert torch.equal(outputs["fused"][2], outputs["stock"][2]), "exp_counts"
+            if stock_runs:
+                assert _rel(fused_out, outputs["stock"][0][0]) < 2 * BF16_REL, err
+                assert torch.equal(outputs["fused"][1], outputs["stock"][1]), "l_aux"
+                assert torch.equal(outputs["fused"][2], outputs["stock"][2]), "exp_counts"
             no_route = (indices < 0).all(dim=0)
             assert (fused_out[no_route] == 0).all(), "a token with no kept route must come out zero"
 
             # The same call through fused_forward into a poisoned output: every row must be written.
             _poison(layers["fused"])
+            torch.manual_seed(noise)
             _, _, num, idx, _, gates, _ = fused_layer.gate(tokens, None, True)
             selector = fused_layer.selector
             poisoned = torch.full_like(tokens, float("nan"))
@@ -172,11 +184,13 @@ def graph_case(seed):
             graph_out = step()
         for trial in range(2):
             fresh = torch.randn(256, hidden, device=device).to(torch.bfloat16)
+            torch.manual_seed(seed + trial)
             _, _, _, indices, _, gates, _ = fused_layer.gate(fresh, None, True)
             static["tokens"].copy_(fresh)
             static["indices"].copy_(indices)
             static["gates"].copy_(gates)
             graph.replay()
+            torch.manual_seed(seed + trial)
             eager = layers["fused"](fresh.unsqueeze(0))[0][0]
             torch.cuda.synchronize()
             assert torch.equal(graph_out, eager), f"graph replay {trial} differs from eager"
