@@ -1,0 +1,82 @@
+"""python -m ds_comet report: what DeepSpeed's ds_report cannot show about ds_comet.
+
+The op's build status, the GPUs and the peer access between them, and which pipeline a Comet
+layer with a given ds_config would run here, and why.
+"""
+
+import argparse
+import importlib
+import os
+
+import torch
+
+
+def _version(module_name):
+    try:
+        return getattr(importlib.import_module(module_name), "__version__", "installed")
+    except ImportError:
+        return "not installed"
+
+
+def pipeline_verdict(config) -> str:
+    """Which pipeline a bf16 Comet layer on this machine's GPU would run, before any layer exists."""
+    from ds_comet.config import moe_config_from
+    from ds_comet.ops import op_unavailable_reason
+    section = moe_config_from(config)
+    if section.backend == "deepspeed":
+        return "stock DeepSpeed MoE (\"moe\": {\"backend\": \"deepspeed\"})"
+    if section.overlap == "none":
+        return "reference pipeline (\"overlap\": \"none\")"
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "no CUDA device is visible"
+    elif _version("triton") == "not installed":
+        reason = "triton is not installed (pip install ds_comet[triton])"
+    else:
+        reason = op_unavailable_reason()
+    if reason is None:
+        return ("fused pipeline for bf16/fp16 FFN experts in eval/no-grad steps, if the expert-parallel group "
+                "lies inside one node; training steps run the reference pipeline until the fused backward lands")
+    if section.overlap == "fused":
+        return f"error: \"overlap\": \"fused\" was asked for, but {reason}"
+    return f"reference pipeline: {reason}"
+
+
+def report(config=None) -> str:
+    from op_builder import CometBuilder
+    import deepspeed
+
+    lines = ["ds_comet report", "-" * 60]
+    lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}, "
+                 f"triton {_version('triton')}")
+    builder = CometBuilder()
+    reason = builder.incompatibility()
+    try:
+        importlib.import_module(builder.absolute_name())
+        built = "built ahead of time"
+    except ImportError:
+        cache = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
+        built = "not built" if reason else f"JIT-built on first use into {cache}"
+    lines.append(f"op {builder.NAME}: {'compatible' if reason is None else 'NOT compatible: ' + reason}; {built}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    lines.append(f"GPUs: {count}")
+    for index in range(count):
+        props = torch.cuda.get_device_properties(index)
+        lines.append(f"  [{index}] {props.name}, compute capability {props.major}.{props.minor}, "
+                     f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
+    if count > 1:
+        lines.append("peer access (row: from, column: to):")
+        for i in range(count):
+            row = " ".join("-" if i == j else ("y" if torch.cuda.can_device_access_peer(i, j) else "n")
+                           for j in range(count))
+            lines.append(f"  [{i}] {row}")
+    lines.append(f"pipeline: {pipeline_verdict(config)}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ds_comet report", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None,
+                        help="a ds_config JSON (default: {\"moe\": {\"backend\": \"comet\"}})")
+    args = parser.parse_args(argv)
+    print(report(args.config or {"moe": {"backend": "comet"}}))

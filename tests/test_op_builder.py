@@ -1,0 +1,88 @@
+"""The CUDA op's builder and sources, checked without a GPU."""
+
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+import op_builder
+from ds_comet import layout
+from ds_comet.report import report
+from op_builder import CometBuilder
+from op_builder.comet import plain_arch_list
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+
+
+def test_builder_names_absolute_existing_sources():
+    builder = CometBuilder()
+    assert builder.NAME not in ALL_OPS, "the op name must not clash with a DeepSpeed op"
+    for path in builder.sources() + builder.include_paths():
+        assert os.path.isabs(path) and os.path.exists(path), path
+
+
+def test_op_builder_package_does_not_claim_to_be_deepspeeds():
+    # DeepSpeed's accelerator takes an importable op_builder with __deepspeed__ for its own.
+    assert not hasattr(op_builder, "__deepspeed__")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
+def test_incompatible_without_cuda_says_why():
+    builder = CometBuilder()
+    assert builder.is_compatible() is False
+    assert "without CUDA" in builder.error_log or "no CUDA device" in builder.error_log
+    with pytest.raises(RuntimeError, match="not being compatible"):
+        builder.jit_load(verbose=False)
+
+
+@pytest.mark.parametrize("given,expected", [("9.0a", "9.0"), ("9.0a;8.0 10.0f+PTX", "9.0;8.0;10.0+PTX"),
+                                            ("8.0 8.0", "8.0"), ("9.0+PTX", "9.0+PTX")])
+def test_plain_arch_list(given, expected):
+    assert plain_arch_list(given) == expected
+
+
+def test_filter_keeps_ampere_and_newer():
+    assert CometBuilder().filter_ccs(["7.0", "8.0", "9.0+PTX"]) == [["8", "0"], ["9", "0+PTX"]]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("source", sorted(glob.glob(os.path.join(CSRC, "*.cu"))), ids=os.path.basename)
+def test_cuda_sources_compile_for_hopper(source, tmp_path):
+    # The .cu files include no torch headers, so a toolkit without cuBLAS or torch's CUDA headers
+    # (CI's) still catches a build break.
+    result = subprocess.run(["nvcc", "-std=c++17", "-c", "-o", str(tmp_path / "out.o"), "-gencode",
+                             "arch=compute_90a,code=sm_90a", "-I", CSRC, source], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_layout_codes_match_the_header():
+    header = open(os.path.join(CSRC, "comet.h")).read()
+    for name, value in [("kTotalTiles", layout.TOTAL_TILES), ("kTotalKept", layout.TOTAL_KEPT),
+                        ("kTotalRecvRows", layout.TOTAL_RECV_ROWS), ("kTotalPieces", layout.TOTAL_PIECES),
+                        ("kTotalGeneration", layout.TOTAL_GENERATION),
+                        ("kWaitExchangeFlag", layout.WAIT_EXCHANGE_FLAG),
+                        ("kWaitDispatchTile", layout.WAIT_DISPATCH_TILE),
+                        ("kWaitCombineChunk", layout.WAIT_COMBINE_CHUNK),
+                        ("kWorkspaceOverflow", layout.WORKSPACE_OVERFLOW),
+                        ("kErrorRecordWords", layout.ERROR_RECORD_WORDS)]:
+        assert f"{name} = {value}" in header, name
+
+
+def test_layout_parts_do_not_overlap():
+    offsets = layout.layout_offsets(num_local=3, num_experts=6)
+    starts = sorted((v, k) for k, v in vars(offsets).items() if k != "total")
+    assert starts[0][0] == 0 and offsets.total > starts[-1][0]
+    meta = layout.meta_offsets(ep_size=2, num_experts=6, max_tiles=10, max_chunks=4)
+    assert meta.exchange_flag - meta.counts == 2 * 2 * 6 and meta.chunk_counter - meta.tile_counter == 10
+
+
+def test_report_runs_and_names_the_pipeline():
+    text = report({"moe": {"backend": "comet"}})
+    assert "op ds_comet_ops" in text and "pipeline:" in text
+    if not torch.cuda.is_available():
+        assert "reference pipeline" in text

@@ -1,0 +1,87 @@
+"""Pipeline selection, the fused parameter rule and the workspace bound, without a GPU."""
+
+import pytest
+import torch
+from deepspeed.moe.sharded_moe import TopKGate
+
+import ds_comet
+from ds_comet import layout
+from ds_comet.config import CometMoEConfig
+from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
+from ds_comet.ops import describe_error_record
+from ds_comet.routing import plan_routes
+from ds_comet.selection import choose_parameters, max_received_rows
+
+
+def layer(overlap):
+    return ds_comet.MoE(16, FeedForward(16, 32), num_experts=4, k=2,
+                        config={"moe": {"backend": "comet", "overlap": overlap}})
+
+
+def test_auto_falls_back_and_says_why_once():
+    moe = layer("auto").deepspeed_moe
+    tokens = torch.randn(8, 16)
+    assert moe.selector.fused_runner(tokens) is None
+    assert moe.selector.fused_runner(tokens) is None
+    assert len(moe.selector._said) == 1 and "tokens are on cpu" in next(iter(moe.selector._said))
+
+
+def test_fused_asked_for_but_unavailable_is_an_error():
+    moe = layer("fused").deepspeed_moe
+    with pytest.raises(RuntimeError, match=r'"overlap": "fused" was asked for, but the tokens are on cpu'):
+        moe.selector.fused_runner(torch.randn(8, 16))
+
+
+def test_none_runs_the_reference():
+    moe = layer("none").deepspeed_moe
+    assert moe.selector.fused_runner(torch.randn(8, 16)) is None
+    assert "\"overlap\" is \"none\"" in next(iter(moe.selector._said))
+
+
+def test_expert_recognition():
+    assert fused_expert(FeedForward(8, 16, "gelu_tanh")).activation == "gelu_tanh"
+    gated = fused_expert(GatedFeedForward(8, 16))
+    assert gated.gate is not None and gated.activation == "silu"
+    sequential = fused_expert(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU("tanh"),
+                                                  torch.nn.Linear(16, 8)))
+    assert sequential.activation == "gelu_tanh"
+    assert isinstance(fused_expert(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                                       torch.nn.Linear(16, 8))), str)
+    assert isinstance(fused_expert(torch.nn.Linear(8, 8)), str)
+
+
+@pytest.mark.parametrize("k,drop_tokens,capacity_factor,skew", [(1, True, 1.0, 0.0), (2, True, 1.25, 3.0),
+                                                                (4, True, 0.5, 0.0), (2, False, 1.0, 4.0),
+                                                                (8, False, 1.0, 0.0)])
+def test_workspace_bound_holds_for_real_routes(k, drop_tokens, capacity_factor, skew):
+    ep_size, num_experts, hidden = 4, 16, 12
+    torch.manual_seed(k)
+    gate = TopKGate(hidden, num_experts, k, capacity_factor, capacity_factor, 4, None, drop_tokens, True)
+    sources = []
+    for tokens in (64, 50, 64, 17):  # uneven token counts, at most 64
+        x = torch.randn(tokens, hidden) + skew * gate.wg.weight[0].detach()
+        sources.append(plan_routes(gate(x, None, True)[3], num_experts).expert_counts)
+    received = torch.stack(sources).view(ep_size, ep_size, num_experts // ep_size).sum(dim=(0, 2))
+    bound = max_received_rows(64, k, num_experts, ep_size, drop_tokens, capacity_factor, capacity_factor, 4)
+    assert received.max().item() <= bound, (received.tolist(), bound)
+
+
+def test_parameter_rule():
+    config = CometMoEConfig(backend="comet")
+    small = choose_parameters(config, 4096, 14336, False, 2, 2, 8192, 2, 132)
+    heavy = choose_parameters(config, 7168, 2048, False, 8, 2, 4096, 2, 132)
+    assert 8 <= small.comm_blocks <= heavy.comm_blocks <= 132 // 6
+    assert small.n_chunks == 4 and heavy.n_chunks == 8
+    pinned = choose_parameters(CometMoEConfig(comm_blocks=20, n_chunks=64, tile_n=256), 512, 1024, True, 2, 2,
+                               100, 2, 132)
+    assert pinned.comm_blocks == 20 and pinned.n_chunks == 2 and pinned.tile_n == 256
+
+
+def test_error_record_messages():
+    record = torch.zeros(layout.ERROR_RECORD_WORDS, dtype=torch.int64)
+    assert describe_error_record(record) is None
+    record[:7] = torch.tensor([1, 1, layout.WAIT_COMBINE_CHUNK, 3, 975, 0, 20 * 10**9])
+    message = describe_error_record(record)
+    assert "rank 1 waited 20.0 s for the returned expert outputs of column chunk 3 to reach 975" in message
+    record[2], record[3], record[4], record[5] = layout.WORKSPACE_OVERFLOW, 0, 100, 130
+    assert "max_tokens_per_rank" in describe_error_record(record)
