@@ -24,7 +24,6 @@ class CometMOELayer(MOELayer):
 
     def __init__(self, gate, experts, ep_group_name, ep_size, num_local_experts, config: CometMoEConfig):
         super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts)
-        self.comet_config = config
         self.selector = PipelineSelector(self, config)
 
     @classmethod

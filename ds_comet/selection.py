@@ -80,6 +80,8 @@ class PipelineSelector:
     def _per_call_reason(self, tokens: torch.Tensor) -> Optional[str]:
         if self.config.overlap == "none":
             return "\"overlap\" is \"none\""
+        if self.moe.ep_group is None:
+            return "the layer has no expert-parallel group yet (deepspeed.initialize or set_deepspeed_parallelism)"
         if tokens.device.type != "cuda":
             return f"the tokens are on {tokens.device.type}, the fused kernels need CUDA"
         if tokens.dtype not in FUSED_DTYPES:
@@ -165,4 +167,9 @@ class PipelineSelector:
         return None
 
     def _run(self, tokens: torch.Tensor, plan: RoutingPlan, gates: torch.Tensor) -> torch.Tensor:
-        return fused_forward(self._buffer, tokens, plan, gates, self._experts, self._tables, self._params)
+        try:
+            return fused_forward(self._buffer, tokens, plan, gates, self._experts, self._tables, self._params)
+        except RuntimeError as error:
+            # A kernel that gave up on a wait stops the device; name what it waited for if it said so.
+            self._buffer.raise_if_failed()
+            raise error
