@@ -80,12 +80,12 @@ class PipelineSelector:
     def _per_call_reason(self, tokens: torch.Tensor) -> Optional[str]:
         if self.config.overlap == "none":
             return "\"overlap\" is \"none\""
-        if self.moe.ep_group is None:
-            return "the layer has no expert-parallel group yet (deepspeed.initialize or set_deepspeed_parallelism)"
         if tokens.device.type != "cuda":
             return f"the tokens are on {tokens.device.type}, the fused kernels need CUDA"
         if tokens.dtype not in FUSED_DTYPES:
             return f"the tokens are {tokens.dtype}; the fused kernels run bf16 and fp16"
+        if self.moe.ep_group is None:
+            return "the layer has no expert-parallel group yet (deepspeed.initialize or set_deepspeed_parallelism)"
         if torch.is_grad_enabled() and (tokens.requires_grad or any(
                 p.requires_grad for p in self.moe.experts.parameters())):
             return "the fused pipeline has no backward pass yet, so steps that need gradients run the reference"
