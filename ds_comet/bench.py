@@ -109,7 +109,7 @@ def grouped_ffn(modules, inputs):
     return lambda: torch._grouped_mm(F.gelu(torch._grouped_mm(rows, w1, offs=offsets)), w2, offs=offsets)
 
 
-def bench_shape(name, hidden, ffn, experts, k, tokens, args):
+def bench_shape(hidden, ffn, experts, k, tokens, args):
     ep_size = dist.get_world_size()
     overrides = {key: value for key, value in (("comm_blocks", args.comm_blocks), ("n_chunks", args.n_chunks))
                  if value is not None}
@@ -161,8 +161,6 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
     results = dict(zip(sorted(results), values.tolist()))
     results.update(stock_over_fused=results["stock"] / results["fused"], fused_over_bound=results["fused"] /
                    results["bound"], reference_over_fused=results["reference"] / results["fused"])
-    del layers
-    torch.cuda.empty_cache()
     return results
 
 
@@ -209,7 +207,8 @@ def main():
         shapes["H{}-F{}-E{}-k{}-T{}".format(*values)] = values
     all_results = {}
     for name, shape in shapes.items():
-        all_results[name] = bench_shape(name, *shape, args)
+        all_results[name] = bench_shape(*shape, args)
+        torch.cuda.empty_cache()  # the shape's layers are gone; give the next shape room
         if dist.get_rank() == 0:
             print(name, json.dumps({k: round(v, 4) for k, v in all_results[name].items()}), flush=True)
     if dist.get_rank() == 0:

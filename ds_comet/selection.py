@@ -10,9 +10,10 @@ collective at the first call, so every rank takes the same path; the per-call ch
 dtype, grad mode) depend only on what every rank of an SPMD job has alike.
 """
 
+import importlib.util
 import math
 import socket
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch
 import torch.distributed as torch_dist
@@ -65,7 +66,7 @@ class PipelineSelector:
         self.moe = moe_layer
         self.config = config
         self._said = set()
-        self._static_reason: Union[None, str] = None
+        self._static_reason: Optional[str] = None
         self._static_checked = False
         self._experts: List[FusedExpert] = []
         self._tables = ExpertTables()
@@ -110,9 +111,7 @@ class PipelineSelector:
         hidden = tokens.shape[-1]
         if hidden % 8 or first.first.out_features % 8:
             return f"hidden ({hidden}) and FFN ({first.first.out_features}) sizes must be multiples of 8"
-        try:
-            import triton  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install ds_comet[triton])"
         from .ops import op_unavailable_reason
         reason = op_unavailable_reason()
