@@ -1,12 +1,20 @@
-"""Benchmark one MoE layer's forward: stock DeepSpeed, the reference and the fused pipeline.
+"""Benchmark one MoE layer, forward and forward+backward: stock DeepSpeed, the reference and the fused pipeline.
 
     torchrun --nproc_per_node 2 -m ds_comet.bench [--shape NAME ...] [--custom H,F,E,K,T ...] [--out DIR]
+                                                  [--no-backward]
 
 Every number comes from one run on the same GPUs and inputs: the three layers (same weights), the
 gate alone, the expert GEMMs alone on the rows each rank actually receives (cuBLAS: the compute
 bound) and the two all-to-alls alone with the same splits (NCCL: the communication bound). Each
 time is the median of CUDA-event timings of many calls, the ranks lined up before each call.
-Rank 0 prints a table of times and ratios and writes bench.json and bench.png under --out.
+
+Unless --no-backward, each pipeline also runs training steps (forward, then backward of the output
+against a fixed random gradient plus the aux loss; grads set to None at the start of each step),
+timed the same way, with the peak memory one step allocates above what was allocated before it.
+The comet fused layer runs them with "overlap": "auto", so it runs the fused backward where one
+exists and otherwise the reference pipeline; the JSON says which ran. Their bounds: the expert FFNs
+alone, forward and backward (cuBLAS, autograd), and four all-to-alls (two forward, two backward).
+Rank 0 prints the tables of times and ratios and writes bench.json and bench.png under --out.
 """
 
 import argparse
@@ -42,6 +50,8 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--comm-blocks", type=int, default=None)
     parser.add_argument("--n-chunks", type=int, default=None)
+    parser.add_argument("--no-backward", dest="backward", action="store_false",
+                        help="time the forward only (skip the training steps and their bounds)")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     return parser.parse_args()
@@ -64,7 +74,17 @@ def timed(fn, iters, warmup):
     return statistics.median(times)
 
 
-def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides):
+def peak_mib(fn):
+    """MiB that one call of fn() allocates at its peak above what was allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides, backward):
     torch.manual_seed(0)
     template = GatedFeedForward(hidden, ffn) if gated else FeedForward(hidden, ffn)
     kwargs = dict(num_experts=experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
@@ -75,7 +95,8 @@ def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides):
     for i, expert in enumerate(stock.deepspeed_moe.experts.deepspeed_experts):
         reset_expert_(expert, 1000 + rank * len(stock.deepspeed_moe.experts.deepspeed_experts) + i)
     layers = {"stock": stock}
-    for name, overlap in (("reference", "none"), ("fused", "fused")):
+    comet = [("reference", "none"), ("fused", "fused")] + ([("fused_train", "auto")] if backward else [])
+    for name, overlap in comet:
         section = {"backend": "comet", "overlap": overlap, **overrides}
         layer = ds_comet.MoE(hidden, template, config={"moe": section}, **kwargs)
         layer.set_deepspeed_parallelism()
@@ -94,26 +115,104 @@ def expert_ffn(expert, rows):
     return F.linear(F.gelu(F.linear(rows, expert.fc1.weight, expert.fc1.bias)), expert.fc2.weight, expert.fc2.bias)
 
 
-def grouped_ffn(modules, inputs):
-    """The experts as cuBLAS grouped GEMMs (torch._grouped_mm) on stacked weights, or None."""
+def grouped_ffn(modules, inputs, train=False):
+    """The experts as cuBLAS grouped GEMMs (torch._grouped_mm) on stacked weights, or None.
+
+    With train the callable runs forward and backward (rows and weights are leaves that need grads).
+    """
     if not hasattr(torch, "_grouped_mm") or isinstance(modules[0], GatedFeedForward):
         return None
-    rows = torch.cat(inputs)
+    rows = torch.cat(inputs).detach().requires_grad_(train)
     offsets = torch.cumsum(torch.tensor([len(r) for r in inputs], device=rows.device), 0).to(torch.int32)
-    w1 = torch.stack([m.fc1.weight.t() for m in modules]).contiguous()
-    w2 = torch.stack([m.fc2.weight.t() for m in modules]).contiguous()
+    w1 = torch.stack([m.fc1.weight.t() for m in modules]).detach().contiguous().requires_grad_(train)
+    w2 = torch.stack([m.fc2.weight.t() for m in modules]).detach().contiguous().requires_grad_(train)
+    dy = torch.randn(rows.shape[0], w2.shape[-1], device=rows.device).to(rows.dtype)
+
+    def forward():
+        return torch._grouped_mm(F.gelu(torch._grouped_mm(rows, w1, offs=offsets)), w2, offs=offsets)
+
+    def step():
+        rows.grad = w1.grad = w2.grad = None
+        torch.autograd.backward([forward()], [dy])
+
+    call = step if train else forward
     try:
-        torch._grouped_mm(rows, w1, offs=offsets)
+        call()
     except RuntimeError:
         return None
-    return lambda: torch._grouped_mm(F.gelu(torch._grouped_mm(rows, w1, offs=offsets)), w2, offs=offsets)
+    return call
+
+
+def train_step(layer, x, dy):
+    """One training step of an MoE layer: grads set to None, forward, backward of out and the aux loss."""
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    out, l_aux, _ = layer(x)
+    torch.autograd.backward([out, l_aux], [dy, torch.ones_like(l_aux)])
+
+
+def picked_pipeline(layer, call):
+    """Runs call() and says which pipeline the comet layer's selector picked for it: "fused" or "reference"."""
+    selector = layer.deepspeed_moe.selector
+    picked = []
+    pick = selector.fused_runner
+
+    def recording(tokens):
+        picked.append(pick(tokens))
+        return picked[-1]
+
+    selector.fused_runner = recording
+    try:
+        call()
+    finally:
+        del selector.fused_runner
+    return "fused" if picked and picked[-1] is not None else "reference"
+
+
+def bench_fwd_bwd(layers, x, modules, inputs, args):
+    """Training-step times and peak MiB of the three pipelines, and the expert FFNs alone, fwd+bwd."""
+    results, strings = {}, {}
+    x = x.detach().clone().requires_grad_()
+    dy = torch.randn_like(x)
+    for pipeline in PIPELINES:
+        layer = layers["fused_train" if pipeline == "fused" else pipeline].train()
+        step = lambda: train_step(layer, x, dy)
+        if pipeline == "fused":
+            strings["fused_fwd_bwd_pipeline"] = picked_pipeline(layer, step)
+            strings["fused_fwd_bwd_reason"] = "; ".join(sorted(layer.deepspeed_moe.selector._said))
+        results[f"{pipeline}_fwd_bwd"] = timed(step, args.iters, args.warmup)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        results[f"{pipeline}_peak_mib"] = peak_mib(step)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer.eval()
+
+    rows = [r.detach().clone().requires_grad_() for r in inputs]
+    dys = [torch.randn_like(r) for r in rows]
+
+    def experts_step():
+        for module, r in zip(modules, rows):
+            module.zero_grad(set_to_none=True)
+            r.grad = None
+        torch.autograd.backward([expert_ffn(m, r) for m, r in zip(modules, rows)], dys)
+
+    results["experts_loop_fwd_bwd"] = timed(experts_step, args.iters, args.warmup)
+    results["experts_fwd_bwd"] = results["experts_loop_fwd_bwd"]
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    grouped = grouped_ffn(modules, inputs, train=True)
+    if grouped is not None:
+        results["experts_grouped_fwd_bwd"] = timed(grouped, args.iters, args.warmup)
+        results["experts_fwd_bwd"] = min(results["experts_fwd_bwd"], results["experts_grouped_fwd_bwd"])
+    return results, strings
 
 
 def bench_shape(hidden, ffn, experts, k, tokens, args):
     ep_size = dist.get_world_size()
     overrides = {key: value for key, value in (("comm_blocks", args.comm_blocks), ("n_chunks", args.n_chunks))
                  if value is not None}
-    layers = build(hidden, ffn, experts, k, ep_size, args.gated, args.capacity_factor, overrides)
+    layers = build(hidden, ffn, experts, k, ep_size, args.gated, args.capacity_factor, overrides, args.backward)
     device = torch.device("cuda", torch.cuda.current_device())
     x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16)
     results = {}
@@ -155,13 +254,46 @@ def bench_shape(hidden, ffn, experts, k, tokens, args):
         results["all_to_all"] = timed(a2a, args.iters, args.warmup)
     results["comm_bound"] = 2 * results["all_to_all"]
     results["bound"] = max(results["experts"], results["comm_bound"])
+    strings = {}
+    if args.backward:
+        train_results, strings = bench_fwd_bwd(layers, x, modules, inputs, args)
+        results.update(train_results)
+        results["comm_bound_fwd_bwd"] = 4 * results["all_to_all"]
+        results["bound_fwd_bwd"] = max(results["experts_fwd_bwd"], results["comm_bound_fwd_bwd"])
     # The slowest rank sets every step: report the maximum over ranks.
     values = torch.tensor([results[key] for key in sorted(results)], device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     results = dict(zip(sorted(results), values.tolist()))
     results.update(stock_over_fused=results["stock"] / results["fused"], fused_over_bound=results["fused"] /
                    results["bound"], reference_over_fused=results["reference"] / results["fused"])
+    if args.backward:
+        results.update(stock_over_fused_fwd_bwd=results["stock_fwd_bwd"] / results["fused_fwd_bwd"],
+                       fused_over_bound_fwd_bwd=results["fused_fwd_bwd"] / results["bound_fwd_bwd"],
+                       reference_over_fused_fwd_bwd=results["reference_fwd_bwd"] / results["fused_fwd_bwd"])
+    results.update(strings)  # rank 0's; the selection is agreed on by the whole group
     return results
+
+
+TRAIN_COLUMNS = (("stock", "stock_fwd_bwd"), ("reference", "reference_fwd_bwd"), ("fused", "fused_fwd_bwd"),
+                 ("experts", "experts_fwd_bwd"), ("a2a x4", "comm_bound_fwd_bwd"), ("bound", "bound_fwd_bwd"),
+                 ("stock/fused", "stock_over_fused_fwd_bwd"), ("fused/bound", "fused_over_bound_fwd_bwd"),
+                 ("stock MiB", "stock_peak_mib"), ("ref MiB", "reference_peak_mib"), ("fused MiB", "fused_peak_mib"))
+
+
+def draw(ax, all_results, bars, ratios, ylabel):
+    """Grouped bars per shape, with the two ratios written above each group."""
+    names = list(all_results)
+    width = 0.8 / len(bars)
+    for i, bar in enumerate(bars):
+        ax.bar([n + i * width for n in range(len(names))], [all_results[n][bar] for n in names], width, label=bar)
+    for n, name in enumerate(names):
+        top = max(all_results[name][bar] for bar in bars)
+        text = "\n".join(f"{label} {all_results[name][key]:.2f}" for label, key in ratios)
+        ax.text(n + 0.4 - width / 2, top, text, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([n + 0.4 - width / 2 for n in range(len(names))], names, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.margins(y=0.25)
+    ax.legend(fontsize=7)
 
 
 def report(all_results, out_dir):
@@ -170,7 +302,15 @@ def report(all_results, out_dir):
     lines = ["shape".ljust(28) + "".join(c[:11].rjust(12) for c in columns)]
     for name, results in all_results.items():
         lines.append(name.ljust(28) + "".join(f"{results[c]:12.3f}" for c in columns))
-    print("times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
+    print("forward: times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
+    backward = all("fused_fwd_bwd" in results for results in all_results.values())
+    if backward:
+        lines = ["shape".ljust(28) + "".join(h.rjust(12) for h, _ in TRAIN_COLUMNS) + "  fused ran"]
+        for name, results in all_results.items():
+            lines.append(name.ljust(28) + "".join(f"{results[key]:12.3f}" for _, key in TRAIN_COLUMNS) +
+                         "  " + results["fused_fwd_bwd_pipeline"])
+        print("forward+backward (one training step): times in ms, peak MiB above the step's start (max over ranks)\n"
+              + "\n".join(lines), flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench.json"), "w") as handle:
         json.dump(all_results, handle, indent=2)
@@ -181,16 +321,18 @@ def report(all_results, out_dir):
     except ImportError:
         print("matplotlib is not installed: no bench.png", flush=True)
         return
-    names = list(all_results)
-    fig, ax = plt.subplots(figsize=(3 + 2.5 * len(names), 4.5))
-    bars = ("stock", "reference", "fused", "experts", "comm_bound")
-    width = 0.8 / len(bars)
-    for i, bar in enumerate(bars):
-        ax.bar([n + i * width for n in range(len(names))], [all_results[n][bar] for n in names], width, label=bar)
-    ax.set_xticks([n + 0.4 - width / 2 for n in range(len(names))], names, fontsize=8)
-    ax.set_ylabel("forward time per layer (ms)")
-    ax.set_title(f"one MoE layer, EP={dist.get_world_size()}, bf16")
-    ax.legend()
+    rows = 2 if backward else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(3 + 2.5 * len(all_results), 4.5 * rows), squeeze=False)
+    draw(axes[0][0], all_results, ("stock", "reference", "fused", "experts", "comm_bound"),
+         (("stock/fused", "stock_over_fused"), ("fused/bound", "fused_over_bound")), "forward time per layer (ms)")
+    axes[0][0].set_title(f"one MoE layer, EP={dist.get_world_size()}, bf16: forward")
+    if backward:
+        draw(axes[1][0], all_results, ("stock_fwd_bwd", "reference_fwd_bwd", "fused_fwd_bwd", "experts_fwd_bwd",
+                                       "comm_bound_fwd_bwd"),
+             (("stock/fused", "stock_over_fused_fwd_bwd"), ("fused/bound", "fused_over_bound_fwd_bwd")),
+             "forward+backward time per layer (ms)")
+        ran = ", ".join(sorted({results["fused_fwd_bwd_pipeline"] for results in all_results.values()}))
+        axes[1][0].set_title(f"forward+backward (comet \"auto\" ran: {ran})")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "bench.png"), dpi=120)
 
@@ -210,7 +352,8 @@ def main():
         all_results[name] = bench_shape(*shape, args)
         torch.cuda.empty_cache()  # the shape's layers are gone; give the next shape room
         if dist.get_rank() == 0:
-            print(name, json.dumps({k: round(v, 4) for k, v in all_results[name].items()}), flush=True)
+            rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in all_results[name].items()}
+            print(name, json.dumps(rounded), flush=True)
     if dist.get_rank() == 0:
         report(all_results, args.out)
     dist.barrier()
