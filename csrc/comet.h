@@ -85,14 +85,16 @@ cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_count
                             cudaStream_t stream);
 
 // Copies every kept route's token row into its destination's recv buffer, records its origin,
-// and bumps the destination's row-tile counter once per piece.
+// and bumps the destination's row-tile counter once per piece. With route_scale (indexed by flat
+// route id; may be null) each row is multiplied by its route's scale on the way (the backward).
+// dtype_code: 0 = bf16, 1 = fp16.
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
-                            int64_t elem_bytes, const int64_t* route_order, const int32_t* layout,
-                            const int64_t* peer_recv, const int64_t* peer_origin, const int64_t* peer_meta,
-                            int blocks, cudaStream_t stream);
+                            int dtype_code, const int64_t* route_order, const float* route_scale,
+                            const int32_t* layout, const int64_t* peer_recv, const int64_t* peer_origin,
+                            const int64_t* peer_meta, int blocks, cudaStream_t stream);
 
 // Weighted top-k sum of returned expert outputs, column chunk by column chunk as chunks arrive.
-// dtype_code: 0 = bf16, 1 = fp16.
+// gates may be null: every weight is 1 (the backward's sum of input gradients). dtype_code as above.
 cudaError_t launch_combine(const GroupShape& shape, const void* ret, const int64_t* route_position,
                            const float* gates, void* out, int64_t top_k, int64_t num_tokens, int64_t hidden,
                            int dtype_code, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,

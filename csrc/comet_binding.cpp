@@ -35,21 +35,38 @@ void exchange(const GroupShape& shape, const torch::Tensor& expert_counts, torch
                  "exchange");
 }
 
+int dtype_code_of(const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name, " must be bf16 or fp16, got ",
+                t.scalar_type());
+    return t.scalar_type() == at::kBFloat16 ? 0 : 1;
+}
+
+// An empty fp32 tensor stands for "no per-route weights".
+const float* optional_weights(const torch::Tensor& t, const char* name, int64_t routes) {
+    if (t.numel() == 0) return nullptr;
+    check_cuda(t, name, at::kFloat);
+    TORCH_CHECK(t.numel() == routes, name, " must have one entry per route (", routes, "), got ", t.numel());
+    return t.data_ptr<float>();
+}
+
 void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch::Tensor& route_order,
               const torch::Tensor& layout, const torch::Tensor& peer_recv, const torch::Tensor& peer_origin,
-              const torch::Tensor& peer_meta, int64_t blocks) {
+              const torch::Tensor& peer_meta, const torch::Tensor& route_scale, int64_t blocks) {
     TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2, "tokens must be a contiguous 2-D CUDA tensor");
-    TORCH_CHECK((tokens.size(1) * tokens.element_size()) % 16 == 0, "a token row must be a multiple of 16 bytes");
+    const int dtype_code = dtype_code_of(tokens, "tokens");
+    TORCH_CHECK(tokens.size(1) % 8 == 0, "a token row must be a multiple of 16 bytes");
     check_cuda(route_order, "route_order", at::kLong);
     check_cuda(layout, "layout", at::kInt);
     check_cuda(peer_recv, "peer_recv", at::kLong);
     check_cuda(peer_origin, "peer_origin", at::kLong);
     check_cuda(peer_meta, "peer_meta", at::kLong);
-    check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1),
-                                           tokens.element_size(), route_order.data_ptr<int64_t>(),
-                                           layout.data_ptr<int32_t>(), peer_recv.data_ptr<int64_t>(),
-                                           peer_origin.data_ptr<int64_t>(), peer_meta.data_ptr<int64_t>(),
-                                           static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
+    TORCH_CHECK(route_order.numel() % tokens.size(0) == 0, "route_order must hold k routes per token");
+    const float* scale = optional_weights(route_scale, "route_scale", route_order.numel());
+    check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1), dtype_code,
+                                           route_order.data_ptr<int64_t>(), scale, layout.data_ptr<int32_t>(),
+                                           peer_recv.data_ptr<int64_t>(), peer_origin.data_ptr<int64_t>(),
+                                           peer_meta.data_ptr<int64_t>(), static_cast<int>(blocks),
+                                           at::cuda::getCurrentCUDAStream()),
                  "dispatch");
 }
 
@@ -57,17 +74,17 @@ void combine(const GroupShape& shape, const torch::Tensor& ret, const torch::Ten
              const torch::Tensor& gates, torch::Tensor& out, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
              const torch::Tensor& meta, const torch::Tensor& layout, int64_t error_record, int64_t blocks) {
     TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2, "out must be a contiguous 2-D CUDA tensor");
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf, "out must be bf16 or fp16");
+    const int dtype_code = dtype_code_of(out, "out");
     check_cuda(ret, "ret", out.scalar_type());
     check_cuda(route_position, "route_position", at::kLong);
-    check_cuda(gates, "gates", at::kFloat);
     check_cuda(meta, "meta", at::kInt);
     check_cuda(layout, "layout", at::kInt);
-    TORCH_CHECK(gates.dim() == 2 && gates.size(1) == out.size(0), "gates must be [k, tokens]");
+    TORCH_CHECK(out.size(0) > 0 && route_position.numel() % out.size(0) == 0,
+                "route_position must hold k routes per token");
+    const float* weights = optional_weights(gates, "gates", route_position.numel());
     TORCH_CHECK(out.size(1) % 8 == 0 && chunk_cols % 8 == 0, "hidden size and chunk width must be multiples of 8");
-    const int dtype_code = out.scalar_type() == at::kBFloat16 ? 0 : 1;
-    check_launch(ds_comet::launch_combine(shape, ret.data_ptr(), route_position.data_ptr<int64_t>(),
-                                          gates.data_ptr<float>(), out.data_ptr(), gates.size(0), out.size(0),
+    check_launch(ds_comet::launch_combine(shape, ret.data_ptr(), route_position.data_ptr<int64_t>(), weights,
+                                          out.data_ptr(), route_position.numel() / out.size(0), out.size(0),
                                           out.size(1), dtype_code, chunk_cols, tile_n, num_chunks,
                                           meta.data_ptr<int32_t>(), layout.data_ptr<int32_t>(),
                                           as_record(error_record), static_cast<int>(blocks),
@@ -127,6 +144,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("totals", &ds_comet::LayoutOffsets::totals);
     m.def("codes", &codes, "The enum values the kernels use, for ds_comet.layout to check against");
     m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout");
-    m.def("dispatch", &dispatch, "Send every kept route's token row to its destination's receive buffer");
-    m.def("combine", &combine, "Weighted top-k sum of the returned expert outputs, chunk by chunk");
+    m.def("dispatch", &dispatch, "Send every kept route's token row (optionally scaled per route) to its destination");
+    m.def("combine", &combine, "Top-k sum of the returned expert outputs (gate-weighted unless gates is empty), by chunk");
 }

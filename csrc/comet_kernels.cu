@@ -179,9 +179,26 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     if (tiles > shape.max_tiles) fail(shape, error_record, kWorkspaceOverflow, 1, shape.max_tiles, tiles, 0);
 }
 
+template <typename T>
+struct Vec8 {
+    static __device__ __forceinline__ void to_float(const int4& raw, float* out) {
+        const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(values[i]);
+    }
+    static __device__ __forceinline__ int4 from_float(const float* in) {
+        int4 raw;
+        T* values = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) values[i] = static_cast<T>(in[i]);
+        return raw;
+    }
+};
+
+template <typename T>
 __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes,
-                                const int64_t* route_order, const int32_t* layout, const int64_t* peer_recv,
-                                const int64_t* peer_origin, const int64_t* peer_meta) {
+                                const int64_t* route_order, const float* route_scale, const int32_t* layout,
+                                const int64_t* peer_recv, const int64_t* peer_origin, const int64_t* peer_meta) {
     const int P = shape.ep_size, E = shape.num_experts, L = E / P;
     const int64_t tile_m = shape.tile_m;
     const MetaOffsets& mo = shape.meta;
@@ -211,11 +228,22 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
 
         for (int64_t r = r0 + warp; r < r1; r += num_warps) {
             const int64_t pos = first_pos + (r - rel);
-            const int64_t token = route_order[pos] % num_tokens;
+            const int64_t route = route_order[pos];
+            const int64_t token = route % num_tokens;
             const int4* src = reinterpret_cast<const int4*>(tokens + token * row_bytes);
             int4* dst = reinterpret_cast<int4*>(recv + (region_row + r) * row_bytes);
             const int64_t vectors = row_bytes / sizeof(int4);
             int64_t v = lane;
+            if (route_scale != nullptr) {  // backward: each route carries its gate times the gradient
+                const float scale = route_scale[route];
+                for (; v < vectors; v += kWarp) {
+                    float values[8];
+                    Vec8<T>::to_float(src[v], values);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) values[i] *= scale;
+                    dst[v] = Vec8<T>::from_float(values);
+                }
+            }
             for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
                 const int4 a = src[v], b = src[v + kWarp], c = src[v + 2 * kWarp], f = src[v + 3 * kWarp];
                 dst[v] = a;
@@ -235,22 +263,6 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
         }
     }
 }
-
-template <typename T>
-struct Vec8 {
-    static __device__ __forceinline__ void to_float(const int4& raw, float* out) {
-        const T* values = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(values[i]);
-    }
-    static __device__ __forceinline__ int4 from_float(const float* in) {
-        int4 raw;
-        T* values = reinterpret_cast<T*>(&raw);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) values[i] = static_cast<T>(in[i]);
-        return raw;
-    }
-};
 
 template <typename T>
 __global__ void combine_kernel(GroupShape shape, const T* ret, const int64_t* route_position, const float* gates,
@@ -281,7 +293,7 @@ __global__ void combine_kernel(GroupShape shape, const T* ret, const int64_t* ro
             for (int64_t j = 0; j < top_k; ++j) {
                 const int64_t pos = route_position[j * num_tokens + token];
                 if (pos >= kept) continue;  // a dropped route: its output is zero
-                const float gate = gates[j * num_tokens + token];
+                const float gate = gates == nullptr ? 1.f : gates[j * num_tokens + token];
                 // Peers wrote these rows: read past L1, which does not see their stores.
                 const int4 raw = __ldcg(reinterpret_cast<const int4*>(ret + pos * hidden + col));
                 float values[8];
@@ -304,12 +316,19 @@ cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_count
 }
 
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
-                            int64_t elem_bytes, const int64_t* route_order, const int32_t* layout,
-                            const int64_t* peer_recv, const int64_t* peer_origin, const int64_t* peer_meta,
-                            int blocks, cudaStream_t stream) {
-    dispatch_kernel<<<blocks, 512, 0, stream>>>(shape, static_cast<const char*>(tokens), num_tokens,
-                                                 hidden * elem_bytes, route_order, layout, peer_recv, peer_origin,
-                                                 peer_meta);
+                            int dtype_code, const int64_t* route_order, const float* route_scale,
+                            const int32_t* layout, const int64_t* peer_recv, const int64_t* peer_origin,
+                            const int64_t* peer_meta, int blocks, cudaStream_t stream) {
+    const int64_t row_bytes = hidden * 2;  // bf16 and fp16 alike
+    if (dtype_code == 0) {
+        dispatch_kernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(shape, static_cast<const char*>(tokens), num_tokens,
+                                                                    row_bytes, route_order, route_scale, layout,
+                                                                    peer_recv, peer_origin, peer_meta);
+    } else {
+        dispatch_kernel<__half><<<blocks, 512, 0, stream>>>(shape, static_cast<const char*>(tokens), num_tokens,
+                                                             row_bytes, route_order, route_scale, layout, peer_recv,
+                                                             peer_origin, peer_meta);
+    }
     return cudaGetLastError();
 }
 

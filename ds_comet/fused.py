@@ -1,8 +1,18 @@
-"""The fused COMET forward: layer0 = dispatch + GEMM1, layer1 = GEMM2 + combine.
+"""The fused COMET pipeline: layer0 = dispatch + GEMM1, layer1 = GEMM2 + combine, both ways.
 
-Streams: the exchange, GEMM1 and GEMM2 run on the caller's stream; the dispatch and then the
-combine run on the buffer's communication stream on ``comm_blocks`` thread blocks, and the GEMMs
-take every other multiprocessor. No step reads anything back to the host.
+Forward: the dispatch sends token rows, GEMM1 (with the activation) runs per row tile as rows
+arrive, GEMM2 stores each output row into its source rank's return buffer chunk by chunk, and the
+combine sums each token's weighted routes as chunks arrive.
+
+Backward, through the same two primitives: the gradient of the combine is a dispatch (each route's
+gate-scaled output gradient travels to its expert's rank), overlapped with the GEMM for the
+gradient of the activation input (dY @ W2, times act'); the gradient of the dispatch is a combine
+(GEMM1's input gradient dA @ W1 returns to the source ranks chunk by chunk and is summed per
+token). The weight gradients are grouped GEMMs that run while the combine moves data.
+
+Streams: the exchange and the GEMMs run on the caller's stream; the dispatch and then the combine
+run on the buffer's communication stream on ``comm_blocks`` thread blocks, and the GEMMs take every
+other multiprocessor. No step reads anything back to the host.
 
 Progress: the dispatch waits for nothing; GEMM1 tiles wait only for dispatches, GEMM2 waits for
 nothing, and the combine waits only for GEMM2s. Every rank launches in the order exchange,
@@ -13,7 +23,7 @@ multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from be
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -64,83 +74,296 @@ class ExpertTables:
         return self._tables
 
 
-def _grid(buffer: CometBuffer, params: FusedParameters) -> int:
-    return max(1, buffer.num_sms - params.comm_blocks)
+def expert_parameters(experts: List[FusedExpert]) -> List[Tensor]:
+    """The local experts' parameters in the order the fused autograd function takes them."""
+    params = []
+    for e in experts:
+        for linear in (e.first, e.gate, e.second):
+            if linear is not None:
+                params += [p for p in (linear.weight, linear.bias) if p is not None]
+    return params
+
+
+@dataclass
+class _Launch:
+    """What every kernel launch of one call shares."""
+    buffer: CometBuffer
+    experts: List[FusedExpert]
+    params: FusedParameters
+    tables: Dict[str, Tensor]
+    hidden: int
+    ffn: int
+    gated: bool
+    has_bias: bool
+    activation: str
+
+    @classmethod
+    def of(cls, buffer, tokens, experts, tables: ExpertTables, params):
+        first = experts[0]
+        return cls(buffer, experts, params, tables.get(experts, tokens.device), tokens.shape[1],
+                   first.first.out_features, first.gate is not None, first.first.bias is not None, first.activation)
+
+    @property
+    def grid(self) -> int:
+        return max(1, self.buffer.num_sms - self.params.comm_blocks)
+
+    @property
+    def l_pow2(self) -> int:
+        return next_power_of_2(len(self.experts) + 1)
+
+    @property
+    def chunking(self) -> Tuple[int, int]:
+        """(column tiles per chunk, number of chunks) of the hidden dimension."""
+        n_col_tiles = -(-self.hidden // self.params.tile_n)
+        chunk_tiles = -(-n_col_tiles // self.params.n_chunks)
+        return chunk_tiles, -(-n_col_tiles // chunk_tiles)
+
+    def exchange(self, plan: RoutingPlan):
+        b = self.buffer
+        b.op.exchange(b.kernel_shape, plan.expert_counts, b.meta, b.peer_meta, b.layout, b.error_address)
+
+    def dispatch(self, rows: Tensor, plan: RoutingPlan, scale: Tensor):
+        """Sends rows[route token] (times scale[route], if scale is not empty) for every kept route."""
+        b = self.buffer
+        main = torch.cuda.current_stream(rows.device)
+        b.comm_stream.wait_stream(main)
+        with torch.cuda.stream(b.comm_stream):
+            b.op.dispatch(b.kernel_shape, rows, plan.route_order, b.layout, b.peer_recv, b.peer_origin, b.peer_meta,
+                          scale, self.params.comm_blocks)
+
+    def combine(self, plan: RoutingPlan, gates: Tensor, out: Tensor):
+        """out[token] = sum over its kept routes of gate (1 if gates is empty) x returned row."""
+        b = self.buffer
+        chunk_tiles, num_chunks = self.chunking
+        with torch.cuda.stream(b.comm_stream):
+            b.op.combine(b.kernel_shape, b.ret, plan.route_position, gates, out, chunk_tiles * self.params.tile_n,
+                         self.params.tile_n, num_chunks, b.meta, b.layout, b.error_address, self.params.comm_blocks)
+
+    def join(self, device, *used_on_comm: Tensor):
+        main = torch.cuda.current_stream(device)
+        if not torch.cuda.is_current_stream_capturing():  # a graph's private pool outlives its streams anyway
+            for tensor in used_on_comm:
+                tensor.record_stream(self.buffer.comm_stream)
+        main.wait_stream(self.buffer.comm_stream)
+
+    def gemm1(self, rows: Tensor, out: Tensor, pre: Tensor, backward: bool, store_pre: bool):
+        from .triton_gemm import ACTIVATION_CODES, gemm1_kernel
+        b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
+        # Forward reads W1 ([F, H]) as W1^T; backward reads W2 ([H, F]) as it is.
+        w, sbk, sbn = (t["w2"], self.ffn, 1) if backward else (t["w1"], 1, self.hidden)
+        gemm1_kernel[(self.grid, )](
+            rows, out, pre, w, t["w3"], t["b1"], t["b3"], b.layout, b.tile_counters, b.error_address,
+            b.kernel_shape.timeout_ns, b.rank, self.hidden, self.ffn, sbk, sbn, len(self.experts), lo.expert_start,
+            lo.tile_start, lo.local_tiles, lo.remote_tiles, lo.totals + TOTAL_TILES, L_POW2=self.l_pow2,
+            BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K, GROUP_M=GROUP_M, NUM_PROGS=self.grid,
+            HAS_BIAS=self.has_bias, GATED=self.gated, ACTIVATION=ACTIVATION_CODES[self.activation],
+            BACKWARD=backward, STORE_PRE=store_pre, WAIT=True, INTERPRET=_interpreting(), num_warps=8,
+            num_stages=3)
+
+    def gemm2(self, rows: Tensor, backward: bool):
+        from .triton_gemm import gemm2_kernel
+        b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
+        chunk_tiles, _ = self.chunking
+        if backward:  # rows = dA ([R, F] or [R, 2F]) @ W1 (+ up part @ W3); W1 is [F, H]
+            w, w3, bias, lda, sbk, sbn, second = t["w1"], t["w3"], t["b2"], rows.shape[1], self.hidden, 1, self.gated
+        else:  # rows = h @ W2^T; W2 is [H, F]
+            w, w3, bias, lda, sbk, sbn, second = t["w2"], t["w2"], t["b2"], self.ffn, 1, self.ffn, False
+        gemm2_kernel[(self.grid, )](
+            rows, lda, w, w3, bias, b.origin, b.peer_ret, b.peer_chunk_counters, b.layout, self.ffn, self.hidden,
+            sbk, sbn, len(self.experts), lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
+            EP_SIZE=b.shape.ep_size, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K,
+            GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias and not backward,
+            SECOND=second, num_warps=8, num_stages=3)
+
+    def wgrad(self, a: Tensor, b: Tensor, M: int, N: int, dtype) -> Tuple[Tensor, Optional[Tensor]]:
+        """Per local expert l: a[rows of l, :M]^T @ b[rows of l, :N] and a's column sums (bias)."""
+        from .triton_gemm import wgrad_kernel
+        num_local = len(self.experts)
+        out = torch.empty((num_local, M, N), dtype=dtype, device=a.device)
+        bias = torch.empty((num_local, M), dtype=dtype, device=a.device) if self.has_bias else out
+        wgrad_kernel[(self.grid, )](a, a.shape[1], b, b.shape[1], out, bias, self.buffer.layout,
+                                    self.buffer.layout_offsets.expert_start, M, N, num_local, BM=128, BN=128, BK=64,
+                                    GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, num_warps=8,
+                                    num_stages=3)
+        return out, (bias if self.has_bias else None)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates: Tensor, experts: List[FusedExpert],
                   tables: ExpertTables, params: FusedParameters, out: Optional[Tensor] = None,
-                  profile: Optional[dict] = None) -> Tensor:
+                  profile: Optional[dict] = None, saved: Optional[dict] = None) -> Tensor:
     """The experts' combined output for ``tokens`` ([S, H]); ``out`` ([S, H]) receives it if given.
 
     ``profile``, if given, receives callables that relaunch GEMM1 and GEMM2 alone (benchmarks).
+    ``saved``, if given, receives what ``fused_backward`` needs: copies of the received rows and of
+    the returned expert outputs (the workspace is reused by the next call), the products before
+    the activation and the activations.
     """
-    from .triton_gemm import ACTIVATION_CODES, gemm1_kernel, gemm2_kernel
-
     num_tokens, hidden = tokens.shape
     buffer.check_tokens(num_tokens)
     buffer.raise_if_failed()
-    shape, lo, op = buffer.shape, buffer.layout_offsets, buffer.op
-    first = experts[0]
-    ffn = first.first.out_features
-    num_local = len(experts)
-    gated = first.gate is not None
-    has_bias = first.first.bias is not None
-    weight_tables = tables.get(experts, tokens.device)
-    tokens = tokens.contiguous()
-    gates = gates.contiguous()
-    main = torch.cuda.current_stream(tokens.device)
-    comm = buffer.comm_stream
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    l_pow2 = next_power_of_2(num_local + 1)
-    grid = _grid(buffer, params)
-    n_col_tiles = -(-hidden // params.tile_n)
-    chunk_tiles = -(-n_col_tiles // params.n_chunks)
-    num_chunks = -(-n_col_tiles // chunk_tiles)
-
-    h = torch.empty((shape.max_recv_rows, ffn), dtype=tokens.dtype, device=tokens.device)
+    launch = _Launch.of(buffer, tokens, experts, tables, params)
+    tokens, gates = tokens.contiguous(), gates.contiguous()
+    rows = buffer.shape.max_recv_rows
+    h = torch.empty((rows, launch.ffn), dtype=tokens.dtype, device=tokens.device)
+    pre = h
+    if saved is not None:
+        pre = torch.empty((rows, launch.ffn * (2 if launch.gated else 1)), dtype=tokens.dtype, device=tokens.device)
     if out is None:
         out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
 
-    op.exchange(buffer.kernel_shape, plan.expert_counts, buffer.meta, buffer.peer_meta, buffer.layout,
-                buffer.error_address)
-    comm.wait_stream(main)
-    with torch.cuda.stream(comm):
-        op.dispatch(buffer.kernel_shape, tokens, plan.route_order, buffer.layout, buffer.peer_recv,
-                    buffer.peer_origin, buffer.peer_meta, params.comm_blocks)
-    if not torch.cuda.is_current_stream_capturing():  # a graph's private pool outlives its streams anyway
-        for tensor in (tokens, plan.route_order, plan.route_position, gates, out):
-            tensor.record_stream(comm)
+    launch.exchange(plan)
+    launch.dispatch(tokens, plan, _NO_SCALE.get(tokens.device))
 
     def run_gemm1():
-        gemm1_kernel[(grid, )](
-            buffer.recv, h, weight_tables["w1"], weight_tables["b1"], weight_tables["w3"], weight_tables["b3"],
-            buffer.layout, buffer.tile_counters, buffer.error_address, buffer.kernel_shape.timeout_ns, buffer.rank,
-            hidden, ffn, num_local, lo.expert_start, lo.tile_start, lo.local_tiles, lo.remote_tiles,
-            lo.totals + TOTAL_TILES, L_POW2=l_pow2, BM=params.tile_m, BN=params.tile_n, BK=TILE_K, GROUP_M=GROUP_M,
-            NUM_PROGS=grid, HAS_BIAS=has_bias, GATED=gated, ACTIVATION=ACTIVATION_CODES[first.activation],
-            WAIT=True, INTERPRET=interpret, num_warps=8, num_stages=3)
+        launch.gemm1(buffer.recv, h, pre, backward=False, store_pre=saved is not None)
 
     def run_gemm2():
-        gemm2_kernel[(grid, )](
-            h, weight_tables["w2"], weight_tables["b2"], buffer.origin, buffer.peer_ret, buffer.peer_chunk_counters,
-            buffer.layout, hidden, ffn, num_local, lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
-            EP_SIZE=shape.ep_size, L_POW2=l_pow2, BM=params.tile_m, BN=params.tile_n, BK=TILE_K, GROUP_M=GROUP_M,
-            CHUNK_TILES=chunk_tiles, NUM_PROGS=grid, HAS_BIAS=has_bias, num_warps=8, num_stages=3)
+        launch.gemm2(h, backward=False)
 
     run_gemm1()
     run_gemm2()
+    if saved is not None:
+        # GEMM1 waited for every received row; keep them before the next call overwrites them.
+        saved.update(rows=buffer.recv.clone(), pre=pre, h=h)
     if profile is not None:
         # Relaunching the GEMMs alone is safe until the next call's exchange resets the counters.
         profile.update(gemm1=run_gemm1, gemm2=run_gemm2)
     # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
     # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
     # whose producers this rank has not launched yet.
-    with torch.cuda.stream(comm):
-        op.combine(buffer.kernel_shape, buffer.ret, plan.route_position, gates, out, chunk_tiles * params.tile_n,
-                   params.tile_n, num_chunks, buffer.meta, buffer.layout, buffer.error_address, params.comm_blocks)
-    main.wait_stream(comm)
+    launch.combine(plan, gates, out)
+    launch.join(tokens.device, tokens, plan.route_order, plan.route_position, gates, out)
+    if saved is not None:
+        saved["returned"] = buffer.ret[:plan.route_order.numel()].clone()
     return out
+
+
+def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gates: Tensor,
+                   experts: List[FusedExpert], tables: ExpertTables, params: FusedParameters, saved: dict,
+                   need_tokens: bool, need_gates: bool,
+                   need_weights: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[List[Tensor]]]:
+    """Gradients of ``fused_forward``'s output with respect to the tokens, the gates ([k, S], fp32) and
+    ``expert_parameters(experts)``, from the output gradient ``grad_out`` ([S, H])."""
+    from .triton_gemm import route_dot_kernel
+    buffer.raise_if_failed()
+    num_tokens, hidden = grad_out.shape
+    grad_out = grad_out.contiguous()
+    launch = _Launch.of(buffer, grad_out, experts, tables, params)
+    device, dtype = grad_out.device, grad_out.dtype
+    grad_tokens = grad_gates = weight_grads = None
+
+    if need_tokens or need_weights:
+        gates = gates.detach().contiguous()
+        width = launch.ffn * (2 if launch.gated else 1)
+        grad_pre = torch.empty((buffer.shape.max_recv_rows, width), dtype=dtype, device=device)
+        launch.exchange(plan)
+        # The combine weighted each route by its gate, so each route's output gradient is the
+        # gate times the token's gradient (rounded like stock's fp32 combine rounds it).
+        launch.dispatch(grad_out, plan, gates)
+        launch.gemm1(buffer.recv, grad_pre, saved["pre"], backward=True, store_pre=False)
+        if need_tokens:
+            grad_tokens = torch.empty_like(grad_out)
+            launch.gemm2(grad_pre, backward=True)
+            launch.combine(plan, _NO_SCALE.get(device), grad_tokens)
+        if need_weights:
+            # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
+            dw2, db2 = launch.wgrad(buffer.recv, saved["h"], hidden, launch.ffn, dtype)
+            dw1, db1 = launch.wgrad(grad_pre, saved["rows"], width, hidden, dtype)
+            weight_grads = _split_weight_grads(experts, launch.ffn, dw1, db1, dw2, db2)
+        launch.join(device, grad_out, gates, plan.route_order, plan.route_position,
+                    *([grad_tokens] if grad_tokens is not None else []))
+    if need_gates:
+        top_k = plan.top_k
+        grad_gates = torch.empty((top_k * num_tokens, ), dtype=torch.float32, device=device)
+        num_experts = plan.expert_counts.numel()
+        route_dot_kernel[(top_k * num_tokens, )](saved["returned"], grad_out, plan.route_position,
+                                                 plan.expert_counts, grad_gates, num_tokens, num_experts, hidden,
+                                                 E_POW2=next_power_of_2(num_experts),
+                                                 BLOCK=min(1024, next_power_of_2(hidden)), num_warps=4)
+        grad_gates = grad_gates.view(top_k, num_tokens)
+    return grad_tokens, grad_gates, weight_grads
+
+
+def _split_weight_grads(experts, ffn, dw1, db1, dw2, db2) -> List[Tensor]:
+    """Per-expert gradients in ``expert_parameters`` order, as views of the grouped results."""
+    grads = []
+    for l, e in enumerate(experts):
+        parts = [(e.first, dw1[l, :ffn], None if db1 is None else db1[l, :ffn])]
+        if e.gate is not None:
+            parts.append((e.gate, dw1[l, ffn:], None if db1 is None else db1[l, ffn:]))
+        parts.append((e.second, dw2[l], db2[l] if db2 is not None else None))
+        for linear, weight_grad, bias_grad in parts:
+            grads.append(weight_grad)
+            if linear.bias is not None:
+                grads.append(bias_grad)
+    return grads
+
+
+class _EmptyScale:
+    """An empty fp32 tensor per device: 'no per-route scale' for the dispatch and combine."""
+
+    def __init__(self):
+        self._tensors: Dict[torch.device, Tensor] = {}
+
+    def get(self, device) -> Tensor:
+        if device not in self._tensors:
+            self._tensors[device] = torch.empty(0, dtype=torch.float32, device=device)
+        return self._tensors[device]
+
+
+_NO_SCALE = _EmptyScale()
+
+
+class FusedMoEFunction(torch.autograd.Function):
+    """The fused forward with the fused backward: (call, tokens, gates, *expert parameters) -> output.
+
+    ``call`` carries the workspace, the plan, the experts, their pointer tables and the parameters.
+    The expert parameters are inputs so that autograd accumulates their gradients into each
+    expert module's own ``.grad`` and DeepSpeed's hooks see them as they would with stock.
+    """
+
+    @staticmethod
+    def forward(ctx, call: "FusedCall", tokens: Tensor, gates: Tensor, *expert_params: Tensor) -> Tensor:
+        saved = {}
+        out = fused_forward(call.buffer, tokens, call.plan, gates, call.experts, call.tables, call.params,
+                            saved=saved)
+        ctx.call, ctx.saved = call, saved
+        ctx.save_for_backward(gates)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        call, (gates, ) = ctx.call, ctx.saved_tensors
+        need = ctx.needs_input_grad
+        try:
+            grad_tokens, grad_gates, weight_grads = fused_backward(
+                call.buffer, grad_out, call.plan, gates, call.experts, call.tables, call.params, ctx.saved,
+                need_tokens=need[1], need_gates=need[2], need_weights=any(need[3:]))
+        except RuntimeError:
+            call.buffer.raise_if_failed()
+            raise
+        ctx.saved = None
+        if weight_grads is None:
+            weight_grads = [None] * (len(need) - 3)
+        return (None, grad_tokens, grad_gates, *weight_grads)
+
+
+@dataclass(frozen=True)
+class FusedCall:
+    buffer: CometBuffer
+    plan: RoutingPlan
+    experts: List[FusedExpert]
+    tables: ExpertTables
+    params: FusedParameters
+
+
+def fused_moe(call: FusedCall, tokens: Tensor, gates: Tensor) -> Tensor:
+    """The fused pipeline under autograd: forward now, ``fused_backward`` when gradients flow."""
+    return FusedMoEFunction.apply(call, tokens, gates, *expert_parameters(call.experts))
 
 
 def next_power_of_2(n: int) -> int:

@@ -7,7 +7,7 @@ runs the reference pipeline and says once, through DeepSpeed's logger, why. With
 
 The one-time checks (op, experts, topology, workspace size) are agreed on by the whole group in one
 collective at the first call, so every rank takes the same path; the per-call checks (device,
-dtype, grad mode) depend only on what every rank of an SPMD job has alike.
+dtype) depend only on what every rank of an SPMD job has alike.
 """
 
 import importlib.util
@@ -21,7 +21,7 @@ from deepspeed.utils import log_dist
 
 from .config import CometMoEConfig
 from .experts import FusedExpert, fused_expert
-from .fused import ExpertTables, FusedParameters, fused_forward
+from .fused import ExpertTables, FusedCall, FusedParameters, fused_forward, fused_moe
 from .routing import RoutingPlan
 from .workspace import BufferShape, get_buffer
 
@@ -87,9 +87,6 @@ class PipelineSelector:
             return f"the tokens are {tokens.dtype}; the fused kernels run bf16 and fp16"
         if self.moe.ep_group is None:
             return "the layer has no expert-parallel group yet (deepspeed.initialize or set_deepspeed_parallelism)"
-        if torch.is_grad_enabled() and (tokens.requires_grad or any(
-                p.requires_grad for p in self.moe.experts.parameters())):
-            return "the fused pipeline has no backward pass yet, so steps that need gradients run the reference"
         return None
 
     def _local_static_reason(self, tokens: torch.Tensor) -> Optional[str]:
@@ -167,6 +164,10 @@ class PipelineSelector:
 
     def _run(self, tokens: torch.Tensor, plan: RoutingPlan, gates: torch.Tensor) -> torch.Tensor:
         try:
+            if torch.is_grad_enabled() and (tokens.requires_grad or gates.requires_grad or any(
+                    p.requires_grad for p in self.moe.experts.parameters())):
+                call = FusedCall(self._buffer, plan, self._experts, self._tables, self._params)
+                return fused_moe(call, tokens, gates)
             return fused_forward(self._buffer, tokens, plan, gates, self._experts, self._tables, self._params)
         except RuntimeError as error:
             # A kernel that gave up on a wait stops the device; name what it waited for if it said so.

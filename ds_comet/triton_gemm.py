@@ -1,13 +1,22 @@
-"""The two grouped GEMMs of the fused pipeline, in Triton.
+"""The grouped GEMMs of the fused pipeline, in Triton, forward and backward.
 
-GEMM1 (layer0) reads the receive buffer that the dispatch kernels of every rank fill, and waits per
-row tile until all of the tile's rows have arrived; tiles holding only this rank's own rows come
-first, the others in arrival order. GEMM2 (layer1) computes column chunk by column chunk, each
-across all experts, and stores every output row straight into the returning buffer of the rank the
-token came from, then tells that rank how many rows of the chunk it delivered.
+The two primitives each run in both directions:
+
+- ``gemm1_kernel`` reads the receive buffer that the dispatch kernels of every rank fill, and
+  waits per row tile until all of the tile's rows have arrived; tiles holding only this rank's own
+  rows come first, the others in arrival order. Forward it is GEMM1 with the activation
+  (``rows @ W1^T``); backward it takes the dispatched output gradients and gives the gradient of
+  the activation's input (``dY @ W2``, times act').
+- ``gemm2_kernel`` computes column chunk by column chunk, each across all experts, and stores every
+  output row straight into the returning buffer of the rank the token came from, then tells that
+  rank how many rows of the chunk it delivered. Forward it is GEMM2 (``h @ W2^T``); backward it
+  gives the rows' input gradients (``dA @ W1``), which the combine then sums per token.
+- ``wgrad_kernel`` gives every local expert's weight gradient (``A_l^T @ B_l`` over its rows) and
+  ``route_dot_kernel`` the gate values' gradient (a dot product per route).
 
 Expert weights stay in DeepSpeed's per-expert modules: the kernels read them through device tables
 of per-expert pointers (ZeRO may move parameters, so the tables are rebuilt when pointers change).
+A weight matrix is read with explicit strides, so the same kernel runs ``W`` and ``W^T``.
 """
 
 import triton
@@ -76,6 +85,22 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _activation_grad(x, ACTIVATION: tl.constexpr):
+    """d act(x) / dx."""
+    if ACTIVATION == 0:  # Phi(x) + x phi(x)
+        return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACTIVATION == 1:
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * inner))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+    elif ACTIVATION == 2:
+        return (x > 0.0).to(tl.float32)
+    else:
+        s = 1.0 / (1.0 + tl.exp(-x))
+        return s * (1.0 + x * (1.0 - s))
+
+
+@triton.jit
 def _find_expert(prefix, value):
     """Index of the expert whose [prefix[l], prefix[l+1]) holds value (padding entries are huge)."""
     return tl.sum((prefix <= value).to(tl.int32)) - 1
@@ -91,22 +116,66 @@ def _swizzle(tile, rows, cols, GROUP_M: tl.constexpr):
     return first_row + in_group % group_rows, in_group // group_rows
 
 
+@triton.jit
+def _dot_rows(acc, acc2, a, lda, offs_m, m_mask, b, b2, sbk, sbn, offs_n, n_mask, K, BK: tl.constexpr,
+              SECOND: tl.constexpr):
+    """acc + A[offs_m, :K] @ B[:K, offs_n], where B[k, n] sits at b + k*sbk + n*sbn.
+
+    With SECOND, acc2 also gets the same rows times the matrix at b2 (same strides): both products
+    of a gated expert's first layer share each loaded tile of A.
+    """
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a + offs_m[:, None] * lda + offs_k[None, :]
+    b_ptrs = b + offs_k[:, None] * sbk + offs_n[None, :] * sbn
+    if SECOND:
+        b2_ptrs = b2 + offs_k[:, None] * sbk + offs_n[None, :] * sbn
+    for k in range(0, tl.cdiv(K, BK)):
+        k_mask = offs_k < K - k * BK
+        x = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(x, w, acc)
+        if SECOND:
+            w2 = tl.load(b2_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc2 = tl.dot(x, w2, acc2)
+            b2_ptrs += BK * sbk
+        a_ptrs += BK
+        b_ptrs += BK * sbk
+    return acc, acc2
+
+
+@triton.jit
+def _weight(table, expert, dtype):
+    # Weights are 16-byte aligned (ExpertTables checks): say so, or the loads cannot be vectorised.
+    return tl.multiple_of(tl.load(table + expert).to(tl.pointer_type(dtype)), 16)
+
+
 # Not specialised: a rank of 1 would otherwise become a constant, and each rank its own compile.
 @triton.jit(do_not_specialize=["error_addr", "timeout_ns", "rank"])
-def gemm1_kernel(recv, h, w1_table, b1_table, w3_table, b3_table, layout, tile_counters, error_addr, timeout_ns,
-                 rank, hidden, ffn, num_local, off_expert_start, off_tile_start, off_local_tiles, off_remote_tiles,
-                 off_total_tiles, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                 ACTIVATION: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr):
-    """h[rows of expert l] = act(recv[rows] @ W1_l^T + b1_l) (gated: * (recv[rows] @ W3_l^T + b3_l))."""
-    dtype = recv.dtype.element_ty
+def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, tile_counters, error_addr,
+                 timeout_ns, rank, K, N, sbk, sbn, num_local, off_expert_start, off_tile_start, off_local_tiles,
+                 off_remote_tiles, off_total_tiles, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 GATED: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
+                 WAIT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The first grouped GEMM over the receive buffer ``rows`` ([R, K]), tile by tile as rows arrive.
+
+    Forward (W = W1, [N, K]): out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)]; with STORE_PRE
+    the products before the activation also go to ``pre`` ([R, N], gated [R, 2N]: first, then up).
+    Backward (W = W2, [K, N]; rows are output gradients): g = rows @ W2 and, from the forward's
+    ``pre``, out = g * act'(z) (gated: out[:, :N] = g * u * act'(z), out[:, N:] = g * act(z)).
+    """
+    dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
-    n_tiles = tl.cdiv(ffn, BN)
+    n_tiles = tl.cdiv(N, BN)
     lanes = tl.arange(0, L_POW2)
     local_prefix = tl.load(layout + off_local_tiles + lanes, mask=lanes <= num_local, other=1 << 30)
     remote_prefix = tl.load(layout + off_remote_tiles + lanes, mask=lanes <= num_local, other=1 << 30)
     local_total = tl.load(layout + off_local_tiles + num_local)
-    offs_k = tl.arange(0, BK)
+    two_products: tl.constexpr = GATED and not BACKWARD
+    if GATED:
+        pre_cols = 2 * N
+    else:
+        pre_cols = N
 
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
         slot, pid_n = _swizzle(tile, total_m, n_tiles, GROUP_M)
@@ -129,57 +198,63 @@ def gemm1_kernel(recv, h, w1_table, b1_table, w3_table, b3_table, layout, tile_c
         offs_m = tile_row + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         m_mask = offs_m < row_end
-        n_mask = offs_n < ffn
-        # Weights are 16-byte aligned (ExpertTables checks): say so, or the loads cannot be vectorised.
-        w1 = tl.multiple_of(tl.load(w1_table + expert).to(tl.pointer_type(dtype)), 16)
-        a_ptrs = recv + offs_m[:, None] * hidden + offs_k[None, :]
-        b_ptrs = w1 + offs_n[:, None] * hidden + offs_k[None, :]
+        n_mask = offs_n < N
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        w = _weight(w_table, expert, dtype)
+        w3 = w
+        if two_products:
+            w3 = _weight(w3_table, expert, dtype)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if GATED:
-            w3 = tl.multiple_of(tl.load(w3_table + expert).to(tl.pointer_type(dtype)), 16)
-            b3_ptrs = w3 + offs_n[:, None] * hidden + offs_k[None, :]
-            acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, tl.cdiv(hidden, BK)):
-            k_mask = offs_k < hidden - k * BK
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc)
+        acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, sbk, sbn, offs_n, n_mask, K, BK,
+                              two_products)
+        pre_ptrs = pre + offs_m[:, None] * pre_cols + offs_n[None, :]
+        out_ptrs = out + offs_m[:, None] * pre_cols + offs_n[None, :]
+        if BACKWARD:
+            z = tl.load(pre_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
             if GATED:
-                b3 = tl.load(b3_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                acc3 = tl.dot(a, tl.trans(b3), acc3)
-                b3_ptrs += BK
-            a_ptrs += BK
-            b_ptrs += BK
-
-        if HAS_BIAS:
-            bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
-            acc += tl.load(bias1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out = _activation(acc, ACTIVATION)
-        if GATED:
+                up = tl.load(pre_ptrs + N, mask=mn_mask, other=0.0).to(tl.float32)
+                tl.store(out_ptrs, (acc * up * _activation_grad(z, ACTIVATION)).to(dtype), mask=mn_mask)
+                tl.store(out_ptrs + N, (acc * _activation(z, ACTIVATION)).to(dtype), mask=mn_mask)
+            else:
+                tl.store(out + offs_m[:, None] * N + offs_n[None, :],
+                         (acc * _activation_grad(z, ACTIVATION)).to(dtype), mask=mn_mask)
+        else:
             if HAS_BIAS:
-                bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
-                acc3 += tl.load(bias3 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            out = out * acc3
-        tl.store(h + offs_m[:, None] * ffn + offs_n[None, :], out.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+                bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
+                acc += tl.load(bias1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                if GATED:
+                    bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
+                    acc3 += tl.load(bias3 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if STORE_PRE:
+                tl.store(pre_ptrs, acc.to(dtype), mask=mn_mask)
+                if GATED:
+                    tl.store(pre_ptrs + N, acc3.to(dtype), mask=mn_mask)
+            result = _activation(acc, ACTIVATION)
+            if GATED:
+                result = result * acc3
+            tl.store(out + offs_m[:, None] * N + offs_n[None, :], result.to(dtype), mask=mn_mask)
 
 
 @triton.jit
-def gemm2_kernel(h, w2_table, b2_table, origin, ret_table, chunk_counter_table, layout, hidden, ffn, num_local,
-                 off_expert_start, off_tile_start, off_total_tiles, EP_SIZE: tl.constexpr, L_POW2: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 CHUNK_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y = h[rows of expert l] @ W2_l^T + b2_l, each row stored into its source rank's return buffer.
+def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, ret_table, chunk_counter_table, layout, K, N, sbk,
+                 sbn, num_local, off_expert_start, off_tile_start, off_total_tiles, EP_SIZE: tl.constexpr,
+                 L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                 CHUNK_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr, SECOND: tl.constexpr):
+    """y = rows[:, :K] @ W + b2 (+ rows[:, K:2K] @ W3 with SECOND), each row stored into its source
+    rank's return buffer; W[k, n] sits at w + k*sbk + n*sbn.
+
+    Forward: rows = h, W = W2^T. Backward: rows = the activation-input gradients, W = W1 (and the up
+    projection W3 for gated experts), so y is the rows' input gradient.
 
     Tiles go column chunk by column chunk (CHUNK_TILES column tiles each), every chunk across all
     experts; after storing a tile, the program adds to each source's counter of that chunk the
     number of the tile's rows that came from it.
     """
-    dtype = h.dtype.element_ty
+    dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
-    n_tiles = tl.cdiv(hidden, BN)
+    n_tiles = tl.cdiv(N, BN)
     lanes = tl.arange(0, L_POW2)
     tile_prefix = tl.load(layout + off_tile_start + lanes, mask=lanes <= num_local, other=1 << 30)
-    offs_k = tl.arange(0, BK)
 
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
         chunk = tile // (total_m * CHUNK_TILES)
@@ -191,19 +266,15 @@ def gemm2_kernel(h, w2_table, b2_table, origin, ret_table, chunk_counter_table, 
         offs_m = tl.load(layout + off_expert_start + expert) + t * BM + tl.arange(0, BM)
         offs_n = (chunk * CHUNK_TILES + n_in_chunk) * BN + tl.arange(0, BN)
         m_mask = offs_m < row_end
-        n_mask = offs_n < hidden
+        n_mask = offs_n < N
 
-        w2 = tl.multiple_of(tl.load(w2_table + expert).to(tl.pointer_type(dtype)), 16)
-        a_ptrs = h + offs_m[:, None] * ffn + offs_k[None, :]
-        b_ptrs = w2 + offs_n[:, None] * ffn + offs_k[None, :]
+        w = _weight(w_table, expert, dtype)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, tl.cdiv(ffn, BK)):
-            k_mask = offs_k < ffn - k * BK
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc)
-            a_ptrs += BK
-            b_ptrs += BK
+        acc, _ = _dot_rows(acc, acc, rows, lda, offs_m, m_mask, w, w, sbk, sbn, offs_n, n_mask, K, BK, False)
+        if SECOND:
+            w3 = _weight(w3_table, expert, dtype)
+            acc, _ = _dot_rows(acc, acc, rows + K, lda, offs_m, m_mask, w3, w3, sbk, sbn, offs_n, n_mask, K, BK,
+                               False)
         if HAS_BIAS:
             bias2 = tl.load(b2_table + expert).to(tl.pointer_type(dtype))
             acc += tl.load(bias2 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -212,7 +283,7 @@ def gemm2_kernel(h, w2_table, b2_table, origin, ret_table, chunk_counter_table, 
         source = (row_origin >> 32).to(tl.int32)
         position = row_origin & 0xFFFFFFFF
         dest_base = tl.load(ret_table + source, mask=m_mask, other=0).to(tl.pointer_type(dtype))
-        dest = dest_base[:, None] + position[:, None] * hidden + offs_n[None, :]
+        dest = dest_base[:, None] + position[:, None] * N + offs_n[None, :]
         tl.store(dest, acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
         # Every thread's stores are done before the (one-thread, release) count below.
         tl.debug_barrier()
@@ -221,3 +292,71 @@ def gemm2_kernel(h, w2_table, b2_table, origin, ret_table, chunk_counter_table, 
             if delivered > 0:
                 counter = tl.load(chunk_counter_table + p).to(tl.pointer_type(tl.int32))
                 tl.atomic_add(counter + chunk, delivered, sem="release", scope="sys")
+
+
+@triton.jit
+def wgrad_kernel(a, lda, b, ldb, out, bias_out, layout, off_expert_start, M, N, num_local, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """out[l] = a[rows of l, :M]^T @ b[rows of l, :N] ([L, M, N]) and bias_out[l] = the column sums
+    of a over those rows ([L, M]): the weight and bias gradients of every local expert.
+
+    An expert without rows gets zeros. Accumulates in fp32 and stores in out's dtype.
+    """
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_expert = tiles_m * tiles_n
+    offs_r = tl.arange(0, BK)
+    for tile in range(tl.program_id(0), num_local * per_expert, NUM_PROGS):
+        expert = tile // per_expert
+        pid_m, pid_n = _swizzle(tile - expert * per_expert, tiles_m, tiles_n, GROUP_M)
+        first = tl.load(layout + off_expert_start + expert)
+        end = tl.load(layout + off_expert_start + expert + 1)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for r in range(first, end, BK):
+            r_mask = (r + offs_r) < end
+            x = tl.load(a + (r + offs_r)[:, None] * lda + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :],
+                        other=0.0)
+            y = tl.load(b + (r + offs_r)[:, None] * ldb + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+            acc = tl.dot(tl.trans(x), y, acc)
+        base = expert.to(tl.int64) * M * N
+        tl.store(out + base + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+        if HAS_BIAS:
+            if pid_n == 0:
+                column_sum = tl.zeros((BM, ), dtype=tl.float32)
+                for r in range(first, end, BK):
+                    r_mask = (r + offs_r) < end
+                    x = tl.load(a + (r + offs_r)[:, None] * lda + offs_m[None, :],
+                                mask=r_mask[:, None] & m_mask[None, :], other=0.0)
+                    column_sum += tl.sum(x.to(tl.float32), axis=0)
+                tl.store(bias_out + expert * M + offs_m, column_sum.to(bias_out.dtype.element_ty), mask=m_mask)
+
+
+@triton.jit
+def route_dot_kernel(outputs, grad, route_position, expert_counts, out, num_tokens, num_experts, hidden,
+                     E_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    """out[route] = <outputs[position of route], grad[token of route]> in fp32; 0 for dropped routes.
+
+    ``outputs`` holds the returned expert outputs by position in the send list, of which the first
+    sum(expert_counts) are kept routes: the gate values' gradient of the weighted combine.
+    """
+    route = tl.program_id(0)
+    lanes = tl.arange(0, E_POW2)
+    kept = tl.sum(tl.load(expert_counts + lanes, mask=lanes < num_experts, other=0))
+    position = tl.load(route_position + route)
+    token = route % num_tokens
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK, ), dtype=tl.float32)
+    if position < kept:
+        for c in range(0, hidden, BLOCK):
+            mask = c + cols < hidden
+            x = tl.load(outputs + position * hidden + c + cols, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(grad + token * hidden + c + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += x * y
+    tl.store(out + route, tl.sum(acc))

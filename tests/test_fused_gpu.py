@@ -79,7 +79,7 @@ def fused_case(seed, hidden, ffn, num_experts, k, tokens_per_rank, expert_kind="
     stats = []
     for call in range(calls):
         generator = torch.Generator(device=device).manual_seed(seed * 100 + call * 10 + rank)
-        tokens = torch.randn(tokens_per_rank[rank], hidden, generator=generator, device=device)
+        tokens = torch.randn(tokens_per_rank[rank % len(tokens_per_rank)], hidden, generator=generator, device=device)
         if skew:
             tokens += skew * layers["stock"].deepspeed_moe.gate.wg.weight[0].float()
         tokens = tokens.to(torch.bfloat16)
@@ -141,7 +141,7 @@ def _seed():
     return torch.randint(1, 10**6, ()).item()
 
 
-@pytest.mark.parametrize("case", [
+FORWARD_CASES = [
     dict(hidden=512, ffn=1024, num_experts=8, k=2, tokens_per_rank=(512, 512)),
     dict(hidden=512, ffn=1024, num_experts=8, k=2, tokens_per_rank=(640, 384), skew=4.0, min_capacity=0),
     dict(hidden=1408, ffn=704, num_experts=8, k=4, tokens_per_rank=(333, 1000), expert_kind="swiglu"),
@@ -149,15 +149,93 @@ def _seed():
     dict(hidden=256, ffn=512, num_experts=2, k=1, tokens_per_rank=(200, 77), expert_kind="sequential",
          capacity_factor=0.5, min_capacity=0),
     dict(hidden=320, ffn=640, num_experts=4, k=1, tokens_per_rank=(256, 256), drop_tokens=False, skew=50.0),
-],
-                         ids=["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert",
-                              "all-to-one-expert"])
+]
+FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert"]
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)
 def test_fused_forward(gpu_pool, case):
     stats = gpu_pool.run(fused_case, seed=_seed(), **case)
     if case.get("skew") and case.get("drop_tokens", True):
         assert sum(s[-1]["dropped"] for s in stats) > 0, stats
     if case.get("skew") and case["k"] == 1:  # top-2 samples its second expert, so only top-1 starves experts
         assert sum(s[-1]["empty_experts"] for s in stats) > 0, stats
+
+
+BF16_GRAD_REL = 2e-2  # gradients sum many bf16 products: a little looser than outputs
+
+
+def _exact_copy(stock, hidden, template, device, **moe_kwargs):
+    """The comet reference pipeline in float64 with the bf16 model's weights: the ground truth."""
+    layer = ds_comet.MoE(hidden, template, config={"moe": {"backend": "comet", "overlap": "none"}}, **moe_kwargs)
+    layer.set_deepspeed_parallelism()
+    layer.load_state_dict(stock.state_dict())
+    return layer.to(device=device, dtype=torch.bfloat16).to(torch.float64)
+
+
+def backward_case(seed, hidden, ffn, num_experts, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,
+                  capacity_factor=1.0, min_capacity=4, skew=0.0, micro_batches=2):
+    """Training steps (train-mode gate, gradients accumulated over micro-batches) on every pipeline.
+
+    Every gradient (input, gate weight, each expert weight and bias) of the fused pipeline is
+    compared with the float64 ground truth, with the reference pipeline and, where it can run,
+    with stock DeepSpeed.
+    """
+    rank, ep_size = dist.get_rank(), dist.get_world_size()
+    moe_kwargs = dict(num_experts=num_experts, ep_size=ep_size, k=k, drop_tokens=drop_tokens,
+                      capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
+                      min_capacity=min_capacity)
+    layers = _layers(seed, hidden, ffn, expert_kind, **moe_kwargs)
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(seed)
+    layers["exact"] = _exact_copy(layers["stock"], hidden, make_expert(expert_kind, hidden, ffn), device,
+                                  **moe_kwargs)
+    stock_runs = not drop_tokens or len(set(tokens_per_rank)) == 1
+    if not stock_runs:
+        del layers["stock"]
+    input_grads = {name: [] for name in layers}
+    for layer in layers.values():
+        layer.train()
+        layer.zero_grad(set_to_none=True)
+    for step in range(micro_batches):
+        generator = torch.Generator(device=device).manual_seed(seed * 100 + step * 10 + rank)
+        tokens = torch.randn(tokens_per_rank[rank % len(tokens_per_rank)], hidden, generator=generator, device=device)
+        if skew:
+            tokens += skew * layers["reference"].deepspeed_moe.gate.wg.weight[0].float()
+        tokens = tokens.to(torch.bfloat16)
+        grad_out = torch.randn(1, *tokens.shape, generator=generator, device=device).to(torch.bfloat16)
+        for name, layer in layers.items():
+            dtype = torch.float64 if name == "exact" else torch.bfloat16
+            inputs = tokens.to(dtype).unsqueeze(0).requires_grad_()
+            torch.manual_seed(seed * 7 + step)  # the gate's top-2 sampling
+            out, l_aux, _ = layer(inputs)
+            torch.autograd.backward([out, l_aux], [grad_out.to(dtype), torch.tensor(0.01, device=device)])
+            assert torch.isfinite(inputs.grad).all(), f"{name}: input gradient is not finite"
+            input_grads[name].append(inputs.grad[0])
+    assert layers["fused"].deepspeed_moe.selector._buffer is not None, "the fused pipeline did not run"
+
+    errors = {}
+    params = {name: dict(layer.named_parameters()) for name, layer in layers.items()}
+    compared = [(f"input grad {i}", {name: grads[i] for name, grads in input_grads.items()})
+                for i in range(micro_batches)]
+    compared += [(pname, {name: params[name][pname].grad for name in layers}) for pname in params["exact"]]
+    for what, grads in compared:
+        assert all(g is not None for g in grads.values()), f"{what}: a pipeline left no gradient"
+        exact = grads["exact"]
+        err = {name: _rel(g, exact) for name, g in grads.items() if name != "exact"}
+        errors[what] = err
+        assert torch.isfinite(grads["fused"]).all(), f"{what}: the fused gradient is not finite"
+        assert err["fused"] < BF16_GRAD_REL, (what, err)
+        assert _rel(grads["fused"], grads["reference"]) < 2 * BF16_GRAD_REL, (what, err)
+        if "stock" in grads:
+            assert _rel(grads["fused"], grads["stock"]) < 2 * BF16_GRAD_REL, (what, err)
+    return max(e["fused"] for e in errors.values())
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)
+def test_fused_backward(gpu_pool, case):
+    worst = gpu_pool.run(backward_case, seed=_seed(), **case)
+    assert max(worst) < BF16_GRAD_REL
 
 
 def graph_case(seed):

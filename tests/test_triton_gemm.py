@@ -4,7 +4,10 @@ One rank (P=1): the test lays out the receive buffer as the exchange and dispatc
 (tests/layout_reference.py), marks every row tile as arrived, runs GEMM1 then GEMM2, and checks
 every kept route's returned row and every chunk counter. This covers the tile schedule (own-row
 tiles first, then the rest), the expert search, the swizzle, the column chunks and the origin
-decoding without a GPU. Skipped where triton is not installed (it is an extra).
+decoding without a GPU. Then the backward kernels run on random output gradients laid out the
+same way (GEMM1 backward with act', GEMM2 backward with the gated second operand, the grouped
+weight and bias gradients, the gate-value dot products) and are checked against float64 autograd
+of each expert. Skipped where triton is not installed (it is an extra).
 """
 
 import os
@@ -33,7 +36,8 @@ from ds_comet import layout as L
 from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.fused import ExpertTables, next_power_of_2
 from ds_comet.routing import plan_routes
-from ds_comet.triton_gemm import ACTIVATION_CODES, gemm1_kernel, gemm2_kernel
+from ds_comet.fused import expert_parameters
+from ds_comet.triton_gemm import ACTIVATION_CODES, gemm1_kernel, gemm2_kernel, route_dot_kernel, wgrad_kernel
 
 def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_tiles, gated, activation, seed):
     g = torch.Generator().manual_seed(seed)
@@ -75,15 +79,18 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     chunk_table = torch.tensor([chunk_counters.data_ptr()], dtype=torch.int64)
     error = torch.zeros(8, dtype=torch.int64)
     l_pow2 = next_power_of_2(num_experts + 1)
-    gemm1_kernel[(3, )](recv, h, tables["w1"], tables["b1"], tables["w3"], tables["b3"], layout, counters,
-                        error.data_ptr(), 10**9, 0, hidden, ffn, num_experts, offsets.expert_start, offsets.tile_start,
-                        offsets.local_tiles, offsets.remote_tiles, offsets.totals + L.TOTAL_TILES, L_POW2=l_pow2,
-                        BM=tile_m, BN=tile_n, BK=16, GROUP_M=2, NUM_PROGS=3, HAS_BIAS=True, GATED=gated,
-                        ACTIVATION=ACTIVATION_CODES[activation], WAIT=True, INTERPRET=True)
-    gemm2_kernel[(3, )](h, tables["w2"], tables["b2"], origin, ret_table, chunk_table, layout, hidden, ffn,
-                        num_experts, offsets.expert_start, offsets.tile_start, offsets.totals + L.TOTAL_TILES,
-                        EP_SIZE=1, L_POW2=l_pow2, BM=tile_m, BN=tile_n, BK=16, GROUP_M=2, CHUNK_TILES=chunk_tiles,
-                        NUM_PROGS=3, HAS_BIAS=True)
+    width = ffn * (2 if gated else 1)
+    pre = torch.full((rows + tile_m, width), float("nan"))
+    common = dict(L_POW2=l_pow2, BM=tile_m, BN=tile_n, BK=16, GROUP_M=2, NUM_PROGS=3)
+    lo = (offsets.expert_start, offsets.tile_start)
+    first_args = (layout, counters, error.data_ptr(), 10**9, 0, hidden, ffn)
+    first_offsets = (num_experts, *lo, offsets.local_tiles, offsets.remote_tiles, offsets.totals + L.TOTAL_TILES)
+    gemm1_kernel[(3, )](recv, h, pre, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args, 1, hidden,
+                        *first_offsets, **common, HAS_BIAS=True, GATED=gated, ACTIVATION=ACTIVATION_CODES[activation],
+                        BACKWARD=False, STORE_PRE=True, WAIT=True, INTERPRET=True)
+    gemm2_kernel[(3, )](h, ffn, tables["w2"], tables["w2"], tables["b2"], origin, ret_table, chunk_table, layout, ffn,
+                        hidden, 1, ffn, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
+                        CHUNK_TILES=chunk_tiles, HAS_BIAS=True, SECOND=False)
     with torch.no_grad():
         for e in range(num_experts):
             for i in range(counts[0][e]):
@@ -95,6 +102,58 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
         tiles = min(chunk_tiles, n_tiles - c * chunk_tiles)
         assert chunk_counters[c].item() == kept * tiles, (c, chunk_counters[c].item(), kept * tiles)
     assert error[0].item() == 0
+
+    # Backward: a random gradient per kept route, laid out like the forward's rows.
+    grad_routes = torch.randn(kept, hidden, generator=g)
+    grad_recv = torch.full_like(recv, float("nan"))
+    for e in range(num_experts):
+        for i in range(counts[0][e]):
+            grad_recv[lay["dest_row"][e] + i] = grad_routes[lay["send_offset"][e] + i]
+    grad_pre = torch.full((rows + tile_m, width), float("nan"))
+    gemm1_kernel[(3, )](grad_recv, grad_pre, pre, tables["w2"], tables["w3"], tables["b1"], tables["b3"], *first_args,
+                        ffn, 1, *first_offsets, **common, HAS_BIAS=True, GATED=gated,
+                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, WAIT=True,
+                        INTERPRET=True)
+    grad_ret = torch.full_like(ret, float("nan"))
+    chunk_counters.zero_()
+    gemm2_kernel[(3, )](grad_pre, width, tables["w1"], tables["w3"], tables["b2"], origin,
+                        torch.tensor([grad_ret.data_ptr()], dtype=torch.int64), chunk_table, layout, ffn, hidden,
+                        hidden, 1, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
+                        CHUNK_TILES=chunk_tiles, HAS_BIAS=False, SECOND=gated)
+    grads = {}
+    for name, a, b, m, n in (("w2", grad_recv, h, hidden, ffn), ("w1", grad_pre, recv, width, hidden)):
+        out = torch.full((num_experts, m, n), float("nan"))
+        bias = torch.full((num_experts, m), float("nan"))
+        wgrad_kernel[(3, )](a, a.shape[1], b, b.shape[1], out, bias, layout, offsets.expert_start, m, n, num_experts,
+                            BM=16, BN=16, BK=16, GROUP_M=2, NUM_PROGS=3, HAS_BIAS=True)
+        grads[name] = (out, bias)
+    grad_tokens = torch.randn(num_tokens, hidden, generator=g)
+    returned = torch.cat([ret, torch.zeros(top_k * num_tokens - ret.shape[0], hidden)])
+    gate_grads = torch.full((top_k * num_tokens, ), float("nan"))
+    route_dot_kernel[(top_k * num_tokens, )](returned, grad_tokens, plan.route_position, plan.expert_counts,
+                                             gate_grads, num_tokens, num_experts, hidden,
+                                             E_POW2=next_power_of_2(num_experts), BLOCK=16)
+
+    for e in range(num_experts):
+        expert = experts[e].double()
+        positions = list(range(lay["send_offset"][e], lay["send_offset"][e] + counts[0][e]))
+        inputs = tokens[plan.route_order[positions] % num_tokens].double().requires_grad_()
+        expert.zero_grad(set_to_none=False)
+        expert(inputs).backward(grad_routes[positions].double())
+        torch.testing.assert_close(grad_ret[positions].double(), inputs.grad, rtol=2e-4, atol=2e-4)
+        spec = fused_expert(expert)
+        first_rows = slice(0, ffn)
+        checks = [(grads["w1"][0][e][first_rows], spec.first.weight), (grads["w1"][1][e][first_rows], spec.first.bias),
+                  (grads["w2"][0][e], spec.second.weight), (grads["w2"][1][e], spec.second.bias)]
+        if gated:
+            checks += [(grads["w1"][0][e][ffn:], spec.gate.weight), (grads["w1"][1][e][ffn:], spec.gate.bias)]
+        for got, param in checks:
+            torch.testing.assert_close(got.double(), param.grad, rtol=2e-4, atol=2e-4)
+        assert len(expert_parameters([spec])) == (6 if gated else 4)
+    for route in range(top_k * num_tokens):
+        pos = plan.route_position[route].item()
+        want = float(ret[pos] @ grad_tokens[route % num_tokens]) if pos < kept else 0.0
+        assert abs(gate_grads[route].item() - want) <= 1e-4 * (1 + abs(want)), (route, gate_grads[route], want)
     print("ok", num_tokens, hidden, ffn, num_experts, top_k, gated, activation, "rows", rows, "kept", kept)
 
 check(37, 48, 40, 4, 2, 16, 16, 2, False, "gelu", 1)
