@@ -201,7 +201,7 @@ def backward_case(seed, hidden, ffn, num_experts, k, tokens_per_rank, expert_kin
         generator = torch.Generator(device=device).manual_seed(seed * 100 + step * 10 + rank)
         tokens = torch.randn(tokens_per_rank[rank % len(tokens_per_rank)], hidden, generator=generator, device=device)
         if skew:
-            tokens += skew * layers["reference"].deepspeed_moe.gate.wg.weight[0].float()
+            tokens += skew * layers["reference"].deepspeed_moe.gate.wg.weight[0].detach().float()
         tokens = tokens.to(torch.bfloat16)
         grad_out = torch.randn(1, *tokens.shape, generator=generator, device=device).to(torch.bfloat16)
         for name, layer in layers.items():
