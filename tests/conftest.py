@@ -1,22 +1,38 @@
+import os
+
 import pytest
 import torch
 
-from dist_pool import DistPool
+from dist_pool import WORLD_SIZE_VAR, DistPool, cpu_world_size, gpu_world_size
+
+
+def pytest_report_header(config):
+    try:
+        ranks = f"{cpu_world_size()} gloo ranks in the CPU pool"
+    except ValueError as error:
+        ranks = str(error)
+    return f"ds_comet: {ranks} ({WORLD_SIZE_VAR}: {os.environ.get(WORLD_SIZE_VAR) or 'unset'})"
 
 
 @pytest.fixture(scope="session")
-def dist2():
-    """Two gloo ranks shared by every test of the session."""
-    pool = DistPool(2)
+def cpu_pool():
+    """Gloo ranks shared by every test of the session: DS_COMET_TEST_WORLD_SIZE of them, 2 by default."""
+    pool = DistPool(cpu_world_size())
     yield pool
     pool.stop()
 
 
 @pytest.fixture(scope="session")
+def dist2(cpu_pool):
+    """cpu_pool under its old name, from when it always held two ranks."""
+    return cpu_pool
+
+
+@pytest.fixture(scope="session")
 def gpu_pool():
-    """One NCCL rank per GPU (at most two), for the fused kernels; skips without CUDA."""
+    """One NCCL rank per visible GPU, at most DS_COMET_TEST_WORLD_SIZE, for the fused kernels; skips without CUDA."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA: the fused kernels run on GPUs")
-    pool = DistPool(min(torch.cuda.device_count(), 2), backend="nccl")
+    pool = DistPool(gpu_world_size(torch.cuda.device_count()), backend="nccl")
     yield pool
     pool.stop()

@@ -1,9 +1,13 @@
-"""A pool of gloo ranks that lives for the whole test session.
+"""A pool of ranks that lives for the whole test session.
 
 Starting ranks costs seconds (importing torch and DeepSpeed, joining the process group), so the
 pool starts them once and each test sends it a case: a module-level function that every rank
 runs. A failure on any rank comes back as that rank's traceback; a rank that does not answer in
 time fails the test instead of hanging it, and the pool is started afresh for the next test.
+
+How many ranks: DS_COMET_TEST_WORLD_SIZE, so that the suite runs unchanged at 2, 4 or 8 ranks.
+The gloo (CPU) pool has that many ranks (at least 2; 2 when it is unset); the NCCL pool has one
+rank per visible GPU, at most that many. The tests take the expert-parallel size from the pool.
 """
 
 import importlib
@@ -16,6 +20,35 @@ import traceback
 from datetime import timedelta
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+WORLD_SIZE_VAR = "DS_COMET_TEST_WORLD_SIZE"
+CPU_DEFAULT_WORLD_SIZE = 2
+
+
+def requested_world_size():
+    """The rank count DS_COMET_TEST_WORLD_SIZE asks for, or None when it is unset."""
+    value = os.environ.get(WORLD_SIZE_VAR, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{WORLD_SIZE_VAR} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def cpu_world_size() -> int:
+    """Ranks of the gloo pool: DS_COMET_TEST_WORLD_SIZE, else 2."""
+    requested = requested_world_size()
+    if requested is None:
+        return CPU_DEFAULT_WORLD_SIZE
+    if requested < 2:
+        raise ValueError(f"{WORLD_SIZE_VAR}={requested}: the CPU tests exchange tokens between ranks and need at "
+                         "least 2")
+    return requested
+
+
+def gpu_world_size(device_count: int) -> int:
+    """Ranks of the NCCL pool: every visible GPU, capped by DS_COMET_TEST_WORLD_SIZE when it is set."""
+    requested = requested_world_size()
+    return device_count if requested is None else min(device_count, requested)
 
 
 def free_port() -> int:

@@ -11,6 +11,11 @@ from ds_comet.experts import FeedForward, GatedFeedForward, reset_expert_
 COMET = {"moe": {"backend": "comet", "overlap": "none"}}
 
 
+def per_rank(pattern, rank: int):
+    """This rank's entry of a per-rank pattern, e.g. token counts; it repeats for more ranks than entries."""
+    return pattern[rank % len(pattern)]
+
+
 def make_expert(kind: str, hidden: int, ffn: int) -> nn.Module:
     if kind == "gelu":
         return FeedForward(hidden, ffn, "gelu")

@@ -1,4 +1,7 @@
-"""Checkpoints move between the stock and the comet backend both ways, under ZeRO-1 and ZeRO-2."""
+"""Checkpoints move between the stock and the comet backend both ways, under ZeRO-1 and ZeRO-2.
+
+Expert parallelism spans every rank of the pool, with two experts per rank.
+"""
 
 import os
 
@@ -12,7 +15,7 @@ from torch import nn
 import ds_comet
 from ds_comet.experts import FeedForward
 
-HIDDEN, FFN, EXPERTS = 16, 24, 4
+HIDDEN, FFN, EXPERTS_PER_RANK = 16, 24, 2
 
 
 class Net(nn.Module):
@@ -20,8 +23,9 @@ class Net(nn.Module):
     def __init__(self, ds_config):
         super().__init__()
         self.inp = nn.Linear(HIDDEN, HIDDEN)
-        self.moe = ds_comet.build_moe(ds_config, hidden_size=HIDDEN, expert=FeedForward(HIDDEN, FFN), num_experts=EXPERTS,
-                                      ep_size=dist.get_world_size(), k=2)
+        ep_size = dist.get_world_size()
+        self.moe = ds_comet.build_moe(ds_config, hidden_size=HIDDEN, expert=FeedForward(HIDDEN, FFN),
+                                      num_experts=EXPERTS_PER_RANK * ep_size, ep_size=ep_size, k=2)
         self.out = nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x):
@@ -88,10 +92,10 @@ def interop_case(save_dir, first, second, zero_stage):
 
 @pytest.mark.parametrize("zero_stage", [1, 2])
 @pytest.mark.parametrize("first,second", [("deepspeed", "comet"), ("comet", "deepspeed")])
-def test_checkpoint_interop(dist2, tmp_path, first, second, zero_stage):
-    files = dist2.run(interop_case, save_dir=str(tmp_path), first=first, second=second, zero_stage=zero_stage)[0]
+def test_checkpoint_interop(cpu_pool, tmp_path, first, second, zero_stage):
+    files = cpu_pool.run(interop_case, save_dir=str(tmp_path), first=first, second=second, zero_stage=zero_stage)[0]
     # Stock DeepSpeed's layout: one file per expert, the expert keys in stock form.
-    for expert in range(EXPERTS):
+    for expert in range(EXPERTS_PER_RANK * cpu_pool.world_size):
         assert f"layer_0_expert_{expert}_mp_rank_00_model_states.pt" in files
     expert_file = torch.load(tmp_path / "step3" / "layer_0_expert_0_mp_rank_00_model_states.pt", weights_only=False)
     assert all(".deepspeed_moe.experts.deepspeed_experts.0." in key for key in expert_file)

@@ -1,7 +1,9 @@
-"""The comet layer (reference pipeline) against stock DeepSpeed MoE on two gloo ranks.
+"""The comet layer (reference pipeline) against stock DeepSpeed MoE on the gloo pool's ranks.
 
 Same weights, same seeds, fresh random tokens: output, aux loss, expert counts, the input gradient
-and every parameter gradient must match stock DeepSpeed's in fp32.
+and every parameter gradient must match stock DeepSpeed's in fp32. The cases follow the pool's
+size P (DS_COMET_TEST_WORLD_SIZE, default 2): expert parallelism over all P ranks, expert counts
+as multiples of P, per-rank token counts as a pattern that repeats over the ranks.
 """
 
 import pytest
@@ -10,11 +12,17 @@ from deepspeed import comm as dist
 
 import ds_comet
 from ds_comet.experts import reset_expert_
-from moe_helpers import COMET, assert_same_step, build_pair, make_expert, reset_experts_, routing_stats, run_step
+from dist_pool import cpu_world_size
+from moe_helpers import (COMET, assert_same_step, build_pair, make_expert, per_rank, reset_experts_, routing_stats,
+                         run_step)
 
 HIDDEN, FFN = 24, 40
 # fp32 arithmetic against a float64 evaluation: rounding, not the pipeline, sets this bound.
 FP32_VS_FP64 = dict(rtol=1e-4, atol=1e-5)
+P = cpu_world_size()
+# No expert parallelism, expert-parallel groups of some of the ranks (expert data parallelism
+# across the groups; there are such groups from 4 ranks on), and one group of every rank.
+EP_SIZES = sorted({1, max([d for d in range(1, P) if P % d == 0], default=1), P})
 
 
 def parity_case(seed, ep_size, num_experts, k, drop_tokens=True, capacity_factor=1.0, eval_capacity_factor=1.0,
@@ -27,7 +35,7 @@ def parity_case(seed, ep_size, num_experts, k, drop_tokens=True, capacity_factor
                       use_rts=use_rts)
     stock, comet = build_pair(seed, HIDDEN, FFN, expert_kind, **moe_kwargs)
     generator = torch.Generator().manual_seed(seed * 17 + rank)
-    tokens = torch.randn(tokens_per_rank[rank], HIDDEN, generator=generator)
+    tokens = torch.randn(per_rank(tokens_per_rank, rank), HIDDEN, generator=generator)
     if skew:
         # Lean every token towards expert 0's gate row: heavy imbalance, overflow and idle experts.
         tokens += skew * stock.deepspeed_moe.gate.wg.weight[0].detach()
@@ -49,65 +57,68 @@ def total(stats, key):
     return sum(rank_stats[key] for rank_stats in stats)
 
 
-@pytest.mark.parametrize("ep_size", [1, 2])
+@pytest.mark.parametrize("ep_size", EP_SIZES)
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("drop_tokens", [True, False])
-def test_matches_stock(dist2, ep_size, k, drop_tokens):
+def test_matches_stock(cpu_pool, ep_size, k, drop_tokens):
     seed = torch.randint(1, 10**6, ()).item()
-    dist2.run(parity_case, seed=seed, ep_size=ep_size, num_experts=8, k=k, drop_tokens=drop_tokens)
+    cpu_pool.run(parity_case, seed=seed, ep_size=ep_size, num_experts=4 * P, k=k, drop_tokens=drop_tokens)
 
 
-@pytest.mark.parametrize("num_experts,ep_size,k", [(2, 2, 1), (2, 2, 2), (4, 2, 2), (6, 2, 4), (4, 1, 3)])
-def test_expert_counts(dist2, num_experts, ep_size, k):
+# One local expert (top-1 and top-2), two, three with k above the local count, and no expert parallelism.
+@pytest.mark.parametrize("num_experts,ep_size,k", [(P, P, 1), (P, P, 2), (2 * P, P, 2), (3 * P, P, 4), (4, 1, 3)])
+def test_expert_counts(cpu_pool, num_experts, ep_size, k):
     seed = torch.randint(1, 10**6, ()).item()
-    dist2.run(parity_case, seed=seed, ep_size=ep_size, num_experts=num_experts, k=k, expert_kind="swiglu")
+    cpu_pool.run(parity_case, seed=seed, ep_size=ep_size, num_experts=num_experts, k=k, expert_kind="swiglu")
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_capacity_overflow_and_empty_experts(dist2, k):
+def test_capacity_overflow_and_empty_experts(cpu_pool, k):
     seed = torch.randint(1, 10**6, ()).item()
-    stats = dist2.run(parity_case, seed=seed, ep_size=2, num_experts=8, k=k, capacity_factor=0.5, min_capacity=0,
-                      skew=6.0)
+    stats = cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=4 * P, k=k, capacity_factor=0.5,
+                         min_capacity=0, skew=6.0)
     assert total(stats, "dropped_routes") > 0
     assert total(stats, "empty_experts") > 0
 
 
-def test_token_routed_to_no_kept_expert(dist2):
+def test_token_routed_to_no_kept_expert(cpu_pool):
     seed = torch.randint(1, 10**6, ()).item()
-    stats = dist2.run(parity_case, seed=seed, ep_size=2, num_experts=4, k=1, capacity_factor=0.25, min_capacity=0,
-                      skew=2.0)
+    stats = cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=2 * P, k=1, capacity_factor=0.25,
+                         min_capacity=0, skew=2.0)
     assert total(stats, "tokens_with_no_expert") > 0
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_eval_mode(dist2, k):
+def test_eval_mode(cpu_pool, k):
     seed = torch.randint(1, 10**6, ()).item()
-    dist2.run(parity_case, seed=seed, ep_size=2, num_experts=8, k=k, train=False, eval_capacity_factor=0.75)
+    cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=4 * P, k=k, train=False, eval_capacity_factor=0.75)
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_use_residual(dist2, k):
+def test_use_residual(cpu_pool, k):
     seed = torch.randint(1, 10**6, ()).item()
-    dist2.run(parity_case, seed=seed, ep_size=2, num_experts=4, k=k, use_residual=True, expert_kind="sequential")
+    cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=2 * P, k=k, use_residual=True,
+                 expert_kind="sequential")
 
 
 @pytest.mark.parametrize("policy", ["Jitter", "RSample"])
-def test_noisy_gate(dist2, policy):
+def test_noisy_gate(cpu_pool, policy):
     seed = torch.randint(1, 10**6, ()).item()
-    dist2.run(parity_case, seed=seed, ep_size=2, num_experts=4, k=1, noisy_gate_policy=policy)
+    cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=2 * P, k=1, noisy_gate_policy=policy)
 
 
-def test_no_random_token_selection(dist2):
+def test_no_random_token_selection(cpu_pool):
     seed = torch.randint(1, 10**6, ()).item()
-    dist2.run(parity_case, seed=seed, ep_size=2, num_experts=4, k=1, use_rts=False, capacity_factor=0.5)
+    cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=2 * P, k=1, use_rts=False, capacity_factor=0.5)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_uneven_tokens_without_drops(dist2, k):
+def test_uneven_tokens_without_drops(cpu_pool, k):
     # Stock DeepSpeed runs uneven token counts only without drops: its capacity is then agreed
     # across the group, so its equal all-to-all splits line up.
     seed = torch.randint(1, 10**6, ()).item()
-    dist2.run(parity_case, seed=seed, ep_size=2, num_experts=8, k=k, drop_tokens=False, tokens_per_rank=(37, 61))
+    cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=4 * P, k=k, drop_tokens=False,
+                 tokens_per_rank=(37, 61))
 
 
 def float64_case(seed, num_experts, k, tokens_per_rank, capacity_factor, expert_kind="gelu"):
@@ -125,7 +136,7 @@ def float64_case(seed, num_experts, k, tokens_per_rank, capacity_factor, expert_
         experts64.append(expert.double())
 
     generator = torch.Generator().manual_seed(seed * 17 + rank)
-    tokens = torch.randn(1, tokens_per_rank[rank], HIDDEN, generator=generator)
+    tokens = torch.randn(1, per_rank(tokens_per_rank, rank), HIDDEN, generator=generator)
     loss_weight = torch.randn(tokens.shape, generator=generator)
     noise_seed = seed * 31 + rank
     actual = run_step(layer, tokens, loss_weight, noise_seed)
@@ -160,9 +171,9 @@ def float64_case(seed, num_experts, k, tokens_per_rank, capacity_factor, expert_
 
 @pytest.mark.parametrize("k,tokens_per_rank,capacity_factor", [(1, (29, 70), 1.0), (2, (64, 9), 0.5),
                                                                 (4, (50, 33), 0.75)])
-def test_float64_uneven_tokens_with_drops(dist2, k, tokens_per_rank, capacity_factor):
+def test_float64_uneven_tokens_with_drops(cpu_pool, k, tokens_per_rank, capacity_factor):
     # Stock DeepSpeed cannot run this: with drops its capacity follows each rank's token count.
     seed = torch.randint(1, 10**6, ()).item()
-    dropped = dist2.run(float64_case, seed=seed, num_experts=8, k=k, tokens_per_rank=tokens_per_rank,
-                        capacity_factor=capacity_factor, expert_kind="swiglu" if k == 2 else "gelu")
+    dropped = cpu_pool.run(float64_case, seed=seed, num_experts=4 * P, k=k, tokens_per_rank=tokens_per_rank,
+                           capacity_factor=capacity_factor, expert_kind="swiglu" if k == 2 else "gelu")
     assert sum(dropped) > 0

@@ -28,9 +28,12 @@ def test_plan_matches_brute_force(top_k, num_tokens, num_experts, drop_fraction)
     assert plan.expert_counts.tolist() == [sum(1 for e, _ in kept if e == x) for x in range(num_experts)]
     assert torch.equal(plan.route_order[plan.route_position], torch.arange(top_k * num_tokens))
     assert plan.source_token[:num_kept].tolist() == [r % num_tokens for _, r in kept]
-    if num_experts % 2 == 0:
-        assert plan.rank_counts(2).tolist() == [plan.expert_counts[:num_experts // 2].sum().item(),
-                                                plan.expert_counts[num_experts // 2:].sum().item()]
+    # Every expert-parallel size the experts split evenly over: rank r gets experts [r * L, (r + 1) * L).
+    for ep_size in (p for p in range(2, num_experts + 1) if num_experts % p == 0):
+        num_local = num_experts // ep_size
+        assert plan.rank_counts(ep_size).tolist() == [
+            sum(plan.expert_counts[r * num_local:(r + 1) * num_local].tolist()) for r in range(ep_size)
+        ], ep_size
 
 
 def test_expert_major_order():
@@ -40,6 +43,17 @@ def test_expert_major_order():
     order = expert_major_order(counts)
     assert [arrival[i] for i in order.tolist()] == sorted(arrival, key=lambda row: row[1])
     assert order.tolist() == [0, 1, 3, 4, 5, 6, 2]
+
+
+@pytest.mark.parametrize("ep_size,num_local", [(2, 3), (4, 1), (4, 2), (8, 3)])
+def test_expert_major_order_brute_force(ep_size, num_local):
+    generator = torch.Generator().manual_seed(ep_size * 10 + num_local)
+    counts = torch.randint(0, 4, (ep_size, num_local), generator=generator)
+    counts[0, 0] = 0  # an empty run, also at the very start
+    arrival = [(source, expert) for source in range(ep_size) for expert in range(num_local)
+               for _ in range(counts[source, expert])]
+    # Grouped by local expert; within an expert the rows keep their arrival order (by source rank).
+    assert expert_major_order(counts).tolist() == sorted(range(len(arrival)), key=lambda i: (arrival[i][1], i))
 
 
 def test_plan_rejects_flat_indices():

@@ -50,15 +50,17 @@ def test_expert_recognition():
     assert isinstance(fused_expert(torch.nn.Linear(8, 8)), str)
 
 
+@pytest.mark.parametrize("ep_size", [2, 4, 8])
 @pytest.mark.parametrize("k,drop_tokens,capacity_factor,skew", [(1, True, 1.0, 0.0), (2, True, 1.25, 3.0),
                                                                 (4, True, 0.5, 0.0), (2, False, 1.0, 4.0),
                                                                 (8, False, 1.0, 0.0)])
-def test_workspace_bound_holds_for_real_routes(k, drop_tokens, capacity_factor, skew):
-    ep_size, num_experts, hidden = 4, 16, 12
+def test_workspace_bound_holds_for_real_routes(ep_size, k, drop_tokens, capacity_factor, skew):
+    num_experts, hidden = 4 * ep_size, 12
     torch.manual_seed(k)
     gate = TopKGate(hidden, num_experts, k, capacity_factor, capacity_factor, 4, None, drop_tokens, True)
     sources = []
-    for tokens in (64, 50, 64, 17):  # uneven token counts, at most 64
+    for rank in range(ep_size):
+        tokens = (64, 50, 64, 17)[rank % 4]  # uneven token counts, at most 64
         x = torch.randn(tokens, hidden) + skew * gate.wg.weight[0].detach()
         sources.append(plan_routes(gate(x, None, True)[3], num_experts).expert_counts)
     received = torch.stack(sources).view(ep_size, ep_size, num_experts // ep_size).sum(dim=(0, 2))
@@ -72,6 +74,10 @@ def test_parameter_rule():
     heavy = choose_parameters(config, 7168, 2048, False, 8, 2, 4096, 2, 132)
     assert 8 <= small.comm_blocks <= heavy.comm_blocks <= 132 // 6
     assert small.n_chunks == 4 and heavy.n_chunks == 8
+    # More ranks send a larger share of the routes over the links: never fewer communication blocks.
+    for shape in ((4096, 14336, False, 2), (7168, 2048, False, 8), (2048, 1408, True, 4)):
+        blocks = [choose_parameters(config, *shape, ep_size, 8192, 2, 132).comm_blocks for ep_size in (1, 2, 4, 8)]
+        assert blocks == sorted(blocks) and 8 <= blocks[0] and blocks[-1] <= 132 // 6, (shape, blocks)
     pinned = choose_parameters(CometMoEConfig(comm_blocks=20, n_chunks=64, tile_n=256), 512, 1024, True, 2, 2,
                                100, 2, 132)
     assert pinned.comm_blocks == 20 and pinned.n_chunks == 2 and pinned.tile_n == 256
