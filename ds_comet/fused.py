@@ -264,16 +264,19 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
         # The combine weighted each route by its gate, so each route's output gradient is the
         # gate times the token's gradient (rounded like stock's fp32 combine rounds it).
         launch.dispatch(grad_out, plan, gates)
-        launch.gemm1(buffer.recv, grad_pre, saved["pre"], backward=True, store_pre=False)
+        launch.gemm1(buffer.recv, grad_pre, saved.pop("pre"), backward=True, store_pre=False)
+        # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
+        # reuses its memory only for work queued after it on this stream, so the peak stays low.
         if need_tokens:
             grad_tokens = torch.empty_like(grad_out)
             launch.gemm2(grad_pre, backward=True)
             launch.combine(plan, _NO_SCALE.get(device), grad_tokens)
         if need_weights:
             # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
-            dw2, db2 = launch.wgrad(buffer.recv, saved["h"], hidden, launch.ffn, dtype)
-            dw1, db1 = launch.wgrad(grad_pre, saved["rows"], width, hidden, dtype)
+            dw2, db2 = launch.wgrad(buffer.recv, saved.pop("h"), hidden, launch.ffn, dtype)
+            dw1, db1 = launch.wgrad(grad_pre, saved.pop("rows"), width, hidden, dtype)
             weight_grads = _split_weight_grads(experts, launch.ffn, dw1, db1, dw2, db2)
+        del grad_pre
         launch.join(device, grad_out, gates, plan.route_order, plan.route_position,
                     *([grad_tokens] if grad_tokens is not None else []))
     if need_gates:
@@ -285,6 +288,7 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
                                                  E_POW2=next_power_of_2(num_experts),
                                                  BLOCK=min(1024, next_power_of_2(hidden)), num_warps=4)
         grad_gates = grad_gates.view(top_k, num_tokens)
+    saved.clear()
     return grad_tokens, grad_gates, weight_grads
 
 
