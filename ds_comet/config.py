@@ -34,8 +34,8 @@ class CometMoEConfig(DeepSpeedConfigModel):
     tile_m: Literal[64, 128] = 128
     """Rows of a GEMM tile: the granularity at which arriving tokens start their GEMM."""
 
-    tile_n: Literal[64, 128, 256] = 128
-    """Columns of a GEMM tile."""
+    tile_n: Optional[Literal[64, 128, 256]] = None
+    """Columns of a GEMM tile, for both GEMMs (default: a rule, 256 for GEMM1 and 128 for GEMM2)."""
 
     n_chunks: Optional[int] = Field(None, ge=1, le=64)
     """Column chunks of GEMM2; the combine of chunk j overlaps GEMM2 of chunk j+1 (default: a rule)."""

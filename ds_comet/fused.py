@@ -41,8 +41,9 @@ GROUP_M = 8
 class FusedParameters:
     comm_blocks: int
     tile_m: int
-    tile_n: int
+    tile_n: int  # GEMM2's column tile, and the combine's unit of a chunk
     n_chunks: int
+    gemm1_tile_n: int = 128
 
 
 class ExpertTables:
@@ -155,7 +156,7 @@ class _Launch:
             rows, out, pre, w, t["w3"], t["b1"], t["b3"], b.layout, b.tile_counters, b.error_address,
             b.kernel_shape.timeout_ns, b.rank, self.hidden, self.ffn, sbk, sbn, len(self.experts), lo.expert_start,
             lo.tile_start, lo.local_tiles, lo.remote_tiles, lo.totals + TOTAL_TILES, L_POW2=self.l_pow2,
-            BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K, GROUP_M=GROUP_M, NUM_PROGS=self.grid,
+            BM=self.params.tile_m, BN=self.params.gemm1_tile_n, BK=TILE_K, GROUP_M=GROUP_M, NUM_PROGS=self.grid,
             HAS_BIAS=self.has_bias, GATED=self.gated, ACTIVATION=ACTIVATION_CODES[self.activation],
             BACKWARD=backward, STORE_PRE=store_pre, WAIT=True, INTERPRET=_interpreting(), num_warps=8,
             num_stages=3)
@@ -173,7 +174,7 @@ class _Launch:
             sbk, sbn, len(self.experts), lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
             EP_SIZE=b.shape.ep_size, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K,
             GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias and not backward,
-            SECOND=second, num_warps=8, num_stages=3)
+            SECOND=second, num_warps=4, num_stages=3)  # 4 warps: fastest with the scattering epilogue (tune_gemm)
 
     def wgrad(self, a: Tensor, b: Tensor, M: int, N: int, dtype) -> Tuple[Tensor, Optional[Tensor]]:
         """Per local expert l: a[rows of l, :M]^T @ b[rows of l, :N] and a's column sums (bias)."""

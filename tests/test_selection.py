@@ -80,7 +80,10 @@ def test_parameter_rule():
         assert blocks == sorted(blocks) and 8 <= blocks[0] and blocks[-1] <= 132 // 6, (shape, blocks)
     pinned = choose_parameters(CometMoEConfig(comm_blocks=20, n_chunks=64, tile_n=256), 512, 1024, True, 2, 2,
                                100, 2, 132)
-    assert pinned.comm_blocks == 20 and pinned.n_chunks == 2 and pinned.tile_n == 256
+    assert pinned.comm_blocks == 20 and pinned.n_chunks == 2 and pinned.tile_n == pinned.gemm1_tile_n == 256
+    ruled = choose_parameters(CometMoEConfig(), 4096, 14336, False, 2, 2, 8192, 2, 132)
+    assert (ruled.gemm1_tile_n, ruled.tile_n) == (256, 128)
+    assert choose_parameters(CometMoEConfig(), 4096, 14336, True, 2, 2, 8192, 2, 132).gemm1_tile_n == 128
 
 
 def test_error_record_messages():
