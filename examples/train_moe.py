@@ -12,12 +12,20 @@ Launch it with any of::
     mpirun -np 2 python examples/train_moe.py --deepspeed_config configs/zero2_comet.json
 
 On CPU it trains in fp32 over gloo; on GPU it turns bf16 on unless the config already enables
-bf16 or fp16.
+bf16 or fp16. ``--preset gpu`` picks an MoE-dominated model for GPUs (4 MoE blocks, hidden 1024,
+experts of 4096, 8 experts, top-2, 1024-byte windows); explicit options still override it::
+
+    deepspeed --num_gpus 2 examples/train_moe.py --preset gpu --deepspeed_config configs/gpu_zero2_comet.json
+
+``--metrics-file`` gets JSON lines: a ``start`` record (backend, ZeRO stage, dtype, sizes), one
+record per step (loss and aux averaged over the ranks), a ``train_end`` record (final loss,
+steady-state tokens/s after ``--timing-warmup`` steps, peak memory) and an ``eval`` record.
 """
 
 import argparse
 import hashlib
 import json
+import logging
 import math
 import os
 import sys
@@ -37,6 +45,13 @@ import ds_comet.experts
 
 VOCAB = 256
 EVAL_FRACTION = 0.05
+# Defaults that --preset replaces; options given on the command line still win.
+PRESETS = {
+    # MoE-dominated: with 8 x 1024 windows per rank (configs/gpu_*.json) every MoE layer call gets
+    # 8192 tokens per rank; the experts hold ~95 % of the weights and do ~75 % of the model FLOPs.
+    "gpu": dict(layers=4, hidden=1024, ffn=4096, heads=16, seq_len=1024, experts=8, k=2, lr=1e-3, warmup=20,
+                log_interval=10, timing_warmup=10),
+}
 
 # --------------------------------------------------------------------------------------------
 # Arguments and config
@@ -47,6 +62,10 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1,
                         help="set by the deepspeed launcher; the script reads LOCAL_RANK from the environment")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a set of defaults: " + "; ".join(
+                            f"{name}: " + ", ".join(f"{key}={value}" for key, value in values.items())
+                            for name, values in PRESETS.items()))
     model = parser.add_argument_group("model")
     model.add_argument("--layers", type=int, default=2, help="transformer blocks")
     model.add_argument("--hidden", type=int, default=64, help="model width")
@@ -72,14 +91,26 @@ def parse_args(argv=None):
     train.add_argument("--warmup", type=int, default=5, help="linear learning-rate warm-up steps")
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--corpus-mb", type=float, default=4.0, help="MB of standard-library source to train on")
-    train.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank for the eval loss")
-    train.add_argument("--log-interval", type=int, default=10)
+    train.add_argument("--eval-batches", type=int, default=4,
+                       help="held-out batches per rank for the eval loss (0: no evaluation)")
+    train.add_argument("--log-interval", type=int, default=10, help="print (and time) a window of N steps")
+    train.add_argument("--timing-warmup", type=int, default=5,
+                       help="steps left out of the steady-state tokens/s of the train_end record")
     train.add_argument("--metrics-file", default=None,
-                       help="rank 0 writes a JSON line per logged step here (appended to when resuming)")
+                       help="rank 0 writes JSON lines here: one per step and a summary (appended to when resuming)")
     train.add_argument("--save-dir", default=None, help="checkpoint directory")
     train.add_argument("--save-interval", type=int, default=0, help="save every N steps (0: only at the end)")
+    train.add_argument("--save-at", type=int, nargs="+", default=[], metavar="STEP", help="also save after these steps")
+    train.add_argument("--no-final-save", action="store_true",
+                       help="do not save at the end, only at --save-interval / --save-at steps")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    train.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
+                       help="level of DeepSpeed's logger (its default: warning); info also shows which pipeline "
+                       "the comet layers run and why")
     deepspeed.add_config_arguments(parser)
+    preset, _ = parser.parse_known_args(argv)
+    if preset.preset:
+        parser.set_defaults(**PRESETS[preset.preset])
     args = parser.parse_args(argv)
     if not args.deepspeed_config:
         parser.error("--deepspeed_config is required")
@@ -105,6 +136,48 @@ def local_world_size(world_size):
         if os.environ.get(key):
             return int(os.environ[key])
     return world_size
+
+
+# (rank, world size, local rank, local size) as MPI launchers name them: Open MPI, then MPICH/Hydra.
+MPI_LAUNCHER_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                      "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+
+
+def adopt_mpi_launcher_env(environ=os.environ):
+    """Under a bare single-node mpirun, set the torch.distributed variables from the MPI launcher's own.
+
+    DeepSpeed would otherwise discover the ranks through mpi4py and take the master address from the
+    first word of ``hostname -I``, overriding a MASTER_ADDR passed with ``mpirun -x``; on a machine
+    without a network interface that word does not exist. Here the ranks come from the launcher's
+    environment, MASTER_ADDR stays what the caller set (127.0.0.1 if unset) and MASTER_PORT too.
+    Multi-node jobs (local size < world size) are left to DeepSpeed's mpi4py discovery.
+    Returns the variables it set.
+    """
+    if all(environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return {}
+    for rank_key, size_key, local_rank_key, local_size_key in MPI_LAUNCHER_VARS:
+        values = [environ.get(key) for key in (rank_key, size_key, local_rank_key, local_size_key)]
+        if not all(values):
+            continue
+        rank, size, local_rank, local_size = (int(value) for value in values)
+        if local_size != size:
+            return {}
+        found = dict(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(size),
+                     MASTER_ADDR=environ.get("MASTER_ADDR") or "127.0.0.1",
+                     MASTER_PORT=environ.get("MASTER_PORT") or "29500")
+        environ.update(found)
+        return found
+    return {}
+
+
+def set_deepspeed_log_level(name):
+    """DeepSpeed's logger, which ds_comet logs through too, and its handlers at ``name``."""
+    level = getattr(logging, name.upper())
+    ds_logger = logging.getLogger("DeepSpeed")
+    ds_logger.setLevel(level)
+    for handler in ds_logger.handlers:
+        handler.setLevel(level)
 
 
 def usable_cpus():
@@ -280,6 +353,27 @@ def all_ranks_mean(values, device):
     return (tensor / dist.get_world_size()).tolist()
 
 
+def all_ranks_values(value, device):
+    """[rank 0's value, rank 1's value, ...] of one float per rank (one all_reduce)."""
+    tensor = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    tensor[dist.get_rank()] = value
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def synchronize(device):
+    """Wait for the work queued on the device, so that a clock read afterwards covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_mib(device):
+    """Most memory torch's allocator held for tensors on this rank's GPU so far, in MiB; None on CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
 def evaluate(engine, windows, batches, batch_size, device):
     engine.eval()
     total_lm = total_aux = 0.0
@@ -297,10 +391,16 @@ def evaluate(engine, windows, batches, batch_size, device):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.log_level:
+        set_deepspeed_log_level(args.log_level)
     ds_config = load_ds_config(args.deepspeed_config)
 
-    # Rank discovery: the launcher's environment, or mpi4py under a bare mpirun. Under mpirun a
-    # MASTER_PORT from the environment is honoured (DeepSpeed would otherwise use 29500).
+    # Rank discovery: the launcher's environment (deepspeed, torchrun); under a bare single-node
+    # mpirun the MPI launcher's variables (see adopt_mpi_launcher_env), else DeepSpeed's mpi4py
+    # discovery. A MASTER_PORT from the environment is honoured (DeepSpeed would otherwise use 29500).
+    from_mpi = adopt_mpi_launcher_env()
+    if torch.cuda.is_available() and os.environ.get("LOCAL_RANK"):
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per rank before NCCL comes up
     deepspeed.init_distributed(distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -332,7 +432,7 @@ def main(argv=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config)
-    device = engine.device
+    device = torch.device(engine.device)
     micro_batch = engine.train_micro_batch_size_per_gpu()
     grad_accum = engine.gradient_accumulation_steps()
     tokens_per_step = micro_batch * grad_accum * args.seq_len * world_size
@@ -349,20 +449,44 @@ def main(argv=None):
                 print(f"resumed from {load_path} at step {start_step}", flush=True)
 
     saved = {"step": start_step if args.resume else None}
+    # Steady-state throughput: from the end of step `timing_from` to the end of the last step,
+    # less the time spent saving checkpoints; a run too short for the warm-up is timed whole.
+    timing_from = start_step + args.timing_warmup if args.steps - start_step > args.timing_warmup else start_step
+    clock = {"start": None, "paused": 0.0}
+    save_steps = set(args.save_at)
 
     def save(step):
+        began = time.perf_counter()
         engine.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
         saved["step"] = step
+        return time.perf_counter() - began
 
+    backend = ds_comet.moe_config_from(ds_config).backend
+    dtype = next(engine.module.parameters()).dtype
     metrics = None
+
+    def record(**fields):
+        if metrics:
+            metrics.write(json.dumps(fields) + "\n")
+            metrics.flush()
+
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
+        if from_mpi:
+            print(f"ranks from the MPI launcher's environment (MASTER_ADDR {from_mpi['MASTER_ADDR']}, "
+                  f"MASTER_PORT {from_mpi['MASTER_PORT']})", flush=True)
         print(f"world size {world_size} | ep size {ep_size} | experts {num_experts} | k {args.k} | "
-              f"backend {ds_comet.moe_config_from(ds_config).backend} | params on rank 0 {params} | "
+              f"backend {backend} | params on rank 0 {params} | "
               f"micro batch {micro_batch} | grad accum {grad_accum} | dtype "
-              f"{next(engine.module.parameters()).dtype} | device {device}", flush=True)
+              f"{dtype} | device {device}", flush=True)
         if args.metrics_file:
             metrics = open(args.metrics_file, "a" if args.resume and start_step else "w")
+        record(event="start", backend=backend, zero_stage=engine.zero_optimization_stage(),
+               dtype=str(dtype).replace("torch.", ""), device=device.type, world_size=world_size, ep_size=ep_size,
+               experts=num_experts, k=args.k, layers=args.layers, hidden=args.hidden, ffn=args.ffn,
+               seq_len=args.seq_len, micro_batch=micro_batch, grad_accum=grad_accum, tokens_per_step=tokens_per_step,
+               params_rank0=params, seed=args.seed, start_step=start_step, steps=args.steps,
+               ds_config=os.path.basename(args.deepspeed_config))
     show_bar = rank == 0 and sys.stderr.isatty()
     bar = tqdm(total=args.steps, initial=start_step, disable=not show_bar, dynamic_ncols=True)
 
@@ -372,13 +496,17 @@ def main(argv=None):
         else:
             print(line, flush=True)
 
-    window_lm = window_aux = 0.0
-    window_steps = 0
+    window = []  # (step, lm loss, aux loss, lr) of this rank since the last log line
     last_loss = None
-    window_start = time.perf_counter()
     engine.train()
+    synchronize(device)
+    train_start = time.perf_counter()
+    if timing_from == start_step:
+        clock["start"] = train_start
+    window_start = train_start
     for step in range(start_step + 1, args.steps + 1):
         step_lm = step_aux = 0.0
+        lr = engine.get_lr()[0]  # the rate this step's update uses (the scheduler steps inside engine.step)
         for micro in range(grad_accum):
             ids, targets = train_windows.batch(micro_batch, step, micro)
             # The gate's random draws (top-2 sampling, random token selection) depend on the step
@@ -389,43 +517,73 @@ def main(argv=None):
             engine.step()
             step_lm += lm_loss.item() / grad_accum
             step_aux += aux.item() / grad_accum
-        window_lm += step_lm
-        window_aux += step_aux
-        window_steps += 1
+        window.append((step, step_lm, step_aux, lr))
         bar.update(1)
 
         if step % args.log_interval == 0 or step == args.steps:
-            lm, aux = all_ranks_mean([window_lm / window_steps, window_aux / window_steps], device)
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = window_steps * tokens_per_step / elapsed
-            last_loss = lm
+            # One all_reduce for the window: every step's loss and aux, averaged over the ranks.
+            means = all_ranks_mean([value for _, lm, aux, _ in window for value in (lm, aux)], device)
+            synchronize(device)
+            tokens_per_s = len(window) * tokens_per_step / (time.perf_counter() - window_start)
+            lm, aux = sum(means[0::2]) / len(window), sum(means[1::2]) / len(window)
+            last_loss = means[-2]
+            for index, (logged_step, _, _, lr) in enumerate(window):
+                fields = dict(step=logged_step, loss=means[2 * index], aux=means[2 * index + 1], lr=lr)
+                if logged_step == step:
+                    fields["tokens_per_s"] = tokens_per_s
+                record(**fields)
             if rank == 0:
                 log(f"step {step} | loss {lm:.4f} | aux {aux:.4f} | tokens/s {tokens_per_s:.0f}")
                 bar.set_postfix(loss=f"{lm:.3f}")
-                if metrics:
-                    metrics.write(json.dumps(dict(step=step, loss=lm, aux=aux, tokens_per_s=tokens_per_s,
-                                                  lr=engine.get_lr()[0])) + "\n")
-                    metrics.flush()
-            window_lm = window_aux = 0.0
-            window_steps = 0
+            window = []
             window_start = time.perf_counter()
 
-        if args.save_dir and args.save_interval and step % args.save_interval == 0:
-            save(step)
+        if args.save_dir and ((args.save_interval and step % args.save_interval == 0) or step in save_steps):
+            seconds = save(step)
+            window_start += seconds
+            if clock["start"] is not None:
+                clock["paused"] += seconds
 
+        if step == timing_from:
+            synchronize(device)
+            clock["start"], clock["paused"] = time.perf_counter(), 0.0
+
+    synchronize(device)
+    train_seconds = time.perf_counter() - train_start
+    timed_steps = args.steps - timing_from
+    steady_tokens_per_s = step_ms = None
+    if clock["start"] is not None and timed_steps > 0:
+        seconds = time.perf_counter() - clock["start"] - clock["paused"]
+        steady_tokens_per_s = timed_steps * tokens_per_step / seconds
+        step_ms = 1000 * seconds / timed_steps
+    peak = peak_memory_mib(device)
+    peaks = all_ranks_values(peak or 0.0, device) if peak is not None else None
     bar.close()
+
     final_step = max(start_step, args.steps)
-    if args.save_dir and saved["step"] != final_step:
+    if args.save_dir and not args.no_final_save and saved["step"] != final_step:
         save(final_step)
 
-    eval_lm, eval_aux = evaluate(engine, eval_windows, args.eval_batches, micro_batch, device)
     if rank == 0:
         if last_loss is not None:
             print(f"final loss {last_loss:.4f}", flush=True)
-        print(f"eval loss {eval_lm:.4f} (ppl {math.exp(eval_lm):.2f}, aux {eval_aux:.4f})", flush=True)
-        if metrics:
-            metrics.write(json.dumps(dict(step=final_step, final_loss=last_loss, eval_loss=eval_lm)) + "\n")
-            metrics.close()
+        if steady_tokens_per_s is not None:
+            print(f"throughput {steady_tokens_per_s:.0f} tokens/s over steps {timing_from + 1}-{args.steps} "
+                  f"({step_ms:.1f} ms/step, {tokens_per_step} tokens/step)", flush=True)
+        if peaks is not None:
+            print(f"peak memory {max(peaks):.0f} MiB (max over ranks; per rank "
+                  f"{', '.join(f'{p:.0f}' for p in peaks)})", flush=True)
+        record(event="train_end", step=final_step, final_loss=last_loss, steady_tokens_per_s=steady_tokens_per_s,
+               step_ms=step_ms, timed_steps=max(timed_steps, 0), timing_from=timing_from,
+               peak_mem_mib=max(peaks) if peaks else None, peak_mem_mib_per_rank=peaks, train_seconds=train_seconds)
+
+    if args.eval_batches > 0:
+        eval_lm, eval_aux = evaluate(engine, eval_windows, args.eval_batches, micro_batch, device)
+        if rank == 0:
+            print(f"eval loss {eval_lm:.4f} (ppl {math.exp(eval_lm):.2f}, aux {eval_aux:.4f})", flush=True)
+            record(event="eval", step=final_step, final_loss=last_loss, eval_loss=eval_lm, eval_aux=eval_aux)
+    if metrics:
+        metrics.close()
     # Leave together: a rank that exits while another still uses the process group (rank 0 hosts
     # its store) makes the other's NCCL heartbeat monitor complain.
     dist.barrier()

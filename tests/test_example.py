@@ -157,6 +157,22 @@ def test_torchrun_zero2_comet_learns(comet_run):
     summary = comet_run.records[-1]
     assert summary.get("eval_loss") is not None and abs(summary["eval_loss"] - evaluated) < 1e-3
     assert "backend comet" in comet_run.output, comet_run.tail()
+    # The metrics file: a start record, one record per step, then train_end and eval.
+    events = [r.get("event") for r in comet_run.records]
+    assert events == ["start"] + [None] * STEPS + ["train_end", "eval"], events
+    header = comet_run.records[0]
+    assert (header["backend"], header["zero_stage"], header["world_size"], header["dtype"]) == \
+        ("comet", 2, 2, "float32"), header
+    assert header["tokens_per_step"] == 2 * 8 * 64, header
+    lrs = [r["lr"] for r in comet_run.records[1:STEPS + 1]]
+    assert lrs[0] < lrs[4] == lrs[-1], f"learning rates {lrs[:6]}: the 5-step warm-up is not what was used"
+    train_end = comet_run.records[-2]
+    assert train_end["timing_from"] == 5 and train_end["timed_steps"] == STEPS - 5, train_end
+    assert train_end["steady_tokens_per_s"] > 0, train_end
+    assert abs(train_end["final_loss"] - comet_run.losses[STEPS]) < 1e-9, train_end
+    assert train_end["peak_mem_mib"] is None, "peak GPU memory reported on CPU"
+    throughput = comet_run.value("throughput")
+    assert throughput is not None and abs(throughput - train_end["steady_tokens_per_s"]) < 1, comet_run.tail()
     print(f"\ntorchrun zero2_comet: loss {start:.3f} -> {end:.3f}, eval {evaluated:.3f}, "
           f"{comet_run.seconds:.0f} s")
 
@@ -183,9 +199,7 @@ def test_deepspeed_launcher_zero1_comet(workdir, comet_run):
 def mpirun_command():
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
-        pytest.skip("mpirun is not on PATH (pip install mpich mpi4py, or install Open MPI)")
-    if importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("mpi4py is not importable; DeepSpeed discovers the ranks of a bare mpirun through it")
+        pytest.skip("mpirun is not on PATH (pip install mpich, or install Open MPI)")
     version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
     cmd = [mpirun, "-np", "2"]
     if "Open MPI" in version or "OpenRTE" in version:
@@ -197,9 +211,13 @@ def test_mpirun_zero2_comet(workdir, comet_run):
     steps = 10
     metrics = os.path.join(workdir, "mpirun.jsonl")
     cmd = mpirun_command() + [sys.executable] + example_args("zero2_comet", metrics, steps)
-    # DeepSpeed's MPI discovery sets the ranks; the example passes MASTER_PORT on as the port.
-    run = launch(cmd, metrics, env_extra={"MASTER_PORT": str(free_port())})
+    # The example takes the ranks from the MPI launcher's variables, MASTER_PORT from the environment
+    # and MASTER_ADDR 127.0.0.1 (none given).
+    port = free_port()
+    run = launch(cmd, metrics, env_extra={"MASTER_PORT": str(port)})
     assert "world size 2" in run.output, run.tail()
+    assert f"ranks from the MPI launcher's environment (MASTER_ADDR 127.0.0.1, MASTER_PORT {port})" in run.output, \
+        run.tail()
     assert sorted(run.losses) == list(range(1, steps + 1)), run.tail()
     assert_same_losses(run, comet_run, range(1, steps + 1), 1e-3, "mpirun against torchrun")
     print(f"\nmpirun zero2_comet: {run.losses[1]:.3f} -> {run.losses[steps]:.3f}, {run.seconds:.0f} s")
@@ -239,3 +257,106 @@ def test_comet_backend_matches_stock(comet_run, stock_run):
     # The comet layer computes what stock DeepSpeed's does (same gate, same experts, fp32), so
     # with the same seeds the two backends train along the same loss curve.
     assert_same_losses(comet_run, stock_run, range(1, STEPS + 1), 1e-3, "comet backend against stock DeepSpeed")
+
+
+# --------------------------------------------------------------------------------------------
+# Fast checks without a launch: rank discovery under mpirun, the GPU preset and configs, and the
+# checks scripts/train_compare.sh relies on to fail loudly on the GPU machine.
+# --------------------------------------------------------------------------------------------
+
+
+def load_module(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def example():
+    return load_module("train_moe_example", SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def plot_losses():
+    return load_module("plot_losses", os.path.join(REPO, "scripts", "plot_losses.py"))
+
+
+def test_ranks_from_mpi_launcher_env(example):
+    openmpi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+               "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29575"}
+    env = dict(openmpi)
+    assert example.adopt_mpi_launcher_env(env)
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")} == dict(
+        RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29575")
+    hydra = {"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
+    env = dict(hydra)
+    example.adopt_mpi_launcher_env(env)
+    assert (env["RANK"], env["LOCAL_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("0", "0", "127.0.0.1", "29500")
+    # A launcher that set the ranks itself, and multi-node jobs, are left alone.
+    env = dict(openmpi, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
+    assert not example.adopt_mpi_launcher_env(env) and env["RANK"] == "0"
+    env = dict(openmpi, OMPI_COMM_WORLD_SIZE="4")
+    assert not example.adopt_mpi_launcher_env(env) and "RANK" not in env
+
+
+def test_gpu_preset_and_configs(example):
+    args = example.parse_args(["--preset", "gpu", "--deepspeed_config", "x.json", "--layers", "2"])
+    assert (args.layers, args.hidden, args.ffn, args.experts, args.k, args.seq_len) == (2, 1024, 4096, 8, 2, 1024)
+    assert example.parse_args(["--deepspeed_config", "x.json"]).hidden == 64  # no preset: the small CPU model
+    import ds_comet
+    for stage in (1, 2):
+        for backend in ("comet", "deepspeed"):
+            path = config(f"gpu_zero{stage}_{backend}")
+            with open(path) as handle:
+                ds_config = json.load(handle)
+            moe = ds_comet.moe_config_from(ds_config)
+            assert moe.backend == backend and ds_config["zero_optimization"]["stage"] == stage, path
+            assert ds_config["bf16"]["enabled"] is True, path
+            # The fused workspace holds one layer call of the preset: micro batch x window.
+            assert moe.max_tokens_per_rank == ds_config["train_micro_batch_size_per_gpu"] * args.seq_len == 8192, path
+
+
+def write_metrics(path, losses, lrs=None, start_step=0):
+    with open(path, "a") as handle:
+        handle.write(json.dumps({"event": "start", "start_step": start_step, "backend": "comet"}) + "\n")
+        for step, loss in losses.items():
+            handle.write(json.dumps({"step": step, "loss": loss, "lr": (lrs or {}).get(step, 1e-3)}) + "\n")
+        handle.write(json.dumps({"event": "train_end", "steady_tokens_per_s": 1000.0, "peak_mem_mib": 10.0,
+                                 "final_loss": loss}) + "\n")
+
+
+def test_resume_check_catches_a_bad_resume(tmp_path, plot_losses, capsys):
+    full = {s: 5.0 - 0.05 * s for s in range(1, 21)}
+    write_metrics(tmp_path / "full.jsonl", full)
+    check = ["resume-check", "--full", str(tmp_path / "full.jsonl"), "--from-step", "10"]
+
+    def resumed(name, **kwargs):
+        path = tmp_path / name
+        write_metrics(path, {s: full[s] for s in range(1, 11)})  # the first run appended to, as the example does
+        losses = {s: full[s] + kwargs.get("shift", 0.0) for s in range(11, 21)}
+        write_metrics(path, losses, kwargs.get("lrs"), kwargs.get("start_step", 10))
+        return plot_losses.main(check + ["--resumed", str(path)])
+
+    assert resumed("good.jsonl") == 0
+    assert resumed("drifted.jsonl", shift=0.05) == 1
+    assert resumed("restarted.jsonl", start_step=0) == 1
+    assert resumed("lr.jsonl", lrs={15: 2e-3}) == 1
+    output = capsys.readouterr().out
+    assert "resume check passed" in output and "did not load the checkpoint" in output
+    assert "the scheduler did not resume" in output
+
+
+def test_plot_summary_and_png(tmp_path, plot_losses, capsys):
+    stock = {s: 5.0 - 0.01 * s for s in range(1, 31)}
+    write_metrics(tmp_path / "stock.jsonl", stock)
+    write_metrics(tmp_path / "comet.jsonl", {s: v + (0.02 if s == 7 else 0.0) for s, v in stock.items()})
+    png = tmp_path / "curves.png"
+    runs = [f"stock={tmp_path / 'stock.jsonl'}", f"comet={tmp_path / 'comet.jsonl'}"]
+    assert plot_losses.main(["plot", "--out", str(png), "--engine", "builtin", "--json", str(tmp_path / "s.json")]
+                            + runs) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
+    output = capsys.readouterr().out
+    assert "max |loss diff| 0.0200 at step 7" in output and "1.000x" in output
+    assert plot_losses.main(["plot", "--max-diff-tol", "0.01"] + runs) == 1
+    assert plot_losses.main(["plot", f"missing={tmp_path / 'none.jsonl'}"] + runs) == 2

@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# Stock DeepSpeed MoE against the comet backend, training examples/train_moe.py on 2 GPUs.
+#
+#   (a) 200 steps, ZeRO-2, stock then comet (deepspeed launcher, same seed and data)
+#       -> loss curves ($OUT/loss_curves.png) and a table: tokens/s, ratio, peak memory, losses
+#   (b) comet, ZeRO-1: 60 steps saving a checkpoint at step 30, then a run resumed from it, whose
+#       steps 31-60 must reproduce the uninterrupted run's (losses and learning rates)
+#   (c) comet, ZeRO-2, 30 steps under a bare mpirun; its losses must follow (a)'s comet run
+#
+# Usage (repository root): bash scripts/train_compare.sh
+# Everything lands in $OUT (default /tmp/train_compare_out): per sub-run NAME.cmd, NAME.log and
+# NAME.jsonl (metrics), summary.{txt,md,json}, loss_curves.png and status.txt.
+# Each sub-run has a time limit, and all of them together stay inside BUDGET_S seconds from the
+# start (a sub-run that would not fit is skipped and counted as a failure). A failed sub-run is
+# reported with the tail of its log and the script goes on; it exits 1 if anything failed.
+#
+# TRAIN_COMPARE_CPU=1 runs the same sequence on CPU (gloo, the example's small default model,
+# a few steps) to exercise the script, the checks and the plot on a machine without GPUs.
+# Other knobs: STEPS, RESUME_STEPS, RESUME_AT, MPI_STEPS, BUDGET_S, CKPT_DIR, LOSS_MAX_DIFF_TOL,
+# LOSS_TAIL_DIFF_TOL, RESUME_FIRST_TOL, RESUME_TOL, MPI_DIFF_TOL.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+OUT=${OUT:-/tmp/train_compare_out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+CPU=${TRAIN_COMPARE_CPU:-0}
+START_S=$(date +%s)
+
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
+EXPORTS=(PYTHONPATH PATH PYTHONUNBUFFERED NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS
+         TORCH_EXTENSIONS_DIR)
+
+if [ "$CPU" = 1 ]; then
+    # Two gloo ranks on CPU, the example's small default model, bf16 as on GPU (the same configs).
+    export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+    EXPORTS+=(CUDA_VISIBLE_DEVICES DS_ACCELERATOR OMP_NUM_THREADS)
+    MODEL=(--seed 1234 --log-interval 4 --timing-warmup 2 --log-level info)
+    STEPS=${STEPS:-24} RESUME_STEPS=${RESUME_STEPS:-12} RESUME_AT=${RESUME_AT:-6} MPI_STEPS=${MPI_STEPS:-8}
+    EVAL_BATCHES=1 BUDGET_S=${BUDGET_S:-1500} MIN_STEP_S=60
+else
+    MODEL=(--preset gpu --seed 1234 --log-level info)  # info: the logs say which pipeline the comet layers ran
+    STEPS=${STEPS:-200} RESUME_STEPS=${RESUME_STEPS:-60} RESUME_AT=${RESUME_AT:-30} MPI_STEPS=${MPI_STEPS:-30}
+    EVAL_BATCHES=4 BUDGET_S=${BUDGET_S:-440} MIN_STEP_S=30
+fi
+RESERVE_S=20  # kept back for the summary at the end
+CKPT_DIR=${CKPT_DIR:-/tmp/train_compare_ckpt}
+LOSS_MAX_DIFF_TOL=${LOSS_MAX_DIFF_TOL:-0.3} LOSS_TAIL_DIFF_TOL=${LOSS_TAIL_DIFF_TOL:-0.05}
+RESUME_FIRST_TOL=${RESUME_FIRST_TOL:-0.005} RESUME_TOL=${RESUME_TOL:-0.02} MPI_DIFF_TOL=${MPI_DIFF_TOL:-0.05}
+CONFIGS=$REPO/configs
+FAILURES=()
+
+elapsed() { echo $(( $(date +%s) - START_S )); }
+note() { echo "[$(printf '%4d' "$(elapsed)") s] $*"; }
+
+# run_step NAME LIMIT_S COMMAND...: run with a time limit (cut to what the budget has left), its
+# output in $OUT/NAME.log; returns the command's status and records a failure.
+run_step() {
+    local name=$1 limit=$2 left rc=0 began took why
+    shift 2
+    left=$(( BUDGET_S - $(elapsed) - RESERVE_S ))
+    if (( left < MIN_STEP_S )); then
+        FAILURES+=("$name: skipped, $(elapsed) s of the $BUDGET_S s budget used")
+        note "SKIP $name: out of time"
+        return 1
+    fi
+    (( limit > left )) && limit=$left
+    printf '%q ' "$@" > "$OUT/$name.cmd"
+    echo >> "$OUT/$name.cmd"
+    note "RUN  $name (limit $limit s): $*"
+    began=$(date +%s)
+    timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+    took=$(( $(date +%s) - began ))
+    if (( rc == 0 )); then
+        note "OK   $name ($took s)"
+        {
+            grep -E '^(final loss|throughput|peak memory|eval loss|resumed|ds_comet op|shm comm op)' "$OUT/$name.log"
+            grep -oE 'ds_comet: MoE layer runs the (fused|reference) pipeline.*' "$OUT/$name.log" | sort -u
+        } | sed 's/^/         /' || true
+        return 0
+    fi
+    if (( rc == 124 || rc == 137 )); then why="timed out after $limit s"; else why="exit status $rc"; fi
+    FAILURES+=("$name: $why (log: $OUT/$name.log)")
+    note "FAIL $name: $why; its last lines:"
+    tail -n 30 "$OUT/$name.log" | sed 's/^/         /'
+    return "$rc"
+}
+
+# train NAME PORT CONFIG ARGS...: the example on 2 ranks under the deepspeed launcher.
+train() {
+    local name=$1 port=$2 config=$3 limit=$4
+    shift 4
+    run_step "$name" "$limit" deepspeed --num_gpus 2 --master_port "$port" examples/train_moe.py \
+        --deepspeed_config "$config" "${MODEL[@]}" --metrics-file "$OUT/$name.jsonl" "$@"
+}
+
+note "train_compare: OUT=$OUT, budget $BUDGET_S s, $([ "$CPU" = 1 ] && echo "CPU mode" || echo GPU)"
+{
+    command -v nvidia-smi > /dev/null && nvidia-smi -L
+    python3 - << 'EOF'
+import importlib, platform
+print("python", platform.python_version())
+for name in ("torch", "deepspeed", "triton", "mpi4py", "matplotlib"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as error:
+        print(name, "not importable:", type(error).__name__)
+import torch
+print("cuda devices", torch.cuda.device_count())
+EOF
+    command -v mpirun > /dev/null && mpirun --version 2>&1 | head -n 1
+    git -C "$REPO" rev-parse HEAD 2> /dev/null || true
+} > "$OUT/environment.txt" 2>&1 || true
+sed 's/^/         /' "$OUT/environment.txt"
+
+# build_op NAME EXTENSION LIMIT_S PYTHON: JIT-build an op into $TORCH_EXTENSIONS_DIR before the runs, so
+# that no run spends its time limit on it. A build this script killed leaves its lock file behind,
+# on which every later load would wait forever: remove it.
+build_op() {
+    local name=$1 extension=$2 limit=$3 code=$4
+    run_step "$name" "$limit" python3 -c "$code" && return 0
+    rm -f "$TORCH_EXTENSIONS_DIR/$extension/lock"
+    return 1
+}
+
+COMET_ZERO2=$CONFIGS/gpu_zero2_comet.json COMET_ZERO1=$CONFIGS/gpu_zero1_comet.json
+STOCK_ZERO2=$CONFIGS/gpu_zero2_deepspeed.json
+if [ "$CPU" = 1 ]; then
+    # DeepSpeed's shared-memory comm op, which its CPU accelerator builds at init (minutes on 2 cores).
+    build_op build_shm_op deepspeed_shm_comm 600 "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+ShareMemCommBuilder().load(verbose=False); print('shm comm op ready')" || true
+else
+    # The comet op: the evaluation forward of the comet runs is the fused pipeline.
+    if ! build_op build_op ds_comet_ops 240 \
+        "from op_builder import CometBuilder; CometBuilder().load(verbose=False); print('ds_comet op ready')"; then
+        # Without the op, "auto" would try (and fail) to build it again in every comet run, or wait
+        # on the lock a killed build left behind: run the comet configs on the reference pipeline.
+        note "the comet runs use \"overlap\": \"none\" (configs in $OUT/configs)"
+        mkdir -p "$OUT/configs"
+        for config in "$COMET_ZERO2" "$COMET_ZERO1"; do
+            python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["moe"]["overlap"] = "none"
+json.dump(c, open(sys.argv[2], "w"), indent=2)' "$config" "$OUT/configs/$(basename "$config")"
+        done
+        COMET_ZERO2=$OUT/configs/gpu_zero2_comet.json COMET_ZERO1=$OUT/configs/gpu_zero1_comet.json
+    fi
+fi
+
+# --- (a) stock vs comet, ZeRO-2, same seed and data.
+train a_stock_zero2 29571 "$STOCK_ZERO2" 200 --steps "$STEPS" --eval-batches "$EVAL_BATCHES" || true
+train a_comet_zero2 29572 "$COMET_ZERO2" 200 --steps "$STEPS" --eval-batches "$EVAL_BATCHES" || true
+
+# --- (d) the picture and the table, right away so that they exist whatever happens next.
+note "RUN  summary: scripts/plot_losses.py"
+rc=0
+timeout 120 python3 scripts/plot_losses.py plot --out "$OUT/loss_curves.png" --json "$OUT/summary.json" \
+    --markdown "$OUT/summary.md" --max-diff-tol "$LOSS_MAX_DIFF_TOL" --tail-diff-tol "$LOSS_TAIL_DIFF_TOL" \
+    --title "train_moe.py, 2 ranks, ZeRO-2, $STEPS steps: stock DeepSpeed MoE vs comet" \
+    "stock=$OUT/a_stock_zero2.jsonl" "comet=$OUT/a_comet_zero2.jsonl" > "$OUT/summary.txt" 2>&1 || rc=$?
+sed 's/^/         /' "$OUT/summary.txt"
+(( rc == 0 )) || FAILURES+=("summary: plot_losses.py exit status $rc (see $OUT/summary.txt)")
+
+# --- (b) ZeRO-1 checkpoint at RESUME_AT, resumed run against the uninterrupted one.
+rm -rf "$CKPT_DIR"
+if train b_zero1_full 29573 "$COMET_ZERO1" 150 --steps "$RESUME_STEPS" --eval-batches 0 \
+        --save-dir "$CKPT_DIR" --save-at "$RESUME_AT" --no-final-save; then
+    if train b_zero1_resumed 29574 "$COMET_ZERO1" 150 --steps "$RESUME_STEPS" --eval-batches 0 \
+            --save-dir "$CKPT_DIR" --resume --no-final-save; then
+        rc=0
+        python3 scripts/plot_losses.py resume-check --full "$OUT/b_zero1_full.jsonl" \
+            --resumed "$OUT/b_zero1_resumed.jsonl" --from-step "$RESUME_AT" --first-tol "$RESUME_FIRST_TOL" \
+            --tol "$RESUME_TOL" > "$OUT/b_resume_check.txt" 2>&1 || rc=$?
+        sed 's/^/         /' "$OUT/b_resume_check.txt"
+        (( rc == 0 )) || FAILURES+=("resume check: the resumed run differs (see $OUT/b_resume_check.txt)")
+    fi
+fi
+rm -rf "$CKPT_DIR"
+
+# --- (c) a bare mpirun: ranks from the MPI launcher's environment, same losses as (a)'s comet run.
+if command -v mpirun > /dev/null; then
+    MPIRUN=(mpirun -np 2)
+    if mpirun --version 2>&1 | grep -qiE 'open mpi|openrte|open-rte'; then
+        [ "$(id -u)" = 0 ] && MPIRUN+=(--allow-run-as-root)
+        MPIRUN+=(--bind-to none -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29575)
+        for var in "${EXPORTS[@]}"; do MPIRUN+=(-x "$var"); done
+    else  # MPICH / Hydra passes the environment on by itself
+        MPIRUN+=(-genv MASTER_ADDR 127.0.0.1 -genv MASTER_PORT 29575)
+    fi
+    if run_step c_mpirun_zero2 120 "${MPIRUN[@]}" python3 examples/train_moe.py --deepspeed_config "$COMET_ZERO2" \
+            "${MODEL[@]}" --steps "$MPI_STEPS" --eval-batches 1 --metrics-file "$OUT/c_mpirun_zero2.jsonl"; then
+        rc=0
+        python3 scripts/plot_losses.py plot --max-diff-tol "$MPI_DIFF_TOL" \
+            "deepspeed_launcher=$OUT/a_comet_zero2.jsonl" "mpirun=$OUT/c_mpirun_zero2.jsonl" \
+            > "$OUT/c_mpirun_vs_launcher.txt" 2>&1 || rc=$?
+        sed 's/^/         /' "$OUT/c_mpirun_vs_launcher.txt"
+        (( rc == 0 )) || FAILURES+=("mpirun check: exit status $rc comparing with (a)'s comet run (see $OUT/c_mpirun_vs_launcher.txt)")
+    fi
+else
+    FAILURES+=("c_mpirun_zero2: mpirun is not on PATH")
+fi
+
+# --- Status.
+{
+    echo "train_compare finished after $(elapsed) s"
+    if (( ${#FAILURES[@]} )); then
+        echo "${#FAILURES[@]} failure(s):"
+        printf '  - %s\n' "${FAILURES[@]}"
+    else
+        echo "all sub-runs and checks passed"
+    fi
+} | tee "$OUT/status.txt"
+(( ${#FAILURES[@]} == 0 ))
