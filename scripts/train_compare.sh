@@ -133,11 +133,11 @@ if [ "$CPU" = 1 ]; then
     build_op build_shm_op deepspeed_shm_comm 600 "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 ShareMemCommBuilder().load(verbose=False); print('shm comm op ready')" || true
 else
-    # The comet op: the evaluation forward of the comet runs is the fused pipeline.
+    # The comet op: the comet runs' MoE layers run the fused pipeline (training and evaluation).
     if ! build_op build_op ds_comet_ops 240 \
         "from op_builder import CometBuilder; CometBuilder().load(verbose=False); print('ds_comet op ready')"; then
-        # Without the op, "auto" would try (and fail) to build it again in every comet run, or wait
-        # on the lock a killed build left behind: run the comet configs on the reference pipeline.
+        # Without the op, "auto" would try (and fail) to build it again in every comet run: run the
+        # comet configs on the reference pipeline instead, which the logs and the table then show.
         note "the comet runs use \"overlap\": \"none\" (configs in $OUT/configs)"
         mkdir -p "$OUT/configs"
         for config in "$COMET_ZERO2" "$COMET_ZERO1"; do
