@@ -119,8 +119,10 @@ class _Launch:
         chunk_tiles = -(-n_col_tiles // self.params.n_chunks)
         return chunk_tiles, -(-n_col_tiles // chunk_tiles)
 
-    def exchange(self, plan: RoutingPlan):
+    def exchange(self, plan: RoutingPlan, row_limit: int):
+        """Shares the counts and lays out the call; more than row_limit received rows stops the kernel."""
         b = self.buffer
+        b.kernel_shape.max_recv_rows = row_limit  # what the exchange checks; the other kernels ignore it
         b.op.exchange(b.kernel_shape, plan.expert_counts, b.meta, b.peer_meta, b.layout, b.error_address)
 
     def dispatch(self, rows: Tensor, plan: RoutingPlan, scale: Tensor):
@@ -195,8 +197,12 @@ def _interpreting() -> bool:
 
 def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates: Tensor, experts: List[FusedExpert],
                   tables: ExpertTables, params: FusedParameters, out: Optional[Tensor] = None,
-                  profile: Optional[dict] = None, saved: Optional[dict] = None) -> Tensor:
+                  profile: Optional[dict] = None, saved: Optional[dict] = None, max_rows: Optional[int] = None) -> Tensor:
     """The experts' combined output for ``tokens`` ([S, H]); ``out`` ([S, H]) receives it if given.
+
+    ``max_rows`` bounds the rows this rank can receive in this call (the gate's capacity in its
+    current mode; default: the workspace's bound): the activations are sized by it, and the
+    exchange kernel stops with an error rather than let a call exceed it.
 
     ``profile``, if given, receives callables that relaunch GEMM1 and GEMM2 alone (benchmarks).
     ``saved``, if given, receives what ``fused_backward`` needs: copies of the received rows and of
@@ -208,7 +214,7 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     buffer.raise_if_failed()
     launch = _Launch.of(buffer, tokens, experts, tables, params)
     tokens, gates = tokens.contiguous(), gates.contiguous()
-    rows = buffer.shape.max_recv_rows
+    rows = min(max_rows or buffer.shape.max_recv_rows, buffer.shape.max_recv_rows)
     h = torch.empty((rows, launch.ffn), dtype=tokens.dtype, device=tokens.device)
     pre = h
     if saved is not None:
@@ -216,7 +222,7 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     if out is None:
         out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
 
-    launch.exchange(plan)
+    launch.exchange(plan, rows)
     launch.dispatch(tokens, plan, _NO_SCALE.get(tokens.device))
 
     def run_gemm1():
@@ -229,7 +235,7 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     run_gemm2()
     if saved is not None:
         # GEMM1 waited for every received row; keep them before the next call overwrites them.
-        saved.update(rows=buffer.recv.clone(), pre=pre, h=h)
+        saved.update(rows=buffer.recv[:rows].clone(), pre=pre, h=h)
     if profile is not None:
         # Relaunching the GEMMs alone is safe until the next call's exchange resets the counters.
         profile.update(gemm1=run_gemm1, gemm2=run_gemm2)
@@ -260,8 +266,9 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
     if need_tokens or need_weights:
         gates = gates.detach().contiguous()
         width = launch.ffn * (2 if launch.gated else 1)
-        grad_pre = torch.empty((buffer.shape.max_recv_rows, width), dtype=dtype, device=device)
-        launch.exchange(plan)
+        rows = saved["h"].shape[0]
+        grad_pre = torch.empty((rows, width), dtype=dtype, device=device)
+        launch.exchange(plan, rows)
         # The combine weighted each route by its gate, so each route's output gradient is the
         # gate times the token's gradient (rounded like stock's fp32 combine rounds it).
         launch.dispatch(grad_out, plan, gates)
@@ -335,7 +342,7 @@ class FusedMoEFunction(torch.autograd.Function):
     def forward(ctx, call: "FusedCall", tokens: Tensor, gates: Tensor, *expert_params: Tensor) -> Tensor:
         saved = {}
         out = fused_forward(call.buffer, tokens, call.plan, gates, call.experts, call.tables, call.params,
-                            saved=saved)
+                            saved=saved, max_rows=call.max_rows)
         ctx.call, ctx.saved = call, saved
         ctx.save_for_backward(gates)
         return out
@@ -364,6 +371,7 @@ class FusedCall:
     experts: List[FusedExpert]
     tables: ExpertTables
     params: FusedParameters
+    max_rows: Optional[int] = None
 
 
 def fused_moe(call: FusedCall, tokens: Tensor, gates: Tensor) -> Tensor:

@@ -57,8 +57,9 @@ def describe_error_record(record: torch.Tensor) -> Optional[str]:
     _, rank, kind, index, target, observed, waited_ns, _ = words
     if kind == layout.WORKSPACE_OVERFLOW:
         what = "receive rows" if index == 0 else "GEMM1 row tiles"
-        return (f"ds_comet: rank {rank} needed {observed} {what} but the workspace holds {target}; "
-                "raise \"moe\": {\"max_tokens_per_rank\"} in the ds_config")
+        return (f"ds_comet: rank {rank} needed {observed} {what} but the call allows {target} (the workspace, or "
+                "the gate's capacity in its current mode, for the most tokens per rank); raise \"moe\": "
+                "{\"max_tokens_per_rank\"} in the ds_config if a rank got more tokens than the first call")
     what = _WHAT.get(kind, "signal {index}").format(index=index)
     return (f"ds_comet: rank {rank} waited {waited_ns / 1e9:.1f} s for {what} to reach {target} but saw {observed}; "
             "a rank of the expert-parallel group stopped or fell behind (raise \"moe\": {\"wait_timeout_s\"} if it "

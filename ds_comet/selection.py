@@ -78,6 +78,7 @@ class PipelineSelector:
         self._tables = ExpertTables()
         self._buffer = None
         self._params = None
+        self._max_rows = {}
 
     def say_once(self, reason: str):
         if reason not in self._said:
@@ -142,9 +143,14 @@ class PipelineSelector:
         num_sms = torch.cuda.get_device_properties(tokens.device).multi_processor_count
         self._params = choose_parameters(self.config, tokens.shape[-1], ffn, gated, gate.k, self.moe.ep_size,
                                          max_tokens, elem, num_sms)
-        rows = max_received_rows(max_tokens, gate.k, self.moe.num_local_experts * self.moe.ep_size,
-                                 self.moe.ep_size, gate.drop_tokens, gate.capacity_factor, gate.eval_capacity_factor,
-                                 gate.min_capacity)
+        def bound(capacity_factor):
+            return max_received_rows(max_tokens, gate.k, self.moe.num_local_experts * self.moe.ep_size,
+                                     self.moe.ep_size, gate.drop_tokens, capacity_factor, capacity_factor,
+                                     gate.min_capacity)
+
+        # Per mode, as the gate's capacity follows it; the workspace holds the larger.
+        self._max_rows = {True: bound(gate.capacity_factor), False: bound(gate.eval_capacity_factor)}
+        rows = max(self._max_rows.values())
         shape = BufferShape(ep_size=self.moe.ep_size, num_experts=self.moe.num_local_experts * self.moe.ep_size,
                             hidden=tokens.shape[-1], dtype=tokens.dtype, max_tokens=max_tokens, max_recv_rows=rows,
                             top_k=gate.k, tile_m=self._params.tile_m)
@@ -170,11 +176,13 @@ class PipelineSelector:
 
     def _run(self, tokens: torch.Tensor, plan: RoutingPlan, gates: torch.Tensor) -> torch.Tensor:
         try:
+            max_rows = self._max_rows[self.moe.gate.training]
             if torch.is_grad_enabled() and (tokens.requires_grad or gates.requires_grad or any(
                     p.requires_grad for p in self.moe.experts.parameters())):
-                call = FusedCall(self._buffer, plan, self._experts, self._tables, self._params)
+                call = FusedCall(self._buffer, plan, self._experts, self._tables, self._params, max_rows)
                 return fused_moe(call, tokens, gates)
-            return fused_forward(self._buffer, tokens, plan, gates, self._experts, self._tables, self._params)
+            return fused_forward(self._buffer, tokens, plan, gates, self._experts, self._tables, self._params,
+                                 max_rows=max_rows)
         except RuntimeError as error:
             # A kernel that gave up on a wait stops the device; name what it waited for if it said so.
             self._buffer.raise_if_failed()

@@ -18,6 +18,8 @@
 # a few steps) to exercise the script, the checks and the plot on a machine without GPUs.
 # Other knobs: STEPS, RESUME_STEPS, RESUME_AT, MPI_STEPS, BUDGET_S, CKPT_DIR, LOSS_MAX_DIFF_TOL,
 # LOSS_TAIL_DIFF_TOL, RESUME_FIRST_TOL, RESUME_TOL, MPI_DIFF_TOL.
+# MPI_DIFF_TOL is 0.1: two launches of the same comet run on 2 x H200 differed by up to 0.06 (step 19), as
+# much as stock and comet differ (attention's backward and NCCL reductions are not bit-reproducible).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -49,7 +51,7 @@ fi
 RESERVE_S=20  # kept back for the summary at the end
 CKPT_DIR=${CKPT_DIR:-/tmp/train_compare_ckpt}
 LOSS_MAX_DIFF_TOL=${LOSS_MAX_DIFF_TOL:-0.3} LOSS_TAIL_DIFF_TOL=${LOSS_TAIL_DIFF_TOL:-0.05}
-RESUME_FIRST_TOL=${RESUME_FIRST_TOL:-0.005} RESUME_TOL=${RESUME_TOL:-0.02} MPI_DIFF_TOL=${MPI_DIFF_TOL:-0.05}
+RESUME_FIRST_TOL=${RESUME_FIRST_TOL:-0.005} RESUME_TOL=${RESUME_TOL:-0.02} MPI_DIFF_TOL=${MPI_DIFF_TOL:-0.1}
 CONFIGS=$REPO/configs
 FAILURES=()
 
