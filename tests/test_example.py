@@ -1,4 +1,7 @@
-"""examples/train_moe.py end to end: two CPU ranks under torchrun, the deepspeed launcher and mpirun.
+"""examples/train_moe.py end to end: CPU ranks under torchrun, the deepspeed launcher and mpirun.
+
+The runs have DS_COMET_TEST_WORLD_SIZE ranks (2 when unset); the example takes its expert-parallel
+size and expert count from the world size.
 
 Every run uses the same seed and model, and the example draws its data and the gate's noise from
 (seed, rank, step), so the runs must agree with one another step by step: a resumed run with the
@@ -21,10 +24,13 @@ import time
 
 import pytest
 
+from dist_pool import cpu_world_size
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "examples", "train_moe.py")
 CONFIGS = os.path.join(REPO, "configs")
 TIMEOUT_S = 300
+RANKS = cpu_world_size()
 STEPS = 30
 LOG_LINE = re.compile(r"^step (\d+) \| loss ([0-9.]+) \| aux ([0-9.]+) \| tokens/s (\d+)$", re.MULTILINE)
 # The launchers' rank environment must come from the launcher under test, not from this process.
@@ -100,7 +106,7 @@ def example_args(ds_config, metrics_path, steps=STEPS, *extra):
 
 def torchrun(tmp_dir, name, ds_config, steps=STEPS, *extra) -> Run:
     metrics = os.path.join(tmp_dir, f"{name}.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS), "--master_port",
            str(free_port())] + example_args(ds_config, metrics, steps, *extra)
     return launch(cmd, metrics)
 
@@ -122,7 +128,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def comet_run(workdir):
-    """The reference run: torchrun, two ranks, ZeRO-2, comet backend, STEPS steps."""
+    """The reference run: torchrun, RANKS ranks, ZeRO-2, comet backend, STEPS steps."""
     return torchrun(workdir, "comet_zero2", "zero2_comet")
 
 
@@ -183,12 +189,12 @@ def test_deepspeed_launcher_zero1_comet(workdir, comet_run):
     deepspeed_cli = shutil.which("deepspeed")
     if deepspeed_cli is None:
         pytest.skip("the deepspeed launcher is not on PATH")
-    cmd = [deepspeed_cli, "--num_gpus", "2", "--master_port", str(free_port())] + example_args(
+    cmd = [deepspeed_cli, "--num_gpus", str(RANKS), "--master_port", str(free_port())] + example_args(
         "zero1_comet", metrics, steps)
     run = launch(cmd, metrics)
     assert sorted(run.losses) == list(range(1, steps + 1)), run.tail()
     assert [s for s, *_ in run.logged] == list(range(1, steps + 1)), run.tail()
-    assert "world size 2" in run.output, run.tail()
+    assert f"world size {RANKS} " in run.output, run.tail()
     # Same seed, same data: ZeRO-1 under the deepspeed launcher follows ZeRO-2 under torchrun
     # (up to the order of floating-point sums in the gradient reduction).
     assert_same_losses(run, comet_run, range(1, steps + 1), 0.02, "deepspeed launcher, ZeRO-1")
@@ -201,7 +207,7 @@ def mpirun_command():
     if mpirun is None:
         pytest.skip("mpirun is not on PATH (pip install mpich, or install Open MPI)")
     version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
-    cmd = [mpirun, "-np", "2"]
+    cmd = [mpirun, "-np", str(RANKS)]
     if "Open MPI" in version or "OpenRTE" in version:
         cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
     return cmd
@@ -215,7 +221,7 @@ def test_mpirun_zero2_comet(workdir, comet_run):
     # and MASTER_ADDR 127.0.0.1 (none given).
     port = free_port()
     run = launch(cmd, metrics, env_extra={"MASTER_PORT": str(port)})
-    assert "world size 2" in run.output, run.tail()
+    assert f"world size {RANKS} " in run.output, run.tail()
     assert f"ranks from the MPI launcher's environment (MASTER_ADDR 127.0.0.1, MASTER_PORT {port})" in run.output, \
         run.tail()
     assert sorted(run.losses) == list(range(1, steps + 1)), run.tail()
