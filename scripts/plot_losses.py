@@ -7,8 +7,8 @@
 ``plot`` draws each run's per-step training loss (top) and each run's difference from the first run
 (bottom) into one PNG, prints a table (steady-state tokens/s, ratio to the first run, ms/step, peak
 GPU memory, final and eval loss) and the per-step loss differences, and can write the same as JSON
-and Markdown. It uses matplotlib with the Agg backend (no display) when matplotlib is importable and
-otherwise a small built-in PNG writer, so a machine without matplotlib still gets the picture.
+and Markdown. The PNG needs matplotlib (drawn with the Agg backend, no display); without it the
+table and the checks still run.
 Exit status: 0; 1 when a difference exceeds --max-diff-tol or --tail-diff-tol; 2 when a metrics
 file is missing or holds no losses.
 
@@ -18,12 +18,11 @@ same losses (within --first-tol on its first step, --tol on all). Exit status 0 
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
-import struct
 import sys
-import zlib
 
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
 
@@ -186,169 +185,6 @@ def plot_matplotlib(runs, out, title):
     plt.close(figure)
 
 
-# A 5x7 bitmap font for the built-in writer: 7 rows of 5 bits per glyph, as hex bytes, top row
-# first. Upper case prints as lower case; other characters print as blanks.
-GLYPHS = {
-    '0': "0e11131519110e", '1': "040c040404040e", '2': "0e11010204081f", '3': "1f02040201110e",
-    '4': "02060a121f0202", '5': "1f101e0101110e", '6': "0608101e11110e", '7': "1f010204080808",
-    '8': "0e11110e11110e", '9': "0e11110f01020c", '.': "00000000000c0c", '-': "0000001f000000",
-    '+': "0004041f040400", 'a': "00000e010f110f", 'b': "1010161911111e", 'c': "00000e1010110e",
-    'd': "01010d1311110f", 'e': "00000e111f100e", 'f': "0609081c080808", 'g': "000f11110f010e",
-    'h': "10101619111111", 'i': "04000c0404040e", 'j': "0200060202120c", 'k': "10101214181412",
-    'l': "0c04040404040e", 'm': "00001a15151111", 'n': "00001619111111", 'o': "00000e1111110e",
-    'p': "00001e111e1010", 'q': "00000d130f0101", 'r': "00001619101010", 's': "00000e100e011e",
-    't': "08081c08080906", 'u': "0000111111130d", 'v': "00001111110a04", 'w': "0000111115150a",
-    'x': "0000110a040a11", 'y': "000011110f010e", 'z': "00001f0204081f", '(': "02040808080402",
-    ')': "08040202020408", '/': "01020204080810", '=': "00001f001f0000", '|': "04040404040404",
-    ',': "00000000060408", '_': "0000000000001f", '%': "18190204081303", ':': "000c0c000c0c00",
-}
-
-
-class Canvas:
-    """An RGB image in memory with lines, rectangles and bitmap text, saved as PNG."""
-
-    def __init__(self, width, height, background=(255, 255, 255)):
-        self.width, self.height = width, height
-        self.pixels = bytearray(bytes(background) * (width * height))
-
-    def dot(self, x, y, color):
-        if 0 <= x < self.width and 0 <= y < self.height:
-            at = 3 * (y * self.width + x)
-            self.pixels[at:at + 3] = bytes(color)
-
-    def rect(self, x0, y0, x1, y1, color):
-        for y in range(max(0, y0), min(self.height, y1 + 1)):
-            for x in range(max(0, x0), min(self.width, x1 + 1)):
-                self.dot(x, y, color)
-
-    def line(self, x0, y0, x1, y1, color, width=1, clip=None):
-        x0, y0, x1, y1 = round(x0), round(y0), round(x1), round(y1)
-        dx, dy = abs(x1 - x0), -abs(y1 - y0)
-        sx, sy = (1 if x0 < x1 else -1), (1 if y0 < y1 else -1)
-        error = dx + dy
-        lo, hi = -(width // 2), width - width // 2
-        while True:
-            if clip is None or (clip[0] <= x0 <= clip[2] and clip[1] <= y0 <= clip[3]):
-                for oy in range(lo, hi):
-                    for ox in range(lo, hi):
-                        self.dot(x0 + ox, y0 + oy, color)
-            if x0 == x1 and y0 == y1:
-                break
-            twice = 2 * error
-            if twice >= dy:
-                error += dy
-                x0 += sx
-            if twice <= dx:
-                error += dx
-                y0 += sy
-
-    def text(self, x, y, text, color=(0, 0, 0), scale=2, anchor="left"):
-        advance = 6 * scale
-        if anchor == "right":
-            x -= advance * len(text)
-        elif anchor == "center":
-            x -= advance * len(text) // 2
-        for index, char in enumerate(text.lower()):
-            rows = bytes.fromhex(GLYPHS.get(char, "00" * 7))
-            for row, bits in enumerate(rows):
-                for column in range(5):
-                    if bits & (0x10 >> column):
-                        gx, gy = x + index * advance + column * scale, y + row * scale
-                        self.rect(gx, gy, gx + scale - 1, gy + scale - 1, color)
-
-    def save(self, path):
-        stride = 3 * self.width
-        raw = b"".join(b"\x00" + bytes(self.pixels[y * stride:(y + 1) * stride]) for y in range(self.height))
-
-        def chunk(kind, data):
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xffffffff)
-
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        with open(path, "wb") as handle:
-            handle.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6)) +
-                         chunk(b"IEND", b""))
-
-
-def nice_ticks(lo, hi, count=5):
-    if not math.isfinite(lo) or not math.isfinite(hi) or hi <= lo:
-        return [lo]
-    raw = (hi - lo) / count
-    magnitude = 10**math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def tick_label(value, step):
-    decimals = max(0, -math.floor(math.log10(step))) if step > 0 else 0
-    return f"{value:.{decimals + (1 if step / 10**math.floor(math.log10(step)) == 2.5 else 0)}f}"
-
-
-def draw_panel(canvas, box, series, xlim, ylabel, xlabel=None, zero_line=False):
-    """Lines of (color, {x: y}) in box (left, top, right, bottom) with ticks, grid and labels."""
-    left, top, right, bottom = box
-    ys = [y for _, points in series for y in points.values() if math.isfinite(y)]
-    if zero_line:
-        ys.append(0.0)
-    lo, hi = (min(ys), max(ys)) if ys else (0.0, 1.0)
-    pad = (hi - lo) * 0.05 or max(abs(hi), 1e-3) * 0.05
-    lo, hi = lo - pad, hi + pad
-    x_lo, x_hi = xlim
-    x_hi = x_hi if x_hi > x_lo else x_lo + 1
-
-    def px(x):
-        return left + (x - x_lo) / (x_hi - x_lo) * (right - left)
-
-    def py(y):
-        return bottom - (y - lo) / (hi - lo) * (bottom - top)
-
-    grid, axis = (225, 225, 225), (60, 60, 60)
-    y_ticks = nice_ticks(lo, hi)
-    y_step = y_ticks[1] - y_ticks[0] if len(y_ticks) > 1 else 1.0
-    for value in y_ticks:
-        canvas.line(left, py(value), right, py(value), grid)
-        canvas.text(left - 8, round(py(value)) - 7, tick_label(value, y_step), axis, anchor="right")
-    x_ticks = nice_ticks(x_lo, x_hi)
-    x_step = x_ticks[1] - x_ticks[0] if len(x_ticks) > 1 else 1.0
-    for value in x_ticks:
-        canvas.line(px(value), top, px(value), bottom, grid)
-        if xlabel:
-            canvas.text(round(px(value)), bottom + 8, tick_label(value, x_step), axis, anchor="center")
-    if zero_line:
-        canvas.line(left, py(0.0), right, py(0.0), (0, 0, 0))
-    for color, points in series:
-        xs = sorted(x for x in points if math.isfinite(points[x]))
-        for a, b in zip(xs, xs[1:]):
-            canvas.line(px(a), py(points[a]), px(b), py(points[b]), color, width=2, clip=box)
-        if len(xs) == 1:
-            canvas.rect(round(px(xs[0])) - 2, round(py(points[xs[0]])) - 2, round(px(xs[0])) + 2,
-                        round(py(points[xs[0]])) + 2, color)
-    for x0, y0, x1, y1 in ((left, top, right, top), (left, bottom, right, bottom), (left, top, left, bottom),
-                           (right, top, right, bottom)):
-        canvas.line(x0, y0, x1, y1, axis)
-    canvas.text(left, top - 20, ylabel, axis)
-    if xlabel:
-        canvas.text((left + right) // 2, bottom + 30, xlabel, axis, anchor="center")
-
-
-def plot_builtin(runs, out, title):
-    canvas = Canvas(1000, 720)
-    base = runs[0]
-    steps = [s for run in runs for s in run.steps]
-    xlim = (min(steps), max(steps)) if steps else (0, 1)
-    curves = [(COLORS[i % len(COLORS)], run.losses) for i, run in enumerate(runs)]
-    diffs = [(COLORS[i % len(COLORS)], difference(run, base)[0]) for i, run in enumerate(runs) if i]
-    canvas.text(500, 12, title, anchor="center")
-    draw_panel(canvas, (110, 70, 970, 440), curves, xlim, "training loss (mean over ranks)")
-    draw_panel(canvas, (110, 500, 970, 650), diffs, xlim, "loss difference to " + base.label, xlabel="step",
-               zero_line=True)
-    for index, run in enumerate(runs):  # legend, top right
-        y = 84 + 22 * index
-        canvas.rect(770, y + 5, 800, y + 8, COLORS[index % len(COLORS)])
-        canvas.text(810, y, run.label)
-    canvas.save(out)
-
-
 def cmd_plot(args):
     runs = [Run(label, path) for label, path in args.runs]
     for run in runs:
@@ -382,22 +218,13 @@ def cmd_plot(args):
             handle.write(f"# {args.title}\n\n{text}\n" + "".join(f"\nCHECK FAILED: {m}\n" for m in checks))
     if args.out:
         drawable = [run for run in runs if run.losses]
-        if drawable:
-            try:
-                if args.engine == "builtin":
-                    raise ImportError("the built-in writer was asked for")
-                plot_matplotlib(drawable, args.out, args.title)
-                engine = "matplotlib"
-            except Exception as error:  # not installed, or too old for these calls: still draw the curves
-                if args.engine == "matplotlib":
-                    raise
-                print(f"matplotlib not used ({type(error).__name__}: {error}); drawing with the built-in PNG "
-                      "writer", file=sys.stderr)
-                plot_builtin(drawable, args.out, args.title)
-                engine = "built-in"
-            print(f"wrote {args.out} ({engine})")
-        else:
+        if not drawable:
             print(f"no losses to draw; {args.out} not written", file=sys.stderr)
+        elif importlib.util.find_spec("matplotlib") is None:
+            print(f"matplotlib is not installed; {args.out} not written (pip install matplotlib)", file=sys.stderr)
+        else:
+            plot_matplotlib(drawable, args.out, args.title)
+            print(f"wrote {args.out}")
     return status
 
 
@@ -466,8 +293,6 @@ def main(argv=None):
                       help="fail (exit 1) when a run's per-step loss differs from the first run's by more")
     plot.add_argument("--tail-diff-tol", type=float, default=None,
                       help="fail (exit 1) when the mean loss of the last --tail steps differs by more")
-    plot.add_argument("--engine", choices=("auto", "matplotlib", "builtin"), default="auto",
-                      help="auto: matplotlib if importable, else the built-in PNG writer")
     plot.set_defaults(func=cmd_plot)
     check = commands.add_parser("resume-check", help="a resumed run against the uninterrupted run")
     check.add_argument("--full", required=True, help="metrics of the uninterrupted run")
