@@ -31,12 +31,8 @@ import ds_comet
 from ds_comet.experts import FeedForward, GatedFeedForward, reset_expert_
 from ds_comet.fused import fused_forward
 from ds_comet.routing import plan_routes
+from ds_comet.shapes import SHAPES, selected_shapes
 
-SHAPES = {
-    "H4096-F14336-E8-k2-T8192": (4096, 14336, 8, 2, 8192),
-    "H2048-F1408-E64-k4-T8192": (2048, 1408, 64, 4, 8192),
-    "H7168-F2048-E32-k8-T4096": (7168, 2048, 32, 8, 4096),
-}
 PIPELINES = ("stock", "reference", "fused")
 
 
@@ -341,12 +337,7 @@ def main():
     args = parse_args()
     deepspeed.init_distributed()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    shapes = {name: SHAPES[name] for name in (args.shape or ([] if args.custom else SHAPES))}
-    for spec in args.custom:
-        values = tuple(int(v) for v in spec.split(","))
-        if len(values) != 5:
-            raise SystemExit(f"--custom takes H,F,E,K,T, got {spec!r}")
-        shapes["H{}-F{}-E{}-k{}-T{}".format(*values)] = values
+    shapes = selected_shapes(args.shape, args.custom)
     all_results = {}
     for name, shape in shapes.items():
         all_results[name] = bench_shape(*shape, args)

@@ -57,7 +57,7 @@ from layout_reference import layout_array, reference_layout  # noqa: E402  (test
 
 def _load(name):
     """ds_comet.<name> straight from its file: the package's __init__ imports DeepSpeed, which costs
-    every compile worker seconds; the two modules used here import nothing of the package."""
+    every compile worker seconds; the modules used here import nothing of the package."""
     path = os.path.join(ROOT, "ds_comet", name + ".py")
     spec = importlib.util.spec_from_file_location("_tune_ds_comet_" + name, path)
     module = importlib.util.module_from_spec(spec)
@@ -71,11 +71,7 @@ def _load(name):
 TG = _load("triton_gemm")
 LAYOUT = _load("layout")
 
-SHAPES = {
-    "H4096-F14336-E8-k2-T8192": (4096, 14336, 8, 2, 8192),
-    "H2048-F1408-E64-k4-T8192": (2048, 1408, 64, 4, 8192),
-    "H7168-F2048-E32-k8-T4096": (7168, 2048, 32, 8, 4096),
-}
+SHAPES = _load("shapes").SHAPES
 SMOKE_SHAPE = ("smoke-H64-F96-E4-k2-T40", (64, 96, 4, 2, 40))
 EP = 2
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
@@ -1094,13 +1090,7 @@ def cpus():
 def selected_shapes(args):
     if args.smoke:
         return dict([SMOKE_SHAPE])
-    shapes = {name: SHAPES[name] for name in (args.shape or ([] if args.custom else SHAPES))}
-    for spec in args.custom:
-        values = tuple(int(v) for v in spec.split(","))
-        if len(values) != 5:
-            raise SystemExit(f"--custom takes H,F,E,K,T, got {spec!r}")
-        shapes["H{}-F{}-E{}-k{}-T{}".format(*values)] = values
-    return shapes
+    return _load("shapes").selected_shapes(args.shape, args.custom)
 
 
 def offline(args, shapes, log):

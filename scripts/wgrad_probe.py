@@ -18,10 +18,9 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ds_comet.shapes import SHAPES  # noqa: E402
 from ds_comet.triton_gemm import wgrad_kernel  # noqa: E402
 
-SHAPES = {"H4096-F14336-E8-k2-T8192": (4096, 14336, 8, 2, 8192), "H2048-F1408-E64-k4-T8192": (2048, 1408, 64, 4, 8192),
-          "H7168-F2048-E32-k8-T4096": (7168, 2048, 32, 8, 4096)}
 CONFIGS = [dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3), dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
            dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4), dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
            dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=4)]
