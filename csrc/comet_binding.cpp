@@ -60,7 +60,9 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     check_cuda(peer_recv, "peer_recv", at::kLong);
     check_cuda(peer_origin, "peer_origin", at::kLong);
     check_cuda(peer_meta, "peer_meta", at::kLong);
-    TORCH_CHECK(route_order.numel() % tokens.size(0) == 0, "route_order must hold k routes per token");
+    // A rank may have no tokens (it still takes part in the exchange, sending nothing).
+    TORCH_CHECK(tokens.size(0) == 0 ? route_order.numel() == 0 : route_order.numel() % tokens.size(0) == 0,
+                "route_order must hold k routes per token");
     const float* scale = optional_weights(route_scale, "route_scale", route_order.numel());
     check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1), dtype_code,
                                            route_order.data_ptr<int64_t>(), scale, layout.data_ptr<int32_t>(),
@@ -79,12 +81,13 @@ void combine(const GroupShape& shape, const torch::Tensor& ret, const torch::Ten
     check_cuda(route_position, "route_position", at::kLong);
     check_cuda(meta, "meta", at::kInt);
     check_cuda(layout, "layout", at::kInt);
-    TORCH_CHECK(out.size(0) > 0 && route_position.numel() % out.size(0) == 0,
+    TORCH_CHECK(out.size(0) == 0 ? route_position.numel() == 0 : route_position.numel() % out.size(0) == 0,
                 "route_position must hold k routes per token");
+    const int64_t top_k = out.size(0) == 0 ? 0 : route_position.numel() / out.size(0);
     const float* weights = optional_weights(gates, "gates", route_position.numel());
     TORCH_CHECK(out.size(1) % 8 == 0 && chunk_cols % 8 == 0, "hidden size and chunk width must be multiples of 8");
     check_launch(ds_comet::launch_combine(shape, ret.data_ptr(), route_position.data_ptr<int64_t>(), weights,
-                                          out.data_ptr(), route_position.numel() / out.size(0), out.size(0),
+                                          out.data_ptr(), top_k, out.size(0),
                                           out.size(1), dtype_code, chunk_cols, tile_n, num_chunks,
                                           meta.data_ptr<int32_t>(), layout.data_ptr<int32_t>(),
                                           as_record(error_record), static_cast<int>(blocks),

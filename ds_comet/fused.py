@@ -263,30 +263,34 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
     device, dtype = grad_out.device, grad_out.dtype
     grad_tokens = grad_gates = weight_grads = None
 
-    if need_tokens or need_weights:
-        gates = gates.detach().contiguous()
-        width = launch.ffn * (2 if launch.gated else 1)
-        rows = saved["h"].shape[0]
-        grad_pre = torch.empty((rows, width), dtype=dtype, device=device)
-        launch.exchange(plan, rows)
-        # The combine weighted each route by its gate, so each route's output gradient is the
-        # gate times the token's gradient (rounded like stock's fp32 combine rounds it).
-        launch.dispatch(grad_out, plan, gates)
-        launch.gemm1(buffer.recv, grad_pre, saved.pop("pre"), backward=True, store_pre=False)
-        # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
-        # reuses its memory only for work queued after it on this stream, so the peak stays low.
-        if need_tokens:
-            grad_tokens = torch.empty_like(grad_out)
-            launch.gemm2(grad_pre, backward=True)
-            launch.combine(plan, _NO_SCALE.get(device), grad_tokens)
-        if need_weights:
-            # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
-            dw2, db2 = launch.wgrad(buffer.recv, saved.pop("h"), hidden, launch.ffn, dtype)
-            dw1, db1 = launch.wgrad(grad_pre, saved.pop("rows"), width, hidden, dtype)
-            weight_grads = _split_weight_grads(experts, launch.ffn, dw1, db1, dw2, db2)
-        del grad_pre
-        launch.join(device, grad_out, gates, plan.route_order, plan.route_position,
-                    *([grad_tokens] if grad_tokens is not None else []))
+    # The collective part runs whatever this rank needs, so that every rank of the group launches the
+    # same kernels (a rank whose tokens need no gradient must still return its peers' rows).
+    gates = gates.detach().contiguous()
+    width = launch.ffn * (2 if launch.gated else 1)
+    rows = saved["h"].shape[0]
+    grad_pre = torch.empty((rows, width), dtype=dtype, device=device)
+    # Allocated before the dispatch, which orders the communication stream after everything queued
+    # so far: the combine writes it there, and a block freed later (``pre``) may still be read by
+    # GEMM1 when the combine runs.
+    grad_tokens = torch.empty_like(grad_out)
+    launch.exchange(plan, rows)
+    # The combine weighted each route by its gate, so each route's output gradient is the gate
+    # times the token's gradient (rounded like stock's fp32 combine rounds it).
+    launch.dispatch(grad_out, plan, gates)
+    # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
+    # reuses its memory only for work queued after it on this stream, so the peak stays low.
+    launch.gemm1(buffer.recv, grad_pre, saved.pop("pre"), backward=True, store_pre=False)
+    launch.gemm2(grad_pre, backward=True)
+    launch.combine(plan, _NO_SCALE.get(device), grad_tokens)
+    if need_weights:
+        # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
+        dw2, db2 = launch.wgrad(buffer.recv, saved.pop("h"), hidden, launch.ffn, dtype)
+        dw1, db1 = launch.wgrad(grad_pre, saved.pop("rows"), width, hidden, dtype)
+        weight_grads = _split_weight_grads(experts, launch.ffn, dw1, db1, dw2, db2)
+    del grad_pre
+    launch.join(device, grad_out, gates, plan.route_order, plan.route_position, grad_tokens)
+    if not need_tokens:
+        grad_tokens = None
     if need_gates:
         top_k = plan.top_k
         grad_gates = torch.empty((top_k * num_tokens, ), dtype=torch.float32, device=device)
@@ -349,6 +353,9 @@ class FusedMoEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        if ctx.saved is None:
+            raise RuntimeError("the fused MoE backward runs once per forward: its saved activations are freed as "
+                               "it goes (retain_graph=True needs \"moe\": {\"overlap\": \"none\"})")
         call, (gates, ) = ctx.call, ctx.saved_tensors
         need = ctx.needs_input_grad
         try:

@@ -65,6 +65,15 @@ def max_received_rows(max_tokens, top_k, num_experts, ep_size, drop_tokens, capa
     return max(rows, 1)
 
 
+def offsets_overflow(recv_rows: int, routes: int, hidden: int, ffn: int, gated: bool) -> Optional[str]:
+    """Why the kernels' 32-bit row offsets cannot address this workspace, or None."""
+    widest = max(hidden, ffn * (2 if gated else 1))
+    if max(recv_rows, routes) * widest >= 2**31:
+        return (f"{max(recv_rows, routes)} rows of up to {widest} elements exceed the fused kernels' 32-bit "
+                "offsets; lower \"moe\": {\"max_tokens_per_rank\"} or the tokens per micro-batch")
+    return None
+
+
 class PipelineSelector:
     """Per layer: decides reference or fused for each call and owns the fused state."""
 
@@ -109,6 +118,8 @@ class PipelineSelector:
                                                                                  first.first.bias is None):
                 return "the local experts differ in structure"
             linears = [spec.first, spec.second] + ([spec.gate] if spec.gate is not None else [])
+            if len({linear.bias is None for linear in linears}) > 1:
+                return "the expert's linear layers differ in having a bias; the fused kernels need all or none"
             for linear in linears:
                 if linear.weight.dtype != tokens.dtype or not linear.weight.is_contiguous():
                     return f"expert weights are {linear.weight.dtype}, tokens {tokens.dtype}"
@@ -143,6 +154,7 @@ class PipelineSelector:
         num_sms = torch.cuda.get_device_properties(tokens.device).multi_processor_count
         self._params = choose_parameters(self.config, tokens.shape[-1], ffn, gated, gate.k, self.moe.ep_size,
                                          max_tokens, elem, num_sms)
+
         def bound(capacity_factor):
             return max_received_rows(max_tokens, gate.k, self.moe.num_local_experts * self.moe.ep_size,
                                      self.moe.ep_size, gate.drop_tokens, capacity_factor, capacity_factor,
@@ -151,6 +163,9 @@ class PipelineSelector:
         # Per mode, as the gate's capacity follows it; the workspace holds the larger.
         self._max_rows = {True: bound(gate.capacity_factor), False: bound(gate.eval_capacity_factor)}
         rows = max(self._max_rows.values())
+        reason = offsets_overflow(rows, max_tokens * gate.k, tokens.shape[-1], ffn, gated)
+        if reason is not None:
+            return reason
         shape = BufferShape(ep_size=self.moe.ep_size, num_experts=self.moe.num_local_experts * self.moe.ep_size,
                             hidden=tokens.shape[-1], dtype=tokens.dtype, max_tokens=max_tokens, max_recv_rows=rows,
                             top_k=gate.k, tile_m=self._params.tile_m)

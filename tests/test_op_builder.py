@@ -4,6 +4,7 @@ import glob
 import os
 import shutil
 import subprocess
+import sysconfig
 
 import pytest
 import torch
@@ -14,8 +15,11 @@ from ds_comet import layout
 from ds_comet.report import report
 from op_builder import CometBuilder
 from op_builder.comet import plain_arch_list
+from torch.utils.cpp_extension import include_paths
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(os.path.dirname(TESTS_DIR), "csrc")
+CUDA_INCLUDE = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
 
 
 def test_builder_names_absolute_existing_sources():
@@ -57,6 +61,18 @@ def test_cuda_sources_compile_for_hopper(source, tmp_path):
     result = subprocess.run(["nvcc", "-std=c++17", "-c", "-o", str(tmp_path / "out.o"), "-gencode",
                              "arch=compute_90a,code=sm_90a", "-I", CSRC, source], capture_output=True, text=True,
                             timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or not os.path.exists(os.path.join(CUDA_INCLUDE, "cuda_runtime.h")),
+                    reason="needs g++ and the CUDA runtime headers")
+def test_torch_binding_compiles():
+    # CPU torch has no CUDA headers: a stand-in for the one the binding includes (tests/stubs).
+    includes = [os.path.join(TESTS_DIR, "stubs"), *include_paths(), sysconfig.get_paths()["include"], CUDA_INCLUDE,
+                CSRC]
+    result = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=ds_comet_ops",
+                             *[f"-I{path}" for path in includes], os.path.join(CSRC, "comet_binding.cpp")],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 
 

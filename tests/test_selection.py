@@ -10,7 +10,7 @@ from ds_comet.config import CometMoEConfig
 from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.ops import describe_error_record
 from ds_comet.routing import plan_routes
-from ds_comet.selection import choose_parameters, max_received_rows
+from ds_comet.selection import choose_parameters, max_received_rows, offsets_overflow
 
 
 def layer(overlap):
@@ -48,6 +48,18 @@ def test_expert_recognition():
     assert isinstance(fused_expert(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
                                                        torch.nn.Linear(16, 8))), str)
     assert isinstance(fused_expert(torch.nn.Linear(8, 8)), str)
+
+
+def test_experts_whose_layers_differ_in_bias_are_refused():
+    expert = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16, bias=False))
+    moe = ds_comet.MoE(16, expert, num_experts=4, k=2, config={"moe": {"backend": "comet"}}).deepspeed_moe
+    assert "differ in having a bias" in moe.selector._local_static_reason(torch.randn(8, 16))
+
+
+def test_workspaces_past_32_bit_offsets_are_refused():
+    assert offsets_overflow(65536, 16384, 4096, 14336, gated=False) is None
+    assert "32-bit" in offsets_overflow(80000, 16384, 4096, 14336, gated=True)  # 80000 x 28672 >= 2^31
+    assert "32-bit" in offsets_overflow(1000, 300000, 8192, 1024, gated=False)
 
 
 @pytest.mark.parametrize("ep_size", [2, 4, 8])
