@@ -178,12 +178,14 @@ def _exact_copy(stock, hidden, template, device, **moe_kwargs):
 
 
 def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,
-                  capacity_factor=1.0, min_capacity=4, skew=0.0, micro_batches=2):
+                  capacity_factor=1.0, min_capacity=4, skew=0.0, micro_batches=2, frozen_experts=False,
+                  input_grad=True):
     """Training steps (train-mode gate, gradients accumulated over micro-batches) on every pipeline.
 
     Every gradient (input, gate weight, each expert weight and bias) of the fused pipeline is
     compared with the float64 ground truth, with the reference pipeline and, where it can run,
-    with stock DeepSpeed.
+    with stock DeepSpeed. ``frozen_experts`` and ``input_grad=False`` leave those gradients out,
+    as a job that freezes the experts or feeds the layer a constant would.
     """
     rank, ep_size = dist.get_rank(), dist.get_world_size()
     moe_kwargs = dict(num_experts=experts_per_rank * ep_size, ep_size=ep_size, k=k, drop_tokens=drop_tokens,
@@ -201,6 +203,8 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
     for layer in layers.values():
         layer.train()
         layer.zero_grad(set_to_none=True)
+        if frozen_experts:
+            layer.deepspeed_moe.experts.requires_grad_(False)
     for step in range(micro_batches):
         generator = torch.Generator(device=device).manual_seed(seed * 100 + step * 10 + rank)
         tokens = torch.randn(tokens_per_rank[rank % len(tokens_per_rank)], hidden, generator=generator, device=device)
@@ -210,19 +214,24 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
         grad_out = torch.randn(1, *tokens.shape, generator=generator, device=device).to(torch.bfloat16)
         for name, layer in layers.items():
             dtype = torch.float64 if name == "exact" else torch.bfloat16
-            inputs = tokens.to(dtype).unsqueeze(0).requires_grad_()
+            inputs = tokens.to(dtype).unsqueeze(0).requires_grad_(input_grad)
             torch.manual_seed(seed * 7 + step)  # the gate's top-2 sampling
             out, l_aux, _ = layer(inputs)
             torch.autograd.backward([out, l_aux], [grad_out.to(dtype), torch.tensor(0.01, device=device)])
-            assert torch.isfinite(inputs.grad).all(), f"{name}: input gradient is not finite"
-            input_grads[name].append(inputs.grad[0])
+            if input_grad:
+                assert torch.isfinite(inputs.grad).all(), f"{name}: input gradient is not finite"
+                input_grads[name].append(inputs.grad[0])
     assert layers["fused"].deepspeed_moe.selector._buffer is not None, "the fused pipeline did not run"
 
     errors = {}
     params = {name: dict(layer.named_parameters()) for name, layer in layers.items()}
     compared = [(f"input grad {i}", {name: grads[i] for name, grads in input_grads.items()})
-                for i in range(micro_batches)]
-    compared += [(pname, {name: params[name][pname].grad for name in layers}) for pname in params["exact"]]
+                for i in range(micro_batches if input_grad else 0)]
+    compared += [(pname, {name: params[name][pname].grad for name in layers})
+                 for pname, param in params["exact"].items() if param.requires_grad]
+    frozen = [pname for pname, param in params["fused"].items() if not param.requires_grad]
+    assert all(params["fused"][pname].grad is None for pname in frozen), "a frozen parameter got a gradient"
+    assert len(frozen) == (len(list(layers["fused"].deepspeed_moe.experts.parameters())) if frozen_experts else 0)
     for what, grads in compared:
         assert all(g is not None for g in grads.values()), f"{what}: a pipeline left no gradient"
         exact = grads["exact"]
@@ -238,6 +247,16 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)
 def test_fused_backward(gpu_pool, case):
+    worst = gpu_pool.run(backward_case, seed=_seed(), **case)
+    assert max(worst) < BF16_GRAD_REL
+
+
+@pytest.mark.parametrize("frozen_experts,input_grad", [(True, True), (False, False), (True, False)],
+                         ids=["frozen-experts", "no-input-grad", "gate-only"])
+def test_fused_backward_partial_gradients(gpu_pool, frozen_experts, input_grad):
+    # Skewed and uneven: rank 1 routes almost nothing to its own experts, and the gradients that are
+    # not needed are not asked for, while every rank still returns its peers' rows.
+    case = dict(FORWARD_CASES[1], frozen_experts=frozen_experts, input_grad=input_grad)
     worst = gpu_pool.run(backward_case, seed=_seed(), **case)
     assert max(worst) < BF16_GRAD_REL
 
