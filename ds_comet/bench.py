@@ -11,8 +11,7 @@ time is the median of CUDA-event timings of many calls, the ranks lined up befor
 Unless --no-backward, each pipeline also runs training steps (forward, then backward of the output
 against a fixed random gradient plus the aux loss; grads set to None at the start of each step),
 timed the same way, with the peak memory one step allocates above what was allocated before it.
-The comet fused layer runs them with "overlap": "auto", so it runs the fused backward where one
-exists and otherwise the reference pipeline; the JSON says which ran. Their bounds: the expert FFNs
+The fused layer runs them on the fused backward. Their bounds: the expert FFNs
 alone, forward and backward (cuBLAS, autograd), and four all-to-alls (two forward, two backward).
 Rank 0 prints the tables of times and ratios and writes bench.json and bench.png under --out.
 """
@@ -80,7 +79,7 @@ def peak_mib(fn):
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides, backward):
+def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides):
     torch.manual_seed(0)
     template = GatedFeedForward(hidden, ffn) if gated else FeedForward(hidden, ffn)
     kwargs = dict(num_experts=experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
@@ -91,8 +90,7 @@ def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides, b
     for i, expert in enumerate(stock.deepspeed_moe.experts.deepspeed_experts):
         reset_expert_(expert, 1000 + rank * len(stock.deepspeed_moe.experts.deepspeed_experts) + i)
     layers = {"stock": stock}
-    comet = [("reference", "none"), ("fused", "fused")] + ([("fused_train", "auto")] if backward else [])
-    for name, overlap in comet:
+    for name, overlap in (("reference", "none"), ("fused", "fused")):
         section = {"backend": "comet", "overlap": overlap, **overrides}
         layer = ds_comet.MoE(hidden, template, config={"moe": section}, **kwargs)
         layer.set_deepspeed_parallelism()
@@ -147,35 +145,14 @@ def train_step(layer, x, dy):
     torch.autograd.backward([out, l_aux], [dy, torch.ones_like(l_aux)])
 
 
-def picked_pipeline(layer, call):
-    """Runs call() and says which pipeline the comet layer's selector picked for it: "fused" or "reference"."""
-    selector = layer.deepspeed_moe.selector
-    picked = []
-    pick = selector.fused_runner
-
-    def recording(tokens):
-        picked.append(pick(tokens))
-        return picked[-1]
-
-    selector.fused_runner = recording
-    try:
-        call()
-    finally:
-        del selector.fused_runner
-    return "fused" if picked and picked[-1] is not None else "reference"
-
-
 def bench_fwd_bwd(layers, x, modules, inputs, args):
     """Training-step times and peak MiB of the three pipelines, and the expert FFNs alone, fwd+bwd."""
-    results, strings = {}, {}
+    results = {}
     x = x.detach().clone().requires_grad_()
     dy = torch.randn_like(x)
     for pipeline in PIPELINES:
-        layer = layers["fused_train" if pipeline == "fused" else pipeline].train()
+        layer = layers[pipeline].train()
         step = lambda: train_step(layer, x, dy)
-        if pipeline == "fused":
-            strings["fused_fwd_bwd_pipeline"] = picked_pipeline(layer, step)
-            strings["fused_fwd_bwd_reason"] = "; ".join(sorted(layer.deepspeed_moe.selector._said))
         results[f"{pipeline}_fwd_bwd"] = timed(step, args.iters, args.warmup)
         layer.zero_grad(set_to_none=True)
         x.grad = None
@@ -201,14 +178,14 @@ def bench_fwd_bwd(layers, x, modules, inputs, args):
     if grouped is not None:
         results["experts_grouped_fwd_bwd"] = timed(grouped, args.iters, args.warmup)
         results["experts_fwd_bwd"] = min(results["experts_fwd_bwd"], results["experts_grouped_fwd_bwd"])
-    return results, strings
+    return results
 
 
 def bench_shape(hidden, ffn, experts, k, tokens, args):
     ep_size = dist.get_world_size()
     overrides = {key: value for key, value in (("comm_blocks", args.comm_blocks), ("n_chunks", args.n_chunks))
                  if value is not None}
-    layers = build(hidden, ffn, experts, k, ep_size, args.gated, args.capacity_factor, overrides, args.backward)
+    layers = build(hidden, ffn, experts, k, ep_size, args.gated, args.capacity_factor, overrides)
     device = torch.device("cuda", torch.cuda.current_device())
     x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16)
     results = {}
@@ -250,10 +227,8 @@ def bench_shape(hidden, ffn, experts, k, tokens, args):
         results["all_to_all"] = timed(a2a, args.iters, args.warmup)
     results["comm_bound"] = 2 * results["all_to_all"]
     results["bound"] = max(results["experts"], results["comm_bound"])
-    strings = {}
     if args.backward:
-        train_results, strings = bench_fwd_bwd(layers, x, modules, inputs, args)
-        results.update(train_results)
+        results.update(bench_fwd_bwd(layers, x, modules, inputs, args))
         results["comm_bound_fwd_bwd"] = 4 * results["all_to_all"]
         results["bound_fwd_bwd"] = max(results["experts_fwd_bwd"], results["comm_bound_fwd_bwd"])
     # The slowest rank sets every step: report the maximum over ranks.
@@ -266,7 +241,6 @@ def bench_shape(hidden, ffn, experts, k, tokens, args):
         results.update(stock_over_fused_fwd_bwd=results["stock_fwd_bwd"] / results["fused_fwd_bwd"],
                        fused_over_bound_fwd_bwd=results["fused_fwd_bwd"] / results["bound_fwd_bwd"],
                        reference_over_fused_fwd_bwd=results["reference_fwd_bwd"] / results["fused_fwd_bwd"])
-    results.update(strings)  # rank 0's; the selection is agreed on by the whole group
     return results
 
 
@@ -301,10 +275,9 @@ def report(all_results, out_dir):
     print("forward: times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
     backward = all("fused_fwd_bwd" in results for results in all_results.values())
     if backward:
-        lines = ["shape".ljust(28) + "".join(h.rjust(12) for h, _ in TRAIN_COLUMNS) + "  fused ran"]
+        lines = ["shape".ljust(28) + "".join(h.rjust(12) for h, _ in TRAIN_COLUMNS)]
         for name, results in all_results.items():
-            lines.append(name.ljust(28) + "".join(f"{results[key]:12.3f}" for _, key in TRAIN_COLUMNS) +
-                         "  " + results["fused_fwd_bwd_pipeline"])
+            lines.append(name.ljust(28) + "".join(f"{results[key]:12.3f}" for _, key in TRAIN_COLUMNS))
         print("forward+backward (one training step): times in ms, peak MiB above the step's start (max over ranks)\n"
               + "\n".join(lines), flush=True)
     os.makedirs(out_dir, exist_ok=True)
@@ -327,8 +300,7 @@ def report(all_results, out_dir):
                                        "comm_bound_fwd_bwd"),
              (("stock/fused", "stock_over_fused_fwd_bwd"), ("fused/bound", "fused_over_bound_fwd_bwd")),
              "forward+backward time per layer (ms)")
-        ran = ", ".join(sorted({results["fused_fwd_bwd_pipeline"] for results in all_results.values()}))
-        axes[1][0].set_title(f"forward+backward (comet \"auto\" ran: {ran})")
+        axes[1][0].set_title("forward+backward (one training step)")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "bench.png"), dpi=120)
 
