@@ -223,7 +223,7 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
         out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
 
     launch.exchange(plan, rows)
-    launch.dispatch(tokens, plan, _NO_SCALE.get(tokens.device))
+    launch.dispatch(tokens, plan, _no_scale(tokens.device))
 
     def run_gemm1():
         launch.gemm1(buffer.recv, h, pre, backward=False, store_pre=saved is not None)
@@ -281,7 +281,7 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
     # reuses its memory only for work queued after it on this stream, so the peak stays low.
     launch.gemm1(buffer.recv, grad_pre, saved.pop("pre"), backward=True, store_pre=False)
     launch.gemm2(grad_pre, backward=True)
-    launch.combine(plan, _NO_SCALE.get(device), grad_tokens)
+    launch.combine(plan, _no_scale(device), grad_tokens)
     if need_weights:
         # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
         dw2, db2 = launch.wgrad(buffer.recv, saved.pop("h"), hidden, launch.ffn, dtype)
@@ -319,19 +319,9 @@ def _split_weight_grads(experts, ffn, dw1, db1, dw2, db2) -> List[Tensor]:
     return grads
 
 
-class _EmptyScale:
-    """An empty fp32 tensor per device: 'no per-route scale' for the dispatch and combine."""
-
-    def __init__(self):
-        self._tensors: Dict[torch.device, Tensor] = {}
-
-    def get(self, device) -> Tensor:
-        if device not in self._tensors:
-            self._tensors[device] = torch.empty(0, dtype=torch.float32, device=device)
-        return self._tensors[device]
-
-
-_NO_SCALE = _EmptyScale()
+def _no_scale(device) -> Tensor:
+    """An empty fp32 tensor: 'no per-route scale' for the dispatch and the combine."""
+    return torch.empty(0, dtype=torch.float32, device=device)
 
 
 class FusedMoEFunction(torch.autograd.Function):
