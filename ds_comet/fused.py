@@ -306,17 +306,16 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
 
 def _split_weight_grads(experts, ffn, dw1, db1, dw2, db2) -> List[Tensor]:
     """Per-expert gradients in ``expert_parameters`` order, as views of the grouped results."""
-    grads = []
+    by_param = {}  # tensors hash by identity
     for l, e in enumerate(experts):
-        parts = [(e.first, dw1[l, :ffn], None if db1 is None else db1[l, :ffn])]
-        if e.gate is not None:
-            parts.append((e.gate, dw1[l, ffn:], None if db1 is None else db1[l, ffn:]))
-        parts.append((e.second, dw2[l], db2[l] if db2 is not None else None))
-        for linear, weight_grad, bias_grad in parts:
-            grads.append(weight_grad)
-            if linear.bias is not None:
-                grads.append(bias_grad)
-    return grads
+        for linear, weight_grad, bias_grad in ((e.first, dw1[l, :ffn], None if db1 is None else db1[l, :ffn]),
+                                               (e.gate, dw1[l, ffn:], None if db1 is None else db1[l, ffn:]),
+                                               (e.second, dw2[l], None if db2 is None else db2[l])):
+            if linear is not None:
+                by_param[linear.weight] = weight_grad
+                if linear.bias is not None:
+                    by_param[linear.bias] = bias_grad
+    return [by_param[param] for param in expert_parameters(experts)]
 
 
 def _no_scale(device) -> Tensor:

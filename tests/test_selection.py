@@ -106,3 +106,24 @@ def test_error_record_messages():
     assert "rank 1 waited 20.0 s for the returned expert outputs of column chunk 3 to reach 975" in message
     record[2], record[3], record[4], record[5] = layout.WORKSPACE_OVERFLOW, 0, 100, 130
     assert "max_tokens_per_rank" in describe_error_record(record)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_grouped_weight_gradients_map_to_their_parameters(gated):
+    # The fused backward's grouped results ([L, F or 2F, H], [L, H, F] and biases) become each
+    # expert parameter's gradient, in the order the autograd function takes the parameters.
+    from ds_comet.fused import _split_weight_grads, expert_parameters
+    experts = [fused_expert(GatedFeedForward(8, 12, bias=True) if gated else FeedForward(8, 12)) for _ in range(3)]
+    width = 24 if gated else 12
+    dw1, db1, dw2, db2 = torch.randn(3, width, 8), torch.randn(3, width), torch.randn(3, 8, 12), torch.randn(3, 8)
+    grads = _split_weight_grads(experts, 12, dw1, db1, dw2, db2)
+    expected = {}
+    for l, e in enumerate(experts):
+        expected.update({e.first.weight: dw1[l, :12], e.first.bias: db1[l, :12], e.second.weight: dw2[l],
+                         e.second.bias: db2[l]})
+        if gated:
+            expected.update({e.gate.weight: dw1[l, 12:], e.gate.bias: db1[l, 12:]})
+    params = expert_parameters(experts)
+    assert len(grads) == len(params) == len(expected)
+    for param, grad in zip(params, grads):
+        assert torch.equal(grad, expected[param])
