@@ -272,8 +272,11 @@ class _ZeroNet(torch.nn.Module):
         self.moe = ds_comet.build_moe(ds_config, hidden_size=hidden, expert=make_expert("gelu", hidden, ffn),
                                       num_experts=4 * ep_size, ep_size=ep_size, k=2)
         self.out = torch.nn.Linear(hidden, hidden)
-        self.moe.set_deepspeed_parallelism()
-        reset_experts_(self.moe, seed)
+        # deepspeed.initialize sets the expert-parallel groups (a second set_deepspeed_parallelism asserts);
+        # with ep_size equal to the world size the expert-parallel rank is the global rank.
+        moe = self.moe.deepspeed_moe
+        for i, expert in enumerate(moe.experts.deepspeed_experts):
+            reset_expert_(expert, seed * 1000 + dist.get_rank() * moe.num_local_experts + i)
 
     def forward(self, x):
         hidden, l_aux, _ = self.moe(torch.tanh(self.inp(x)))

@@ -1,0 +1,111 @@
+"""Where one MoE forward spends its time: host launch time against device time, kernel by kernel.
+
+    torchrun --nproc_per_node 2 scripts/profile_forward.py [--shape NAME ...] [--custom H,F,E,K,T ...]
+
+For the gate alone, the routing plan, and the stock and fused layers (eval and train mode), rank 0
+prints the host time of one call (no sync), the CUDA-event time of one call started from an idle
+device, whether the call synchronised with the host, and the device kernels of one call, largest
+first. A call whose host time is close to its event time is bound by launches, not by the GPU.
+"""
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+from torch.profiler import ProfilerActivity, profile
+
+from ds_comet.bench import build
+from ds_comet.routing import plan_routes
+from ds_comet.shapes import SHAPES, selected_shapes
+
+
+def host_and_device_ms(fn, iters=10):
+    host, device = [], []
+    for _ in range(3):
+        fn()
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        stop.record()
+        torch.cuda.synchronize()
+        device.append(start.elapsed_time(stop))
+    return statistics.median(host), statistics.median(device)
+
+
+def syncs(fn):
+    """Number of host synchronisations torch reports during one call."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def kernels(fn, top=12):
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events)
+    count = sum(e.count for e in events)
+    lines = [f"    {count} kernels, {total / 1e3:.3f} ms of kernel time"]
+    for e in events[:top]:
+        lines.append(f"    {e.device_time_total / 1e3:8.3f} ms x{e.count:<3d} {e.key[:110]}")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES))
+    parser.add_argument("--custom", action="append", default=[])
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
+    args = parser.parse_args()
+    deepspeed.init_distributed()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    rank0 = dist.get_rank() == 0
+    for name, (hidden, ffn, experts, k, tokens) in selected_shapes(args.shape, args.custom).items():
+        layers = build(hidden, ffn, experts, k, dist.get_world_size(), False, 1.0, {})
+        x = torch.randn(1, tokens, hidden, device="cuda").to(torch.bfloat16)
+        gate = layers["fused"].deepspeed_moe.gate
+        if rank0:
+            print(f"== {name}", flush=True)
+        for mode in ("eval", "train"):
+            for layer in layers.values():
+                layer.train(mode == "train")
+            indices = gate(x[0], None, True)[3]
+            calls = {
+                "gate": lambda: gate(x[0], None, True),
+                "plan": lambda: plan_routes(indices, experts),
+                "stock layer": lambda: layers["stock"](x),
+                "fused layer": lambda: layers["fused"](x),
+            }
+            with torch.no_grad():
+                for what, fn in calls.items():
+                    host, device = host_and_device_ms(fn)
+                    count = syncs(fn)
+                    table = kernels(fn)
+                    if rank0:
+                        print(f"  [{mode}] {what}: host {host:.3f} ms, device {device:.3f} ms, host syncs {count}\n"
+                              f"{table}", flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
