@@ -4,11 +4,13 @@
 // binding (comet_binding.cpp) calls the launchers below with raw pointers and a stream.
 //
 // Per expert-parallel group every rank owns the same symmetric buffers, addressable by all ranks:
-//   recv   [max_recv_rows, H]  rows dispatched to this rank, grouped by local expert
-//   origin [max_recv_rows]     int64 (source rank << 32 | position in the source's send list)
-//   ret    [max_routes, H]     expert outputs returned to this rank, by position in its send list
-//   meta   int32               exchanged counts, flags and arrival counters (MetaOffsets)
-// and a local int32 layout array that the exchange kernel fills each call (LayoutOffsets).
+//   recv       [max_recv_rows, H]  rows dispatched to this rank, grouped by local expert
+//   origin     [max_recv_rows]     int64 (source rank << 32 | position in the source's send list)
+//   expert_out [max_recv_rows, H]  GEMM2's output rows, by recv row; each source's combine pulls its own
+//   meta       int32               exchanged counts, flags and arrival counters (MetaOffsets)
+// and two local arrays: the int32 layout the exchange kernel fills each call (LayoutOffsets), and
+// route_row [max_routes] int64 (destination rank << 32 | recv row there) per send position, which
+// the dispatch writes and the combine reads to find each route's output on its expert's rank.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +23,7 @@ namespace ds_comet {
 enum WaitKind : int64_t {
     kWaitExchangeFlag = 1,   // a peer's expert counts for this call
     kWaitDispatchTile = 2,   // rows of a GEMM1 row tile (waited on in the Triton GEMM)
-    kWaitCombineChunk = 3,   // expert outputs of a column chunk returning to this rank
+    kWaitCombineChunk = 3,   // expert outputs of a column chunk finished for this rank
     kWorkspaceOverflow = 4,  // more rows than the workspace holds
 };
 
@@ -35,7 +37,7 @@ struct MetaOffsets {
     int64_t counts;          // [2][P][E] expert counts of every source, double-buffered by call parity
     int64_t exchange_flag;   // [P] call generation each source published its counts for
     int64_t tile_counter;    // [max_tiles] rows arrived per GEMM1 row tile
-    int64_t chunk_counter;   // [max_chunks] returned (row, column tile) pairs per column chunk
+    int64_t chunk_counter;   // [max_chunks] (row, column tile) pairs of this rank's routes finished, per column chunk
     int64_t generation;      // [1] this rank's call counter (only the owner touches it)
 };
 
@@ -84,19 +86,23 @@ cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_count
                             const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
                             cudaStream_t stream);
 
-// Copies every kept route's token row into its destination's recv buffer, records its origin,
-// and bumps the destination's row-tile counter once per piece. With route_scale (indexed by flat
+// Copies every kept route's token row into its destination's recv buffer, records its origin (there)
+// and its route_row (here), and bumps the destination's row-tile counter once per piece. With route_scale (indexed by flat
 // route id; may be null) each row is multiplied by its route's scale on the way (the backward).
 // dtype_code: 0 = bf16, 1 = fp16.
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
                             int dtype_code, const int64_t* route_order, const float* route_scale,
                             const int32_t* layout, const int64_t* peer_recv, const int64_t* peer_origin,
-                            const int64_t* peer_meta, int blocks, cudaStream_t stream);
+                            const int64_t* peer_meta, int64_t* route_row, int blocks, cudaStream_t stream);
 
-// Weighted top-k sum of returned expert outputs, column chunk by column chunk as chunks arrive.
-// gates may be null: every weight is 1 (the backward's sum of input gradients). dtype_code as above.
-cudaError_t launch_combine(const GroupShape& shape, const void* ret, const int64_t* route_position,
-                           const float* gates, void* out, int64_t top_k, int64_t num_tokens, int64_t hidden,
+// Weighted top-k sum of the expert outputs, column chunk by column chunk: each chunk, once every
+// expert rank has counted it finished for this rank, is read from the expert ranks' expert_out
+// (peer_expert_out[d] + route_row) over NVLink. gates may be null: every weight is 1 (the backward's
+// sum of input gradients). returned may be null; else it receives every kept route's output row
+// by send position (what the gate gradient needs). dtype_code as above.
+cudaError_t launch_combine(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
+                           const int64_t* route_position, const float* gates, void* out, void* returned,
+                           int64_t top_k, int64_t num_tokens, int64_t hidden,
                            int dtype_code, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
                            const int32_t* meta, const int32_t* layout, int64_t* error_record, int blocks,
                            cudaStream_t stream);

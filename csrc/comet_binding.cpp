@@ -51,7 +51,8 @@ const float* optional_weights(const torch::Tensor& t, const char* name, int64_t 
 
 void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch::Tensor& route_order,
               const torch::Tensor& layout, const torch::Tensor& peer_recv, const torch::Tensor& peer_origin,
-              const torch::Tensor& peer_meta, const torch::Tensor& route_scale, int64_t blocks) {
+              const torch::Tensor& peer_meta, torch::Tensor& route_row, const torch::Tensor& route_scale,
+              int64_t blocks) {
     TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2, "tokens must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(tokens, "tokens");
     TORCH_CHECK(tokens.size(1) % 8 == 0, "a token row must be a multiple of 16 bytes");
@@ -60,6 +61,8 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     check_cuda(peer_recv, "peer_recv", at::kLong);
     check_cuda(peer_origin, "peer_origin", at::kLong);
     check_cuda(peer_meta, "peer_meta", at::kLong);
+    check_cuda(route_row, "route_row", at::kLong);
+    TORCH_CHECK(route_row.numel() >= route_order.numel(), "route_row must have an entry per route");
     // A rank may have no tokens (it still takes part in the exchange, sending nothing).
     TORCH_CHECK(tokens.size(0) == 0 ? route_order.numel() == 0 : route_order.numel() % tokens.size(0) == 0,
                 "route_order must hold k routes per token");
@@ -67,29 +70,43 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1), dtype_code,
                                            route_order.data_ptr<int64_t>(), scale, layout.data_ptr<int32_t>(),
                                            peer_recv.data_ptr<int64_t>(), peer_origin.data_ptr<int64_t>(),
-                                           peer_meta.data_ptr<int64_t>(), static_cast<int>(blocks),
+                                           peer_meta.data_ptr<int64_t>(), route_row.data_ptr<int64_t>(),
+                                           static_cast<int>(blocks),
                                            at::cuda::getCurrentCUDAStream()),
                  "dispatch");
 }
 
-void combine(const GroupShape& shape, const torch::Tensor& ret, const torch::Tensor& route_position,
-             const torch::Tensor& gates, torch::Tensor& out, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
+// An empty tensor stands for "do not keep the routes' outputs".
+void* optional_rows(torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t routes, int64_t hidden) {
+    if (t.numel() == 0) return nullptr;
+    check_cuda(t, name, dtype);
+    TORCH_CHECK(t.dim() == 2 && t.size(0) >= routes && t.size(1) == hidden, name, " must be [routes, hidden]");
+    return t.data_ptr();
+}
+
+void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, const torch::Tensor& route_row,
+             const torch::Tensor& route_position, const torch::Tensor& gates, torch::Tensor& out,
+             torch::Tensor& returned, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
              const torch::Tensor& meta, const torch::Tensor& layout, int64_t error_record, int64_t blocks) {
     TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2, "out must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(out, "out");
-    check_cuda(ret, "ret", out.scalar_type());
+    check_cuda(peer_expert_out, "peer_expert_out", at::kLong);
+    TORCH_CHECK(peer_expert_out.numel() == shape.ep_size, "peer_expert_out must have ep_size entries");
+    check_cuda(route_row, "route_row", at::kLong);
     check_cuda(route_position, "route_position", at::kLong);
     check_cuda(meta, "meta", at::kInt);
     check_cuda(layout, "layout", at::kInt);
     TORCH_CHECK(out.size(0) == 0 ? route_position.numel() == 0 : route_position.numel() % out.size(0) == 0,
                 "route_position must hold k routes per token");
+    TORCH_CHECK(route_row.numel() >= route_position.numel(), "route_row must have an entry per route");
     const int64_t top_k = out.size(0) == 0 ? 0 : route_position.numel() / out.size(0);
     const float* weights = optional_weights(gates, "gates", route_position.numel());
+    void* kept_rows = optional_rows(returned, "returned", out.scalar_type(), route_position.numel(), out.size(1));
     TORCH_CHECK(out.size(1) % 8 == 0 && chunk_cols % 8 == 0, "hidden size and chunk width must be multiples of 8");
-    check_launch(ds_comet::launch_combine(shape, ret.data_ptr(), route_position.data_ptr<int64_t>(), weights,
-                                          out.data_ptr(), top_k, out.size(0),
-                                          out.size(1), dtype_code, chunk_cols, tile_n, num_chunks,
-                                          meta.data_ptr<int32_t>(), layout.data_ptr<int32_t>(),
+    check_launch(ds_comet::launch_combine(shape, peer_expert_out.data_ptr<int64_t>(), route_row.data_ptr<int64_t>(),
+                                          route_position.data_ptr<int64_t>(), weights, out.data_ptr(), kept_rows,
+                                          top_k, out.size(0), out.size(1), dtype_code, chunk_cols, tile_n,
+                                          num_chunks, meta.data_ptr<int32_t>(), layout.data_ptr<int32_t>(),
                                           as_record(error_record), static_cast<int>(blocks),
                                           at::cuda::getCurrentCUDAStream()),
                  "combine");
@@ -148,5 +165,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("codes", &codes, "The enum values the kernels use, for ds_comet.layout to check against");
     m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout");
     m.def("dispatch", &dispatch, "Send every kept route's token row (optionally scaled per route) to its destination");
-    m.def("combine", &combine, "Top-k sum of the returned expert outputs (gate-weighted unless gates is empty), by chunk");
+    m.def("combine", &combine, "Top-k sum of the routes' expert outputs, read from the expert ranks (gate-weighted "
+          "unless gates is empty), chunk by chunk");
 }

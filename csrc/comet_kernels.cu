@@ -198,7 +198,8 @@ struct Vec8 {
 template <typename T>
 __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes,
                                 const int64_t* route_order, const float* route_scale, const int32_t* layout,
-                                const int64_t* peer_recv, const int64_t* peer_origin, const int64_t* peer_meta) {
+                                const int64_t* peer_recv, const int64_t* peer_origin, const int64_t* peer_meta,
+                                int64_t* route_row) {
     const int P = shape.ep_size, E = shape.num_experts, L = E / P;
     const int64_t tile_m = shape.tile_m;
     const MetaOffsets& mo = shape.meta;
@@ -252,7 +253,10 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
                 dst[v + 3 * kWarp] = f;
             }
             for (; v < vectors; v += kWarp) dst[v] = src[v];
-            if (lane == 0) origin[region_row + r] = (static_cast<int64_t>(shape.rank) << 32) | pos;
+            if (lane == 0) {
+                origin[region_row + r] = (static_cast<int64_t>(shape.rank) << 32) | pos;
+                route_row[pos] = (static_cast<int64_t>(d) << 32) | (region_row + r);
+            }
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -264,15 +268,17 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
     }
 }
 
+// Routes handled per pass: their loads are all issued before any is used, so that several remote
+// reads are in flight per thread (a read over NVLink takes microseconds).
+constexpr int kRoutesPerPass = 8;
+
 template <typename T>
-__global__ void combine_kernel(GroupShape shape, const T* ret, const int64_t* route_position, const float* gates,
-                               T* out, int64_t top_k, int64_t num_tokens, int64_t hidden, int64_t chunk_cols,
-                               int64_t tile_n, int64_t num_chunks, const int32_t* meta, const int32_t* layout,
-                               int64_t* error_record) {
-    const int P = shape.ep_size, E = shape.num_experts, L = E / P;
+__global__ void combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* route_row,
+                               const int64_t* route_position, const float* gates, T* out, T* returned, int64_t top_k,
+                               int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n,
+                               int64_t num_chunks, const int32_t* meta, const int32_t* layout, int64_t* error_record) {
     const MetaOffsets& mo = shape.meta;
-    const LayoutOffsets& lo = shape.layout;
-    const int64_t kept = layout[lo.totals + kTotalKept];
+    const int64_t kept = layout[shape.layout.totals + kTotalKept];
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
 
     for (int64_t c = 0; c < num_chunks; ++c) {
@@ -290,16 +296,29 @@ __global__ void combine_kernel(GroupShape shape, const T* ret, const int64_t* ro
              w += stride) {
             const int64_t token = w / vectors, col = col0 + (w % vectors) * 8;
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int64_t j = 0; j < top_k; ++j) {
-                const int64_t pos = route_position[j * num_tokens + token];
-                if (pos >= kept) continue;  // a dropped route: its output is zero
-                const float gate = gates == nullptr ? 1.f : gates[j * num_tokens + token];
-                // Peers wrote these rows: read past L1, which does not see their stores.
-                const int4 raw = __ldcg(reinterpret_cast<const int4*>(ret + pos * hidden + col));
-                float values[8];
-                Vec8<T>::to_float(raw, values);
+            for (int64_t j0 = 0; j0 < top_k; j0 += kRoutesPerPass) {
+                int4 raw[kRoutesPerPass];
+                int64_t pos[kRoutesPerPass];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[i] += gate * values[i];
+                for (int i = 0; i < kRoutesPerPass; ++i) {
+                    pos[i] = j0 + i < top_k ? route_position[(j0 + i) * num_tokens + token] : kept;
+                    if (pos[i] < kept) {  // else a dropped route: its output is zero
+                        const int64_t where = route_row[pos[i]];
+                        const T* rows = reinterpret_cast<const T*>(peer_expert_out[where >> 32]);
+                        // Written by another GPU: read past L1, which does not see its stores.
+                        raw[i] = __ldcg(reinterpret_cast<const int4*>(rows + (where & 0xFFFFFFFF) * hidden + col));
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < kRoutesPerPass; ++i) {
+                    if (pos[i] >= kept) continue;
+                    const float gate = gates == nullptr ? 1.f : gates[(j0 + i) * num_tokens + token];
+                    float values[8];
+                    Vec8<T>::to_float(raw[i], values);
+#pragma unroll
+                    for (int v = 0; v < 8; ++v) acc[v] += gate * values[v];
+                    if (returned != nullptr) *reinterpret_cast<int4*>(returned + pos[i] * hidden + col) = raw[i];
+                }
             }
             *reinterpret_cast<int4*>(out + token * hidden + col) = Vec8<T>::from_float(acc);
         }
@@ -318,33 +337,37 @@ cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_count
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
                             int dtype_code, const int64_t* route_order, const float* route_scale,
                             const int32_t* layout, const int64_t* peer_recv, const int64_t* peer_origin,
-                            const int64_t* peer_meta, int blocks, cudaStream_t stream) {
+                            const int64_t* peer_meta, int64_t* route_row, int blocks, cudaStream_t stream) {
     const int64_t row_bytes = hidden * 2;  // bf16 and fp16 alike
     if (dtype_code == 0) {
         dispatch_kernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(shape, static_cast<const char*>(tokens), num_tokens,
                                                                     row_bytes, route_order, route_scale, layout,
-                                                                    peer_recv, peer_origin, peer_meta);
+                                                                    peer_recv, peer_origin, peer_meta, route_row);
     } else {
         dispatch_kernel<__half><<<blocks, 512, 0, stream>>>(shape, static_cast<const char*>(tokens), num_tokens,
                                                              row_bytes, route_order, route_scale, layout, peer_recv,
-                                                             peer_origin, peer_meta);
+                                                             peer_origin, peer_meta, route_row);
     }
     return cudaGetLastError();
 }
 
-cudaError_t launch_combine(const GroupShape& shape, const void* ret, const int64_t* route_position,
-                           const float* gates, void* out, int64_t top_k, int64_t num_tokens, int64_t hidden,
-                           int dtype_code, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
-                           const int32_t* meta, const int32_t* layout, int64_t* error_record, int blocks,
-                           cudaStream_t stream) {
+cudaError_t launch_combine(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
+                           const int64_t* route_position, const float* gates, void* out, void* returned,
+                           int64_t top_k, int64_t num_tokens, int64_t hidden, int dtype_code, int64_t chunk_cols,
+                           int64_t tile_n, int64_t num_chunks, const int32_t* meta, const int32_t* layout,
+                           int64_t* error_record, int blocks, cudaStream_t stream) {
     if (dtype_code == 0) {
-        combine_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(
-            shape, static_cast<const __nv_bfloat16*>(ret), route_position, gates, static_cast<__nv_bfloat16*>(out),
-            top_k, num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record);
+        using T = __nv_bfloat16;
+        combine_kernel<T><<<blocks, 512, 0, stream>>>(shape, peer_expert_out, route_row, route_position, gates,
+                                                      static_cast<T*>(out), static_cast<T*>(returned), top_k,
+                                                      num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta,
+                                                      layout, error_record);
     } else {
-        combine_kernel<__half><<<blocks, 256, 0, stream>>>(
-            shape, static_cast<const __half*>(ret), route_position, gates, static_cast<__half*>(out), top_k,
-            num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record);
+        using T = __half;
+        combine_kernel<T><<<blocks, 512, 0, stream>>>(shape, peer_expert_out, route_row, route_position, gates,
+                                                      static_cast<T*>(out), static_cast<T*>(returned), top_k,
+                                                      num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta,
+                                                      layout, error_record);
     }
     return cudaGetLastError();
 }

@@ -1,8 +1,9 @@
 """The fused COMET pipeline: layer0 = dispatch + GEMM1, layer1 = GEMM2 + combine, both ways.
 
 Forward: the dispatch sends token rows, GEMM1 (with the activation) runs per row tile as rows
-arrive, GEMM2 stores each output row into its source rank's return buffer chunk by chunk, and the
-combine sums each token's weighted routes as chunks arrive.
+arrive, GEMM2 stores its output rows locally chunk by chunk and counts each finished chunk on the
+rows' source ranks, and each source's combine reads its routes' rows from the expert ranks over
+NVLink and sums them, weighted, as chunks finish.
 
 Backward, through the same two primitives: the gradient of the combine is a dispatch (each route's
 gate-scaled output gradient travels to its expert's rank), overlapped with the GEMM for the
@@ -132,15 +133,17 @@ class _Launch:
         b.comm_stream.wait_stream(main)
         with torch.cuda.stream(b.comm_stream):
             b.op.dispatch(b.kernel_shape, rows, plan.route_order, b.layout, b.peer_recv, b.peer_origin, b.peer_meta,
-                          scale, self.params.comm_blocks)
+                          b.route_row, scale, self.params.comm_blocks)
 
-    def combine(self, plan: RoutingPlan, gates: Tensor, out: Tensor):
-        """out[token] = sum over its kept routes of gate (1 if gates is empty) x returned row."""
+    def combine(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor):
+        """out[token] = sum over its kept routes of gate (1 if gates is empty) x the route's expert output;
+        each route's output row also goes to returned[send position] unless returned is empty."""
         b = self.buffer
         chunk_tiles, num_chunks = self.chunking
         with torch.cuda.stream(b.comm_stream):
-            b.op.combine(b.kernel_shape, b.ret, plan.route_position, gates, out, chunk_tiles * self.params.tile_n,
-                         self.params.tile_n, num_chunks, b.meta, b.layout, b.error_address, self.params.comm_blocks)
+            b.op.combine(b.kernel_shape, b.peer_expert_out, b.route_row, plan.route_position, gates, out, returned,
+                         chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.meta, b.layout,
+                         b.error_address, self.params.comm_blocks)
 
     def join(self, device, *used_on_comm: Tensor):
         main = torch.cuda.current_stream(device)
@@ -172,11 +175,11 @@ class _Launch:
         else:  # rows = h @ W2^T; W2 is [H, F]
             w, w3, bias, lda, sbk, sbn, second = t["w2"], t["w2"], t["b2"], self.ffn, 1, self.ffn, False
         gemm2_kernel[(self.grid, )](
-            rows, lda, w, w3, bias, b.origin, b.peer_ret, b.peer_chunk_counters, b.layout, self.ffn, self.hidden,
+            rows, lda, w, w3, bias, b.origin, b.expert_out, b.peer_chunk_counters, b.layout, self.ffn, self.hidden,
             sbk, sbn, len(self.experts), lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
             EP_SIZE=b.shape.ep_size, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K,
             GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias and not backward,
-            SECOND=second, num_warps=4, num_stages=3)  # 4 warps: fastest with the scattering epilogue (tune_gemm)
+            SECOND=second, num_warps=8 if self.params.tile_n >= 256 else 4, num_stages=3)
 
     def wgrad(self, a: Tensor, b: Tensor, M: int, N: int, dtype) -> Tuple[Tensor, Optional[Tensor]]:
         """Per local expert l: a[rows of l, :M]^T @ b[rows of l, :N] and a's column sums (bias)."""
@@ -205,9 +208,9 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     exchange kernel stops with an error rather than let a call exceed it.
 
     ``profile``, if given, receives callables that relaunch GEMM1 and GEMM2 alone (benchmarks).
-    ``saved``, if given, receives what ``fused_backward`` needs: copies of the received rows and of
-    the returned expert outputs (the workspace is reused by the next call), the products before
-    the activation and the activations.
+    ``saved``, if given, receives what ``fused_backward`` needs: a copy of the received rows (the
+    workspace is reused by the next call), each route's expert output (the combine writes them), the
+    products before the activation and the activations.
     """
     num_tokens, hidden = tokens.shape
     buffer.check_tokens(num_tokens)
@@ -242,10 +245,12 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
     # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
     # whose producers this rank has not launched yet.
-    launch.combine(plan, gates, out)
-    launch.join(tokens.device, tokens, plan.route_order, plan.route_position, gates, out)
+    returned = _no_rows(tokens)
     if saved is not None:
-        saved["returned"] = buffer.ret[:plan.route_order.numel()].clone()
+        returned = saved["returned"] = torch.empty((plan.route_order.numel(), hidden), dtype=tokens.dtype,
+                                                   device=tokens.device)
+    launch.combine(plan, gates, out, returned)
+    launch.join(tokens.device, tokens, plan.route_order, plan.route_position, gates, out, returned)
     return out
 
 
@@ -281,7 +286,7 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
     # reuses its memory only for work queued after it on this stream, so the peak stays low.
     launch.gemm1(buffer.recv, grad_pre, saved.pop("pre"), backward=True, store_pre=False)
     launch.gemm2(grad_pre, backward=True)
-    launch.combine(plan, _no_scale(device), grad_tokens)
+    launch.combine(plan, _no_scale(device), grad_tokens, _no_rows(grad_out))
     if need_weights:
         # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
         dw2, db2 = launch.wgrad(buffer.recv, saved.pop("h"), hidden, launch.ffn, dtype)
@@ -316,6 +321,11 @@ def _split_weight_grads(experts, ffn, dw1, db1, dw2, db2) -> List[Tensor]:
                 if linear.bias is not None:
                     by_param[linear.bias] = bias_grad
     return [by_param[param] for param in expert_parameters(experts)]
+
+
+def _no_rows(like: Tensor) -> Tensor:
+    """An empty tensor: 'do not keep the routes' outputs' for the combine."""
+    return like.new_empty((0, like.shape[1]))
 
 
 def _no_scale(device) -> Tensor:

@@ -42,11 +42,11 @@ def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool
         share = (link_bytes / LINK_BYTES_PER_S) / (link_bytes / LINK_BYTES_PER_S + flops / GEMM_FLOPS_PER_S)
         comm_blocks = min(max(round(num_sms * share), 8), max(num_sms // 6, 1))
     comm_blocks = min(comm_blocks, max(num_sms - 1, 1))
-    # Measured on H200 (docs/performance.md, scripts/tune_gemm.py): GEMM1 is fastest with 256-column
-    # tiles, GEMM2, whose epilogue scatters rows to their source ranks, with 128; a gated GEMM1 holds
-    # two accumulators, which do not fit in registers at 256.
+    # Measured on H200 (docs/performance.md, scripts/tune_gemm.py): both GEMMs are fastest with
+    # 256-column tiles (GEMM2 since it stores rows locally); a gated GEMM1 holds two accumulators,
+    # which do not fit in registers at 256.
     gemm1_tile_n = config.tile_n or (128 if gated else 256)
-    tile_n = config.tile_n or 128
+    tile_n = config.tile_n or 256
     n_chunks = config.n_chunks or (4 if ffn >= 8192 else 8)
     n_chunks = min(n_chunks, math.ceil(hidden / tile_n))
     return FusedParameters(comm_blocks=comm_blocks, tile_m=config.tile_m, tile_n=tile_n, n_chunks=n_chunks,

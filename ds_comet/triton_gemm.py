@@ -7,10 +7,11 @@ The two primitives each run in both directions:
   rows come first, the others in arrival order. Forward it is GEMM1 with the activation
   (``rows @ W1^T``); backward it takes the dispatched output gradients and gives the gradient of
   the activation's input (``dY @ W2``, times act').
-- ``gemm2_kernel`` computes column chunk by column chunk, each across all experts, and stores every
-  output row straight into the returning buffer of the rank the token came from, then tells that
-  rank how many rows of the chunk it delivered. Forward it is GEMM2 (``h @ W2^T``); backward it
-  gives the rows' input gradients (``dA @ W1``), which the combine then sums per token.
+- ``gemm2_kernel`` computes column chunk by column chunk, each across all experts, stores its rows
+  locally (a plain row-major store: the scattering epilogue this replaced spilled registers) and
+  tells each rank the tile's rows came from how many of its rows the chunk now holds; that rank's
+  combine then reads them over NVLink. Forward it is GEMM2 (``h @ W2^T``); backward it gives the
+  rows' input gradients (``dA @ W1``), which the combine sums per token.
 - ``wgrad_kernel`` gives every local expert's weight gradient (``A_l^T @ B_l`` over its rows) and
   ``route_dot_kernel`` the gate values' gradient (a dot product per route).
 
@@ -236,19 +237,19 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
 
 
 @triton.jit
-def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, ret_table, chunk_counter_table, layout, K, N, sbk,
+def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, out, chunk_counter_table, layout, K, N, sbk,
                  sbn, num_local, off_expert_start, off_tile_start, off_total_tiles, EP_SIZE: tl.constexpr,
                  L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                  CHUNK_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr, SECOND: tl.constexpr):
-    """y = rows[:, :K] @ W + b2 (+ rows[:, K:2K] @ W3 with SECOND), each row stored into its source
-    rank's return buffer; W[k, n] sits at w + k*sbk + n*sbn.
+    """out = rows[:, :K] @ W + b2 (+ rows[:, K:2K] @ W3 with SECOND), row for row ([R, N]);
+    W[k, n] sits at w + k*sbk + n*sbn.
 
     Forward: rows = h, W = W2^T. Backward: rows = the activation-input gradients, W = W1 (and the up
     projection W3 for gated experts), so y is the rows' input gradient.
 
     Tiles go column chunk by column chunk (CHUNK_TILES column tiles each), every chunk across all
     experts; after storing a tile, the program adds to each source's counter of that chunk the
-    number of the tile's rows that came from it.
+    number of the tile's rows that came from it (origin holds each row's source rank).
     """
     dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
@@ -279,12 +280,8 @@ def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, ret_table, chun
             bias2 = tl.load(b2_table + expert).to(tl.pointer_type(dtype))
             acc += tl.load(bias2 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
 
-        row_origin = tl.load(origin + offs_m, mask=m_mask, other=0)
-        source = (row_origin >> 32).to(tl.int32)
-        position = row_origin & 0xFFFFFFFF
-        dest_base = tl.load(ret_table + source, mask=m_mask, other=0).to(tl.pointer_type(dtype))
-        dest = dest_base[:, None] + position[:, None] * N + offs_n[None, :]
-        tl.store(dest, acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+        source = (tl.load(origin + offs_m, mask=m_mask, other=0) >> 32).to(tl.int32)
         # Every thread's stores are done before the (one-thread, release) count below.
         tl.debug_barrier()
         for p in tl.static_range(EP_SIZE):

@@ -1,8 +1,8 @@
 """CometBuffer: the fused pipeline's workspace for one expert-parallel group inside one node.
 
 One object owns everything the kernels share across ranks: the receive buffer the dispatch writes
-and GEMM1 reads, the return buffer GEMM2 writes and the combine reads, the row origins, and the
-int32 meta array of exchanged counts, flags and arrival counters. All of it is one allocation of
+and GEMM1 reads, the expert-output buffer GEMM2 writes and the source ranks' combines read, the row
+origins, and the int32 meta array of exchanged counts, flags and arrival counters. All of it is one allocation of
 torch symmetric memory (peer pointers through CUDA IPC), made once from the largest token count
 the layers will see and reused every call; the kernels reset the counters they use each call.
 """
@@ -69,7 +69,7 @@ class CometBuffer:
         self.meta_offsets = layout.meta_offsets(P, E, shape.max_tiles, shape.max_chunks)
         self.layout_offsets = layout.layout_offsets(E // P, E)
 
-        parts = [("recv", shape.max_recv_rows * H * elem), ("ret", shape.max_routes * H * elem),
+        parts = [("recv", shape.max_recv_rows * H * elem), ("expert_out", shape.max_recv_rows * H * elem),
                  ("origin", shape.max_recv_rows * 8), ("meta", self.meta_offsets.total * 4)]
         self._byte_offset, total = {}, 0
         for name, nbytes in parts:
@@ -84,7 +84,7 @@ class CometBuffer:
         bases = _peer_pointers(handle, self._storage, P)
 
         self.recv = self._part("recv", shape.dtype, (shape.max_recv_rows, H))
-        self.ret = self._part("ret", shape.dtype, (shape.max_routes, H))
+        self.expert_out = self._part("expert_out", shape.dtype, (shape.max_recv_rows, H))
         self.origin = self._part("origin", torch.int64, (shape.max_recv_rows, ))
         self.meta = self._part("meta", torch.int32, (self.meta_offsets.total, ))
         self.meta.zero_()
@@ -94,12 +94,13 @@ class CometBuffer:
                                 device=self.device)
 
         self.peer_recv = table("recv")
-        self.peer_ret = table("ret")
+        self.peer_expert_out = table("expert_out")
         self.peer_origin = table("origin")
         self.peer_meta = table("meta")
         self.peer_chunk_counters = table("meta", 4 * self.meta_offsets.chunk_counter)
         self.tile_counters = self.meta[self.meta_offsets.tile_counter:]
         self.layout = torch.zeros(self.layout_offsets.total, dtype=torch.int32, device=self.device)
+        self.route_row = torch.zeros(shape.max_routes, dtype=torch.int64, device=self.device)
         self.error_record = torch.zeros(layout.ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         self.kernel_shape = self._kernel_shape(timeout_s)
         self.comm_stream = torch.cuda.Stream(self.device, priority=-1)

@@ -68,7 +68,7 @@ def _float64_output(layer, tokens, seed, expert_kind, hidden, ffn):
 def _poison(layer):
     buffer = layer.deepspeed_moe.selector._buffer
     buffer.recv.fill_(float("nan"))
-    buffer.ret.fill_(float("nan"))
+    buffer.expert_out.fill_(float("nan"))
 
 
 def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,

@@ -94,7 +94,7 @@ def test_parameter_rule():
                                100, 2, 132)
     assert pinned.comm_blocks == 20 and pinned.n_chunks == 2 and pinned.tile_n == pinned.gemm1_tile_n == 256
     ruled = choose_parameters(CometMoEConfig(), 4096, 14336, False, 2, 2, 8192, 2, 132)
-    assert (ruled.gemm1_tile_n, ruled.tile_n) == (256, 128)
+    assert (ruled.gemm1_tile_n, ruled.tile_n) == (256, 256)
     assert choose_parameters(CometMoEConfig(), 4096, 14336, True, 2, 2, 8192, 2, 132).gemm1_tile_n == 128
 
 

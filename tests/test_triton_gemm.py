@@ -73,9 +73,8 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     specs = [fused_expert(e) for e in experts]
     tables = ExpertTables().get(specs, torch.device("cpu"))
     h = torch.full((rows + tile_m, ffn), float("nan"))
-    ret = torch.full((max(kept, 1), hidden), float("nan"))
+    expert_out = torch.full((rows + tile_m, hidden), float("nan"))  # GEMM2's rows, by recv row
     chunk_counters = torch.zeros(64, dtype=torch.int32)
-    ret_table = torch.tensor([ret.data_ptr()], dtype=torch.int64)
     chunk_table = torch.tensor([chunk_counters.data_ptr()], dtype=torch.int64)
     error = torch.zeros(8, dtype=torch.int64)
     l_pow2 = next_power_of_2(num_experts + 1)
@@ -88,7 +87,7 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     gemm1_kernel[(3, )](recv, h, pre, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args, 1, hidden,
                         *first_offsets, **common, HAS_BIAS=True, GATED=gated, ACTIVATION=ACTIVATION_CODES[activation],
                         BACKWARD=False, STORE_PRE=True, WAIT=True, INTERPRET=True)
-    gemm2_kernel[(3, )](h, ffn, tables["w2"], tables["w2"], tables["b2"], origin, ret_table, chunk_table, layout, ffn,
+    gemm2_kernel[(3, )](h, ffn, tables["w2"], tables["w2"], tables["b2"], origin, expert_out, chunk_table, layout, ffn,
                         hidden, 1, ffn, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
                         CHUNK_TILES=chunk_tiles, HAS_BIAS=True, SECOND=False)
     with torch.no_grad():
@@ -96,7 +95,7 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
             for i in range(counts[0][e]):
                 pos = lay["send_offset"][e] + i
                 expected = experts[e](tokens[plan.route_order[pos] % num_tokens].double().float())
-                torch.testing.assert_close(ret[pos], expected, rtol=2e-4, atol=2e-4)
+                torch.testing.assert_close(expert_out[lay["dest_row"][e] + i], expected, rtol=2e-4, atol=2e-4)
     n_tiles = -(-hidden // tile_n)
     for c in range(-(-n_tiles // chunk_tiles)):
         tiles = min(chunk_tiles, n_tiles - c * chunk_tiles)
@@ -114,10 +113,10 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
                         ffn, 1, *first_offsets, **common, HAS_BIAS=True, GATED=gated,
                         ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, WAIT=True,
                         INTERPRET=True)
-    grad_ret = torch.full_like(ret, float("nan"))
+    grad_rows = torch.full_like(expert_out, float("nan"))
     chunk_counters.zero_()
-    gemm2_kernel[(3, )](grad_pre, width, tables["w1"], tables["w3"], tables["b2"], origin,
-                        torch.tensor([grad_ret.data_ptr()], dtype=torch.int64), chunk_table, layout, ffn, hidden,
+    gemm2_kernel[(3, )](grad_pre, width, tables["w1"], tables["w3"], tables["b2"], origin, grad_rows, chunk_table,
+                        layout, ffn, hidden,
                         hidden, 1, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
                         CHUNK_TILES=chunk_tiles, HAS_BIAS=False, SECOND=gated)
     grads = {}
@@ -128,7 +127,10 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
                             BM=16, BN=16, BK=16, GROUP_M=2, NUM_PROGS=3, HAS_BIAS=True)
         grads[name] = (out, bias)
     grad_tokens = torch.randn(num_tokens, hidden, generator=g)
-    returned = torch.cat([ret, torch.zeros(top_k * num_tokens - ret.shape[0], hidden)])
+    returned = torch.zeros(top_k * num_tokens, hidden)  # what the combine keeps: outputs by send position
+    for e in range(num_experts):
+        for i in range(counts[0][e]):
+            returned[lay["send_offset"][e] + i] = expert_out[lay["dest_row"][e] + i]
     gate_grads = torch.full((top_k * num_tokens, ), float("nan"))
     route_dot_kernel[(top_k * num_tokens, )](returned, grad_tokens, plan.route_position, plan.expert_counts,
                                              gate_grads, num_tokens, num_experts, hidden,
@@ -140,7 +142,8 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
         inputs = tokens[plan.route_order[positions] % num_tokens].double().requires_grad_()
         expert.zero_grad(set_to_none=False)
         expert(inputs).backward(grad_routes[positions].double())
-        torch.testing.assert_close(grad_ret[positions].double(), inputs.grad, rtol=2e-4, atol=2e-4)
+        recv_rows = [lay["dest_row"][e] + i for i in range(counts[0][e])]
+        torch.testing.assert_close(grad_rows[recv_rows].double(), inputs.grad, rtol=2e-4, atol=2e-4)
         spec = fused_expert(expert)
         first_rows = slice(0, ffn)
         checks = [(grads["w1"][0][e][first_rows], spec.first.weight), (grads["w1"][1][e][first_rows], spec.first.bias),
@@ -152,7 +155,7 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
         assert len(expert_parameters([spec])) == (6 if gated else 4)
     for route in range(top_k * num_tokens):
         pos = plan.route_position[route].item()
-        want = float(ret[pos] @ grad_tokens[route % num_tokens]) if pos < kept else 0.0
+        want = float(returned[pos] @ grad_tokens[route % num_tokens]) if pos < kept else 0.0
         assert abs(gate_grads[route].item() - want) <= 1e-4 * (1 + abs(want)), (route, gate_grads[route], want)
     print("ok", num_tokens, hidden, ffn, num_experts, top_k, gated, activation, "rows", rows, "kept", kept)
 
