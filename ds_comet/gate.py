@@ -1,0 +1,239 @@
+"""DeepSpeed's ``TopKGate`` routing, minus the work the sparse dispatch throws away.
+
+``gate_routes(gate, tokens, used_token)`` returns what ``gate(tokens, used_token, True)`` returns in
+the positions the comet layer reads (aux loss, number of experts, route indices, route gates,
+expert counts), bit for bit and with the same autograd graph and the same draws from torch's RNG.
+
+Stock's sparse path still builds the per-expert buffer locations with ``torch.cumsum(mask, dim=0)``
+over an [S, E] int64 mask. On CUDA that is an outer-dimension scan with one serial thread per
+column, about 1.4 ms each at S=8192, E=8, and it runs once per route choice. The comet dispatch
+places tokens itself, so the locations matter only where they decide which routes the capacity
+drops, which is top-2 with ``drop_tokens``; there one innermost-dimension scan over both choices
+gives them exactly. Stock also computes a capacity for ``drop_tokens=False`` only to return it (a
+max, an all-reduce over the expert-parallel group); that is skipped for top-2 and top-k.
+
+Every floating-point op that shapes ``l_aux`` or the gates is the op stock runs, on equal inputs and
+in stock's order, so forward values and gradients are equal on any device. Only exact work is done
+differently: integer bookkeeping (counts, positions, indices) and 0/1 masks or copied values that
+feed those ops, which have one right answer however they are built.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from deepspeed.moe import sharded_moe as ds
+from deepspeed.moe.sharded_moe import TopKGate
+from torch import Tensor
+from torch.nn.modules import module as nn_module
+
+# Module-level hooks make nn.Module.__call__ take its slow path; a direct call would skip them.
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+_capacities: Dict[tuple, int] = {}
+_expert_ids: Dict[tuple, Tensor] = {}
+
+
+def gate_routes(gate: TopKGate,
+                tokens: Tensor,
+                used_token: Optional[Tensor] = None) -> Tuple[Tensor, int, Tensor, Tensor, Tensor]:
+    """``(l_aux, num_experts, indices, gates, exp_counts)`` exactly as ``gate(tokens, used_token, True)``.
+
+    ``indices`` is [k, S] int32 with -1 for a route the capacity dropped, ``gates`` [k, S] fp32.
+    Gates this module cannot vouch for are called as they are.
+    """
+    if not _reproducible(gate, tokens):
+        l_aux, _, num_experts, indices, _, gates, exp_counts = gate(tokens, used_token, True)
+        return l_aux, num_experts, indices, gates, exp_counts
+
+    training = gate.training
+    # The prelude of TopKGate.forward: the jitter draws from the RNG before any routing does.
+    features = tokens.float()
+    if gate.noisy_gate_policy == 'Jitter' and training:
+        features = ds.multiplicative_jitter(features, device=tokens.device)
+    logits = F.linear(features, weight=gate.wg.weight.float(), bias=None)
+    factor = gate.capacity_factor if training else gate.eval_capacity_factor
+
+    if gate.k == 1:
+        rsample = training and gate.noisy_gate_policy == 'RSample'
+        return _top1(logits, factor, gate.min_capacity, used_token, rsample, gate.use_rts)
+    if gate.k == 2:
+        return _top2(logits, factor, gate.min_capacity, gate.drop_tokens, gate.top2_2nd_expert_sampling)
+    return _topk(logits, gate.k, factor, gate.min_capacity, gate.drop_tokens)
+
+
+def _reproducible(gate, tokens: Tensor) -> bool:
+    """Whether the fast path is known to match this gate's own forward."""
+    if type(gate) is not TopKGate or "forward" in vars(gate) or gate.wall_clock_breakdown:
+        return False
+    if any(getattr(gate, name, None) for name in _MODULE_HOOKS):
+        return False
+    if any(getattr(nn_module, name, None) for name in _GLOBAL_HOOKS):
+        return False
+    # Tracing records stock's trace-friendly ops; the layer passes [S, M] and never an empty batch.
+    if torch.jit.is_tracing() or tokens.dim() != 2 or tokens.shape[0] == 0:
+        return False
+    # Top-1 without dropping selects tokens with the capacity all-reduced over the expert group,
+    # a collective and a host read that only stock's own code should decide on.
+    return not (gate.k == 1 and not gate.drop_tokens)
+
+
+def _capacity(gates: Tensor, factor: float, min_capacity: int) -> int:
+    """DeepSpeed's ``_capacity`` as a Python int, remembered per shape.
+
+    It is a handful of host-side tensor ops on scalars, rerun by stock on every call for the same
+    answer; its fp32 rounding of ``S / E * factor`` is why this asks it rather than redoing the math.
+    """
+    key = (gates.shape[0], gates.shape[1], factor, min_capacity, torch.get_default_dtype())
+    capacity = _capacities.get(key)
+    if capacity is None:
+        if len(_capacities) > 4096:  # varying token counts must not grow this without bound
+            _capacities.clear()
+        capacity = int(ds._capacity(gates, torch.tensor(factor), torch.tensor(min_capacity)))
+        _capacities[key] = capacity
+    return capacity
+
+
+def _experts(num_experts: int, device: torch.device) -> Tensor:
+    """``arange(num_experts)`` on ``device``, made once: comparing against it builds one-hot masks."""
+    key = (num_experts, device)
+    ids = _expert_ids.get(key)
+    if ids is None:
+        with torch.inference_mode(False):  # a normal tensor even when first asked for under inference
+            ids = torch.arange(num_experts, device=device)
+        _expert_ids[key] = ids
+    return ids
+
+
+def _rts_sampler(device: torch.device):
+    """The sampler stock's random token selection draws from, shared through DeepSpeed's own map."""
+    sampler = ds.exp_selection_uniform_map.get(device)
+    if sampler is None:
+        unit = torch.distributions.uniform.Uniform(low=torch.tensor(0.0, device=device),
+                                                   high=torch.tensor(1.0, device=device))
+        sampler = ds.exp_selection_uniform_map[device] = unit.rsample
+    return sampler
+
+
+def _top1(logits: Tensor, factor: float, min_capacity: int, used_token: Optional[Tensor], rsample: bool,
+          use_rts: bool):
+    """Top-1 with ``drop_tokens``: stock's selection, without the location scan it only returns."""
+    if rsample:
+        # Only argmax reads the noisy logits, so they need no graph.
+        noisy = logits.detach() + ds.gumbel_rsample(logits.shape, device=logits.device)
+    gates = F.softmax(logits, dim=1)
+    num_tokens, num_experts = gates.shape
+    capacity = _capacity(gates, factor, min_capacity)
+
+    choice = torch.argmax(noisy if rsample else gates, dim=1)
+    # F.one_hot's int64 mask in one op (one_hot is a fill and a scatter, and on CPU two host checks).
+    mask = torch.eq(choice.unsqueeze(1), _experts(num_experts, logits.device),
+                    out=torch.empty((num_tokens, num_experts), dtype=torch.int64, device=logits.device))
+    if used_token is not None:
+        mask = ds.einsum("s,se->se", used_token, mask)
+    exp_counts = torch.sum(mask, dim=0).detach()
+
+    me = torch.mean(gates, dim=0)
+    ce = torch.mean(mask.float(), dim=0)
+    l_aux = torch.sum(me * ce) * num_experts
+
+    # Which routes survive is decided by topk over the tokens of each expert; its tie-breaking is
+    # part of the answer, so it sees exactly stock's input.
+    ranked = mask * _rts_sampler(logits.device)(mask.shape) if use_rts else mask
+    assert num_tokens >= min_capacity, ("No. of tokens (batch-size) should be greater than min_capacity. "
+                                        "Either set min_capacity to 0 or increase your batch size.")
+    survivors = torch.topk(ranked, k=min(capacity, num_tokens), dim=0)[1]
+    mask = mask * torch.zeros_like(mask).scatter_(0, survivors, 1)
+
+    if used_token is None:
+        # A 0/1 mask: the route stays iff its row kept its one entry.
+        indices = torch.where(mask.any(dim=1), choice, -1)
+    else:
+        # used_token may weight the mask with any value; stock's arithmetic decides what comes out.
+        indices = torch.min(choice, mask.sum(dim=1) * num_experts - 1)
+    route_gates = (gates * mask).sum(dim=1)
+    return l_aux, num_experts, indices.to(torch.int32).unsqueeze(0), route_gates.unsqueeze(0), exp_counts
+
+
+def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, sampling: bool):
+    """Top-2 with the capacity drop decided by one innermost-dimension scan instead of two outer ones."""
+    gates = F.softmax(logits, dim=1)
+    num_tokens, num_experts = gates.shape
+    first = torch.argmax(gates, dim=1)
+
+    # The second choice ranks the (optionally Gumbel-perturbed) logits with the first ruled out.
+    # Nothing differentiable reads them, so work on a detached copy and rule out in place.
+    if sampling:
+        scores = logits.detach() + ds.gumbel_rsample(logits.shape, device=logits.device)
+        scores.scatter_(1, first.unsqueeze(1), float("-inf"))
+    else:
+        scores = logits.detach().scatter(1, first.unsqueeze(1), float("-inf"))
+    second = torch.argmax(scores, dim=1)
+
+    experts = _experts(num_experts, logits.device)
+    if drop_tokens:
+        capacity = _capacity(gates, factor * 2, min_capacity)
+        # Row 0 keeps the undropped first choices for the aux loss; rows 1-2 become the routes.
+        picks = torch.stack([first, first, second])
+        routes = picks[1:].view(1, 2 * num_tokens)
+        # Per expert, scan its first-choice tokens and then its second-choice ones: the running
+        # count is stock's location + 1 for both choices, second choices queueing behind every
+        # first choice of the expert, as stock's offset by the first mask's column sums does.
+        # int32 halves the scan's traffic and is exact for any token count a [E, 2S] mask can hold.
+        queue = (routes == experts.unsqueeze(1)).cumsum(dim=1, dtype=torch.int32)
+        position = queue.gather(0, routes)
+        exp_counts = queue[:, -1].to(torch.int64)  # stock's counts are before the drop, as these are
+        routes.masked_fill_(position > capacity, -1)
+    else:
+        # Nothing is dropped, and the capacity stock would all-reduce is only returned.
+        picks = torch.stack([first, second])
+    # One-hot rows as fp32 in one op: the masks stock multiplies and averages, equal in value.
+    masks = torch.eq(picks.unsqueeze(2), experts, out=gates.new_empty((picks.shape[0], num_tokens, num_experts)))
+    if not drop_tokens:
+        exp_counts = masks.sum(dim=(0, 1), dtype=torch.int64)
+
+    me = torch.mean(gates, dim=0)
+    ce = torch.mean(masks[0], dim=0)
+    l_aux = torch.mean(me * ce) * num_experts * num_experts
+
+    gates1_s = ds.einsum("se,se->s", gates, masks[-2])
+    gates2_s = ds.einsum("se,se->s", gates, masks[-1])
+    denom_s = gates1_s + gates2_s
+    denom_s = torch.clamp(denom_s, min=torch.finfo(denom_s.dtype).eps)
+    gates1_s /= denom_s
+    gates2_s /= denom_s
+    return l_aux, num_experts, picks[-2:].to(torch.int32), torch.stack([gates1_s, gates2_s]), exp_counts
+
+
+def _topk(logits: Tensor, k: int, factor: float, min_capacity: int, drop_tokens: bool):
+    """Top-k (k > 2, drop policy "probs"): the capacity drop needs no locations at all."""
+    gates = F.softmax(logits, dim=1)
+    num_tokens, num_experts = gates.shape
+    top_gate, top_idx = torch.topk(gates, k=k, dim=1)
+    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
+    exp_counts = torch.sum(mask, dim=0).detach()
+
+    me = torch.mean(gates, dim=0)
+    ce = torch.mean(mask.float(), dim=0)
+    l_aux = torch.mean(me * ce) * num_experts * num_experts / k
+
+    if drop_tokens:
+        capacity = _capacity(gates, factor * k, min_capacity)
+        # Each expert keeps its `capacity` most probable routes. Stock's graph through these values
+        # ends in topk indices, so no gradient flows here: build them detached.
+        ranked = torch.zeros_like(gates).scatter_(1, top_idx, top_gate.detach())
+        kept = torch.topk(ranked, k=min(capacity, num_tokens), dim=0, sorted=False)[1]
+        mask &= torch.zeros_like(mask).scatter_(0, kept, True)
+
+    gates_masked = gates * mask
+    gates_s = torch.sum(gates_masked, dim=-1, keepdim=True)
+    denom_s = torch.clamp(gates_s, min=torch.finfo(gates_masked.dtype).eps)
+    gates_masked = gates_masked / denom_s
+
+    indices = torch.where(mask.gather(1, top_idx), top_idx, -1)
+    route_gates = gates_masked.gather(1, top_idx)
+    # Transpose and narrow in one copy; stock transposes, copies, then casts.
+    indices = indices.t().to(torch.int32, memory_format=torch.contiguous_format)
+    return l_aux, num_experts, indices, ds._stack_routes(route_gates), exp_counts

@@ -1,0 +1,297 @@
+"""ds_comet.gate.gate_routes against DeepSpeed's TopKGate itself, on CPU.
+
+Every returned tensor, the gradients of a random mix of l_aux and the gates (w.r.t. the gate weight
+and the input) and the RNG state after the call must equal stock's bit for bit, for fresh inputs
+drawn under the same seed. A dispatch-level log of the ops also checks what the fast path is for:
+no scan over the token dimension, no capacity max where nothing is dropped, no host read of device
+data, and fewer ops than stock.
+"""
+
+import pytest
+import torch
+from deepspeed.moe.sharded_moe import TopKGate
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ds_comet.gate as gate_module
+from ds_comet.gate import gate_routes
+
+aten = torch.ops.aten
+MODEL_DIM = 12
+
+
+def make_gate(k, num_experts=8, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4,
+              noisy_gate_policy=None, drop_tokens=True, use_rts=True, top2_2nd_expert_sampling=True, seed=0):
+    torch.manual_seed(seed)
+    return TopKGate(MODEL_DIM, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                    noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
+
+
+def make_tokens(gate, num_tokens, seed, skew=0.0, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(num_tokens, MODEL_DIM, generator=generator)
+    if skew:
+        # Lean every token towards expert 0 (overflow, dropped routes) and push the last expert so
+        # far away that not even top-2's Gumbel sampling reaches it (an expert with no tokens).
+        with torch.no_grad():
+            lean = gate.wg.weight[0] / gate.wg.weight[0].square().sum()
+            tokens += (skew - tokens @ gate.wg.weight[0]).clamp(min=0).unsqueeze(1) * lean
+            gate.wg.weight[-1] = -20 * gate.wg.weight[0]
+    return tokens.to(dtype)
+
+
+def stock_routes(gate, tokens, used_token=None):
+    l_aux, _, num_experts, indices, _, gates, exp_counts = gate(tokens, used_token, True)
+    return l_aux, num_experts, indices, gates, exp_counts
+
+
+def run_gate(routes_fn, gate, tokens, used_token, seed, mix_seed):
+    """One call under `seed`, then the gradients of a random mix of its differentiable outputs."""
+    inputs = tokens.clone().requires_grad_()
+    torch.manual_seed(seed)
+    l_aux, num_experts, indices, gates, exp_counts = routes_fn(gate, inputs, used_token)
+    rng_state = torch.get_rng_state()
+    generator = torch.Generator().manual_seed(mix_seed)
+    l_aux_weight = torch.randn((), generator=generator)
+    gate_weights = torch.randn(gates.shape, generator=generator)
+    loss = l_aux_weight * l_aux + (gates * gate_weights).sum()
+    weight_grad, input_grad = torch.autograd.grad(loss, [gate.wg.weight, inputs])
+    return dict(l_aux=l_aux.detach(), num_experts=num_experts, indices=indices, gates=gates.detach(),
+                exp_counts=exp_counts, rng_state=rng_state, weight_grad=weight_grad, input_grad=input_grad)
+
+
+def assert_bitwise_equal(actual, expected):
+    assert type(actual["num_experts"]) is int and actual["num_experts"] == expected["num_experts"]
+    for name in ("l_aux", "indices", "gates", "exp_counts", "rng_state", "weight_grad", "input_grad"):
+        a, e = actual[name], expected[name]
+        assert (a.dtype, a.shape) == (e.dtype, e.shape), f"{name}: {a.dtype} {tuple(a.shape)} vs {e.dtype} {tuple(e.shape)}"
+        assert torch.equal(a, e), f"{name} differs from stock"
+
+
+@pytest.fixture
+def forward_calls(monkeypatch):
+    """How often TopKGate.forward ran: stock calls count, the fast path must not."""
+    calls = []
+    stock_forward = TopKGate.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return stock_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TopKGate, "forward", counted)
+    return calls
+
+
+# (gate arguments, token count, extra): token counts are multiples of nothing in particular.
+CASES = [
+    # top-1, drop_tokens=True
+    (dict(k=1), 101, {}),
+    (dict(k=1, use_rts=False), 101, {}),
+    (dict(k=1, use_rts=False), 333, dict(skew=3.0)),
+    (dict(k=1, noisy_gate_policy="Jitter"), 77, {}),
+    (dict(k=1, noisy_gate_policy="RSample"), 77, {}),
+    (dict(k=1, noisy_gate_policy="RSample"), 77, dict(train=False)),
+    (dict(k=1, noisy_gate_policy="Jitter", use_rts=False), 53, dict(train=False)),
+    (dict(k=1, capacity_factor=0.5, min_capacity=0), 250, dict(skew=3.0)),
+    (dict(k=1, min_capacity=20), 61, {}),
+    (dict(k=1, eval_capacity_factor=1.7), 250, dict(train=False, dtype=torch.bfloat16)),
+    (dict(k=1), 90, dict(used_token="binary")),
+    (dict(k=1, use_rts=False), 90, dict(used_token="weighted")),
+    # top-2
+    (dict(k=2), 101, {}),
+    (dict(k=2, top2_2nd_expert_sampling=False), 101, {}),
+    (dict(k=2, drop_tokens=False), 101, {}),
+    (dict(k=2, drop_tokens=False, top2_2nd_expert_sampling=False), 37, {}),
+    (dict(k=2, capacity_factor=0.5, min_capacity=0), 333, dict(skew=3.0)),
+    (dict(k=2, top2_2nd_expert_sampling=False, min_capacity=0), 250, dict(skew=3.0)),
+    (dict(k=2, drop_tokens=False), 250, dict(skew=3.0)),
+    (dict(k=2, min_capacity=40), 61, {}),
+    (dict(k=2, noisy_gate_policy="Jitter", eval_capacity_factor=0.6), 199, dict(train=False)),
+    (dict(k=2, noisy_gate_policy="Jitter"), 199, dict(dtype=torch.bfloat16)),
+    (dict(k=2, num_experts=3), 29, {}),
+    # top-k, k > 2
+    (dict(k=3), 101, {}),
+    (dict(k=3, drop_tokens=False), 101, {}),
+    (dict(k=3, capacity_factor=0.4, min_capacity=0), 250, dict(skew=3.0)),
+    (dict(k=4), 131, dict(train=False)),
+    (dict(k=4, drop_tokens=False), 131, dict(skew=3.0)),
+    (dict(k=4, eval_capacity_factor=0.5, min_capacity=0), 333, dict(skew=2.0, train=False)),
+    (dict(k=4, min_capacity=90), 47, {}),
+    (dict(k=8), 67, {}),
+    (dict(k=8, drop_tokens=False), 67, {}),
+    (dict(k=8, num_experts=12, capacity_factor=0.3, min_capacity=0, noisy_gate_policy="Jitter"), 199, dict(skew=2.0)),
+]
+
+
+def case_id(case):
+    gate_args, num_tokens, extra = case
+    words = [f"{key}={value}" for key, value in {**gate_args, **extra}.items()]
+    return "-".join(words + [f"S={num_tokens}"])
+
+
+def prepare(case, seed):
+    gate_args, num_tokens, extra = case
+    gate = make_gate(seed=seed, **gate_args)
+    gate.train(extra.get("train", True))
+    tokens = make_tokens(gate, num_tokens, seed, extra.get("skew", 0.0), extra.get("dtype", torch.float32))
+    used_token = None
+    if extra.get("used_token"):
+        generator = torch.Generator().manual_seed(seed + 1)
+        used_token = (torch.rand(num_tokens, generator=generator) < 0.7).float()
+        if extra["used_token"] == "weighted":
+            used_token *= torch.rand(num_tokens, generator=generator)
+    return gate, tokens, used_token
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_stock_bitwise(case, forward_calls):
+    for seed in (11, 2024):
+        gate, tokens, used_token = prepare(case, seed)
+        forward_calls.clear()
+        expected = run_gate(stock_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
+        actual = run_gate(gate_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
+        assert len(forward_calls) == 1, "took the stock path"
+        assert_bitwise_equal(actual, expected)
+
+        gate_args, num_tokens, extra = case
+        dropped = int((expected["indices"] < 0).sum())
+        if not gate.drop_tokens:
+            assert dropped == 0
+        if extra.get("skew"):
+            # The skewed cases are there for overflow and for an idle expert: make sure they have them.
+            assert int(expected["exp_counts"][-1]) == 0
+            assert dropped > 0 or not gate.drop_tokens
+
+
+class OpLog(TorchDispatchMode):
+    """The aten ops a call runs, and the host reads it makes of device data.
+
+    Tensors built from Python numbers (and everything computed only from them) are host values,
+    like stock's capacity arithmetic; reading anything else would be a device-to-host sync on a GPU.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+        self.device_reads = []
+        self._host_values = {}  # id -> tensor; holding them keeps the ids from being reused
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func is aten._local_scalar_dense.default and id(args[0]) not in self._host_values:
+            self.device_reads.append(tuple(args[0].shape))
+        if func is aten.lift_fresh.default or (inputs and all(id(t) in self._host_values for t in inputs)):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._host_values[id(t)] = t
+        self.ops.append((func, args))
+        return out
+
+    def launches(self):
+        """Ops that would be kernels: no views, no host-side scalar work."""
+        return [func for func, args in self.ops
+                if not func.is_view and func not in (aten.lift_fresh.default, aten._local_scalar_dense.default)
+                and not self._on_host(args)]
+
+    def _on_host(self, args):
+        inputs = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+        return bool(inputs) and all(id(t) in self._host_values for t in inputs)
+
+
+def logged(routes_fn, gate, tokens, used_token):
+    log = OpLog()
+    torch.manual_seed(0)
+    with log:
+        routes_fn(gate, tokens, used_token)
+    return log
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_fast_path_skips_scans_and_syncs(case):
+    gate, tokens, used_token = prepare(case, seed=5)
+    gate_module._capacities.clear()  # the first call computes the capacity: check it reads no device data
+    stock = logged(stock_routes, gate, tokens, used_token)
+    fast = logged(gate_routes, gate, tokens, used_token)
+    assert fast.device_reads == []
+    scans = [args for func, args in fast.ops if func is aten.cumsum.default]
+    if gate.k == 2 and gate.drop_tokens:
+        # One scan for both choices, along the contiguous innermost dimension of an [E, 2S] mask.
+        assert len(scans) == 1
+        scan = scans[0]
+        assert scan[0].dim() == 2 and scan[0].shape[0] == gate.wg.weight.shape[0]
+        assert scan[1] in (1, -1) and scan[0].is_contiguous()
+    else:
+        assert scans == []
+    if not gate.drop_tokens:
+        assert aten.max.default not in [func for func, _ in fast.ops], "capacity computed though not needed"
+    assert len(fast.launches()) < len(stock.launches())
+
+
+@pytest.mark.parametrize("k,drop_tokens", [(1, True), (2, True), (2, False), (4, True), (4, False)])
+def test_fewer_ops_than_stock(k, drop_tokens):
+    """Every path sheds at least five launches (S=256, E=8); top-1/top-k keep all of stock's float ops."""
+    gate, tokens, _ = prepare((dict(k=k, drop_tokens=drop_tokens), 256, {}), seed=3)
+    logged(gate_routes, gate, tokens, None)  # the first call makes the cached expert ids and capacity
+    stock = len(logged(stock_routes, gate, tokens, None).launches())
+    fast = len(logged(gate_routes, gate, tokens, None).launches())
+    assert fast <= stock - 5, f"{fast} ops vs stock's {stock}"
+
+
+class GateSubclass(TopKGate):
+    pass
+
+
+def fallback_gates():
+    yield "top-1 without dropping", make_gate(k=1, drop_tokens=False)
+    yield "top-1 without dropping, eval", make_gate(k=1, drop_tokens=False, use_rts=False)
+    subclass = GateSubclass(MODEL_DIM, 8, 2)
+    yield "a subclass", subclass
+    timed = make_gate(k=2)
+    timed.wall_clock_breakdown = True
+    yield "wall_clock_breakdown", timed
+    hooked = make_gate(k=4)
+    hooked.register_forward_hook(lambda module, args, output: None)
+    yield "a forward hook", hooked
+    pre_hooked = make_gate(k=1)
+    pre_hooked.register_forward_pre_hook(lambda module, args: None)
+    yield "a forward pre-hook", pre_hooked
+    patched = make_gate(k=2)
+    patched.forward = TopKGate.forward.__get__(patched)
+    yield "an instance forward", patched
+
+
+@pytest.mark.parametrize("name,gate", list(fallback_gates()), ids=lambda value: value if isinstance(value, str) else "")
+def test_fallbacks_call_the_stock_gate(name, gate, forward_calls):
+    tokens = make_tokens(gate, 57, seed=9)
+    expected = run_gate(stock_routes, gate, tokens, None, seed=4, mix_seed=8)
+    stock_calls = len(forward_calls)
+    actual = run_gate(gate_routes, gate, tokens, None, seed=4, mix_seed=8)
+    if name == "an instance forward":
+        # The instance attribute bypasses the patched class method; no counting, only equality.
+        assert stock_calls == len(forward_calls)
+    else:
+        assert len(forward_calls) == 2 * stock_calls == 2
+    assert_bitwise_equal(actual, expected)
+
+
+def test_global_hook_falls_back(forward_calls):
+    gate = make_gate(k=2)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
+    try:
+        gate_routes(gate, make_tokens(gate, 40, seed=1))
+    finally:
+        handle.remove()
+    assert len(forward_calls) == 1
+    gate_routes(gate, make_tokens(gate, 40, seed=1))
+    assert len(forward_calls) == 1
+
+
+def test_top1_min_capacity_assert_like_stock():
+    gate = make_gate(k=1, min_capacity=64)
+    tokens = make_tokens(gate, 40, seed=2)
+    with pytest.raises(AssertionError):
+        gate(tokens, None, True)
+    with pytest.raises(AssertionError):
+        gate_routes(gate, tokens)
