@@ -9,6 +9,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import Tensor
 
 from .config import CometMoEConfig, moe_config_from
+from .gate import gate_routes
 from .reference import reference_moe
 from .routing import plan_routes
 from .selection import PipelineSelector
@@ -19,7 +20,8 @@ class CometMOELayer(MOELayer):
 
     The gate (``TopKGate``) and the experts (``Experts``) are stock DeepSpeed's own modules, so
     routing, capacity, the aux loss, parameter names, expert attributes and checkpoints are
-    exactly stock's.
+    exactly stock's; ``gate_routes`` runs the gate's routing without the buffer locations and
+    capacity that only stock's dispatch reads.
     """
 
     def __init__(self, gate, experts, ep_group_name, ep_size, num_local_experts, config: CometMoEConfig):
@@ -42,7 +44,8 @@ class CometMOELayer(MOELayer):
                                "deepspeed.initialize(...) or the layer's set_deepspeed_parallelism() first")
         hidden = hidden_states.shape[-1]
         tokens = hidden_states.reshape(-1, hidden)
-        self.l_aux, _, num_experts, indices, _, gates, self.exp_counts = self.gate(tokens, used_token, True)
+        # Stock's routing without the buffer locations (the dispatch places tokens itself).
+        self.l_aux, num_experts, indices, gates, self.exp_counts = gate_routes(self.gate, tokens, used_token)
         plan = plan_routes(indices, num_experts)
         fused = self.selector.fused_runner(tokens)
         if fused is not None:
