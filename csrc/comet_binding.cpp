@@ -35,6 +35,21 @@ void exchange(const GroupShape& shape, const torch::Tensor& expert_counts, torch
                  "exchange");
 }
 
+void plan(const torch::Tensor& indices, int64_t num_experts, torch::Tensor& route_order, torch::Tensor& route_position,
+          torch::Tensor& expert_counts) {
+    check_cuda(indices, "indices", at::kInt);
+    check_cuda(route_order, "route_order", at::kLong);
+    check_cuda(route_position, "route_position", at::kLong);
+    check_cuda(expert_counts, "expert_counts", at::kLong);
+    TORCH_CHECK(route_order.numel() == indices.numel() && route_position.numel() == indices.numel(),
+                "route_order and route_position must have one entry per route");
+    TORCH_CHECK(expert_counts.numel() == num_experts, "expert_counts must have num_experts entries");
+    check_launch(ds_comet::launch_plan(indices.data_ptr<int32_t>(), indices.numel(), static_cast<int>(num_experts),
+                                       route_order.data_ptr<int64_t>(), route_position.data_ptr<int64_t>(),
+                                       expert_counts.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()),
+                 "plan");
+}
+
 int dtype_code_of(const torch::Tensor& t, const char* name) {
     TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name, " must be bf16 or fp16, got ",
                 t.scalar_type());
@@ -163,6 +178,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("piece_start", &ds_comet::LayoutOffsets::piece_start)
         .def_readwrite("totals", &ds_comet::LayoutOffsets::totals);
     m.def("codes", &codes, "The enum values the kernels use, for ds_comet.layout to check against");
+    m.def("plan", &plan, "The routing plan (route order by expert, its inverse, kept routes per expert) of the "
+          "gate's indices");
     m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout");
     m.def("dispatch", &dispatch, "Send every kept route's token row (optionally scaled per route) to its destination");
     m.def("combine", &combine, "Top-k sum of the routes' expert outputs, read from the expert ranks (gate-weighted "

@@ -179,6 +179,63 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     if (tiles > shape.max_tiles) fail(shape, error_record, kWorkspaceOverflow, 1, shape.max_tiles, tiles, 0);
 }
 
+// Inclusive sum over the block (blockDim.x a multiple of 32, at most 1024) of one value per thread;
+// *total receives the block's sum.
+__device__ int64_t block_inclusive_sum(int64_t value, int64_t* total) {
+    __shared__ int64_t warp_sums[32];
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, num_warps = blockDim.x / kWarp;
+#pragma unroll
+    for (int step = 1; step < kWarp; step *= 2) {
+        const int64_t up = __shfl_up_sync(0xFFFFFFFFu, value, step);
+        if (lane >= step) value += up;
+    }
+    if (lane == kWarp - 1) warp_sums[warp] = value;
+    __syncthreads();
+    if (warp == 0) {
+        int64_t sum = lane < num_warps ? warp_sums[lane] : 0;
+#pragma unroll
+        for (int step = 1; step < kWarp; step *= 2) {
+            const int64_t up = __shfl_up_sync(0xFFFFFFFFu, sum, step);
+            if (lane >= step) sum += up;
+        }
+        if (lane < num_warps) warp_sums[lane] = sum;
+    }
+    __syncthreads();
+    const int64_t result = value + (warp > 0 ? warp_sums[warp - 1] : 0);
+    *total = warp_sums[num_warps - 1];
+    __syncthreads();  // warp_sums is reused by the next call
+    return result;
+}
+
+// One block per key (an expert, or num_experts for the dropped routes). Each thread owns a run of
+// consecutive route ids, so a block-wide prefix of per-thread counts gives every route of the key
+// its place in route-id order: a stable counting sort with no pass between blocks.
+__global__ void plan_kernel(const int32_t* indices, int64_t routes, int num_experts, int64_t* route_order,
+                            int64_t* route_position, int64_t* expert_counts) {
+    const int key = blockIdx.x;
+    const int64_t run = ceil_div(routes, blockDim.x);
+    const int64_t first = min(routes, threadIdx.x * run), last = min(routes, first + run);
+    int64_t mine = 0, smaller = 0;
+    for (int64_t r = first; r < last; ++r) {
+        const int32_t id = indices[r];
+        const int k = id < 0 ? num_experts : id;
+        mine += k == key;
+        smaller += k < key;
+    }
+    int64_t key_total, before_key;
+    block_inclusive_sum(smaller, &before_key);
+    int64_t place = before_key + block_inclusive_sum(mine, &key_total) - mine;
+    for (int64_t r = first; r < last && mine > 0; ++r) {
+        const int32_t id = indices[r];
+        if ((id < 0 ? num_experts : id) == key) {
+            route_order[place] = r;
+            route_position[r] = place;
+            ++place;
+        }
+    }
+    if (threadIdx.x == 0 && key < num_experts) expert_counts[key] = key_total;
+}
+
 template <typename T>
 struct Vec8 {
     static __device__ __forceinline__ void to_float(const int4& raw, float* out) {
@@ -326,6 +383,13 @@ __global__ void combine_kernel(GroupShape shape, const int64_t* peer_expert_out,
 }
 
 }  // namespace
+
+cudaError_t launch_plan(const int32_t* indices, int64_t routes, int num_experts, int64_t* route_order,
+                        int64_t* route_position, int64_t* expert_counts, cudaStream_t stream) {
+    plan_kernel<<<num_experts + 1, 1024, 0, stream>>>(indices, routes, num_experts, route_order, route_position,
+                                                      expert_counts);
+    return cudaGetLastError();
+}
 
 cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, int32_t* meta,
                             const int64_t* peer_meta, int32_t* layout, int64_t* error_record,

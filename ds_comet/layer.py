@@ -46,12 +46,12 @@ class CometMOELayer(MOELayer):
         tokens = hidden_states.reshape(-1, hidden)
         # Stock's routing without the buffer locations (the dispatch places tokens itself).
         self.l_aux, num_experts, indices, gates, self.exp_counts = gate_routes(self.gate, tokens, used_token)
-        plan = plan_routes(indices, num_experts)
         fused = self.selector.fused_runner(tokens)
         if fused is not None:
-            output = fused(tokens, plan, gates)
+            output = fused(tokens, indices, gates)
         else:
-            output = reference_moe(tokens, plan, gates, self.experts.deepspeed_experts, self.ep_group, self.ep_size)
+            output = reference_moe(tokens, plan_routes(indices, num_experts), gates, self.experts.deepspeed_experts,
+                                   self.ep_group, self.ep_size)
         return output.reshape(hidden_states.shape)
 
 

@@ -22,7 +22,7 @@ from deepspeed.utils import log_dist
 from .config import CometMoEConfig
 from .experts import FusedExpert, fused_expert
 from .fused import ExpertTables, FusedCall, FusedParameters, fused_forward, fused_moe
-from .routing import RoutingPlan
+from .routing import plan_routes_cuda
 from .workspace import BufferShape, get_buffer
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -175,7 +175,7 @@ class PipelineSelector:
         return None
 
     def fused_runner(self, tokens: torch.Tensor):
-        """A callable (tokens, plan, gates) -> output for the fused path, or None for the reference."""
+        """A callable (tokens, indices, gates) -> output for the fused path, or None for the reference."""
         reason = self._per_call_reason(tokens)
         if reason is None:
             if not self._static_checked:
@@ -189,8 +189,9 @@ class PipelineSelector:
         self.say_once(reason)
         return None
 
-    def _run(self, tokens: torch.Tensor, plan: RoutingPlan, gates: torch.Tensor) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         try:
+            plan = plan_routes_cuda(self._buffer.op, indices, self.moe.num_local_experts * self.moe.ep_size)
             max_rows = self._max_rows[self.moe.gate.training]
             if torch.is_grad_enabled() and (tokens.requires_grad or gates.requires_grad or any(
                     p.requires_grad for p in self.moe.experts.parameters())):

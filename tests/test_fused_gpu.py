@@ -321,6 +321,30 @@ def zero2_case(seed, hidden=256, ffn=512, steps=2):
     return worst
 
 
+def plan_case(seed):
+    """The plan kernel against plan_routes on the same gate indices: equal, entry for entry."""
+    from ds_comet.ops import load_op
+    from ds_comet.routing import plan_routes_cuda
+    op = load_op()
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator(device=device).manual_seed(seed + dist.get_rank())
+    cases = [(2, 8192, 8, 0.1, 0.0), (4, 333, 64, 0.5, 3.0), (8, 1000, 32, 0.0, 0.0), (1, 5, 3, 1.0, 0.0),
+             (2, 0, 4, 0.0, 0.0), (3, 2047, 300, 0.2, 8.0), (1, 70000, 2, 0.3, 0.0)]
+    for k, tokens, experts, drop, skew in cases:
+        scores = torch.rand(tokens, experts, generator=generator, device=device)
+        scores[:, 0] += skew  # skewed: most routes go to expert 0, some experts get none
+        indices = scores.topk(min(k, experts), dim=1).indices.t().contiguous().int()
+        indices[torch.rand(indices.shape, generator=generator, device=device) < drop] = -1
+        want, got = plan_routes(indices, experts), plan_routes_cuda(op, indices, experts)
+        for field in ("route_order", "route_position", "expert_counts"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (k, tokens, experts, field)
+        assert (got.num_tokens, got.top_k) == (want.num_tokens, want.top_k)
+
+
+def test_plan_kernel_matches_plan_routes(gpu_pool):
+    gpu_pool.run(plan_case, seed=_seed())
+
+
 def test_zero2_training_step_matches_stock(gpu_pool):
     gpu_pool.run(zero2_case, seed=_seed())
 
