@@ -4,7 +4,7 @@
                                                   [--no-backward]
 
 Every number comes from one run on the same GPUs and inputs: the three layers (same weights), the
-gate alone, the expert GEMMs alone on the rows each rank actually receives (cuBLAS: the compute
+gate alone (stock's call and the comet layer's ``gate_routes``), the routing plan, the expert GEMMs alone on the rows each rank actually receives (cuBLAS: the compute
 bound) and the two all-to-alls alone with the same splits (NCCL: the communication bound). Each
 time is the median of CUDA-event timings of many calls, the ranks lined up before each call.
 
@@ -29,7 +29,8 @@ from deepspeed import comm as dist
 import ds_comet
 from ds_comet.experts import FeedForward, GatedFeedForward, reset_expert_
 from ds_comet.fused import fused_forward
-from ds_comet.routing import plan_routes
+from ds_comet.gate import gate_routes
+from ds_comet.routing import plan_routes_cuda
 from ds_comet.shapes import SHAPES, selected_shapes
 
 PIPELINES = ("stock", "reference", "fused")
@@ -193,18 +194,20 @@ def bench_shape(hidden, ffn, experts, k, tokens, args):
         for pipeline in PIPELINES:
             results[pipeline] = timed(lambda: layers[pipeline](x), args.iters, args.warmup)
         gate = layers["fused"].deepspeed_moe.gate
-        results["gate"] = timed(lambda: gate(x[0], None, True), args.iters, args.warmup)
-        routes = gate(x[0], None, True)
-        results["plan"] = timed(lambda: plan_routes(routes[3], experts), args.iters, args.warmup)
+        results["stock_gate"] = timed(lambda: gate(x[0], None, True), args.iters, args.warmup)
+        results["gate"] = timed(lambda: gate_routes(gate, x[0]), args.iters, args.warmup)
+        _, _, indices, gates, _ = gate_routes(gate, x[0])
         selector = layers["fused"].deepspeed_moe.selector
+        op = selector._buffer.op
+        results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts), args.iters, args.warmup)
         parts = {}
-        fused_forward(selector._buffer, x[0], plan_routes(routes[3], experts), routes[5], selector._experts,
+        fused_forward(selector._buffer, x[0], plan_routes_cuda(op, indices, experts), gates, selector._experts,
                       selector._tables, selector._params, profile=parts)
         for part, launch in parts.items():
             results[f"fused_{part}"] = timed(launch, args.iters, args.warmup)
 
         # What this rank receives, per local expert, and what it sends to / receives from each rank.
-        plan = plan_routes(gate(x[0], None, True)[3], experts)
+        plan = plan_routes_cuda(op, indices, experts)
         local = experts // ep_size
         received = torch.empty_like(plan.expert_counts)
         dist.all_to_all_single(received, plan.expert_counts)
@@ -267,7 +270,7 @@ def draw(ax, all_results, bars, ratios, ylabel):
 
 
 def report(all_results, out_dir):
-    columns = ("stock", "reference", "fused", "gate", "plan", "fused_gemm1", "fused_gemm2", "experts", "all_to_all",
+    columns = ("stock", "reference", "fused", "stock_gate", "gate", "plan", "fused_gemm1", "fused_gemm2", "experts", "all_to_all",
                "bound", "stock_over_fused", "fused_over_bound")
     lines = ["shape".ljust(28) + "".join(c[:11].rjust(12) for c in columns)]
     for name, results in all_results.items():

@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node 2 scripts/profile_forward.py [--shape NAME ...] [--custom H,F,E,K,T ...]
 
-For the gate alone, the routing plan, and the stock and fused layers (eval and train mode), rank 0
-prints the host time of one call (no sync), the CUDA-event time of one call started from an idle
+For the gate alone (stock's call and gate_routes), the routing plan (torch and kernel), and the
+stock and fused layers (eval and train mode), rank 0 prints the host time of one call (no sync), the CUDA-event time of one call started from an idle
 device, whether the call synchronised with the host, and the device kernels of one call, largest
 first. A call whose host time is close to its event time is bound by launches, not by the GPU.
 """
@@ -20,7 +20,9 @@ from deepspeed import comm as dist
 from torch.profiler import ProfilerActivity, profile
 
 from ds_comet.bench import build
-from ds_comet.routing import plan_routes
+from ds_comet.gate import gate_routes
+from ds_comet.ops import load_op
+from ds_comet.routing import plan_routes, plan_routes_cuda
 from ds_comet.shapes import SHAPES, selected_shapes
 
 
@@ -77,6 +79,7 @@ def main():
     deepspeed.init_distributed()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     rank0 = dist.get_rank() == 0
+    op = load_op()
     for name, (hidden, ffn, experts, k, tokens) in selected_shapes(args.shape, args.custom).items():
         layers = build(hidden, ffn, experts, k, dist.get_world_size(), False, 1.0, {})
         x = torch.randn(1, tokens, hidden, device="cuda").to(torch.bfloat16)
@@ -88,8 +91,10 @@ def main():
                 layer.train(mode == "train")
             indices = gate(x[0], None, True)[3]
             calls = {
-                "gate": lambda: gate(x[0], None, True),
-                "plan": lambda: plan_routes(indices, experts),
+                "stock gate": lambda: gate(x[0], None, True),
+                "gate_routes": lambda: gate_routes(gate, x[0]),
+                "plan (torch)": lambda: plan_routes(indices, experts),
+                "plan (kernel)": lambda: plan_routes_cuda(op, indices, experts),
                 "stock layer": lambda: layers["stock"](x),
                 "fused layer": lambda: layers["fused"](x),
             }
