@@ -12,8 +12,9 @@ Launch it with any of::
     mpirun -np 2 python examples/train_moe.py --deepspeed_config configs/zero2_comet.json
 
 On CPU it trains in fp32 over gloo; on GPU it turns bf16 on unless the config already enables
-bf16 or fp16. ``--preset gpu`` picks an MoE-dominated model for GPUs (4 MoE blocks, hidden 1024,
-experts of 4096, 8 experts, top-2, 1024-byte windows); explicit options still override it::
+bf16 or fp16. ``--preset gpu`` picks an MoE-heavy model for GPUs (4 MoE blocks, hidden 1024,
+experts of 4096, 8 experts, top-2, 1024-byte windows), ``--preset gpu-fine`` one with fine-grained
+experts (hidden 2048, 64 experts of 1408, top-4); explicit options still override them::
 
     deepspeed --num_gpus 2 examples/train_moe.py --preset gpu --deepspeed_config configs/gpu_zero2_comet.json
 
@@ -51,6 +52,9 @@ PRESETS = {
     # 8192 tokens per rank; the experts hold ~95 % of the weights and do ~75 % of the model FLOPs.
     "gpu": dict(layers=4, hidden=1024, ffn=4096, heads=16, seq_len=1024, experts=8, k=2, lr=1e-3, warmup=20,
                 log_interval=10, timing_warmup=10),
+    # Fine-grained experts (the MoE shape of Qwen1.5-MoE and DeepSeek-MoE: 64 experts of 1408, top-4).
+    "gpu-fine": dict(layers=4, hidden=2048, ffn=1408, heads=16, seq_len=1024, experts=64, k=4, lr=1e-3, warmup=20,
+                     log_interval=10, timing_warmup=10),
 }
 
 # --------------------------------------------------------------------------------------------
