@@ -310,6 +310,8 @@ def test_gpu_preset_and_configs(example):
     args = example.parse_args(["--preset", "gpu", "--deepspeed_config", "x.json", "--layers", "2"])
     assert (args.layers, args.hidden, args.ffn, args.experts, args.k, args.seq_len) == (2, 1024, 4096, 8, 2, 1024)
     assert example.parse_args(["--deepspeed_config", "x.json"]).hidden == 64  # no preset: the small CPU model
+    fine = example.parse_args(["--preset", "gpu-fine", "--deepspeed_config", "x.json", "--k", "2"])
+    assert (fine.hidden, fine.ffn, fine.experts, fine.k, fine.seq_len) == (2048, 1408, 64, 2, args.seq_len)
     import ds_comet
     for stage in (1, 2):
         for backend in ("comet", "deepspeed"):
