@@ -72,8 +72,14 @@ def _reproducible(gate, tokens: Tensor) -> bool:
         return False
     if any(getattr(nn_module, name, None) for name in _GLOBAL_HOOKS):
         return False
-    # Tracing records stock's trace-friendly ops; the layer passes [S, M] and never an empty batch.
-    if torch.jit.is_tracing() or tokens.dim() != 2 or tokens.shape[0] == 0:
+    # Tracing records stock's trace-friendly ops; the layer passes [S, M].
+    if torch.jit.is_tracing() or tokens.dim() != 2:
+        return False
+    # Every reason above is alike on every rank of an SPMD job. The token count is not, so an empty
+    # batch may fall back only where stock runs no collective (a rank skipping the capacity
+    # all-reduce its peers run would pair their next collectives wrongly): top-1, whose dropping
+    # path has none and which stock's min_capacity assert should judge.
+    if gate.k == 1 and tokens.shape[0] == 0:
         return False
     # Top-1 without dropping selects tokens with the capacity all-reduced over the expert group,
     # a collective and a host read that only stock's own code should decide on.
@@ -184,7 +190,8 @@ def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, s
         # int32 halves the scan's traffic and is exact for any token count a [E, 2S] mask can hold.
         queue = (routes == experts.unsqueeze(1)).cumsum(dim=1, dtype=torch.int32)
         position = queue.gather(0, routes)
-        exp_counts = queue[:, -1].to(torch.int64)  # stock's counts are before the drop, as these are
+        # Stock's counts are before the drop, as these are (an empty batch has no last column).
+        exp_counts = queue[:, -1].to(torch.int64) if num_tokens else experts.new_zeros(num_experts)
         routes.masked_fill_(position > capacity, -1)
     else:
         # Nothing is dropped, and the capacity stock would all-reduce is only returned.
