@@ -8,8 +8,13 @@ NVLink and sums them, weighted, as chunks finish.
 Backward, through the same two primitives: the gradient of the combine is a dispatch (each route's
 gate-scaled output gradient travels to its expert's rank), overlapped with the GEMM for the
 gradient of the activation input (dY @ W2, times act'); the gradient of the dispatch is a combine
-(GEMM1's input gradient dA @ W1 returns to the source ranks chunk by chunk and is summed per
-token). The weight gradients are grouped GEMMs that run while the combine moves data.
+(the rows' input gradients dA @ W1, stored chunk by chunk on the expert ranks, are read by the
+source ranks and summed per token). The weight gradients are grouped GEMMs that run while the
+combine moves data.
+
+Reuse across calls: a rank's next call writes ``recv`` and ``expert_out`` only after its next
+exchange, which waits until every rank has published that call's counts, which each rank does only
+after its previous call joined its combine; so no rank overwrites what a peer still reads.
 
 Streams: the exchange and the GEMMs run on the caller's stream; the dispatch and then the combine
 run on the buffer's communication stream on ``comm_blocks`` thread blocks, and the GEMMs take every
@@ -224,6 +229,13 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
         pre = torch.empty((rows, launch.ffn * (2 if launch.gated else 1)), dtype=tokens.dtype, device=tokens.device)
     if out is None:
         out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
+    # Allocated before the dispatch orders the communication stream after the main one, as
+    # everything the combine writes there must be: memory freed on the main stream before that
+    # point may still be read by kernels queued before it.
+    returned = _no_rows(tokens)
+    if saved is not None:
+        returned = saved["returned"] = torch.empty((plan.route_order.numel(), hidden), dtype=tokens.dtype,
+                                                   device=tokens.device)
 
     launch.exchange(plan, rows)
     launch.dispatch(tokens, plan, _no_scale(tokens.device))
@@ -245,10 +257,6 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
     # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
     # whose producers this rank has not launched yet.
-    returned = _no_rows(tokens)
-    if saved is not None:
-        returned = saved["returned"] = torch.empty((plan.route_order.numel(), hidden), dtype=tokens.dtype,
-                                                   device=tokens.device)
     launch.combine(plan, gates, out, returned)
     launch.join(tokens.device, tokens, plan.route_order, plan.route_position, gates, out, returned)
     return out
