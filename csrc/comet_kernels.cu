@@ -27,7 +27,7 @@ __device__ const char* wait_name(int64_t kind) {
     switch (kind) {
         case kWaitExchangeFlag: return "the expert counts of peer rank";
         case kWaitDispatchTile: return "the rows of GEMM1 row tile";
-        case kWaitCombineChunk: return "the returned expert outputs of column chunk";
+        case kWaitCombineChunk: return "the expert outputs of column chunk";
         default: return "workspace capacity";
     }
 }
@@ -207,6 +207,12 @@ __device__ int64_t block_inclusive_sum(int64_t value, int64_t* total) {
     return result;
 }
 
+// The sort key of a route: its expert, or num_experts for a dropped one. An id past the last
+// expert (no gate makes one) counts as dropped, so that every route still gets a place.
+__device__ __forceinline__ int key_of(int32_t id, int num_experts) {
+    return id < 0 || id >= num_experts ? num_experts : id;
+}
+
 // One block per key (an expert, or num_experts for the dropped routes). Each thread owns a run of
 // consecutive route ids, so a block-wide prefix of per-thread counts gives every route of the key
 // its place in route-id order: a stable counting sort with no pass between blocks.
@@ -217,8 +223,7 @@ __global__ void plan_kernel(const int32_t* indices, int64_t routes, int num_expe
     const int64_t first = min(routes, threadIdx.x * run), last = min(routes, first + run);
     int64_t mine = 0, smaller = 0;
     for (int64_t r = first; r < last; ++r) {
-        const int32_t id = indices[r];
-        const int k = id < 0 ? num_experts : id;
+        const int k = key_of(indices[r], num_experts);
         mine += k == key;
         smaller += k < key;
     }
@@ -226,8 +231,7 @@ __global__ void plan_kernel(const int32_t* indices, int64_t routes, int num_expe
     block_inclusive_sum(smaller, &before_key);
     int64_t place = before_key + block_inclusive_sum(mine, &key_total) - mine;
     for (int64_t r = first; r < last && mine > 0; ++r) {
-        const int32_t id = indices[r];
-        if ((id < 0 ? num_experts : id) == key) {
+        if (key_of(indices[r], num_experts) == key) {
             route_order[place] = r;
             route_position[r] = place;
             ++place;

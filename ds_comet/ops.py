@@ -45,7 +45,7 @@ def op_unavailable_reason() -> Optional[str]:
 _WHAT = {
     layout.WAIT_EXCHANGE_FLAG: "the expert counts of peer rank {index}",
     layout.WAIT_DISPATCH_TILE: "the rows of GEMM1 row tile {index}",
-    layout.WAIT_COMBINE_CHUNK: "the returned expert outputs of column chunk {index}",
+    layout.WAIT_COMBINE_CHUNK: "the expert outputs of column chunk {index}",
 }
 
 

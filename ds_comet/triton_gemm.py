@@ -340,7 +340,7 @@ def route_dot_kernel(outputs, grad, route_position, expert_counts, out, num_toke
                      E_POW2: tl.constexpr, BLOCK: tl.constexpr):
     """out[route] = <outputs[position of route], grad[token of route]> in fp32; 0 for dropped routes.
 
-    ``outputs`` holds the returned expert outputs by position in the send list, of which the first
+    ``outputs`` holds each route's expert output by position in the send list, of which the first
     sum(expert_counts) are kept routes: the gate values' gradient of the weighted combine.
     """
     route = tl.program_id(0)

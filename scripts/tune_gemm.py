@@ -8,8 +8,8 @@
 For each shape (H, F, E, k, T) with EP=2 the script builds what one rank's GEMMs see after the
 exchange and the dispatch: the receive buffer (each local expert's rows, own rows first, then the
 peer's), the per-expert weights in nn.Linear layout and their pointer tables, the layout array of
-tests/layout_reference.py, the rows' origins ((source << 32) | position) and return buffers with
-their chunk counters, all local. It checks GEMM1 (WAIT=False) and GEMM2 against per-expert
+tests/layout_reference.py, the rows' origins ((source << 32) | position), GEMM2's local output
+buffer and the sources' chunk counters, all local. It checks GEMM1 (WAIT=False) and GEMM2 against per-expert
 F.linear in fp32, times cuBLAS (an F.linear loop and torch._grouped_mm) on the same GEMMs, and
 sweeps tile configurations:
 
@@ -426,7 +426,7 @@ class Buffers:
         self._layouts = {}
 
         # Rows: expert l's region holds source 0's (own) rows, then source 1's; a row of source q
-        # for expert l returns to position send_offset_q[l] + i of q's return buffer.
+        # for expert l came from position send_offset_q[l] + i of q's send list.
         src, pos = torch.empty(R, dtype=torch.int64), torch.empty(R, dtype=torch.int64)
         for l in range(L):
             row = starts[l]
@@ -435,7 +435,6 @@ class Buffers:
                 src[row:row + n] = q
                 pos[row:row + n] = sum(counts[q][:l]) + torch.arange(n)
                 row += n
-        self.src, self.pos = src.to(device), pos.to(device)
         self.origin = ((src << 32) | pos).to(device)
 
         g = torch.Generator(device=device).manual_seed(seed)

@@ -103,7 +103,7 @@ def test_error_record_messages():
     assert describe_error_record(record) is None
     record[:7] = torch.tensor([1, 1, layout.WAIT_COMBINE_CHUNK, 3, 975, 0, 20 * 10**9])
     message = describe_error_record(record)
-    assert "rank 1 waited 20.0 s for the returned expert outputs of column chunk 3 to reach 975" in message
+    assert "rank 1 waited 20.0 s for the expert outputs of column chunk 3 to reach 975" in message
     record[2], record[3], record[4], record[5] = layout.WORKSPACE_OVERFLOW, 0, 100, 130
     assert "max_tokens_per_rank" in describe_error_record(record)
 
