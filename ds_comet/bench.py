@@ -195,7 +195,7 @@ def bench_shape(hidden, ffn, experts, k, tokens, args):
             results[pipeline] = timed(lambda: layers[pipeline](x), args.iters, args.warmup)
         gate = layers["fused"].deepspeed_moe.gate
         results["stock_gate"] = timed(lambda: gate(x[0], None, True), args.iters, args.warmup)
-        results["gate"] = timed(lambda: gate_routes(gate, x[0]), args.iters, args.warmup)
+        results["gate_routes"] = timed(lambda: gate_routes(gate, x[0]), args.iters, args.warmup)
         _, _, indices, gates, _ = gate_routes(gate, x[0])
         selector = layers["fused"].deepspeed_moe.selector
         op = selector._buffer.op
@@ -270,7 +270,7 @@ def draw(ax, all_results, bars, ratios, ylabel):
 
 
 def report(all_results, out_dir):
-    columns = ("stock", "reference", "fused", "stock_gate", "gate", "plan", "fused_gemm1", "fused_gemm2", "experts", "all_to_all",
+    columns = ("stock", "reference", "fused", "stock_gate", "gate_routes", "plan", "fused_gemm1", "fused_gemm2", "experts", "all_to_all",
                "bound", "stock_over_fused", "fused_over_bound")
     lines = ["shape".ljust(28) + "".join(c[:11].rjust(12) for c in columns)]
     for name, results in all_results.items():

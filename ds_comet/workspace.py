@@ -69,6 +69,9 @@ class CometBuffer:
         self.meta_offsets = layout.meta_offsets(P, E, shape.max_tiles, shape.max_chunks)
         self.layout_offsets = layout.layout_offsets(E // P, E)
 
+        # expert_out is as large as recv (GEMM2 writes one row per received row), so the pull-model
+        # combine doubles the receiving side: up to ep_size x top_k x max_tokens rows each without
+        # token dropping. It cannot share recv: the backward's weight gradients read recv after GEMM2.
         parts = [("recv", shape.max_recv_rows * H * elem), ("expert_out", shape.max_recv_rows * H * elem),
                  ("origin", shape.max_recv_rows * 8), ("meta", self.meta_offsets.total * 4)]
         self._byte_offset, total = {}, 0

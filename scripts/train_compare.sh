@@ -169,6 +169,7 @@ sed 's/^/         /' "$OUT/summary.txt"
 
 # --- (b) ZeRO-1 checkpoint at RESUME_AT, resumed run against the uninterrupted one.
 rm -rf "$CKPT_DIR"
+[[ $PARTS == *b* ]] || note "SKIP b_zero1_full, b_zero1_resumed: PARTS=$PARTS"
 if [[ $PARTS == *b* ]] && train b_zero1_full 29573 "$COMET_ZERO1" 150 --steps "$RESUME_STEPS" --eval-batches 0 \
         --save-dir "$CKPT_DIR" --save-at "$RESUME_AT" --no-final-save; then
     if train b_zero1_resumed 29574 "$COMET_ZERO1" 150 --steps "$RESUME_STEPS" --eval-batches 0 \
