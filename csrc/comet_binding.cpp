@@ -15,6 +15,12 @@ void check_cuda(const torch::Tensor& t, const char* name, at::ScalarType dtype) 
     TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
 }
 
+// The kernels move rows as 16-byte vectors; a view that starts mid-vector would fault on the device.
+void check_aligned(const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+                " must start on a 16-byte boundary (a view at an odd offset does not; pass a copy)");
+}
+
 void check_launch(cudaError_t err, const char* what) {
     TORCH_CHECK(err == cudaSuccess, "ds_comet ", what, " launch failed: ", cudaGetErrorString(err));
 }
@@ -71,6 +77,7 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2, "tokens must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(tokens, "tokens");
     TORCH_CHECK(tokens.size(1) % 8 == 0, "a token row must be a multiple of 16 bytes");
+    check_aligned(tokens, "tokens");
     check_cuda(route_order, "route_order", at::kLong);
     check_cuda(layout, "layout", at::kInt);
     check_cuda(peer_recv, "peer_recv", at::kLong);
@@ -96,6 +103,7 @@ void* optional_rows(torch::Tensor& t, const char* name, at::ScalarType dtype, in
     if (t.numel() == 0) return nullptr;
     check_cuda(t, name, dtype);
     TORCH_CHECK(t.dim() == 2 && t.size(0) >= routes && t.size(1) == hidden, name, " must be [routes, hidden]");
+    check_aligned(t, name);
     return t.data_ptr();
 }
 
@@ -105,6 +113,7 @@ void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, cons
              const torch::Tensor& meta, const torch::Tensor& layout, int64_t error_record, int64_t blocks) {
     TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2, "out must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(out, "out");
+    check_aligned(out, "out");
     check_cuda(peer_expert_out, "peer_expert_out", at::kLong);
     TORCH_CHECK(peer_expert_out.numel() == shape.ep_size, "peer_expert_out must have ep_size entries");
     check_cuda(route_row, "route_row", at::kLong);

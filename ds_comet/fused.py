@@ -221,7 +221,7 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     buffer.check_tokens(num_tokens)
     buffer.raise_if_failed()
     launch = _Launch.of(buffer, tokens, experts, tables, params)
-    tokens, gates = tokens.contiguous(), gates.contiguous()
+    tokens, gates = rows_for_kernels(tokens), gates.contiguous()
     rows = min(max_rows or buffer.shape.max_recv_rows, buffer.shape.max_recv_rows)
     h = torch.empty((rows, launch.ffn), dtype=tokens.dtype, device=tokens.device)
     pre = h
@@ -271,7 +271,7 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
     from .triton_gemm import route_dot_kernel
     buffer.raise_if_failed()
     num_tokens, hidden = grad_out.shape
-    grad_out = grad_out.contiguous()
+    grad_out = rows_for_kernels(grad_out)
     launch = _Launch.of(buffer, grad_out, experts, tables, params)
     device, dtype = grad_out.device, grad_out.dtype
     grad_tokens = grad_gates = weight_grads = None
@@ -329,6 +329,13 @@ def _split_weight_grads(experts, ffn, dw1, db1, dw2, db2) -> List[Tensor]:
                 if linear.bias is not None:
                     by_param[linear.bias] = bias_grad
     return [by_param[param] for param in expert_parameters(experts)]
+
+
+def rows_for_kernels(rows: Tensor) -> Tensor:
+    """``rows`` contiguous and 16-byte aligned (the kernels move rows as 16-byte vectors): as it is
+    when it already is, else a copy (a view starting mid-vector would fault on the device)."""
+    rows = rows.contiguous()
+    return rows if rows.data_ptr() % 16 == 0 else rows.clone()
 
 
 def _no_rows(like: Tensor) -> Tensor:

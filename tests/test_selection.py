@@ -127,3 +127,16 @@ def test_grouped_weight_gradients_map_to_their_parameters(gated):
     assert len(grads) == len(params) == len(expected)
     for param, grad in zip(params, grads):
         assert torch.equal(grad, expected[param])
+
+
+def test_rows_for_kernels_aligns_views():
+    from ds_comet.fused import rows_for_kernels
+    base = torch.randn(5 * 16 + 3, dtype=torch.bfloat16)
+    aligned = base[:80].view(5, 16)
+    assert aligned.data_ptr() % 16 == 0
+    assert rows_for_kernels(aligned).data_ptr() == aligned.data_ptr()  # no copy when none is needed
+    shifted = base[3:].view(5, 16)  # starts 6 bytes into a 16-byte vector
+    fixed = rows_for_kernels(shifted)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, shifted)
+    strided = torch.randn(16, 5, dtype=torch.bfloat16).t()
+    assert rows_for_kernels(strided).is_contiguous() and torch.equal(rows_for_kernels(strided), strided)
