@@ -1,4 +1,4 @@
-"""ds_comet.gate.gate_routes against DeepSpeed's TopKGate itself, on CPU.
+"""ds_comet.gate.gate_routes against DeepSpeed's TopKGate itself, on CPU (and on CUDA where present).
 
 Every returned tensor, the gradients of a random mix of l_aux and the gates (w.r.t. the gate weight
 and the input) and the RNG state after the call must equal stock's bit for bit, for fresh inputs
@@ -50,10 +50,10 @@ def run_gate(routes_fn, gate, tokens, used_token, seed, mix_seed):
     inputs = tokens.clone().requires_grad_()
     torch.manual_seed(seed)
     l_aux, num_experts, indices, gates, exp_counts = routes_fn(gate, inputs, used_token)
-    rng_state = torch.get_rng_state()
+    rng_state = torch.get_rng_state() if tokens.device.type == "cpu" else torch.cuda.get_rng_state(tokens.device)
     generator = torch.Generator().manual_seed(mix_seed)
-    l_aux_weight = torch.randn((), generator=generator)
-    gate_weights = torch.randn(gates.shape, generator=generator)
+    l_aux_weight = torch.randn((), generator=generator).to(tokens.device)
+    gate_weights = torch.randn(gates.shape, generator=generator).to(tokens.device)
     loss = l_aux_weight * l_aux + (gates * gate_weights).sum()
     weight_grad, input_grad = torch.autograd.grad(loss, [gate.wg.weight, inputs])
     return dict(l_aux=l_aux.detach(), num_experts=num_experts, indices=indices, gates=gates.detach(),
@@ -132,7 +132,7 @@ def case_id(case):
     return "-".join(words + [f"S={num_tokens}"])
 
 
-def prepare(case, seed):
+def prepare(case, seed, device="cpu"):
     gate_args, num_tokens, extra = case
     gate = make_gate(seed=seed, **gate_args)
     gate.train(extra.get("train", True))
@@ -143,13 +143,19 @@ def prepare(case, seed):
         used_token = (torch.rand(num_tokens, generator=generator) < 0.7).float()
         if extra["used_token"] == "weighted":
             used_token *= torch.rand(num_tokens, generator=generator)
-    return gate, tokens, used_token
+        used_token = used_token.to(device)
+    return gate.to(device), tokens.to(device), used_token
 
 
+# CUDA runs other kernels (softmax, topk, einsum through cuBLAS): equality there is checked too.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_matches_stock_bitwise(case, forward_calls):
+def test_matches_stock_bitwise(case, device, forward_calls):
     for seed in (11, 2024):
-        gate, tokens, used_token = prepare(case, seed)
+        gate, tokens, used_token = prepare(case, seed, device)
         forward_calls.clear()
         expected = run_gate(stock_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
         actual = run_gate(gate_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
