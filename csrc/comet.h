@@ -80,9 +80,9 @@ struct GroupShape {
 };
 
 // The routing plan of ds_comet/routing.py::plan_routes in one launch (no sort): indices holds k*S
-// global expert ids (-1: dropped; an id >= E counts as dropped too) by flat route id; route_order lists the route ids by expert, each
-// expert's in route-id order, dropped routes last; route_position is its inverse; expert_counts[E]
-// counts the kept routes per expert.
+// global expert ids (-1: dropped; an id >= E counts as dropped too) by flat route id; route_order
+// lists the route ids by expert, each expert's in route-id order, dropped routes last;
+// route_position is its inverse; expert_counts[E] counts the kept routes per expert.
 cudaError_t launch_plan(const int32_t* indices, int64_t routes, int num_experts, int64_t* route_order,
                         int64_t* route_position, int64_t* expert_counts, cudaStream_t stream);
 
