@@ -5,9 +5,10 @@ One rank (P=1): the test lays out the receive buffer as the exchange and dispatc
 every kept route's output row (GEMM2 stores it by receive row) and every chunk counter. This covers
 the tile schedule (own-row tiles first, then the rest), the expert search, the swizzle and the
 column chunks without a GPU; with one rank every row's source is 0, so the per-source counting and
-the combine's reads (route_row, the kept rows for the gate gradient) are left to the GPU tests. Then the backward kernels run on random output gradients laid out the
-same way (GEMM1 backward with act', GEMM2 backward with the gated second operand, the grouped
-weight and bias gradients, the gate-value dot products) and are checked against float64 autograd
+the combine's reads (route_row, the kept rows for the gate gradient) are left to the GPU tests.
+Then the backward kernels run on random output gradients laid out the same way (GEMM1 backward
+with act', GEMM2 backward with the gated second operand, the grouped weight and bias gradients,
+the gate-value dot products) and are checked against float64 autograd
 of each expert. Skipped where triton is not installed (it is an extra).
 """
 
