@@ -17,7 +17,7 @@
 # TRAIN_COMPARE_CPU=1 runs the same sequence on CPU (gloo, the example's small default model,
 # a few steps) to exercise the script, the checks and the plot on a machine without GPUs.
 # PRESET picks the example's GPU preset (gpu, the default, or gpu-fine); PARTS (default abc) which
-# of (a), (b), (c) run ((a) always does). Other knobs: STEPS, RESUME_STEPS, RESUME_AT, MPI_STEPS,
+# of (a), (b), (c) run ((a) always does); GRAD_ACCUM overrides the configs' gradient accumulation. Other knobs: STEPS, RESUME_STEPS, RESUME_AT, MPI_STEPS,
 # BUDGET_S, CKPT_DIR, LOSS_MAX_DIFF_TOL, LOSS_TAIL_DIFF_TOL, RESUME_FIRST_TOL, RESUME_TOL, MPI_DIFF_TOL.
 # MPI_DIFF_TOL is 0.1: two launches of the same comet run on 2 x H200 differed by up to 0.06 (step 19), as
 # much as stock and comet differ (attention's backward and NCCL reductions are not bit-reproducible).
@@ -131,6 +131,18 @@ build_op() {
 
 COMET_ZERO2=$CONFIGS/gpu_zero2_comet.json COMET_ZERO1=$CONFIGS/gpu_zero1_comet.json
 STOCK_ZERO2=$CONFIGS/gpu_zero2_deepspeed.json
+if [ -n "${GRAD_ACCUM:-}" ]; then
+    # Micro-batches per optimizer step: DeepSpeed's step costs per parameter tensor, not per token,
+    # so accumulating amortises it over more tokens, as large-batch MoE training does.
+    note "gradient_accumulation_steps $GRAD_ACCUM (configs in $OUT/configs)"
+    mkdir -p "$OUT/configs"
+    for config in "$COMET_ZERO2" "$COMET_ZERO1" "$STOCK_ZERO2"; do
+        python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["gradient_accumulation_steps"] = int(sys.argv[3])
+json.dump(c, open(sys.argv[2], "w"), indent=2)' "$config" "$OUT/configs/$(basename "$config")" "$GRAD_ACCUM"
+    done
+    COMET_ZERO2=$OUT/configs/gpu_zero2_comet.json COMET_ZERO1=$OUT/configs/gpu_zero1_comet.json
+    STOCK_ZERO2=$OUT/configs/gpu_zero2_deepspeed.json
+fi
 if [ "$CPU" = 1 ]; then
     # DeepSpeed's shared-memory comm op, which its CPU accelerator builds at init (minutes on 2 cores).
     build_op build_shm_op deepspeed_shm_comm 600 "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
