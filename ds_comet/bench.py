@@ -201,14 +201,14 @@ def bench_shape(hidden, ffn, experts, k, tokens, args):
         selector = layers["fused"].deepspeed_moe.selector
         op = selector._buffer.op
         results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts), args.iters, args.warmup)
+        plan = plan_routes_cuda(op, indices, experts)
         parts = {}
-        fused_forward(selector._buffer, x[0], plan_routes_cuda(op, indices, experts), gates, selector._experts,
-                      selector._tables, selector._params, profile=parts)
+        fused_forward(selector._buffer, x[0], plan, gates, selector._experts, selector._tables, selector._params,
+                      profile=parts)
         for part, launch in parts.items():
             results[f"fused_{part}"] = timed(launch, args.iters, args.warmup)
 
         # What this rank receives, per local expert, and what it sends to / receives from each rank.
-        plan = plan_routes_cuda(op, indices, experts)
         local = experts // ep_size
         received = torch.empty_like(plan.expert_counts)
         dist.all_to_all_single(received, plan.expert_counts)
