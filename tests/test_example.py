@@ -17,14 +17,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from dist_pool import cpu_world_size
+from dist_pool import cpu_world_size, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "examples", "train_moe.py")
@@ -36,12 +35,6 @@ LOG_LINE = re.compile(r"^step (\d+) \| loss ([0-9.]+) \| aux ([0-9.]+) \| tokens
 # The launchers' rank environment must come from the launcher under test, not from this process.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def config(name):
