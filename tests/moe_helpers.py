@@ -1,5 +1,7 @@
 """Model builders and comparisons shared by the tests (they run inside the gloo ranks)."""
 
+from typing import Optional
+
 import deepspeed
 import torch
 from deepspeed import comm as dist
@@ -26,10 +28,12 @@ def make_expert(kind: str, hidden: int, ffn: int) -> nn.Module:
     raise ValueError(kind)
 
 
-def reset_experts_(layer, seed: int) -> None:
-    """Distinct weights for every expert, drawn from its global expert id."""
+def reset_experts_(layer, seed: int, ep_rank: Optional[int] = None) -> None:
+    """Distinct weights for every expert, drawn from its global expert id; ``ep_rank`` for a layer
+    whose expert-parallel group is not set yet."""
     moe = layer.deepspeed_moe
-    ep_rank = dist.get_rank(group=moe.ep_group) if moe.ep_size > 1 else 0
+    if ep_rank is None:
+        ep_rank = dist.get_rank(group=moe.ep_group) if moe.ep_size > 1 else 0
     for i, expert in enumerate(moe.experts.deepspeed_experts):
         reset_expert_(expert, seed * 1000 + ep_rank * moe.num_local_experts + i)
 

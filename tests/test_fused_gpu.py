@@ -274,9 +274,7 @@ class _ZeroNet(torch.nn.Module):
         self.out = torch.nn.Linear(hidden, hidden)
         # deepspeed.initialize sets the expert-parallel groups (a second set_deepspeed_parallelism asserts);
         # with ep_size equal to the world size the expert-parallel rank is the global rank.
-        moe = self.moe.deepspeed_moe
-        for i, expert in enumerate(moe.experts.deepspeed_experts):
-            reset_expert_(expert, seed * 1000 + dist.get_rank() * moe.num_local_experts + i)
+        reset_experts_(self.moe, seed, ep_rank=dist.get_rank())
 
     def forward(self, x):
         hidden, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
