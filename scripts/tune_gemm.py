@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tune the fused pipeline's two Triton grouped GEMMs on one GPU, against cuBLAS, without communication.
 
-    python3 scripts/tune_gemm.py --out DIR [--shape NAME ...] [--tma] [--gated] [--budget S]
+    python3 scripts/tune_gemm.py --out DIR [--shape NAME ...] [--tma | --tma-only] [--gated] [--budget S]
     TRITON_INTERPRET=1 python3 scripts/tune_gemm.py --smoke --out DIR    (CPU interpreter, a tiny shape)
     python3 scripts/tune_gemm.py --offline --out DIR [--ptxas-info]       (no GPU: compile the sweep for sm_90)
 
@@ -17,7 +17,8 @@ sweeps tile configurations:
      accumulator fits 128 registers a thread, GROUP_M 8, GEMM2 with the pipeline's default chunks;
   B  GROUP_M 4 and 16 on the three best tiles of each GEMM, and GEMM2's n_chunks 1, 2, 4, 8 on its best tiles;
   C  the other --comm-blocks values (a persistent grid of every SM) on the two best of each;
-  T  (--tma) GEMM1 with the expert weights loaded through device-side TMA descriptors;
+  T  (--tma) GEMM1 with the expert weights (and optionally the rows) loaded through device-side
+     TMA descriptors, and warp-specialised variants of it (--tma-only: the defaults, then only these);
   then the defaults and the winners again on the exactly balanced split.
 
 Compilation dominates, so worker processes compile every configuration into Triton's cache ahead
@@ -81,7 +82,7 @@ REL_TOL = 1e-2
 ROW_PAD = 128  # receive-buffer rows past the last received one (NaN: masked reads must not see them)
 
 # The pipeline's configuration today (fused.py / selection.py): one for every shape.
-DEFAULT_TILE = dict(bm=128, bn=128, bk=64, stages=3, warps=8, group_m=8)
+DEFAULT_TILE = dict(bm=128, bn=256, bk=64, stages=3, warps=8, group_m=8)
 SWEEP_BM, SWEEP_BN, SWEEP_BK = (64, 128), (128, 256), (64, 128)
 SWEEP_STAGES, SWEEP_WARPS, SWEEP_GROUP_M = (3, 4, 5), (4, 8), (4, 8, 16)
 SWEEP_N_CHUNKS = (1, 2, 4, 8)
@@ -99,6 +100,9 @@ FAMILY_ORDER = {
 }
 TMA_TILES = [(128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 8), (128, 128, 64, 3, 8),
              (128, 128, 128, 3, 8), (64, 256, 64, 4, 4)]
+# Warp-specialised TMA GEMM1 (num_warps per consumer group): all gave wrong results on H200 with
+# Triton 3.6 (docs/performance.md), kept to retest on the next Triton.
+WS_TILES = [(128, 256, 64, 3, 4), (128, 256, 64, 4, 4), (128, 128, 64, 4, 4), (128, 128, 64, 5, 4)]
 # --smoke: interpreter-sized tiles (stages and warps mean nothing there).
 SMOKE_DEFAULT = dict(bm=16, bn=32, bk=16, stages=3, warps=4, group_m=2)
 SMOKE_TILES = [(16, 32, 16, 3, 4), (32, 16, 32, 3, 4), (16, 16, 32, 3, 4), (32, 32, 16, 3, 4)]
@@ -133,7 +137,7 @@ def gemm1_tma_kernel(rows, out, w_table, w3_table, b1_table, b3_table, layout, n
                      off_expert_start, off_local_tiles, off_remote_tiles, off_total_tiles, L_POW2: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
-                     A_TMA: tl.constexpr):
+                     A_TMA: tl.constexpr, WS: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr):
     """out[rows of l] = act(rows @ W1_l^T + b1) [* (rows @ W3_l^T + b3)], W_l ([N, K]) read by TMA."""
     dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
@@ -155,14 +159,14 @@ def gemm1_tma_kernel(rows, out, w_table, w3_table, b1_table, b3_table, layout, n
         band_rows = tl.minimum(total_m - first_row, GROUP_M)
         slot = first_row + (tile % band) % band_rows
         pid_n = (tile % band) // band_rows
-        if slot < own_total:
-            expert = tl.sum((own_prefix <= slot).to(tl.int32)) - 1
-            t = slot - tl.load(layout + off_local_tiles + expert)
-        else:
-            rest = slot - own_total
-            expert = tl.sum((rest_prefix <= rest).to(tl.int32)) - 1
-            own = tl.load(layout + off_local_tiles + expert + 1) - tl.load(layout + off_local_tiles + expert)
-            t = own + rest - tl.load(layout + off_remote_tiles + expert)
+        # Branch-free: Triton's warp specialisation gives up on a loop body with an scf.if.
+        own_tile = slot < own_total
+        rest = slot - own_total
+        expert = tl.where(own_tile, tl.sum((own_prefix <= slot).to(tl.int32)), tl.sum(
+            (rest_prefix <= rest).to(tl.int32))) - 1
+        own_start = tl.load(layout + off_local_tiles + expert)
+        own = tl.load(layout + off_local_tiles + expert + 1) - own_start
+        t = tl.where(own_tile, slot - own_start, own + rest - tl.load(layout + off_remote_tiles + expert))
         row0 = tl.load(layout + off_expert_start + expert) + t * BM
         row_end = tl.load(layout + off_expert_start + expert + 1)
         col0 = pid_n * BN
@@ -172,33 +176,55 @@ def gemm1_tma_kernel(rows, out, w_table, w3_table, b1_table, b3_table, layout, n
         n_mask = offs_n < N
 
         w = tl.load(w_table + expert).to(tl.pointer_type(dtype))
-        w_desc = tl.make_tensor_descriptor(w, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if SPLIT_EPILOGUE:  # two half-width accumulators
+            w_desc = tl.make_tensor_descriptor(w, shape=[N, K], strides=[K, 1], block_shape=[BN // 2, BK])
+            acc = tl.zeros((BM, BN // 2), dtype=tl.float32)
+            acc_right = tl.zeros((BM, BN // 2), dtype=tl.float32)
+        else:
+            w_desc = tl.make_tensor_descriptor(w, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
         if GATED:
             w3 = tl.load(w3_table + expert).to(tl.pointer_type(dtype))
             w3_desc = tl.make_tensor_descriptor(w3, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
             acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BK)):
+        for k in tl.range(0, tl.cdiv(K, BK), warp_specialize=WS):
             if A_TMA:
                 a = a_desc.load([row0, k * BK])
             else:
                 k_ok = offs_k < K - k * BK
                 a = tl.load(rows + offs_m[:, None] * K + (k * BK + offs_k)[None, :],
                             mask=m_mask[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(w_desc.load([col0, k * BK])), acc)
+            if SPLIT_EPILOGUE:
+                acc = tl.dot(a, tl.trans(w_desc.load([col0, k * BK])), acc)
+                acc_right = tl.dot(a, tl.trans(w_desc.load([col0 + BN // 2, k * BK])), acc_right)
+            else:
+                acc = tl.dot(a, tl.trans(w_desc.load([col0, k * BK])), acc)
             if GATED:
                 acc3 = tl.dot(a, tl.trans(w3_desc.load([col0, k * BK])), acc3)
 
-        if HAS_BIAS:
-            b1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
-            acc += tl.load(b1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        result = _tma_act(acc, ACTIVATION)
-        if GATED:
+        if SPLIT_EPILOGUE:
+            # The right half's activation and store after the left's: temporaries for half a tile.
+            offs_h = col0 + tl.arange(0, BN // 2)
+            for half in tl.static_range(2):
+                part = acc if half == 0 else acc_right
+                cols = offs_h + half * (BN // 2)
+                if HAS_BIAS:
+                    b1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
+                    part += tl.load(b1 + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                tl.store(out + offs_m[:, None] * N + cols[None, :], _tma_act(part, ACTIVATION).to(dtype),
+                         mask=m_mask[:, None] & (cols < N)[None, :])
+        else:
             if HAS_BIAS:
-                b3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
-                acc3 += tl.load(b3 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            result = result * acc3
-        tl.store(out + offs_m[:, None] * N + offs_n[None, :], result.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+                b1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
+                acc += tl.load(b1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            result = _tma_act(acc, ACTIVATION)
+            if GATED:
+                if HAS_BIAS:
+                    b3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
+                    acc3 += tl.load(b3 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                result = result * acc3
+            tl.store(out + offs_m[:, None] * N + offs_n[None, :], result.to(dtype),
+                     mask=m_mask[:, None] & n_mask[None, :])
 
 
 def kernels():
@@ -221,13 +247,16 @@ class Config:
     n_chunks: int = 0  # gemm2: column chunks asked for (the kernel gets CHUNK_TILES)
     comm_blocks: int = 16
     a_tma: bool = False  # gemm1_tma: the row tile through a descriptor too
+    ws: bool = False  # gemm1_tma: Triton's warp specialisation of the K loop (loads and MMAs in separate warps)
+    split_epilogue: bool = False  # gemm1_tma: the activation and store one column half at a time
 
     def label(self, meta=None):
         text = f"{self.bm}x{self.bn}x{self.bk} s{self.stages} w{self.warps} g{self.group_m}"
         if self.kind == "gemm2":
             text += f" c{effective_chunks(meta, self) if meta else self.n_chunks}"
         if self.kind == "gemm1_tma":
-            text += " tmaA+W" if self.a_tma else " tmaW"
+            text += (" tmaA+W" if self.a_tma else " tmaW") + (" ws" if self.ws else "") + (
+                " split" if self.split_epilogue else "")
         return text + f" cb{self.comm_blocks}"
 
     def tile(self):
@@ -242,7 +271,9 @@ def smem_bytes(cfg, gated):
 
 def acc_regs(cfg, gated):
     products = 2 if gated and cfg.kind != "gemm2" else 1
-    return products * cfg.bm * cfg.bn // (32 * cfg.warps)
+    # Warp specialised: two consumer warp groups of cfg.warps warps share the accumulator.
+    consumers = 2 * cfg.warps if cfg.ws else cfg.warps
+    return products * cfg.bm * cfg.bn // (32 * consumers)
 
 
 def fits(cfg, gated):
@@ -322,6 +353,13 @@ def tma_configs(meta, comm_blocks, smoke):
     for a_tma in (False, True):
         for bm, bn, bk, stages, warps in tiles:
             cfg = Config("gemm1_tma", bm, bn, bk, stages, warps, group_m, comm_blocks=comm_blocks, a_tma=a_tma)
+            if smoke or fits(cfg, meta.gated):
+                out.append(cfg)
+    # Warp specialisation: num_warps is per consumer warp group; Triton adds the producer's warps.
+    for bm, bn, bk, stages, warps in (SMOKE_TILES[:1] if smoke else WS_TILES):
+        for split in ((False, ) if meta.gated else (False, True)):
+            cfg = Config("gemm1_tma", bm, bn, bk, stages, warps, group_m, comm_blocks=comm_blocks, a_tma=True, ws=True,
+                         split_epilogue=split)
             if smoke or fits(cfg, meta.gated):
                 out.append(cfg)
     return out
@@ -499,11 +537,11 @@ def kernel_values(cfg, meta, bufs, num_progs, interpret):
         v.update(h=bufs.h_in, rows=bufs.h_in, lda=Fd, w2_table=t["w2"], w_table=t["w2"], w3_table=t["w2"],
                  b2_table=t["b2"], origin=bufs.origin, out=bufs.expert_out, chunk_counter_table=bufs.chunk_table,
                  hidden=H, ffn=Fd, K=Fd, N=H, sbk=1, sbn=Fd, EP_SIZE=EP, CHUNK_TILES=chunk_tiles(meta, cfg),
-                 SECOND=False)
+                 SECOND=False, W_NK=True)
     else:
         v.update(rows=bufs.recv, out=bufs.h_out, w_table=t["w1"], w3_table=t["w3"], b1_table=t["b1"],
                  b3_table=t["b3"], num_rows=bufs.recv_rows, K=H, N=Fd, GATED=meta.gated, ACTIVATION=meta.activation,
-                 A_TMA=cfg.a_tma)
+                 A_TMA=cfg.a_tma, WS=cfg.ws, SPLIT_EPILOGUE=cfg.split_epilogue)
     return v
 
 
@@ -919,21 +957,22 @@ def tune_shape(ctx, meta, index, deadline):
     defaults = {kind: default_config(kind, meta, cbs[0], args.smoke) for kind in ("gemm1", "gemm2")}
     for cfg in defaults.values():  # the defaults run whatever the time box says
         runner.run(cfg, time.perf_counter() + 600, "default")
-    sweep(all_phase_a(meta, args)[2:], start + 0.55 * span, "A")
+    if not args.tma_only:  # --tma-only: straight from the defaults to the TMA variants
+        sweep(all_phase_a(meta, args)[2:], start + 0.55 * span, "A")
 
-    later, done = [], {Config(**r["config"]) for r in runner.results}
-    for kind in ("gemm1", "gemm2"):
-        later += phase_b(kind, meta, ranked_configs(runner.results, kind, cbs[0]), args.smoke, done)
-    request(ctx, meta, later, 10 * index + 1)
-    sweep(later, start + 0.8 * span, "B")
+        later, done = [], {Config(**r["config"]) for r in runner.results}
+        for kind in ("gemm1", "gemm2"):
+            later += phase_b(kind, meta, ranked_configs(runner.results, kind, cbs[0]), args.smoke, done)
+        request(ctx, meta, later, 10 * index + 1)
+        sweep(later, start + 0.8 * span, "B")
 
-    extra, done = [], {Config(**r["config"]) for r in runner.results}
-    for kind in ("gemm1", "gemm2"):
-        top = ranked_configs(runner.results, kind, cbs[0])[:2] + [defaults[kind]]
-        extra += [replace(c, comm_blocks=cb) for cb in cbs[1:] for c in top]
-    extra = [c for c in dict.fromkeys(extra) if c not in done]
-    request(ctx, meta, extra, 10 * index + 2)
-    sweep(extra, start + 0.9 * span if args.tma else deadline, "C")
+        extra, done = [], {Config(**r["config"]) for r in runner.results}
+        for kind in ("gemm1", "gemm2"):
+            top = ranked_configs(runner.results, kind, cbs[0])[:2] + [defaults[kind]]
+            extra += [replace(c, comm_blocks=cb) for cb in cbs[1:] for c in top]
+        extra = [c for c in dict.fromkeys(extra) if c not in done]
+        request(ctx, meta, extra, 10 * index + 2)
+        sweep(extra, start + 0.9 * span if args.tma else deadline, "C")
     if args.tma:
         tma = tma_configs(meta, cbs[0], args.smoke)
         sweep(tma, deadline, "T")
@@ -1059,6 +1098,7 @@ def parse_args():
     parser.add_argument("--comm-blocks", default="16,0", help="SMs left to communication: the first value sweeps, "
                         "the others are tried on the best configurations")
     parser.add_argument("--tma", action="store_true", help="also GEMM1 with TMA-descriptor weight loads")
+    parser.add_argument("--tma-only", action="store_true", help="the defaults, then only the TMA GEMM1 variants")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep (time box)")
     parser.add_argument("--shape-seconds", type=float, default=90.0, help="at most this many seconds per shape")
     parser.add_argument("--jobs", type=int, default=None, help="compile workers (default: CPUs - 2; 0: none)")
@@ -1070,7 +1110,9 @@ def parse_args():
     parser.add_argument("--offline", action="store_true", help="no GPU: compile every sweep configuration")
     parser.add_argument("--arch", type=int, default=90, help="--offline: the target's compute capability")
     parser.add_argument("--ptxas-info", action="store_true", help="--offline: registers and spills from ptxas -v")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.tma = args.tma or args.tma_only
+    return args
 
 
 def cpus():
@@ -1179,7 +1221,7 @@ def main():
         target = triton.runtime.driver.active.get_current_target()
         jobs = args.jobs if args.jobs is not None else max(1, min(32, cpus() - 2))
         result.update(device=props.name, num_sms=num_sms, target=str(target))
-    if args.tma:
+    if device.type == "cuda":  # the GEMMs build TMA descriptors on the device
         def alloc(size, alignment, stream):
             return torch.empty(size, dtype=torch.int8, device=device)
         triton.set_allocator(alloc)
@@ -1190,7 +1232,8 @@ def main():
     ctx = Context(args, device, num_sms, compiler, timer, interpret, log_file)
     metas = [make_meta(name, shape, args.gated, args.dtype) for name, shape in shapes.items()]
     for index, meta in enumerate(metas):  # phase A of every shape (and TMA) to the workers at once
-        request(ctx, meta, all_phase_a(meta, args), 10 * index)
+        if not args.tma_only:
+            request(ctx, meta, all_phase_a(meta, args), 10 * index)
         if args.tma:
             request(ctx, meta, tma_configs(meta, comm_blocks_list(args)[0], args.smoke), 10 * index + 3)
     log(f"tune_gemm: {len(metas)} shapes, {num_sms} SMs, {jobs} compile workers, budget {args.budget:.0f} s"
