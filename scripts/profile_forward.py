@@ -1,11 +1,14 @@
-"""Where one MoE forward spends its time: host launch time against device time, kernel by kernel.
+"""Where one MoE forward (and training step) spends its time: host launch time against device time,
+kernel by kernel.
 
-    torchrun --nproc_per_node 2 scripts/profile_forward.py [--shape NAME ...] [--custom H,F,E,K,T ...]
+    torchrun --nproc_per_node 2 scripts/profile_forward.py [--shape NAME ...] [--custom H,F,E,K,T ...] [--step]
 
 For the gate alone (stock's call and gate_routes), the routing plan (torch and kernel), and the
-stock and fused layers (eval and train mode), rank 0 prints the host time of one call (no sync), the CUDA-event time of one call started from an idle
-device, whether the call synchronised with the host, and the device kernels of one call, largest
-first. A call whose host time is close to its event time is bound by launches, not by the GPU.
+stock and fused layers (eval and train mode), rank 0 prints the host time of one call (no sync),
+the CUDA-event time of one call started from an idle device, whether the call synchronised with
+the host, and the device kernels of one call, largest first. A call whose host time is close to
+its event time is bound by launches, not by the GPU. With --step it does the same for one training
+step of each layer (forward and backward, as the benchmark times it), listing more kernels.
 """
 
 import argparse
@@ -19,7 +22,7 @@ import torch
 from deepspeed import comm as dist
 from torch.profiler import ProfilerActivity, profile
 
-from ds_comet.bench import build
+from ds_comet.bench import build, train_step
 from ds_comet.gate import gate_routes
 from ds_comet.ops import load_op
 from ds_comet.routing import plan_routes, plan_routes_cuda
@@ -74,6 +77,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES))
     parser.add_argument("--custom", action="append", default=[])
+    parser.add_argument("--step", action="store_true", help="also profile one training step (fwd+bwd) per layer")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     args = parser.parse_args()
     deepspeed.init_distributed()
@@ -106,6 +110,17 @@ def main():
                     if rank0:
                         print(f"  [{mode}] {what}: host {host:.3f} ms, device {device:.3f} ms, host syncs {count}\n"
                               f"{table}", flush=True)
+        if args.step:
+            leaf = x.detach().clone().requires_grad_()
+            dy = torch.randn_like(leaf)
+            for what in ("stock", "fused"):
+                layer = layers[what].train()
+                step = lambda: train_step(layer, leaf, dy)  # noqa: E731
+                host, device = host_and_device_ms(step)
+                table = kernels(step, top=24)
+                if rank0:
+                    print(f"  [step] {what} layer fwd+bwd: host {host:.3f} ms, device {device:.3f} ms\n{table}",
+                          flush=True)
         del layers
         torch.cuda.empty_cache()
     dist.barrier()
