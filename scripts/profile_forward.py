@@ -1,5 +1,4 @@
-"""Where one MoE forward (and training step) spends its time: host launch time against device time,
-kernel by kernel.
+"""Where an MoE layer's forward (and training step) spends its time, host against device, by kernel.
 
     torchrun --nproc_per_node 2 scripts/profile_forward.py [--shape NAME ...] [--custom H,F,E,K,T ...] [--step]
 
