@@ -51,6 +51,17 @@ def gpu_world_size(device_count: int) -> int:
     return device_count if requested is None else min(device_count, requested)
 
 
+def _build_cpu_comm_op():
+    """JIT-build DeepSpeed's CPU shm comm op here, before any rank starts (a minute on two cores).
+
+    Each rank's init_distributed would build it otherwise. A rank that a start timeout kills
+    mid-build leaves torch's build lock behind, and every later start would wait on that lock
+    until it timed out in turn: one slow build would fail the rest of the session.
+    """
+    from deepspeed.comm.torch import build_shm_op
+    build_shm_op()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -94,6 +105,8 @@ class DistPool:
         self.procs = []
 
     def _start(self):
+        if self.backend == "gloo":
+            _build_cpu_comm_op()
         ctx = mp.get_context("spawn")
         port = free_port()
         self.results = ctx.Queue()
@@ -104,7 +117,6 @@ class DistPool:
         ]
         for proc in self.procs:
             proc.start()
-        # The first start may JIT-build DeepSpeed's shm comm op (a minute on two cores).
         self._collect(self.start_timeout, "start")
 
     def stop(self):
