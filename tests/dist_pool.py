@@ -63,8 +63,8 @@ def _build_cpu_comm_op():
     build_shm_op()
 
 
-def _remove_shm_buffers(port: int):
-    """Unlink the /dev/shm all-reduce buffers DeepSpeed's CPU comm op made for a pool on this port.
+def remove_shm_buffers(port: int):
+    """Unlink the /dev/shm all-reduce buffers DeepSpeed's CPU comm op made for a job on this port.
 
     The op never unlinks them, and killed ranks cannot: every pool start would otherwise leave
     2 x 66 MiB behind in memory-backed /dev/shm (21 GB after a day of test runs on this machine).
@@ -139,7 +139,7 @@ class DistPool:
                 proc.kill()
             proc.join(timeout=10)
         if self.procs:
-            _remove_shm_buffers(self.port)
+            remove_shm_buffers(self.port)
         self.procs = []
 
     def _collect(self, timeout: float, what: str):

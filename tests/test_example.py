@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from dist_pool import cpu_world_size, free_port
+from dist_pool import cpu_world_size, free_port, remove_shm_buffers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "examples", "train_moe.py")
@@ -69,7 +69,15 @@ class Run:
         return f"\n$ {' '.join(self.cmd)}\n--- output tail ---\n{self.output[-chars:]}"
 
 
-def launch(cmd, metrics_path=None, env_extra=None) -> Run:
+def launch(cmd, port, metrics_path=None, env_extra=None) -> Run:
+    """Runs the example's launch command; port is its MASTER_PORT (its /dev/shm buffers are removed after)."""
+    try:
+        return _launch(cmd, metrics_path, env_extra)
+    finally:
+        remove_shm_buffers(port)
+
+
+def _launch(cmd, metrics_path, env_extra) -> Run:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     # A CPU test everywhere: gloo ranks in fp32, also on a machine with GPUs (where the example
     # would otherwise train in bf16 over NCCL and the runs would no longer agree bit for bit).
@@ -99,9 +107,10 @@ def example_args(ds_config, metrics_path, steps=STEPS, *extra):
 
 def torchrun(tmp_dir, name, ds_config, steps=STEPS, *extra) -> Run:
     metrics = os.path.join(tmp_dir, f"{name}.jsonl")
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS), "--master_port",
-           str(free_port())] + example_args(ds_config, metrics, steps, *extra)
-    return launch(cmd, metrics)
+           str(port)] + example_args(ds_config, metrics, steps, *extra)
+    return launch(cmd, port, metrics)
 
 
 def assert_same_losses(run, reference, steps, tol, what):
@@ -182,9 +191,10 @@ def test_deepspeed_launcher_zero1_comet(workdir, comet_run):
     deepspeed_cli = shutil.which("deepspeed")
     if deepspeed_cli is None:
         pytest.skip("the deepspeed launcher is not on PATH")
-    cmd = [deepspeed_cli, "--num_gpus", str(RANKS), "--master_port", str(free_port())] + example_args(
+    port = free_port()
+    cmd = [deepspeed_cli, "--num_gpus", str(RANKS), "--master_port", str(port)] + example_args(
         "zero1_comet", metrics, steps)
-    run = launch(cmd, metrics)
+    run = launch(cmd, port, metrics)
     assert sorted(run.losses) == list(range(1, steps + 1)), run.tail()
     assert [s for s, *_ in run.logged] == list(range(1, steps + 1)), run.tail()
     assert f"world size {RANKS} " in run.output, run.tail()
@@ -213,7 +223,7 @@ def test_mpirun_zero2_comet(workdir, comet_run):
     # The example takes the ranks from the MPI launcher's variables, MASTER_PORT from the environment
     # and MASTER_ADDR 127.0.0.1 (none given).
     port = free_port()
-    run = launch(cmd, metrics, env_extra={"MASTER_PORT": str(port)})
+    run = launch(cmd, port, metrics, env_extra={"MASTER_PORT": str(port)})
     assert f"world size {RANKS} " in run.output, run.tail()
     assert f"ranks from the MPI launcher's environment (MASTER_ADDR 127.0.0.1, MASTER_PORT {port})" in run.output, \
         run.tail()
