@@ -129,19 +129,28 @@ build_op() {
     return 1
 }
 
+# override PYTHON_STATEMENT VAR...: each VAR's config, with the statement applied to it (as c),
+# written to $OUT/configs; VAR then names the copy.
+override() {
+    local statement=$1 var src dst
+    shift
+    mkdir -p "$OUT/configs"
+    for var in "$@"; do
+        src=${!var} dst="$OUT/configs/$(basename "${!var}")"
+        python3 -c "import json, sys; c = json.load(open(sys.argv[1])); $statement
+json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$src" "$dst"
+        printf -v "$var" '%s' "$dst"
+    done
+}
+
 COMET_ZERO2=$CONFIGS/gpu_zero2_comet.json COMET_ZERO1=$CONFIGS/gpu_zero1_comet.json
 STOCK_ZERO2=$CONFIGS/gpu_zero2_deepspeed.json
 if [ -n "${GRAD_ACCUM:-}" ]; then
+    [[ $GRAD_ACCUM =~ ^[1-9][0-9]*$ ]] || { echo "GRAD_ACCUM must be a positive integer, got '$GRAD_ACCUM'" >&2; exit 2; }
     # Micro-batches per optimizer step: DeepSpeed's step costs per parameter tensor, not per token,
     # so accumulating amortises it over more tokens, as large-batch MoE training does.
     note "gradient_accumulation_steps $GRAD_ACCUM (configs in $OUT/configs)"
-    mkdir -p "$OUT/configs"
-    for config in "$COMET_ZERO2" "$COMET_ZERO1" "$STOCK_ZERO2"; do
-        python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["gradient_accumulation_steps"] = int(sys.argv[3])
-json.dump(c, open(sys.argv[2], "w"), indent=2)' "$config" "$OUT/configs/$(basename "$config")" "$GRAD_ACCUM"
-    done
-    COMET_ZERO2=$OUT/configs/gpu_zero2_comet.json COMET_ZERO1=$OUT/configs/gpu_zero1_comet.json
-    STOCK_ZERO2=$OUT/configs/gpu_zero2_deepspeed.json
+    override "c['gradient_accumulation_steps'] = $GRAD_ACCUM" COMET_ZERO2 COMET_ZERO1 STOCK_ZERO2
 fi
 if [ "$CPU" = 1 ]; then
     # DeepSpeed's shared-memory comm op, which its CPU accelerator builds at init (minutes on 2 cores).
@@ -154,12 +163,7 @@ else
         # Without the op, "auto" would try (and fail) to build it again in every comet run: run the
         # comet configs on the reference pipeline instead, which the logs and the table then show.
         note "the comet runs use \"overlap\": \"none\" (configs in $OUT/configs)"
-        mkdir -p "$OUT/configs"
-        for config in "$COMET_ZERO2" "$COMET_ZERO1"; do
-            python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["moe"]["overlap"] = "none"
-json.dump(c, open(sys.argv[2], "w"), indent=2)' "$config" "$OUT/configs/$(basename "$config")"
-        done
-        COMET_ZERO2=$OUT/configs/gpu_zero2_comet.json COMET_ZERO1=$OUT/configs/gpu_zero1_comet.json
+        override "c['moe']['overlap'] = 'none'" COMET_ZERO2 COMET_ZERO1
     fi
 fi
 
