@@ -19,7 +19,7 @@ Expert weights stay in DeepSpeed's per-expert modules: the kernels read them thr
 of per-expert pointers (ZeRO may move parameters, so the tables are rebuilt when pointers change).
 Weight tiles come through device-side TMA descriptors, one per tile's expert, built from those
 pointers; a constexpr says whether a matrix is stored [N, K] (read transposed) or [K, N].
-Launchers give Triton an allocator for the descriptors (``fused.descriptor_scratch``).
+Launchers give Triton an allocator for the descriptors (``fused.with_descriptor_scratch``).
 """
 
 import triton
@@ -125,7 +125,8 @@ def _weight_tiles(table, expert, dtype, K, N, BK: tl.constexpr, BN: tl.constexpr
 
     TMA zero-fills tiles past the matrix's edges, which is what masked loads did.
     """
-    # Weights are 16-byte aligned (ExpertTables checks) and K, N multiples of 8: what TMA needs.
+    # What TMA needs: 16-byte aligned weights (ExpertTables checks) and rows of a multiple of 16
+    # bytes (selection.py takes the fused path only for bf16/fp16 with hidden and FFN multiples of 8).
     w = tl.multiple_of(tl.load(table + expert).to(tl.pointer_type(dtype)), 16)
     if W_NK:
         return tl.make_tensor_descriptor(w, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
