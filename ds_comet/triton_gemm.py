@@ -194,8 +194,9 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
         slot, pid_n = _swizzle(tile, total_m, n_tiles, GROUP_M)
         # The schedule: every expert's tiles of own rows, then every expert's remaining tiles.
-        # Branch-free: with an scf.if here, Triton 3.6 built broken TMA descriptors for this kernel
-        # (illegal, misaligned or wrong-space addresses on H200; docs/performance.md).
+        # Branch-free: with an if/else here this kernel's TMA copies faulted on H200 (illegal,
+        # misaligned or wrong-space addresses on one shape; the PTX differs only in the lookup, so
+        # the cause is below Triton's IR; docs/performance.md). Both answers are in bounds.
         own_tile = slot < local_total
         remote_slot = slot - local_total
         expert = tl.where(own_tile, _find_expert(local_prefix, slot), _find_expert(remote_prefix, remote_slot))
