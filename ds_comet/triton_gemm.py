@@ -194,9 +194,10 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
         slot, pid_n = _swizzle(tile, total_m, n_tiles, GROUP_M)
         # The schedule: every expert's tiles of own rows, then every expert's remaining tiles.
-        # Branch-free: with an if/else here this kernel's TMA copies faulted on H200 (illegal,
-        # misaligned or wrong-space addresses on one shape; the PTX differs only in the lookup, so
-        # the cause is below Triton's IR; docs/performance.md). Both answers are in bounds.
+        # Branch-free: given this as an if/else, ptxas 12.8 (Triton 3.6's) if-converts the two
+        # warp-wide reductions of _find_expert under the per-thread predicate that guards the TMA
+        # descriptor's staging, so warps take the wrong branch's expert and build descriptors of
+        # garbage pointers (docs/performance.md). Both answers are in bounds.
         own_tile = slot < local_total
         remote_slot = slot - local_total
         expert = tl.where(own_tile, _find_expert(local_prefix, slot), _find_expert(remote_prefix, remote_slot))
