@@ -44,7 +44,7 @@ setup(
     extras_require={
         "test": ["pytest>=8"],
         "mpi": ["mpi4py>=4"],
-        "triton": ["triton>=3.2"],
+        "triton": ["triton>=3.4"],  # tl.make_tensor_descriptor
         "bench": ["matplotlib"],
     },
     ext_modules=ext_modules,

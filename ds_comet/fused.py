@@ -27,6 +27,7 @@ before anything that could block a host behind it. The GEMM grids leave ``comm_b
 multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled.
 """
 
+import contextvars
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -160,31 +161,29 @@ class _Launch:
     def gemm1(self, rows: Tensor, out: Tensor, pre: Tensor, backward: bool, store_pre: bool):
         from .triton_gemm import ACTIVATION_CODES, gemm1_kernel
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
-        # Forward reads W1 ([F, H]) as W1^T; backward reads W2 ([H, F]) as it is.
-        w, sbk, sbn = (t["w2"], self.ffn, 1) if backward else (t["w1"], 1, self.hidden)
-        gemm1_kernel[(self.grid, )](
-            rows, out, pre, w, t["w3"], t["b1"], t["b3"], b.layout, b.tile_counters, b.error_address,
-            b.kernel_shape.timeout_ns, b.rank, self.hidden, self.ffn, sbk, sbn, len(self.experts), lo.expert_start,
+        with_descriptor_scratch(lambda: gemm1_kernel[(self.grid, )](
+            rows, out, pre, t["w2"] if backward else t["w1"], t["w3"], t["b1"], t["b3"], b.layout, b.tile_counters,
+            b.error_address, b.kernel_shape.timeout_ns, b.rank, self.hidden, self.ffn, len(self.experts), lo.expert_start,
             lo.tile_start, lo.local_tiles, lo.remote_tiles, lo.totals + TOTAL_TILES, L_POW2=self.l_pow2,
             BM=self.params.tile_m, BN=self.params.gemm1_tile_n, BK=TILE_K, GROUP_M=GROUP_M, NUM_PROGS=self.grid,
             HAS_BIAS=self.has_bias, GATED=self.gated, ACTIVATION=ACTIVATION_CODES[self.activation],
             BACKWARD=backward, STORE_PRE=store_pre, WAIT=True, INTERPRET=_interpreting(), num_warps=8,
-            num_stages=3)
+            num_stages=3))
 
     def gemm2(self, rows: Tensor, backward: bool):
         from .triton_gemm import gemm2_kernel
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         chunk_tiles, _ = self.chunking
-        if backward:  # rows = dA ([R, F] or [R, 2F]) @ W1 (+ up part @ W3); W1 is [F, H]
-            w, w3, bias, lda, sbk, sbn, second = t["w1"], t["w3"], t["b2"], rows.shape[1], self.hidden, 1, self.gated
-        else:  # rows = h @ W2^T; W2 is [H, F]
-            w, w3, bias, lda, sbk, sbn, second = t["w2"], t["w2"], t["b2"], self.ffn, 1, self.ffn, False
-        gemm2_kernel[(self.grid, )](
+        if backward:  # rows = dA ([R, F] or [R, 2F]) @ W1 (+ up part @ W3); W1 is [F, H], i.e. [K, N]
+            w, w3, bias, lda, second = t["w1"], t["w3"], t["b2"], rows.shape[1], self.gated
+        else:  # rows = h @ W2^T; W2 is [H, F], i.e. [N, K]
+            w, w3, bias, lda, second = t["w2"], t["w2"], t["b2"], self.ffn, False
+        with_descriptor_scratch(lambda: gemm2_kernel[(self.grid, )](
             rows, lda, w, w3, bias, b.origin, b.expert_out, b.peer_chunk_counters, b.layout, self.ffn, self.hidden,
-            sbk, sbn, len(self.experts), lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
+            len(self.experts), lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
             EP_SIZE=b.shape.ep_size, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K,
             GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias and not backward,
-            SECOND=second, num_warps=8 if self.params.tile_n >= 256 else 4, num_stages=3)
+            SECOND=second, W_NK=not backward, num_warps=8 if self.params.tile_n >= 256 else 4, num_stages=3))
 
     def wgrad(self, a: Tensor, b: Tensor, M: int, N: int, dtype) -> Tuple[Tensor, Optional[Tensor]]:
         """Per local expert l: a[rows of l, :M]^T @ b[rows of l, :N] and a's column sums (bias)."""
@@ -197,6 +196,28 @@ class _Launch:
                                     GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, num_warps=8,
                                     num_stages=3)  # within 4-10 % of torch._grouped_mm (scripts/wgrad_probe.py)
         return out, (bias if self.has_bias else None)
+
+
+def with_descriptor_scratch(launch):
+    """``launch()`` with Triton's allocator set for the GEMMs' device-side TMA descriptors.
+
+    Triton keeps its allocator in a context variable, which autograd's backward threads do not
+    inherit; setting it in a copy of the caller's context gives every launch one and leaves the
+    caller's own allocator (if any) as it was.
+    """
+    import triton  # an extra: imported where the fused path runs
+
+    def run():
+        triton.set_allocator(_scratch)
+        return launch()
+
+    return contextvars.copy_context().run(run)
+
+
+def _scratch(size: int, alignment: int, stream: Optional[int]) -> Tensor:
+    # On the device and stream Triton launches on: the launch uses it before anything queued after
+    # it can reuse it. The caching allocator's blocks are 512-byte aligned, more than TMA asks.
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
 
 
 def _interpreting() -> bool:

@@ -128,6 +128,9 @@ class PipelineSelector:
             return f"hidden ({hidden}) and FFN ({first.first.out_features}) sizes must be multiples of 8"
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install ds_comet[triton])"
+        import triton
+        if not hasattr(triton.language, "make_tensor_descriptor"):  # the GEMMs' TMA weight tiles
+            return f"triton {triton.__version__} is older than 3.4 (pip install 'triton>=3.4')"
         from .ops import op_unavailable_reason
         reason = op_unavailable_reason()
         if reason is not None:

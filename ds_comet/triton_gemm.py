@@ -17,7 +17,9 @@ The two primitives each run in both directions:
 
 Expert weights stay in DeepSpeed's per-expert modules: the kernels read them through device tables
 of per-expert pointers (ZeRO may move parameters, so the tables are rebuilt when pointers change).
-A weight matrix is read with explicit strides, so the same kernel runs ``W`` and ``W^T``.
+Weight tiles come through device-side TMA descriptors, one per tile's expert, built from those
+pointers; a constexpr says whether a matrix is stored [N, K] (read transposed) or [K, N].
+Launchers give Triton an allocator for the descriptors (``fused.with_descriptor_scratch``).
 """
 
 import triton
@@ -118,42 +120,53 @@ def _swizzle(tile, rows, cols, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _dot_rows(acc, acc2, a, lda, offs_m, m_mask, b, b2, sbk, sbn, offs_n, n_mask, K, BK: tl.constexpr,
-              SECOND: tl.constexpr):
-    """acc + A[offs_m, :K] @ B[:K, offs_n], where B[k, n] sits at b + k*sbk + n*sbn.
+def _weight_tiles(table, expert, dtype, K, N, BK: tl.constexpr, BN: tl.constexpr, W_NK: tl.constexpr):
+    """A TMA descriptor of expert's weight matrix: stored [N, K] (read transposed) with W_NK, else [K, N].
 
-    With SECOND, acc2 also gets the same rows times the matrix at b2 (same strides): both products
-    of a gated expert's first layer share each loaded tile of A.
+    TMA zero-fills tiles past the matrix's edges, which is what masked loads did.
     """
-    offs_k = tl.arange(0, BK)
-    a_ptrs = a + offs_m[:, None] * lda + offs_k[None, :]
-    b_ptrs = b + offs_k[:, None] * sbk + offs_n[None, :] * sbn
-    if SECOND:
-        b2_ptrs = b2 + offs_k[:, None] * sbk + offs_n[None, :] * sbn
-    for k in range(0, tl.cdiv(K, BK)):
-        k_mask = offs_k < K - k * BK
-        x = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
-        if SECOND:
-            w2 = tl.load(b2_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc2 = tl.dot(x, w2, acc2)
-            b2_ptrs += BK * sbk
-        a_ptrs += BK
-        b_ptrs += BK * sbk
-    return acc, acc2
+    # What TMA needs: 16-byte aligned weights (ExpertTables checks) and rows of a multiple of 16
+    # bytes (selection.py takes the fused path only for bf16/fp16 with hidden and FFN multiples of 8).
+    w = tl.multiple_of(tl.load(table + expert).to(tl.pointer_type(dtype)), 16)
+    if W_NK:
+        return tl.make_tensor_descriptor(w, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+    else:
+        return tl.make_tensor_descriptor(w, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
 
 
 @triton.jit
-def _weight(table, expert, dtype):
-    # Weights are 16-byte aligned (ExpertTables checks): say so, or the loads cannot be vectorised.
-    return tl.multiple_of(tl.load(table + expert).to(tl.pointer_type(dtype)), 16)
+def _weight_tile(desc, k0, n0, W_NK: tl.constexpr):
+    """The [BK, BN] tile of W at (k0, n0)."""
+    if W_NK:
+        return tl.trans(desc.load([n0, k0]))
+    else:
+        return desc.load([k0, n0])
+
+
+@triton.jit
+def _dot_rows(acc, acc2, a, lda, offs_m, m_mask, w, w2, n0, K, BK: tl.constexpr, W_NK: tl.constexpr,
+              SECOND: tl.constexpr):
+    """acc + A[offs_m, :K] @ W[:K, n0:n0+BN], W a descriptor from ``_weight_tiles``.
+
+    With SECOND, acc2 also gets the same rows times the matrix of descriptor w2: both products of a
+    gated expert's first layer share each loaded tile of A.
+    """
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a + offs_m[:, None] * lda + offs_k[None, :]
+    for k in range(0, tl.cdiv(K, BK)):
+        k_mask = offs_k < K - k * BK
+        x = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, _weight_tile(w, k * BK, n0, W_NK), acc)
+        if SECOND:
+            acc2 = tl.dot(x, _weight_tile(w2, k * BK, n0, W_NK), acc2)
+        a_ptrs += BK
+    return acc, acc2
 
 
 # Not specialised: a rank of 1 would otherwise become a constant, and each rank its own compile.
 @triton.jit(do_not_specialize=["error_addr", "timeout_ns", "rank"])
 def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, tile_counters, error_addr,
-                 timeout_ns, rank, K, N, sbk, sbn, num_local, off_expert_start, off_tile_start, off_local_tiles,
+                 timeout_ns, rank, K, N, num_local, off_expert_start, off_tile_start, off_local_tiles,
                  off_remote_tiles, off_total_tiles, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
@@ -181,14 +194,16 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
         slot, pid_n = _swizzle(tile, total_m, n_tiles, GROUP_M)
         # The schedule: every expert's tiles of own rows, then every expert's remaining tiles.
-        if slot < local_total:
-            expert = _find_expert(local_prefix, slot)
-            t = slot - tl.load(layout + off_local_tiles + expert)
-        else:
-            remote_slot = slot - local_total
-            expert = _find_expert(remote_prefix, remote_slot)
-            full_local = tl.load(layout + off_local_tiles + expert + 1) - tl.load(layout + off_local_tiles + expert)
-            t = full_local + remote_slot - tl.load(layout + off_remote_tiles + expert)
+        # Branch-free: given this as an if/else, ptxas 12.8 (Triton 3.6's) if-converts the two
+        # warp-wide reductions of _find_expert under the per-thread predicate that guards the TMA
+        # descriptor's staging, so warps take the wrong branch's expert and build descriptors of
+        # garbage pointers (docs/performance.md). Both answers are in bounds.
+        own_tile = slot < local_total
+        remote_slot = slot - local_total
+        expert = tl.where(own_tile, _find_expert(local_prefix, slot), _find_expert(remote_prefix, remote_slot))
+        local_start = tl.load(layout + off_local_tiles + expert)
+        full_local = tl.load(layout + off_local_tiles + expert + 1) - local_start
+        t = tl.where(own_tile, slot - local_start, full_local + remote_slot - tl.load(layout + off_remote_tiles + expert))
         row_end = tl.load(layout + off_expert_start + expert + 1)
         tile_row = tl.load(layout + off_expert_start + expert) + t * BM
         if WAIT:
@@ -201,12 +216,13 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
         m_mask = offs_m < row_end
         n_mask = offs_n < N
         mn_mask = m_mask[:, None] & n_mask[None, :]
-        w = _weight(w_table, expert, dtype)
+        # Forward reads W1 ([N, K]) as W1^T; backward reads W2 ([K, N]) as it is.
+        w = _weight_tiles(w_table, expert, dtype, K, N, BK, BN, not BACKWARD)
         w3 = w
         if two_products:
-            w3 = _weight(w3_table, expert, dtype)
+            w3 = _weight_tiles(w3_table, expert, dtype, K, N, BK, BN, True)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, sbk, sbn, offs_n, n_mask, K, BK,
+        acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, pid_n * BN, K, BK, not BACKWARD,
                               two_products)
         pre_ptrs = pre + offs_m[:, None] * pre_cols + offs_n[None, :]
         out_ptrs = out + offs_m[:, None] * pre_cols + offs_n[None, :]
@@ -237,12 +253,13 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
 
 
 @triton.jit
-def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, out, chunk_counter_table, layout, K, N, sbk,
-                 sbn, num_local, off_expert_start, off_tile_start, off_total_tiles, EP_SIZE: tl.constexpr,
+def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, out, chunk_counter_table, layout, K, N,
+                 num_local, off_expert_start, off_tile_start, off_total_tiles, EP_SIZE: tl.constexpr,
                  L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 CHUNK_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr, SECOND: tl.constexpr):
+                 CHUNK_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr, SECOND: tl.constexpr,
+                 W_NK: tl.constexpr):
     """out = rows[:, :K] @ W + b2 (+ rows[:, K:2K] @ W3 with SECOND), row for row ([R, N]);
-    W[k, n] sits at w + k*sbk + n*sbn.
+    W is stored [N, K] (and read transposed) with W_NK, else [K, N].
 
     Forward: rows = h, W = W2^T. Backward: rows = the activation-input gradients, W = W1 (and the up
     projection W3 for gated experts), so y is the rows' input gradient.
@@ -265,17 +282,17 @@ def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, out, chunk_coun
         t = m - tl.load(layout + off_tile_start + expert)
         row_end = tl.load(layout + off_expert_start + expert + 1)
         offs_m = tl.load(layout + off_expert_start + expert) + t * BM + tl.arange(0, BM)
-        offs_n = (chunk * CHUNK_TILES + n_in_chunk) * BN + tl.arange(0, BN)
+        n0 = (chunk * CHUNK_TILES + n_in_chunk) * BN
+        offs_n = n0 + tl.arange(0, BN)
         m_mask = offs_m < row_end
         n_mask = offs_n < N
 
-        w = _weight(w_table, expert, dtype)
+        w = _weight_tiles(w_table, expert, dtype, K, N, BK, BN, W_NK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc, _ = _dot_rows(acc, acc, rows, lda, offs_m, m_mask, w, w, sbk, sbn, offs_n, n_mask, K, BK, False)
+        acc, _ = _dot_rows(acc, acc, rows, lda, offs_m, m_mask, w, w, n0, K, BK, W_NK, False)
         if SECOND:
-            w3 = _weight(w3_table, expert, dtype)
-            acc, _ = _dot_rows(acc, acc, rows + K, lda, offs_m, m_mask, w3, w3, sbk, sbn, offs_n, n_mask, K, BK,
-                               False)
+            w3 = _weight_tiles(w3_table, expert, dtype, K, N, BK, BN, W_NK)
+            acc, _ = _dot_rows(acc, acc, rows + K, lda, offs_m, m_mask, w3, w3, n0, K, BK, W_NK, False)
         if HAS_BIAS:
             bias2 = tl.load(b2_table + expert).to(tl.pointer_type(dtype))
             acc += tl.load(bias2 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -56,6 +56,14 @@ def test_experts_whose_layers_differ_in_bias_are_refused():
     assert "differ in having a bias" in moe.selector._local_static_reason(torch.randn(8, 16))
 
 
+def test_triton_without_tensor_descriptors_is_refused(monkeypatch):
+    triton = pytest.importorskip("triton")
+    monkeypatch.delattr(triton.language, "make_tensor_descriptor")
+    moe = layer("auto").deepspeed_moe
+    reason = moe.selector._local_static_reason(torch.randn(8, 16))
+    assert "older than 3.4" in reason and "triton>=3.4" in reason
+
+
 def test_workspaces_past_32_bit_offsets_are_refused():
     assert offsets_overflow(65536, 16384, 4096, 14336, gated=False) is None
     assert "32-bit" in offsets_overflow(80000, 16384, 4096, 14336, gated=True)  # 80000 x 28672 >= 2^31

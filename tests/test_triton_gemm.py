@@ -86,12 +86,12 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     lo = (offsets.expert_start, offsets.tile_start)
     first_args = (layout, counters, error.data_ptr(), 10**9, 0, hidden, ffn)
     first_offsets = (num_experts, *lo, offsets.local_tiles, offsets.remote_tiles, offsets.totals + L.TOTAL_TILES)
-    gemm1_kernel[(3, )](recv, h, pre, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args, 1, hidden,
+    gemm1_kernel[(3, )](recv, h, pre, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args,
                         *first_offsets, **common, HAS_BIAS=True, GATED=gated, ACTIVATION=ACTIVATION_CODES[activation],
                         BACKWARD=False, STORE_PRE=True, WAIT=True, INTERPRET=True)
     gemm2_kernel[(3, )](h, ffn, tables["w2"], tables["w2"], tables["b2"], origin, expert_out, chunk_table, layout, ffn,
-                        hidden, 1, ffn, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
-                        CHUNK_TILES=chunk_tiles, HAS_BIAS=True, SECOND=False)
+                        hidden, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
+                        CHUNK_TILES=chunk_tiles, HAS_BIAS=True, SECOND=False, W_NK=True)
     with torch.no_grad():
         for e in range(num_experts):
             for i in range(counts[0][e]):
@@ -112,15 +112,14 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
             grad_recv[lay["dest_row"][e] + i] = grad_routes[lay["send_offset"][e] + i]
     grad_pre = torch.full((rows + tile_m, width), float("nan"))
     gemm1_kernel[(3, )](grad_recv, grad_pre, pre, tables["w2"], tables["w3"], tables["b1"], tables["b3"], *first_args,
-                        ffn, 1, *first_offsets, **common, HAS_BIAS=True, GATED=gated,
+                        *first_offsets, **common, HAS_BIAS=True, GATED=gated,
                         ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, WAIT=True,
                         INTERPRET=True)
     grad_rows = torch.full_like(expert_out, float("nan"))
     chunk_counters.zero_()
     gemm2_kernel[(3, )](grad_pre, width, tables["w1"], tables["w3"], tables["b2"], origin, grad_rows, chunk_table,
-                        layout, ffn, hidden,
-                        hidden, 1, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
-                        CHUNK_TILES=chunk_tiles, HAS_BIAS=False, SECOND=gated)
+                        layout, ffn, hidden, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
+                        CHUNK_TILES=chunk_tiles, HAS_BIAS=False, SECOND=gated, W_NK=False)
     grads = {}
     for name, a, b, m, n in (("w2", grad_recv, h, hidden, ffn), ("w1", grad_pre, recv, width, hidden)):
         out = torch.full((num_experts, m, n), float("nan"))
