@@ -137,6 +137,38 @@ def test_grouped_weight_gradients_map_to_their_parameters(gated):
         assert torch.equal(grad, expected[param])
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_expert_tables_follow_the_modules(gated):
+    # The pointer tables hold every expert's weights by name, see a parameter the user replaced
+    # (they are read from the modules on every call), and refuse misaligned weights.
+    from ds_comet.fused import ExpertTables, expert_parameters
+    modules = [GatedFeedForward(8, 16) if gated else FeedForward(8, 16) for _ in range(3)]
+    experts = [fused_expert(m) for m in modules]
+    tables = ExpertTables()
+
+    def expected():
+        names = {"w1": "first", "w3": "gate", "w2": "second"}
+        want = {}
+        for name, attr in names.items():
+            linears = [getattr(e, attr) for e in experts]
+            want[name] = [0 if lin is None else lin.weight.data_ptr() for lin in linears]
+            want["b" + name[1]] = [0 if lin is None or lin.bias is None else lin.bias.data_ptr() for lin in linears]
+        return want
+
+    got = tables.get(experts, torch.device("cpu"))
+    assert {name: t.tolist() for name, t in got.items()} == expected()
+    replaced = modules[1].down_proj if gated else modules[1].fc2
+    replaced.weight = torch.nn.Parameter(torch.randn(8, 16))
+    got = tables.get(experts, torch.device("cpu"))
+    assert got["w2"].tolist()[1] == replaced.weight.data_ptr()
+    assert {name: t.tolist() for name, t in got.items()} == expected()
+    ordered, registered = expert_parameters(experts), [p for m in modules for p in m.parameters()]
+    assert len(ordered) == len(registered) and all(a is b for a, b in zip(ordered, registered))
+    replaced.weight = torch.nn.Parameter(torch.randn(8 * 16 + 1)[1:].view(8, 16))  # 4 bytes past alignment
+    with pytest.raises(ValueError, match=r"\['w2'\] are not 16-byte aligned"):
+        tables.get(experts, torch.device("cpu"))
+
+
 def test_rows_for_kernels_aligns_views():
     from ds_comet.fused import rows_for_kernels
     base = torch.randn(5 * 16 + 3, dtype=torch.bfloat16)
