@@ -1,17 +1,21 @@
 """Where an MoE layer's forward (and training step) spends its time, host against device, by kernel.
 
-    torchrun --nproc_per_node 2 scripts/profile_forward.py [--shape NAME ...] [--custom H,F,E,K,T ...] [--step]
+    torchrun --nproc_per_node 2 scripts/profile_forward.py [--shape NAME ...] [--custom H,F,E,K,T ...]
+        [--step | --step-only] [--timeline]
 
 For the gate alone (stock's call and gate_routes), the routing plan (torch and kernel), and the
 stock and fused layers (eval and train mode), rank 0 prints the host time of one call (no sync),
 the CUDA-event time of one call started from an idle device, whether the call synchronised with
 the host, and the device kernels of one call, largest first. A call whose host time is close to
 its event time is bound by launches, not by the GPU. With --step it does the same for one training
-step of each layer (forward and backward, as the benchmark times it), listing more kernels.
+step of each layer (forward and backward, as the benchmark times it), listing more kernels; with
+--timeline also the fused layer's kernels in the order they ran, with launch times, on every rank.
 """
 
 import argparse
+import json
 import os
+import tempfile
 import statistics
 import time
 import warnings
@@ -72,11 +76,51 @@ def kernels(fn, top=12):
     return "\n".join(lines)
 
 
+def timeline(fn, min_us=4.0):
+    """One call's device work in start order: when each kernel was launched and ran, in ms from the
+    first launch, and on which stream. A kernel that starts as soon as it is launched waited on the
+    host; one whose start matches another's end waited on that kernel (or on a flag it spins on)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as handle:
+            events = json.load(handle)["traceEvents"]
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    work = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not work:
+        return "    (no device work recorded)"
+    work.sort(key=lambda e: e["ts"])
+    origin = min([launches.get(e["args"].get("correlation"), e["ts"]) for e in work] + [work[0]["ts"]])
+    busy_until, lines, small = origin, [], 0
+    for e in work:
+        end = e["ts"] + e["dur"]
+        if e["dur"] < min_us:
+            small += 1
+            busy_until = max(busy_until, end)
+            continue
+        idle = max(0.0, e["ts"] - busy_until)
+        launched = launches.get(e["args"].get("correlation"))
+        launch = f"{(launched - origin) / 1e3:7.3f}" if launched is not None else "      ?"
+        lines.append(f"    launch {launch}  start {(e['ts'] - origin) / 1e3:7.3f}  end {(end - origin) / 1e3:7.3f}"
+                     f"  ({e['dur'] / 1e3:6.3f})  idle before {idle / 1e3:6.3f}  s{e.get('tid')}  {e['name'][:70]}")
+        busy_until = max(busy_until, end)
+    lines.append(f"    (+{small} items under {min_us:.0f} us; last end {(busy_until - origin) / 1e3:.3f} ms after the first launch)")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES))
     parser.add_argument("--custom", action="append", default=[])
     parser.add_argument("--step", action="store_true", help="also profile one training step (fwd+bwd) per layer")
+    parser.add_argument("--step-only", action="store_true", help="only the training step (implies --step)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="with --step, also each kernel's launch, start and end for the fused layer (both ranks)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     args = parser.parse_args()
     deepspeed.init_distributed()
@@ -89,7 +133,7 @@ def main():
         gate = layers["fused"].deepspeed_moe.gate
         if rank0:
             print(f"== {name}", flush=True)
-        for mode in ("eval", "train"):
+        for mode in () if args.step_only else ("eval", "train"):
             for layer in layers.values():
                 layer.train(mode == "train")
             indices = gate(x[0], None, True)[3]
@@ -109,7 +153,7 @@ def main():
                     if rank0:
                         print(f"  [{mode}] {what}: host {host:.3f} ms, device {device:.3f} ms, host syncs {count}\n"
                               f"{table}", flush=True)
-        if args.step:
+        if args.step or args.step_only:
             leaf = x.detach().clone().requires_grad_()
             dy = torch.randn_like(leaf)
             for what in ("stock", "fused"):
@@ -120,6 +164,16 @@ def main():
                 if rank0:
                     print(f"  [step] {what} layer fwd+bwd: host {host:.3f} ms, device {device:.3f} ms\n{table}",
                           flush=True)
+                if args.timeline and what == "fused":
+                    for forward_only in (True, False):
+                        fn = (lambda: layer(leaf)) if forward_only else step
+                        dist.barrier()
+                        text = timeline(fn)
+                        for rank in range(dist.get_world_size()):
+                            if dist.get_rank() == rank:
+                                label = "forward (train mode)" if forward_only else "fwd+bwd"
+                                print(f"  [timeline] fused {label}, rank {rank}:\n{text}", flush=True)
+                            dist.barrier()
         del layers
         torch.cuda.empty_cache()
     dist.barrier()
