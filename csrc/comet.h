@@ -64,6 +64,7 @@ enum Total : int64_t {
     kTotalRecvRows = 2,   // rows this rank receives
     kTotalPieces = 3,     // dispatch pieces this rank sends
     kTotalGeneration = 4, // the call generation
+    kTotalCombineClaim = 5, // combine work units claimed so far (zeroed by the exchange)
 };
 
 struct GroupShape {
@@ -106,12 +107,14 @@ cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t
 // expert rank has counted it finished for this rank, is read from the expert ranks' expert_out
 // (peer_expert_out[d] + route_row) over NVLink. gates may be null: every weight is 1 (the backward's
 // sum of input gradients). returned may be null; else it receives every kept route's output row
-// by send position (what the gate gradient needs). dtype_code as above.
+// by send position (what the gate gradient needs). dtype_code as above. Launched more than once
+// between two exchanges (on different streams, any grid), the launches share the work: each unit
+// is reduced once, by whichever launch claims it first.
 cudaError_t launch_combine(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
                            const int64_t* route_position, const float* gates, void* out, void* returned,
                            int64_t top_k, int64_t num_tokens, int64_t hidden,
                            int dtype_code, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
-                           const int32_t* meta, const int32_t* layout, int64_t* error_record, int blocks,
+                           const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks,
                            cudaStream_t stream);
 
 }  // namespace ds_comet

@@ -123,6 +123,8 @@ void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, cons
     TORCH_CHECK(out.size(0) == 0 ? route_position.numel() == 0 : route_position.numel() % out.size(0) == 0,
                 "route_position must hold k routes per token");
     TORCH_CHECK(route_row.numel() >= route_position.numel(), "route_row must have an entry per route");
+    // The kernel keeps tokens and send positions in int32, as the layout keeps its counts.
+    TORCH_CHECK(route_position.numel() < (int64_t{1} << 31), "at most 2^31 - 1 routes per call");
     const int64_t top_k = out.size(0) == 0 ? 0 : route_position.numel() / out.size(0);
     const float* weights = optional_weights(gates, "gates", route_position.numel());
     void* kept_rows = optional_rows(returned, "returned", out.scalar_type(), route_position.numel(), out.size(1));
@@ -143,6 +145,7 @@ py::dict codes() {
     d["total_recv_rows"] = static_cast<int64_t>(ds_comet::kTotalRecvRows);
     d["total_pieces"] = static_cast<int64_t>(ds_comet::kTotalPieces);
     d["total_generation"] = static_cast<int64_t>(ds_comet::kTotalGeneration);
+    d["total_combine_claim"] = static_cast<int64_t>(ds_comet::kTotalCombineClaim);
     d["wait_exchange_flag"] = static_cast<int64_t>(ds_comet::kWaitExchangeFlag);
     d["wait_dispatch_tile"] = static_cast<int64_t>(ds_comet::kWaitDispatchTile);
     d["wait_combine_chunk"] = static_cast<int64_t>(ds_comet::kWaitCombineChunk);

@@ -10,6 +10,7 @@ namespace ds_comet {
 namespace {
 
 constexpr int kWarp = 32;
+constexpr int kCombineThreads = 512;
 
 __device__ __forceinline__ int32_t load_acquire_sys(const int32_t* ptr) {
     int32_t value;
@@ -172,6 +173,7 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     layout[lo.totals + kTotalKept] = static_cast<int32_t>(kept);
     layout[lo.totals + kTotalPieces] = static_cast<int32_t>(pieces);
     layout[lo.totals + kTotalGeneration] = generation;
+    layout[lo.totals + kTotalCombineClaim] = 0;
 
     const int64_t recv_rows = layout[lo.totals + kTotalRecvRows];
     const int64_t tiles = layout[lo.totals + kTotalTiles];
@@ -257,6 +259,15 @@ struct Vec8 {
 };
 
 template <typename T>
+__device__ __forceinline__ int4 scaled(int4 raw, float scale) {
+    float values[8];
+    Vec8<T>::to_float(raw, values);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) values[i] *= scale;
+    return Vec8<T>::from_float(values);
+}
+
+template <typename T>
 __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes,
                                 const int64_t* route_order, const float* route_scale, const int32_t* layout,
                                 const int64_t* peer_recv, const int64_t* peer_origin, const int64_t* peer_meta,
@@ -298,13 +309,16 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
             int64_t v = lane;
             if (route_scale != nullptr) {  // backward: each route carries its gate times the gradient
                 const float scale = route_scale[route];
-                for (; v < vectors; v += kWarp) {
-                    float values[8];
-                    Vec8<T>::to_float(src[v], values);
+                // Four loads in flight per lane, as in the plain copy below: one at a time ran the
+                // backward's dispatch at a third of the forward's rate.
+                for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
+                    int4 raw[4];
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) values[i] *= scale;
-                    dst[v] = Vec8<T>::from_float(values);
+                    for (int j = 0; j < 4; ++j) raw[j] = src[v + j * kWarp];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) dst[v + j * kWarp] = scaled<T>(raw[j], scale);
                 }
+                for (; v < vectors; v += kWarp) dst[v] = scaled<T>(src[v], scale);
             }
             for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
                 const int4 a = src[v], b = src[v + kWarp], c = src[v + 2 * kWarp], f = src[v + 3 * kWarp];
@@ -329,60 +343,140 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
     }
 }
 
-// Routes handled per pass: their loads are all issued before any is used, so that several remote
-// reads are in flight per thread (a read over NVLink takes microseconds).
-constexpr int kRoutesPerPass = 8;
-
-template <typename T>
-__global__ void combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* route_row,
-                               const int64_t* route_position, const float* gates, T* out, T* returned, int64_t top_k,
-                               int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n,
-                               int64_t num_chunks, const int32_t* meta, const int32_t* layout, int64_t* error_record) {
+// The combine's work is claimed in units of one column chunk x unit_tokens tokens, in chunk order,
+// through a counter the exchange zeroes: the communication blocks start on a chunk as soon as it is
+// finished, and a second launch on the GEMM stream (all SMs, once GEMM2 is done) takes whatever is
+// left, so the last chunks are not reduced by the few communication blocks alone.
+//
+// Per pass a thread reads ROUTES routes of ITEMS (token, 8-column) vectors, issuing all ROUTES x
+// ITEMS loads before using any: a read over NVLink takes microseconds, and k alone (2 on many
+// models) would leave too few in flight.
+template <typename T, int ROUTES, int ITEMS>
+__global__ void __launch_bounds__(kCombineThreads, 1)
+combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* route_row, const int64_t* route_position,
+               const float* gates, T* out, T* returned, int64_t top_k, int64_t num_tokens, int64_t hidden,
+               int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int64_t unit_tokens, const int32_t* meta,
+               int32_t* layout, int64_t* error_record) {
     const MetaOffsets& mo = shape.meta;
     const int64_t kept = layout[shape.layout.totals + kTotalKept];
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    const int64_t chunks = min(num_chunks, ceil_div(hidden, chunk_cols));
+    const int64_t units_per_chunk = ceil_div(num_tokens, unit_tokens);
+    const int64_t total_units = chunks * units_per_chunk;
+    int32_t* claim = layout + shape.layout.totals + kTotalCombineClaim;
+    __shared__ int64_t claimed;
 
-    for (int64_t c = 0; c < num_chunks; ++c) {
-        const int64_t col0 = c * chunk_cols;
-        if (col0 >= hidden) break;
-        const int64_t col1 = min(hidden, col0 + chunk_cols);
+    for (;;) {
         if (threadIdx.x == 0) {
-            const int64_t tiles = ceil_div(col1 - col0, tile_n);
-            wait_at_least(meta + mo.chunk_counter + c, static_cast<int32_t>(kept * tiles), shape, kWaitCombineChunk,
-                          c, error_record);
+            const int64_t u = atomicAdd(claim, 1);
+            if (u < total_units) {
+                const int64_t c = u / units_per_chunk;
+                const int64_t tiles = ceil_div(min(hidden, (c + 1) * chunk_cols) - c * chunk_cols, tile_n);
+                wait_at_least(meta + mo.chunk_counter + c, static_cast<int32_t>(kept * tiles), shape,
+                              kWaitCombineChunk, c, error_record);
+            }
+            claimed = u;
         }
         __syncthreads();
-        const int64_t vectors = (col1 - col0) / 8;
-        for (int64_t w = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; w < num_tokens * vectors;
-             w += stride) {
-            const int64_t token = w / vectors, col = col0 + (w % vectors) * 8;
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int64_t j0 = 0; j0 < top_k; j0 += kRoutesPerPass) {
-                int4 raw[kRoutesPerPass];
-                int64_t pos[kRoutesPerPass];
+        const int64_t u = claimed;
+        __syncthreads();  // every thread has read it before thread 0 claims the next unit
+        if (u >= total_units) return;
+        const int64_t c = u / units_per_chunk;
+        const int64_t t0 = (u % units_per_chunk) * unit_tokens, t1 = min(num_tokens, t0 + unit_tokens);
+        const int64_t col0 = c * chunk_cols, vectors = (min(hidden, col0 + chunk_cols) - col0) / 8;
+        const int64_t work = (t1 - t0) * vectors;
+
+        for (int64_t w0 = threadIdx.x; w0 < work; w0 += static_cast<int64_t>(ITEMS) * blockDim.x) {
+            int32_t token[ITEMS], col[ITEMS];  // int32 (as the layout's counts): fewer registers, no spills
+            float acc[ITEMS][8];
 #pragma unroll
-                for (int i = 0; i < kRoutesPerPass; ++i) {
-                    pos[i] = j0 + i < top_k ? route_position[(j0 + i) * num_tokens + token] : kept;
-                    if (pos[i] < kept) {  // else a dropped route: its output is zero
-                        const int64_t where = route_row[pos[i]];
-                        const T* rows = reinterpret_cast<const T*>(peer_expert_out[where >> 32]);
-                        // Written by another GPU: read past L1, which does not see its stores.
-                        raw[i] = __ldcg(reinterpret_cast<const int4*>(rows + (where & 0xFFFFFFFF) * hidden + col));
+            for (int it = 0; it < ITEMS; ++it) {
+                const int64_t w = w0 + static_cast<int64_t>(it) * blockDim.x;
+                token[it] = w < work ? static_cast<int32_t>(t0 + w / vectors) : -1;
+                col[it] = static_cast<int32_t>(col0 + (w % vectors) * 8);
+#pragma unroll
+                for (int v = 0; v < 8; ++v) acc[it][v] = 0.f;
+            }
+            for (int64_t j0 = 0; j0 < top_k; j0 += ROUTES) {
+                int4 raw[ITEMS][ROUTES];
+                int32_t pos[ITEMS][ROUTES];
+#pragma unroll
+                for (int it = 0; it < ITEMS; ++it) {
+#pragma unroll
+                    for (int i = 0; i < ROUTES; ++i) {
+                        pos[it][i] = static_cast<int32_t>(
+                            token[it] >= 0 && j0 + i < top_k ? route_position[(j0 + i) * num_tokens + token[it]] : kept);
+                        if (pos[it][i] < kept) {  // else a dropped route (or no item): it adds nothing
+                            const int64_t where = route_row[pos[it][i]];
+                            const T* rows = reinterpret_cast<const T*>(peer_expert_out[where >> 32]);
+                            // Written by another GPU: read past L1, which does not see its stores.
+                            raw[it][i] = __ldcg(reinterpret_cast<const int4*>(rows + (where & 0xFFFFFFFF) * hidden +
+                                                                              col[it]));
+                        }
                     }
                 }
 #pragma unroll
-                for (int i = 0; i < kRoutesPerPass; ++i) {
-                    if (pos[i] >= kept) continue;
-                    const float gate = gates == nullptr ? 1.f : gates[(j0 + i) * num_tokens + token];
-                    float values[8];
-                    Vec8<T>::to_float(raw[i], values);
+                for (int it = 0; it < ITEMS; ++it) {
 #pragma unroll
-                    for (int v = 0; v < 8; ++v) acc[v] += gate * values[v];
-                    if (returned != nullptr) *reinterpret_cast<int4*>(returned + pos[i] * hidden + col) = raw[i];
+                    for (int i = 0; i < ROUTES; ++i) {
+                        if (pos[it][i] >= kept) continue;
+                        const float gate = gates == nullptr ? 1.f : gates[(j0 + i) * num_tokens + token[it]];
+                        float values[8];
+                        Vec8<T>::to_float(raw[it][i], values);
+#pragma unroll
+                        for (int v = 0; v < 8; ++v) acc[it][v] += gate * values[v];
+                        if (returned != nullptr) {
+                            *reinterpret_cast<int4*>(returned + static_cast<int64_t>(pos[it][i]) * hidden + col[it]) = raw[it][i];
+                        }
+                    }
                 }
             }
-            *reinterpret_cast<int4*>(out + token * hidden + col) = Vec8<T>::from_float(acc);
+#pragma unroll
+            for (int it = 0; it < ITEMS; ++it) {
+                if (token[it] >= 0) {
+                    *reinterpret_cast<int4*>(out + static_cast<int64_t>(token[it]) * hidden + col[it]) =
+                        Vec8<T>::from_float(acc[it]);
+                }
+            }
         }
+    }
+}
+
+template <typename T, int ROUTES, int ITEMS>
+void launch_combine_as(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
+                       const int64_t* route_position, const float* gates, void* out, void* returned, int64_t top_k,
+                       int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
+                       const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks, cudaStream_t stream) {
+    // About eight passes of a block per unit: long enough to hide the claim, short enough that the
+    // last units spread over every block.
+    const int64_t unit_vectors = static_cast<int64_t>(kCombineThreads) * ITEMS * 8;
+    const int64_t unit_tokens = max(int64_t{1}, unit_vectors / max(int64_t{1}, chunk_cols / 8));
+    combine_kernel<T, ROUTES, ITEMS><<<blocks, kCombineThreads, 0, stream>>>(
+        shape, peer_expert_out, route_row, route_position, gates, static_cast<T*>(out), static_cast<T*>(returned), top_k,
+        num_tokens, hidden, chunk_cols, tile_n, num_chunks, unit_tokens, meta, layout, error_record);
+}
+
+template <typename T>
+void launch_combine_for_k(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
+                          const int64_t* route_position, const float* gates, void* out, void* returned, int64_t top_k,
+                          int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
+                          const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks, cudaStream_t stream) {
+    // Eight loads in flight per thread and pass (four for k = 1, six for k = 3).
+    if (top_k <= 1) {
+        launch_combine_as<T, 1, 4>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
+                                   num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
+                                   blocks, stream);
+    } else if (top_k == 2) {
+        launch_combine_as<T, 2, 4>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
+                                   num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
+                                   blocks, stream);
+    } else if (top_k <= 4) {
+        launch_combine_as<T, 4, 2>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
+                                   num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
+                                   blocks, stream);
+    } else {
+        launch_combine_as<T, 8, 1>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
+                                   num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
+                                   blocks, stream);
     }
 }
 
@@ -422,20 +516,16 @@ cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t
 cudaError_t launch_combine(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
                            const int64_t* route_position, const float* gates, void* out, void* returned,
                            int64_t top_k, int64_t num_tokens, int64_t hidden, int dtype_code, int64_t chunk_cols,
-                           int64_t tile_n, int64_t num_chunks, const int32_t* meta, const int32_t* layout,
+                           int64_t tile_n, int64_t num_chunks, const int32_t* meta, int32_t* layout,
                            int64_t* error_record, int blocks, cudaStream_t stream) {
     if (dtype_code == 0) {
-        using T = __nv_bfloat16;
-        combine_kernel<T><<<blocks, 512, 0, stream>>>(shape, peer_expert_out, route_row, route_position, gates,
-                                                      static_cast<T*>(out), static_cast<T*>(returned), top_k,
-                                                      num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta,
-                                                      layout, error_record);
+        launch_combine_for_k<__nv_bfloat16>(shape, peer_expert_out, route_row, route_position, gates, out, returned,
+                                            top_k, num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout,
+                                            error_record, blocks, stream);
     } else {
-        using T = __half;
-        combine_kernel<T><<<blocks, 512, 0, stream>>>(shape, peer_expert_out, route_row, route_position, gates,
-                                                      static_cast<T*>(out), static_cast<T*>(returned), top_k,
-                                                      num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta,
-                                                      layout, error_record);
+        launch_combine_for_k<__half>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
+                                     num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
+                                     blocks, stream);
     }
     return cudaGetLastError();
 }

@@ -133,15 +133,26 @@ class _Launch:
             b.op.dispatch(b.kernel_shape, rows, plan.route_order, b.layout, b.peer_recv, b.peer_origin, b.peer_meta,
                           b.route_row, scale, self.params.comm_blocks)
 
-    def combine(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor):
+    def combine(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor, finish_on_main: bool):
         """out[token] = sum over its kept routes of gate (1 if gates is empty) x the route's expert output;
-        each route's output row also goes to returned[send position] unless returned is empty."""
+        each route's output row also goes to returned[send position] unless returned is empty.
+
+        With ``finish_on_main`` a second launch on the current stream, queued after GEMM2, shares the
+        work with the communication blocks: what they have not reduced when GEMM2 ends is reduced by
+        every SM instead of by them alone.
+        """
         b = self.buffer
         chunk_tiles, num_chunks = self.chunking
-        with torch.cuda.stream(b.comm_stream):
+
+        def launch(blocks):
             b.op.combine(b.kernel_shape, b.peer_expert_out, b.route_row, plan.route_position, gates, out, returned,
                          chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.meta, b.layout,
-                         b.error_address, self.params.comm_blocks)
+                         b.error_address, blocks)
+
+        with torch.cuda.stream(b.comm_stream):
+            launch(self.params.comm_blocks)
+        if finish_on_main:
+            launch(self.grid)
 
     def join(self, device, *used_on_comm: Tensor):
         main = torch.cuda.current_stream(device)
@@ -270,7 +281,7 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
     # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
     # whose producers this rank has not launched yet.
-    launch.combine(plan, gates, out, returned)
+    launch.combine(plan, gates, out, returned, finish_on_main=True)
     launch.join(tokens.device, tokens, plan.route_order, plan.route_position, gates, out, returned)
     return out
 
@@ -307,7 +318,8 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
     # reuses its memory only for work queued after it on this stream, so the peak stays low.
     launch.gemm1(buffer.recv, grad_pre, saved.pop("pre"), backward=True, store_pre=False)
     launch.gemm2(grad_pre, backward=True)
-    launch.combine(plan, _no_scale(device), grad_tokens, _no_rows(grad_out))
+    # Not finished on the main stream: the weight gradients queued there next hide its tail.
+    launch.combine(plan, _no_scale(device), grad_tokens, _no_rows(grad_out), finish_on_main=False)
     if need_weights:
         # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
         dw2, db2 = launch.wgrad(buffer.recv, saved.pop("h"), hidden, launch.ffn, dtype)

@@ -9,7 +9,7 @@ loader checks that both sides agree.
 from dataclasses import dataclass
 
 # Indexes into layout[totals:], as csrc/comet.h's enum Total.
-TOTAL_TILES, TOTAL_KEPT, TOTAL_RECV_ROWS, TOTAL_PIECES, TOTAL_GENERATION = 0, 1, 2, 3, 4
+TOTAL_TILES, TOTAL_KEPT, TOTAL_RECV_ROWS, TOTAL_PIECES, TOTAL_GENERATION, TOTAL_COMBINE_CLAIM = 0, 1, 2, 3, 4, 5
 TOTALS_WORDS = 8
 # What a bounded wait waited for, as csrc/comet.h's enum WaitKind.
 WAIT_EXCHANGE_FLAG, WAIT_DISPATCH_TILE, WAIT_COMBINE_CHUNK, WORKSPACE_OVERFLOW = 1, 2, 3, 4

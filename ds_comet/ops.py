@@ -19,7 +19,8 @@ def load_op():
     op = CometBuilder().load(verbose=False)
     expected = dict(total_tiles=layout.TOTAL_TILES, total_kept=layout.TOTAL_KEPT,
                     total_recv_rows=layout.TOTAL_RECV_ROWS, total_pieces=layout.TOTAL_PIECES,
-                    total_generation=layout.TOTAL_GENERATION, wait_exchange_flag=layout.WAIT_EXCHANGE_FLAG,
+                    total_generation=layout.TOTAL_GENERATION, total_combine_claim=layout.TOTAL_COMBINE_CLAIM,
+                    wait_exchange_flag=layout.WAIT_EXCHANGE_FLAG,
                     wait_dispatch_tile=layout.WAIT_DISPATCH_TILE, wait_combine_chunk=layout.WAIT_COMBINE_CHUNK,
                     workspace_overflow=layout.WORKSPACE_OVERFLOW, error_record_words=layout.ERROR_RECORD_WORDS)
     if dict(op.codes()) != expected:

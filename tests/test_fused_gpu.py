@@ -153,8 +153,12 @@ FORWARD_CASES = [
     dict(hidden=256, ffn=512, experts_per_rank=1, k=1, tokens_per_rank=(200, 77), expert_kind="sequential",
          capacity_factor=0.5, min_capacity=0),
     dict(hidden=320, ffn=640, experts_per_rank=2, k=1, tokens_per_rank=(256, 256), drop_tokens=False, skew=50.0),
+    # The combine reads k routes in passes of 1, 2, 4 or 8: k = 3 fills a pass partly, k = 12 takes two.
+    dict(hidden=448, ffn=512, experts_per_rank=3, k=3, tokens_per_rank=(211, 300), skew=4.0),
+    dict(hidden=264, ffn=384, experts_per_rank=8, k=12, tokens_per_rank=(150, 97)),
 ]
-FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert"]
+FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
+               "k3-skewed", "k12-two-passes"]
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)
