@@ -8,6 +8,7 @@ device: building a plan needs no host sync and no dense ``[S, E, C]`` tensor.
 """
 
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 from torch import Tensor
@@ -34,14 +35,21 @@ class RoutingPlan:
         return self.expert_counts.view(ep_size, -1).sum(dim=1)
 
 
-def plan_routes(indices: Tensor, num_experts: int) -> RoutingPlan:
-    """Build the plan from the gate's ``indices`` ([k, S], global expert id or -1 when dropped)."""
+def _routes_shape(indices: Tensor) -> Tuple[int, int]:
+    """(k, tokens) of the gate's ``indices``."""
     if indices.dim() != 2:
         raise ValueError(f"gate indices must be [k, tokens], got shape {tuple(indices.shape)}")
-    top_k, num_tokens = indices.shape
+    return indices.shape
+
+
+def plan_routes(indices: Tensor, num_experts: int) -> RoutingPlan:
+    """Build the plan from the gate's ``indices`` ([k, S], global expert id, or -1 when dropped; an id
+    of ``num_experts`` or more counts as dropped too, as in the plan kernel)."""
+    top_k, num_tokens = _routes_shape(indices)
     flat = indices.reshape(-1).long()
     # Dropped routes take the sentinel expert id num_experts so that they sort after every kept one.
-    expert_of_route = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
+    dropped = (flat < 0) | (flat >= num_experts)
+    expert_of_route = torch.where(dropped, torch.full_like(flat, num_experts), flat)
     route_order = torch.argsort(expert_of_route, stable=True)
     route_position = torch.empty_like(route_order)
     route_position.scatter_(0, route_order, torch.arange(flat.numel(), device=flat.device))
@@ -55,9 +63,7 @@ def plan_routes(indices: Tensor, num_experts: int) -> RoutingPlan:
 def plan_routes_cuda(op, indices: Tensor, num_experts: int) -> RoutingPlan:
     """``plan_routes`` in one launch of the fused op's plan kernel (a stable counting sort per expert):
     the same plan, without the ~30 small kernels a radix sort and its scatters launch."""
-    if indices.dim() != 2:
-        raise ValueError(f"gate indices must be [k, tokens], got shape {tuple(indices.shape)}")
-    top_k, num_tokens = indices.shape
+    top_k, num_tokens = _routes_shape(indices)
     flat = indices.reshape(-1).to(torch.int32).contiguous()
     route_order = torch.empty(flat.numel(), dtype=torch.int64, device=flat.device)
     route_position = torch.empty_like(route_order)

@@ -59,3 +59,16 @@ def test_expert_major_order_brute_force(ep_size, num_local):
 def test_plan_rejects_flat_indices():
     with pytest.raises(ValueError, match=r"\[k, tokens\]"):
         plan_routes(torch.zeros(8, dtype=torch.int32), 4)
+
+
+@pytest.mark.parametrize("past_the_end", [0, 1, 7])
+def test_plan_drops_ids_past_the_last_expert(past_the_end):
+    # The plan kernel counts any id >= E as dropped (csrc/comet.h); the torch plan must agree.
+    generator = torch.Generator().manual_seed(past_the_end)
+    num_experts = 6
+    indices = random_routes(generator, 2, 50, num_experts, 0.2)
+    bad = torch.rand(indices.shape, generator=generator) < 0.3
+    as_dropped = plan_routes(torch.where(bad, torch.full_like(indices, -1), indices), num_experts)
+    got = plan_routes(torch.where(bad, torch.full_like(indices, num_experts + past_the_end), indices), num_experts)
+    for field in ("route_order", "route_position", "expert_counts"):
+        assert torch.equal(getattr(got, field), getattr(as_dropped, field)), field
