@@ -8,7 +8,8 @@
 //   origin     [max_recv_rows]     int64 (source rank << 32 | position in the source's send list)
 //   expert_out [max_recv_rows, H]  GEMM2's output rows, by recv row; each source's combine pulls its own
 //   meta       int32               exchanged counts, flags and arrival counters (MetaOffsets)
-// and two local arrays: the int32 layout the exchange kernel fills each call (LayoutOffsets), and
+// and two local arrays: the int32 layout the exchange kernel fills each call (LayoutOffsets; the
+// combine also counts its claimed work units in one of its words), and
 // route_row [max_routes] int64 (destination rank << 32 | recv row there) per send position, which
 // the dispatch writes and the combine reads to find each route's output on its expert's rank.
 #pragma once
@@ -108,8 +109,8 @@ cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t
 // (peer_expert_out[d] + route_row) over NVLink. gates may be null: every weight is 1 (the backward's
 // sum of input gradients). returned may be null; else it receives every kept route's output row
 // by send position (what the gate gradient needs). dtype_code as above. Launched more than once
-// between two exchanges (on different streams, any grid), the launches share the work: each unit
-// is reduced once, by whichever launch claims it first.
+// between two exchanges (on different streams, any grid, every other argument the same), the
+// launches share the work: each unit is reduced once, by whichever launch claims it first.
 cudaError_t launch_combine(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
                            const int64_t* route_position, const float* gates, void* out, void* returned,
                            int64_t top_k, int64_t num_tokens, int64_t hidden,

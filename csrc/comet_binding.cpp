@@ -110,7 +110,7 @@ void* optional_rows(torch::Tensor& t, const char* name, at::ScalarType dtype, in
 void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, const torch::Tensor& route_row,
              const torch::Tensor& route_position, const torch::Tensor& gates, torch::Tensor& out,
              torch::Tensor& returned, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
-             const torch::Tensor& meta, const torch::Tensor& layout, int64_t error_record, int64_t blocks) {
+             const torch::Tensor& meta, torch::Tensor& layout, int64_t error_record, int64_t blocks) {
     TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2, "out must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(out, "out");
     check_aligned(out, "out");
@@ -124,7 +124,8 @@ void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, cons
                 "route_position must hold k routes per token");
     TORCH_CHECK(route_row.numel() >= route_position.numel(), "route_row must have an entry per route");
     // The kernel keeps tokens and send positions in int32, as the layout keeps its counts.
-    TORCH_CHECK(route_position.numel() < (int64_t{1} << 31), "at most 2^31 - 1 routes per call");
+    TORCH_CHECK(std::max(out.size(0), route_position.numel()) < (int64_t{1} << 31),
+                "at most 2^31 - 1 tokens and routes per call");
     const int64_t top_k = out.size(0) == 0 ? 0 : route_position.numel() / out.size(0);
     const float* weights = optional_weights(gates, "gates", route_position.numel());
     void* kept_rows = optional_rows(returned, "returned", out.scalar_type(), route_position.numel(), out.size(1));

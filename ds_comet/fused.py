@@ -18,13 +18,18 @@ after its previous call joined its combine; so no rank overwrites what a peer st
 
 Streams: the exchange and the GEMMs run on the caller's stream; the dispatch and then the combine
 run on the buffer's communication stream on ``comm_blocks`` thread blocks, and the GEMMs take every
-other multiprocessor. No step reads anything back to the host.
+other multiprocessor. In the forward the combine is launched a second time on the caller's stream,
+after GEMM2, with the GEMM's grid; both launches claim the same work units, so every SM reduces
+what is left once GEMM2 is done. No step reads anything back to the host.
 
 Progress: the dispatch waits for nothing; GEMM1 tiles wait only for dispatches, GEMM2 waits for
 nothing, and the combine waits only for GEMM2s. Every rank launches in the order exchange,
 dispatch, GEMM1, GEMM2, combine, so each spinning kernel's producers are launched on every rank
 before anything that could block a host behind it. The GEMM grids leave ``comm_blocks``
 multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled.
+The forward's second combine starts only after this rank's GEMM2, when the only work peers still
+need from this GPU is its dispatch, whose blocks are resident by then (GEMM1 waited for its own
+rows); a unit is claimed only by a running block, so no unit waits on a block that is not scheduled.
 """
 
 import contextvars
@@ -48,7 +53,7 @@ GROUP_M = 8
 class FusedParameters:
     comm_blocks: int
     tile_m: int
-    tile_n: int  # GEMM2's column tile, and the combine's unit of a chunk
+    tile_n: int  # GEMM2's column tile, and the granularity of the combine's chunk counters
     n_chunks: int
     gemm1_tile_n: int = 128
 
