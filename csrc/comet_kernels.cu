@@ -460,8 +460,8 @@ void launch_combine_for_k(const GroupShape& shape, const int64_t* peer_expert_ou
                           const int64_t* route_position, const float* gates, void* out, void* returned, int64_t top_k,
                           int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
                           const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks, cudaStream_t stream) {
-    // Eight loads in flight per thread and pass for k = 2, 4 and 8 (k loads for k = 1, 3, 5-7; a k
-    // above 8 leaves its last pass partly empty).
+    // Eight loads in flight per thread and pass for k = 2, 4 and 8; four for k = 1, six for k = 3, k
+    // for k = 5-7; a k above 8 leaves its last pass partly empty.
     if (top_k <= 1) {
         launch_combine_as<T, 1, 4>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
                                    num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
