@@ -9,7 +9,8 @@ the CUDA-event time of one call started from an idle device, whether the call sy
 the host, and the device kernels of one call, largest first. A call whose host time is close to
 its event time is bound by launches, not by the GPU. With --step it does the same for one training
 step of each layer (forward and backward, as the benchmark times it), listing more kernels; with
---timeline also the fused layer's kernels in the order they ran, with launch times, on every rank.
+--timeline also the fused layer's kernels in the order they ran, with launch times, on every rank,
+and what the host ran in the longest stretch without a launch.
 """
 
 import argparse
@@ -110,7 +111,32 @@ def timeline(fn, min_us=4.0):
                      f"  ({e['dur'] / 1e3:6.3f})  idle before {idle / 1e3:6.3f}  s{e.get('tid')}  {e['name'][:70]}")
         busy_until = max(busy_until, end)
     lines.append(f"    (+{small} items under {min_us:.0f} us; last end {(busy_until - origin) / 1e3:.3f} ms after the first launch)")
+    lines += host_in_longest_gap(events, origin)
     return "\n".join(lines)
+
+
+def host_in_longest_gap(events, origin, min_us=20.0, most=25):
+    """What the host ran between the two launches furthest apart: the outermost profiled ops (and
+    autograd nodes) that started in that gap, in order. A launch-bound step is as long as its host
+    work, so its longest launch gap says where that work goes."""
+    launches = sorted(e["ts"] for e in events if e.get("cat") == "cuda_runtime")
+    if len(launches) < 2:
+        return []
+    gap, start = max((b - a, a) for a, b in zip(launches, launches[1:]))
+    end = start + gap
+    ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and start <= e["ts"] < end
+                  and e.get("dur", 0) >= min_us), key=lambda e: (e["ts"], -e["dur"]))
+    lines = [f"    host between launches at {(start - origin) / 1e3:.3f} and {(end - origin) / 1e3:.3f} ms "
+             f"(ops of {min_us:.0f} us or more, outermost first):"]
+    outer_end = None
+    for e in ops:
+        if outer_end is not None and e["ts"] + e["dur"] <= outer_end:
+            continue  # inside an op already listed
+        outer_end = e["ts"] + e["dur"]
+        lines.append(f"      at {(e['ts'] - origin) / 1e3:7.3f}  ({e['dur'] / 1e3:6.3f})  {e['name'][:90]}")
+        if len(lines) > most:
+            break
+    return lines
 
 
 def main():
@@ -174,7 +200,7 @@ def main():
                                 label = "forward (train mode)" if forward_only else "fwd+bwd"
                                 print(f"  [timeline] fused {label}, rank {rank}:\n{text}", flush=True)
                             dist.barrier()
-        del layers
+        layers.clear()  # frees the shape's layers before the next shape is built
         torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
