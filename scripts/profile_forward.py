@@ -16,8 +16,8 @@ and what the host ran in the longest stretch without a launch.
 import argparse
 import json
 import os
-import tempfile
 import statistics
+import tempfile
 import time
 import warnings
 
@@ -111,15 +111,14 @@ def timeline(fn, min_us=4.0):
                      f"  ({e['dur'] / 1e3:6.3f})  idle before {idle / 1e3:6.3f}  s{e.get('tid')}  {e['name'][:70]}")
         busy_until = max(busy_until, end)
     lines.append(f"    (+{small} items under {min_us:.0f} us; last end {(busy_until - origin) / 1e3:.3f} ms after the first launch)")
-    lines += host_in_longest_gap(events, origin)
+    lines += host_in_longest_gap(events, sorted(launches.values()), origin)
     return "\n".join(lines)
 
 
-def host_in_longest_gap(events, origin, min_us=20.0, most=25):
-    """What the host ran between the two launches furthest apart: the outermost profiled ops (and
-    autograd nodes) that started in that gap, in order. A launch-bound step is as long as its host
-    work, so its longest launch gap says where that work goes."""
-    launches = sorted(e["ts"] for e in events if e.get("cat") == "cuda_runtime")
+def host_in_longest_gap(events, launches, origin, min_us=20.0, most=25):
+    """What the host ran between the two launches (sorted times) furthest apart: the outermost
+    profiled ops (and autograd nodes) that started in that gap, in order. A launch-bound step is as
+    long as its host work, so its longest launch gap says where that work goes."""
     if len(launches) < 2:
         return []
     gap, start = max((b - a, a) for a, b in zip(launches, launches[1:]))

@@ -17,8 +17,9 @@ sweeps tile configurations:
      accumulator fits 128 registers a thread, GROUP_M 8, GEMM2 with the pipeline's default chunks;
   B  GROUP_M 4 and 16 on the three best tiles of each GEMM, and GEMM2's n_chunks 1, 2, 4, 8 on its best tiles;
   C  the other --comm-blocks values (a persistent grid of every SM) on the two best of each;
-  T  (--tma) GEMM1 with the expert weights (and optionally the rows) loaded through device-side
-     TMA descriptors, and warp-specialised variants of it (--tma-only: the defaults, then only these);
+  T  (--tma) a stand-alone GEMM1 with weight tiles (and optionally row tiles) loaded through
+     device-side TMA descriptors, and warp-specialised variants of it; the pipeline's own GEMMs load
+     their weight tiles that way too (--tma-only: the defaults, then only these);
   then the defaults and the winners again on the exactly balanced split.
 
 Compilation dominates, so worker processes compile every configuration into Triton's cache ahead
@@ -1097,7 +1098,7 @@ def parse_args():
     parser.add_argument("--all-own", action="store_true", help="every row this rank's own (the peer sends none)")
     parser.add_argument("--comm-blocks", default="16,0", help="SMs left to communication: the first value sweeps, "
                         "the others are tried on the best configurations")
-    parser.add_argument("--tma", action="store_true", help="also GEMM1 with TMA-descriptor weight loads")
+    parser.add_argument("--tma", action="store_true", help="also the stand-alone TMA GEMM1: rows by TMA too, warp-specialised")
     parser.add_argument("--tma-only", action="store_true", help="the defaults, then only the TMA GEMM1 variants")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep (time box)")
     parser.add_argument("--shape-seconds", type=float, default=90.0, help="at most this many seconds per shape")
