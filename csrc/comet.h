@@ -118,4 +118,27 @@ cudaError_t launch_combine(const GroupShape& shape, const int64_t* peer_expert_o
                            const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks,
                            cudaStream_t stream);
 
+// The gate's integer bookkeeping (gate_kernels.cu; ds_comet/gate.py says what each replaces).
+// Top-2: gates and logits [S, E] fp32; uniform [S, E] (torch.rand) or null for no second-choice
+// sampling; capacity < 0 for no dropping; choices [2, S] int32 scratch; routes [2, S] int32 (-1:
+// dropped); masks [3 or 2, S, E] fp32 one-hot (with dropping: first choices before it, then both
+// choices after it; without: both choices); expert_counts [E] int64 before the drop.
+cudaError_t launch_top2_routes(const float* gates, const float* logits, const float* uniform, int64_t num_tokens,
+                               int num_experts, int64_t capacity, int32_t* choices, int32_t* routes, float* masks,
+                               int64_t* expert_counts, cudaStream_t stream);
+
+// Top-k, from torch.topk's top_idx and top_gate [S, k]: mask [S, E] fp32 one-hot of the choices,
+// expert_counts [E] int64; with drop also ranked [S, E] (the chosen gate values; what stock's
+// capacity topk ranks), kept [S, E] zeroed and indices [k, S] int32 all -1; without, indices =
+// top_idx transposed (kept and ranked unused).
+cudaError_t launch_topk_masks(const int64_t* top_idx, const float* top_gate, int64_t num_tokens, int top_k,
+                              int num_experts, bool drop, float* mask, float* kept, float* ranked, int32_t* indices,
+                              int64_t* expert_counts, cudaStream_t stream);
+
+// Top-k dropping, from the capacity topk's token indices [C, E]: kept[s][e] = 1 and indices[j][s] = e
+// for every route (s, j -> e) among its expert's C best.
+cudaError_t launch_topk_keep(const int64_t* capacity_idx, int64_t entries, const int64_t* top_idx, int64_t num_tokens,
+                             int top_k, int num_experts, const float* mask, float* kept, int32_t* indices,
+                             cudaStream_t stream);
+
 }  // namespace ds_comet

@@ -56,6 +56,87 @@ void plan(const torch::Tensor& indices, int64_t num_experts, torch::Tensor& rout
                  "plan");
 }
 
+void check_sizes(const torch::Tensor& t, const char* name, at::IntArrayRef sizes) {
+    TORCH_CHECK(t.sizes() == sizes, name, " must be ", sizes, ", got ", t.sizes());
+}
+
+void top2_routes(const torch::Tensor& gates, const torch::Tensor& logits, const torch::Tensor& uniform,
+                 int64_t capacity, torch::Tensor& routes, torch::Tensor& masks, torch::Tensor& expert_counts) {
+    check_cuda(gates, "gates", at::kFloat);
+    TORCH_CHECK(gates.dim() == 2, "gates must be [tokens, experts]");
+    const int64_t num_tokens = gates.size(0), num_experts = gates.size(1);
+    check_cuda(logits, "logits", at::kFloat);
+    check_sizes(logits, "logits", gates.sizes());
+    if (uniform.numel() > 0) {
+        check_cuda(uniform, "uniform", at::kFloat);
+        check_sizes(uniform, "uniform", gates.sizes());
+    }
+    check_cuda(routes, "routes", at::kInt);
+    check_sizes(routes, "routes", {2, num_tokens});
+    check_cuda(masks, "masks", at::kFloat);
+    check_sizes(masks, "masks", {capacity >= 0 ? 3 : 2, num_tokens, num_experts});
+    check_cuda(expert_counts, "expert_counts", at::kLong);
+    check_sizes(expert_counts, "expert_counts", {num_experts});
+    TORCH_CHECK(num_experts >= 2 && num_tokens < (int64_t{1} << 31), "top-2 needs at least 2 experts and < 2^31 tokens");
+    auto choices = torch::empty({2, num_tokens}, routes.options());
+    check_launch(ds_comet::launch_top2_routes(gates.data_ptr<float>(), logits.data_ptr<float>(),
+                                              uniform.numel() > 0 ? uniform.data_ptr<float>() : nullptr, num_tokens,
+                                              static_cast<int>(num_experts), capacity, choices.data_ptr<int32_t>(),
+                                              routes.data_ptr<int32_t>(), masks.data_ptr<float>(),
+                                              expert_counts.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()),
+                 "top2_routes");
+}
+
+void topk_masks(const torch::Tensor& top_idx, const torch::Tensor& top_gate, bool drop, torch::Tensor& mask,
+                torch::Tensor& kept, torch::Tensor& ranked, torch::Tensor& indices, torch::Tensor& expert_counts) {
+    check_cuda(top_idx, "top_idx", at::kLong);
+    TORCH_CHECK(top_idx.dim() == 2, "top_idx must be [tokens, k]");
+    const int64_t num_tokens = top_idx.size(0), top_k = top_idx.size(1);
+    check_cuda(top_gate, "top_gate", at::kFloat);
+    check_sizes(top_gate, "top_gate", top_idx.sizes());
+    check_cuda(mask, "mask", at::kFloat);
+    TORCH_CHECK(mask.dim() == 2 && mask.size(0) == num_tokens, "mask must be [tokens, experts]");
+    const int64_t num_experts = mask.size(1);
+    if (drop) {
+        check_cuda(kept, "kept", at::kFloat);
+        check_sizes(kept, "kept", mask.sizes());
+        check_cuda(ranked, "ranked", at::kFloat);
+        check_sizes(ranked, "ranked", mask.sizes());
+    }
+    check_cuda(indices, "indices", at::kInt);
+    check_sizes(indices, "indices", {top_k, num_tokens});
+    check_cuda(expert_counts, "expert_counts", at::kLong);
+    check_sizes(expert_counts, "expert_counts", {num_experts});
+    TORCH_CHECK(top_k <= num_experts, "k must not exceed the number of experts");
+    check_launch(ds_comet::launch_topk_masks(top_idx.data_ptr<int64_t>(), top_gate.data_ptr<float>(), num_tokens,
+                                             static_cast<int>(top_k), static_cast<int>(num_experts), drop,
+                                             mask.data_ptr<float>(), drop ? kept.data_ptr<float>() : nullptr,
+                                             drop ? ranked.data_ptr<float>() : nullptr, indices.data_ptr<int32_t>(),
+                                             expert_counts.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()),
+                 "topk_masks");
+}
+
+void topk_keep(const torch::Tensor& capacity_idx, const torch::Tensor& top_idx, const torch::Tensor& mask,
+               torch::Tensor& kept, torch::Tensor& indices) {
+    check_cuda(top_idx, "top_idx", at::kLong);
+    check_cuda(mask, "mask", at::kFloat);
+    TORCH_CHECK(top_idx.dim() == 2 && mask.dim() == 2 && mask.size(0) == top_idx.size(0),
+                "top_idx must be [tokens, k] and mask [tokens, experts]");
+    const int64_t num_tokens = top_idx.size(0), top_k = top_idx.size(1), num_experts = mask.size(1);
+    check_cuda(capacity_idx, "capacity_idx", at::kLong);
+    TORCH_CHECK(capacity_idx.dim() == 2 && capacity_idx.size(1) == num_experts, "capacity_idx must be [C, experts]");
+    check_cuda(kept, "kept", at::kFloat);
+    check_sizes(kept, "kept", mask.sizes());
+    check_cuda(indices, "indices", at::kInt);
+    check_sizes(indices, "indices", {top_k, num_tokens});
+    check_launch(ds_comet::launch_topk_keep(capacity_idx.data_ptr<int64_t>(), capacity_idx.numel(),
+                                            top_idx.data_ptr<int64_t>(), num_tokens, static_cast<int>(top_k),
+                                            static_cast<int>(num_experts), mask.data_ptr<float>(),
+                                            kept.data_ptr<float>(), indices.data_ptr<int32_t>(),
+                                            at::cuda::getCurrentCUDAStream()),
+                 "topk_keep");
+}
+
 int dtype_code_of(const torch::Tensor& t, const char* name) {
     TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name, " must be bf16 or fp16, got ",
                 t.scalar_type());
@@ -193,6 +274,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("codes", &codes, "The enum values the kernels use, for ds_comet.layout to check against");
     m.def("plan", &plan, "The routing plan (route order by expert, its inverse, kept routes per expert) of the "
           "gate's indices");
+    m.def("top2_routes", &top2_routes, "The top-2 gate's choices, capacity drop, one-hot masks and expert counts");
+    m.def("topk_masks", &topk_masks, "The top-k gate's one-hot masks, expert counts and (dropping) ranked gates");
+    m.def("topk_keep", &topk_keep, "The top-k gate's capacity drop from the capacity topk's token indices");
     m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout");
     m.def("dispatch", &dispatch, "Send every kept route's token row (optionally scaled per route) to its destination");
     m.def("combine", &combine, "Top-k sum of the routes' expert outputs, read from the expert ranks (gate-weighted "

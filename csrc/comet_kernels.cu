@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "block_scan.cuh"
 #include "comet.h"
 
 namespace ds_comet {
@@ -179,34 +180,6 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     const int64_t tiles = layout[lo.totals + kTotalTiles];
     if (recv_rows > shape.max_recv_rows) fail(shape, error_record, kWorkspaceOverflow, 0, shape.max_recv_rows, recv_rows, 0);
     if (tiles > shape.max_tiles) fail(shape, error_record, kWorkspaceOverflow, 1, shape.max_tiles, tiles, 0);
-}
-
-// Inclusive sum over the block (blockDim.x a multiple of 32, at most 1024) of one value per thread;
-// *total receives the block's sum.
-__device__ int64_t block_inclusive_sum(int64_t value, int64_t* total) {
-    __shared__ int64_t warp_sums[32];
-    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, num_warps = blockDim.x / kWarp;
-#pragma unroll
-    for (int step = 1; step < kWarp; step *= 2) {
-        const int64_t up = __shfl_up_sync(0xFFFFFFFFu, value, step);
-        if (lane >= step) value += up;
-    }
-    if (lane == kWarp - 1) warp_sums[warp] = value;
-    __syncthreads();
-    if (warp == 0) {
-        int64_t sum = lane < num_warps ? warp_sums[lane] : 0;
-#pragma unroll
-        for (int step = 1; step < kWarp; step *= 2) {
-            const int64_t up = __shfl_up_sync(0xFFFFFFFFu, sum, step);
-            if (lane >= step) sum += up;
-        }
-        if (lane < num_warps) warp_sums[lane] = sum;
-    }
-    __syncthreads();
-    const int64_t result = value + (warp > 0 ? warp_sums[warp - 1] : 0);
-    *total = warp_sums[num_warps - 1];
-    __syncthreads();  // warp_sums is reused by the next call
-    return result;
 }
 
 // The sort key of a route: its expert, or num_experts for a dropped one. An id past the last

@@ -196,10 +196,10 @@ def bench_shape(hidden, ffn, experts, k, tokens, args):
             results[pipeline] = timed(lambda: layers[pipeline](x), args.iters, args.warmup)
         gate = layers["fused"].deepspeed_moe.gate
         results["stock_gate"] = timed(lambda: gate(x[0], None, True), args.iters, args.warmup)
-        results["gate_routes"] = timed(lambda: gate_routes(gate, x[0]), args.iters, args.warmup)
-        _, _, indices, gates, _ = gate_routes(gate, x[0])
         selector = layers["fused"].deepspeed_moe.selector
-        op = selector._buffer.op
+        op = selector.op
+        results["gate_routes"] = timed(lambda: gate_routes(gate, x[0], op=op), args.iters, args.warmup)
+        _, _, indices, gates, _ = gate_routes(gate, x[0], op=op)
         results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts), args.iters, args.warmup)
         plan = plan_routes_cuda(op, indices, experts)
         parts = {}

@@ -16,6 +16,12 @@ Every floating-point op that shapes ``l_aux`` or the gates is the op stock runs,
 in stock's order, so forward values and gradients are equal on any device. Only exact work is done
 differently: integer bookkeeping (counts, positions, indices) and 0/1 masks or copied values that
 feed those ops, which have one right answer however they are built.
+
+On the fused path (``op`` given) that bookkeeping runs in the op's gate kernels, two launches
+in place of a dozen to thirty torch ops: the device finishes each op in microseconds, so the
+gate's time is its launches. The top-2 kernel also computes the second choice's Gumbel noise from
+torch's own uniform draw, repeating each fp32 op of ``torch.distributions.Gumbel`` with its
+rounding; the GPU tests compare every output bit for bit with stock's gate.
 """
 
 from typing import Dict, Optional, Tuple
@@ -34,15 +40,19 @@ _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_ba
 
 _capacities: Dict[tuple, int] = {}
 _expert_ids: Dict[tuple, Tensor] = {}
+# The top-2 kernel repeats this function's arithmetic; a replaced one is called as it is.
+_STOCK_GUMBEL = ds.gumbel_rsample
 
 
 def gate_routes(gate: TopKGate,
                 tokens: Tensor,
-                used_token: Optional[Tensor] = None) -> Tuple[Tensor, int, Tensor, Tensor, Tensor]:
+                used_token: Optional[Tensor] = None,
+                op=None) -> Tuple[Tensor, int, Tensor, Tensor, Tensor]:
     """``(l_aux, num_experts, indices, gates, exp_counts)`` exactly as ``gate(tokens, used_token, True)``.
 
     ``indices`` is [k, S] int32 with -1 for a route the capacity dropped, ``gates`` [k, S] fp32.
-    Gates this module cannot vouch for are called as they are.
+    Gates this module cannot vouch for are called as they are. With ``op`` (the loaded ds_comet
+    op) and CUDA tokens, the top-2 and top-k gates' integer bookkeeping runs in its gate kernels.
     """
     if not _reproducible(gate, tokens):
         l_aux, _, num_experts, indices, _, gates, exp_counts = gate(tokens, used_token, True)
@@ -59,9 +69,10 @@ def gate_routes(gate: TopKGate,
     if gate.k == 1:
         rsample = training and gate.noisy_gate_policy == 'RSample'
         return _top1(logits, factor, gate.min_capacity, used_token, rsample, gate.use_rts)
+    op = op if logits.is_cuda else None
     if gate.k == 2:
-        return _top2(logits, factor, gate.min_capacity, gate.drop_tokens, gate.top2_2nd_expert_sampling)
-    return _topk(logits, gate.k, factor, gate.min_capacity, gate.drop_tokens)
+        return _top2(logits, factor, gate.min_capacity, gate.drop_tokens, gate.top2_2nd_expert_sampling, op)
+    return _topk(logits, gate.k, factor, gate.min_capacity, gate.drop_tokens, op)
 
 
 def _reproducible(gate, tokens: Tensor) -> bool:
@@ -163,9 +174,35 @@ def _top1(logits: Tensor, factor: float, min_capacity: int, used_token: Optional
     return l_aux, num_experts, indices.to(torch.int32).unsqueeze(0), route_gates.unsqueeze(0), exp_counts
 
 
-def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, sampling: bool):
+def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, sampling: bool, op):
     """Top-2 with the capacity drop decided by one innermost-dimension scan instead of two outer ones."""
     gates = F.softmax(logits, dim=1)
+    num_tokens, num_experts = gates.shape
+    capacity = _capacity(gates, factor * 2, min_capacity) if drop_tokens else None
+    if op is not None and ds.gumbel_rsample is _STOCK_GUMBEL:
+        routes, masks, exp_counts = _top2_kernels(op, logits, gates, capacity, sampling)
+    else:
+        routes, masks, exp_counts = _top2_ops(logits, gates, capacity, sampling)
+
+    me = torch.mean(gates, dim=0)
+    ce = torch.mean(masks[0], dim=0)
+    l_aux = torch.mean(me * ce) * num_experts * num_experts
+
+    gates1_s = ds.einsum("se,se->s", gates, masks[-2])
+    gates2_s = ds.einsum("se,se->s", gates, masks[-1])
+    denom_s = gates1_s + gates2_s
+    denom_s = torch.clamp(denom_s, min=torch.finfo(denom_s.dtype).eps)
+    gates1_s /= denom_s
+    gates2_s /= denom_s
+    return l_aux, num_experts, routes, torch.stack([gates1_s, gates2_s]), exp_counts
+
+
+def _top2_ops(logits: Tensor, gates: Tensor, capacity: Optional[int], sampling: bool):
+    """(routes [2, S] int32, one-hot masks, expert counts) of top-2 in torch ops.
+
+    ``masks`` is fp32 [3, S, E] with dropping (the first choices before the drop, then both choices
+    after it), [2, S, E] without (both choices): stock's masks, equal in value.
+    """
     num_tokens, num_experts = gates.shape
     first = torch.argmax(gates, dim=1)
 
@@ -179,8 +216,7 @@ def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, s
     second = torch.argmax(scores, dim=1)
 
     experts = _experts(num_experts, logits.device)
-    if drop_tokens:
-        capacity = _capacity(gates, factor * 2, min_capacity)
+    if capacity is not None:
         # Row 0 keeps the undropped first choices for the aux loss; rows 1-2 become the routes.
         picks = torch.stack([first, first, second])
         routes = picks[1:].view(1, 2 * num_tokens)
@@ -198,49 +234,79 @@ def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, s
         picks = torch.stack([first, second])
     # One-hot rows as fp32 in one op: the masks stock multiplies and averages, equal in value.
     masks = torch.eq(picks.unsqueeze(2), experts, out=gates.new_empty((picks.shape[0], num_tokens, num_experts)))
-    if not drop_tokens:
+    if capacity is None:
         exp_counts = masks.sum(dim=(0, 1), dtype=torch.int64)
-
-    me = torch.mean(gates, dim=0)
-    ce = torch.mean(masks[0], dim=0)
-    l_aux = torch.mean(me * ce) * num_experts * num_experts
-
-    gates1_s = ds.einsum("se,se->s", gates, masks[-2])
-    gates2_s = ds.einsum("se,se->s", gates, masks[-1])
-    denom_s = gates1_s + gates2_s
-    denom_s = torch.clamp(denom_s, min=torch.finfo(denom_s.dtype).eps)
-    gates1_s /= denom_s
-    gates2_s /= denom_s
-    return l_aux, num_experts, picks[-2:].to(torch.int32), torch.stack([gates1_s, gates2_s]), exp_counts
+    return picks[-2:].to(torch.int32), masks, exp_counts
 
 
-def _topk(logits: Tensor, k: int, factor: float, min_capacity: int, drop_tokens: bool):
+def _top2_kernels(op, logits: Tensor, gates: Tensor, capacity: Optional[int], sampling: bool):
+    """``_top2_ops`` in two launches, after the one draw from the RNG that stock's Gumbel noise makes."""
+    num_tokens, num_experts = gates.shape
+    # Gumbel(0, 1).rsample's only random op; the kernel repeats the rest of its arithmetic.
+    uniform = (torch.rand(logits.shape, dtype=torch.float32, device=logits.device) if sampling else
+               logits.new_empty(0))
+    routes = torch.empty((2, num_tokens), dtype=torch.int32, device=logits.device)
+    masks = gates.new_empty((2 if capacity is None else 3, num_tokens, num_experts))
+    exp_counts = torch.empty(num_experts, dtype=torch.int64, device=logits.device)
+    op.top2_routes(gates.detach(), logits.detach(), uniform, -1 if capacity is None else capacity, routes, masks,
+                   exp_counts)
+    return routes, masks, exp_counts
+
+
+def _topk(logits: Tensor, k: int, factor: float, min_capacity: int, drop_tokens: bool, op):
     """Top-k (k > 2, drop policy "probs"): the capacity drop needs no locations at all."""
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
     top_gate, top_idx = torch.topk(gates, k=k, dim=1)
-    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
-    exp_counts = torch.sum(mask, dim=0).detach()
+    capacity = _capacity(gates, factor * k, min_capacity) if drop_tokens else None
+    if op is not None:
+        mask, kept, indices, exp_counts = _topk_kernels(op, top_gate, top_idx, num_experts, capacity)
+    else:
+        mask, kept, indices, exp_counts = _topk_ops(gates, top_gate, top_idx, capacity)
 
     me = torch.mean(gates, dim=0)
-    ce = torch.mean(mask.float(), dim=0)
+    ce = torch.mean(mask, dim=0)
     l_aux = torch.mean(me * ce) * num_experts * num_experts / k
 
-    if drop_tokens:
-        capacity = _capacity(gates, factor * k, min_capacity)
-        # Each expert keeps its `capacity` most probable routes. Stock's graph through these values
-        # ends in topk indices, so no gradient flows here: build them detached.
-        ranked = torch.zeros_like(gates).scatter_(1, top_idx, top_gate.detach())
-        kept = torch.topk(ranked, k=min(capacity, num_tokens), dim=0, sorted=False)[1]
-        mask &= torch.zeros_like(mask).scatter_(0, kept, True)
-
-    gates_masked = gates * mask
+    gates_masked = gates * kept
     gates_s = torch.sum(gates_masked, dim=-1, keepdim=True)
     denom_s = torch.clamp(gates_s, min=torch.finfo(gates_masked.dtype).eps)
     gates_masked = gates_masked / denom_s
-
-    indices = torch.where(mask.gather(1, top_idx), top_idx, -1)
     route_gates = gates_masked.gather(1, top_idx)
+    return l_aux, num_experts, indices, ds._stack_routes(route_gates), exp_counts
+
+
+def _topk_ops(gates: Tensor, top_gate: Tensor, top_idx: Tensor, capacity: Optional[int]):
+    """(mask, kept, indices [k, S] int32, expert counts) of top-k in torch ops: the one-hot mask of
+    the choices as fp32, the choices the capacity keeps (bool), the routes with -1 where dropped."""
+    num_tokens = gates.shape[0]
+    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
+    exp_counts = torch.sum(mask, dim=0).detach()
+    kept = mask
+    if capacity is not None:
+        # Each expert keeps its `capacity` most probable routes. Stock's graph through these values
+        # ends in topk indices, so no gradient flows here: build them detached.
+        ranked = torch.zeros_like(gates).scatter_(1, top_idx, top_gate.detach())
+        best = torch.topk(ranked, k=min(capacity, num_tokens), dim=0, sorted=False)[1]
+        kept = mask & torch.zeros_like(mask).scatter_(0, best, True)
+    indices = torch.where(kept.gather(1, top_idx), top_idx, -1)
     # Transpose and narrow in one copy; stock transposes, copies, then casts.
     indices = indices.t().to(torch.int32, memory_format=torch.contiguous_format)
-    return l_aux, num_experts, indices, ds._stack_routes(route_gates), exp_counts
+    return mask.float(), kept, indices, exp_counts
+
+
+def _topk_kernels(op, top_gate: Tensor, top_idx: Tensor, num_experts: int, capacity: Optional[int]):
+    """``_topk_ops`` in two launches around stock's capacity topk (kept is fp32 here)."""
+    num_tokens, k = top_idx.shape
+    device = top_idx.device
+    mask = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=device)
+    kept = torch.empty_like(mask) if capacity is not None else mask
+    ranked = torch.empty_like(mask) if capacity is not None else mask
+    indices = torch.empty((k, num_tokens), dtype=torch.int32, device=device)
+    exp_counts = torch.empty(num_experts, dtype=torch.int64, device=device)
+    op.topk_masks(top_idx, top_gate.detach(), capacity is not None, mask, kept, ranked, indices, exp_counts)
+    if capacity is not None:
+        # Which routes survive is torch.topk's answer over stock's very input, ties and all.
+        best = torch.topk(ranked, k=min(capacity, num_tokens), dim=0, sorted=False)[1]
+        op.topk_keep(best, top_idx, mask, kept, indices)
+    return mask, kept, indices, exp_counts

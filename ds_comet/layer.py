@@ -44,9 +44,11 @@ class CometMOELayer(MOELayer):
                                "deepspeed.initialize(...) or the layer's set_deepspeed_parallelism() first")
         hidden = hidden_states.shape[-1]
         tokens = hidden_states.reshape(-1, hidden)
-        # Stock's routing without the buffer locations (the dispatch places tokens itself).
-        self.l_aux, num_experts, indices, gates, self.exp_counts = gate_routes(self.gate, tokens, used_token)
         fused = self.selector.fused_runner(tokens)
+        # Stock's routing without the buffer locations (the dispatch places tokens itself); the
+        # fused path's op also does its bookkeeping.
+        op = self.selector.op if fused is not None else None
+        self.l_aux, num_experts, indices, gates, self.exp_counts = gate_routes(self.gate, tokens, used_token, op)
         if fused is not None:
             output = fused(tokens, indices, gates)
         else:

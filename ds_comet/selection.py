@@ -177,6 +177,11 @@ class PipelineSelector:
                  f"per rank)", ranks=[0])
         return None
 
+    @property
+    def op(self):
+        """The loaded ds_comet op (once the fused path was chosen)."""
+        return self._buffer.op
+
     def fused_runner(self, tokens: torch.Tensor):
         """A callable (tokens, indices, gates) -> output for the fused path, or None for the reference."""
         reason = self._per_call_reason(tokens)

@@ -45,7 +45,7 @@ class CometBuilder(CUDAOpBuilder):
 
     def sources(self):
         # Absolute paths: relative ones would resolve against DeepSpeed's own tree.
-        return [str(csrc_dir() / "comet_kernels.cu"), str(csrc_dir() / "comet_binding.cpp")]
+        return [str(csrc_dir() / name) for name in ("comet_kernels.cu", "gate_kernels.cu", "comet_binding.cpp")]
 
     def include_paths(self):
         return [str(csrc_dir())]

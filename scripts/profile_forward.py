@@ -164,7 +164,8 @@ def main():
             indices = gate(x[0], None, True)[3]
             calls = {
                 "stock gate": lambda: gate(x[0], None, True),
-                "gate_routes": lambda: gate_routes(gate, x[0]),
+                "gate_routes (torch)": lambda: gate_routes(gate, x[0]),
+                "gate_routes (kernels)": lambda: gate_routes(gate, x[0], op=op),
                 "plan (torch)": lambda: plan_routes(indices, experts),
                 "plan (kernel)": lambda: plan_routes_cuda(op, indices, experts),
                 "stock layer": lambda: layers["stock"](x),

@@ -147,18 +147,43 @@ def prepare(case, seed, device="cpu"):
     return gate.to(device), tokens.to(device), used_token
 
 
-# CUDA runs other kernels (softmax, topk, einsum through cuBLAS): equality there is checked too.
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# CUDA runs other kernels (softmax, topk, einsum through cuBLAS): equality there is checked too, with
+# torch ops and with the op's gate kernels (the fused layer's path).
+DEVICES = ["cpu"] + (["cuda", "cuda-kernels"] if torch.cuda.is_available() else [])
+# Sizes the kernels split over many threads and blocks (CUDA only: stock's CPU gate is slow there).
+LARGE_CASES = [
+    (dict(k=2, num_experts=64, capacity_factor=0.5, min_capacity=0), 4099, dict(skew=3.0)),
+    (dict(k=2, num_experts=8), 8192, {}),
+    (dict(k=4, num_experts=64, capacity_factor=0.7, min_capacity=0), 3001, dict(skew=2.0)),
+    (dict(k=8, num_experts=32), 4096, {}),
+    (dict(k=8, num_experts=32, drop_tokens=False), 1029, {}),
+]
+
+
+def routes_on(device):
+    """(torch device, gate_routes as the layer calls it there)."""
+    if device != "cuda-kernels":
+        return device, gate_routes
+    from ds_comet.ops import load_op, op_unavailable_reason
+    reason = op_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    op = load_op()
+    return "cuda", lambda gate, tokens, used_token: gate_routes(gate, tokens, used_token, op=op)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES + [pytest.param(case, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA only")) for case in LARGE_CASES], ids=case_id)
 def test_matches_stock_bitwise(case, device, forward_calls):
+    if case[1] > 1000 and device == "cpu":
+        pytest.skip("a large case: CUDA only")
+    device, routes_fn = routes_on(device)
     for seed in (11, 2024):
         gate, tokens, used_token = prepare(case, seed, device)
         forward_calls.clear()
         expected = run_gate(stock_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
-        actual = run_gate(gate_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
+        actual = run_gate(routes_fn, gate, tokens, used_token, seed, mix_seed=seed + 5)
         assert len(forward_calls) == 1, "took the stock path"
         assert_bitwise_equal(actual, expected)
 
@@ -283,14 +308,16 @@ def test_fallbacks_call_the_stock_gate(name, gate, forward_calls):
     assert_bitwise_equal(actual, expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k,drop_tokens", [(2, True), (2, False), (4, True), (4, False)])
-def test_no_tokens_take_the_fast_path(k, drop_tokens, forward_calls):
+def test_no_tokens_take_the_fast_path(k, drop_tokens, device, forward_calls):
     """A rank with an empty batch must not fall back: stock's no-drop path all-reduces the capacity
     over the expert group, which the fast path never does on the ranks that have tokens."""
-    gate = make_gate(k=k, drop_tokens=drop_tokens)
-    tokens = make_tokens(gate, 0, seed=3)
+    device, routes_fn = routes_on(device)
+    gate = make_gate(k=k, drop_tokens=drop_tokens).to(device)
+    tokens = make_tokens(gate, 0, seed=3).to(device)
     expected = run_gate(stock_routes, gate, tokens, None, seed=5, mix_seed=6)
-    actual = run_gate(gate_routes, gate, tokens, None, seed=5, mix_seed=6)
+    actual = run_gate(routes_fn, gate, tokens, None, seed=5, mix_seed=6)
     assert len(forward_calls) == 1  # stock's own call only
     assert_bitwise_equal(actual, expected)
 

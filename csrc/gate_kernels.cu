@@ -1,0 +1,171 @@
+// ds_comet gate kernels: the integer bookkeeping of DeepSpeed's top-2 and top-k gates. See comet.h.
+//
+// Stock's gates build these answers from one- to two-dozen small torch ops; the device finishes
+// each in microseconds, so the layer waits on their launches. The answers are exact (indices,
+// counts, 0/1 masks, copied values), and the one float computation here, the Gumbel noise of
+// top-2 sampling, repeats torch's own ops one rounding at a time.
+#include <cmath>
+
+#include "block_scan.cuh"
+#include "comet.h"
+
+namespace ds_comet {
+namespace {
+
+constexpr int kGateThreads = 256;
+constexpr int kQueueThreads = 1024;
+
+// torch.argmax's order: the first NaN, else the largest value, the lowest index among equals.
+__device__ __forceinline__ bool beats(float candidate, float best) {
+    return isnan(candidate) ? !isnan(best) : candidate > best;
+}
+
+// torch.distributions.Gumbel(0, 1).rsample of the uniform draw r (torch.rand), as torch computes it:
+// Uniform(tiny, 1 - eps) is low + r * (high - low), then log, 0 + -1 * x, log, 0 + -1 * x. Each op
+// is one rounded fp32 op in its own torch kernel, so none may be fused into an FMA here.
+__device__ __forceinline__ float gumbel_of(float r) {
+    const float low = 1.17549435082228750797e-38f;  // finfo(float32).tiny
+    const float high = 1.0f - 1.1920928955078125e-07f;  // 1 - finfo(float32).eps, exact in fp32
+    const float u = __fadd_rn(low, __fmul_rn(r, __fsub_rn(high, low)));
+    const float inner = __fadd_rn(0.0f, __fmul_rn(-1.0f, logf(u)));
+    return __fadd_rn(0.0f, __fmul_rn(-1.0f, logf(inner)));
+}
+
+// choices[0][s] = argmax(gates[s]); choices[1][s] = argmax of logits[s] (+ Gumbel noise of
+// uniform[s] when given) with the first choice ruled out by -inf, as stock's top-2 does.
+__global__ void top2_choices_kernel(const float* gates, const float* logits, const float* uniform,
+                                    int64_t num_tokens, int num_experts, int32_t* choices) {
+    const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (s >= num_tokens) return;
+    const int64_t row = s * num_experts;
+    int first = 0;
+    float best = gates[row];
+    for (int e = 1; e < num_experts; ++e) {
+        if (beats(gates[row + e], best)) {
+            best = gates[row + e];
+            first = e;
+        }
+    }
+    int second = 0;
+    for (int e = 0; e < num_experts; ++e) {
+        float score = -INFINITY;
+        if (e != first) score = uniform ? __fadd_rn(logits[row + e], gumbel_of(uniform[row + e])) : logits[row + e];
+        if (e == 0 || beats(score, best)) {
+            best = score;
+            second = e;
+        }
+    }
+    choices[s] = first;
+    choices[num_tokens + s] = second;
+}
+
+// One block per expert e scans its routes in stock's queue order (every first choice, then every
+// second choice, each by token) for their 1-based places; with capacity >= 0 a route whose place is
+// past it is dropped. Writes routes[r] for e's routes, column e of masks and expert_counts[e].
+__global__ void top2_queue_kernel(const int32_t* choices, int64_t num_tokens, int num_experts, int64_t capacity,
+                                  int32_t* routes, float* masks, int64_t* expert_counts) {
+    const int e = blockIdx.x;
+    const int64_t total = 2 * num_tokens;
+    const int64_t run = (total + blockDim.x - 1) / blockDim.x;
+    const int64_t begin = min(total, threadIdx.x * run), end = min(total, begin + run);
+    int64_t mine = 0;
+    for (int64_t r = begin; r < end; ++r) mine += choices[r] == e;
+    int64_t count;
+    int64_t place = block_inclusive_sum(mine, &count) - mine;
+    const bool drop = capacity >= 0;
+    // Rows of masks: with dropping, the first choices before the drop, then both choices after it;
+    // without, both choices.
+    const int64_t plane = num_tokens * num_experts;
+    for (int64_t r = begin; r < end; ++r) {
+        const bool chosen = choices[r] == e;
+        bool kept = chosen;
+        if (chosen) {
+            ++place;
+            kept = !drop || place <= capacity;
+            routes[r] = kept ? e : -1;
+        }
+        const int64_t slot = r / num_tokens, s = r - slot * num_tokens;
+        const int64_t cell = s * num_experts + e;
+        if (drop && slot == 0) masks[cell] = chosen ? 1.0f : 0.0f;
+        masks[(drop ? 1 + slot : slot) * plane + cell] = kept ? 1.0f : 0.0f;
+    }
+    if (threadIdx.x == 0) expert_counts[e] = count;
+}
+
+// Per token s, its top-k experts top_idx[s] (gate values top_gate[s]): mask[s] one-hot of them,
+// expert_counts += mask[s]; with dropping, ranked[s] their gate values, kept[s] zero and
+// indices[j][s] = -1 until topk_keep_kernel keeps them; without, indices[j][s] = top_idx[s][j].
+__global__ void topk_masks_kernel(const int64_t* top_idx, const float* top_gate, int64_t num_tokens, int top_k,
+                                  int num_experts, bool drop, float* mask, float* kept, float* ranked,
+                                  int32_t* indices, unsigned long long* expert_counts) {
+    const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (s >= num_tokens) return;
+    const int64_t row = s * num_experts;
+    for (int e = 0; e < num_experts; ++e) {
+        mask[row + e] = 0.0f;
+        if (drop) {
+            kept[row + e] = 0.0f;
+            ranked[row + e] = 0.0f;
+        }
+    }
+    for (int j = 0; j < top_k; ++j) {
+        const int64_t e = top_idx[s * top_k + j];
+        mask[row + e] = 1.0f;
+        if (drop) ranked[row + e] = top_gate[s * top_k + j];
+        indices[j * num_tokens + s] = drop ? -1 : static_cast<int32_t>(e);
+        atomicAdd(expert_counts + e, 1ull);
+    }
+}
+
+// Per entry of the capacity topk (capacity_idx[c][e] = a token among e's `capacity` best): keeps
+// the route if the token chose e.
+__global__ void topk_keep_kernel(const int64_t* capacity_idx, int64_t entries, const int64_t* top_idx,
+                                 int64_t num_tokens, int top_k, int num_experts, const float* mask, float* kept,
+                                 int32_t* indices) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= entries) return;
+    const int e = static_cast<int>(i % num_experts);
+    const int64_t s = capacity_idx[i];
+    if (mask[s * num_experts + e] == 0.0f) return;
+    kept[s * num_experts + e] = 1.0f;
+    for (int j = 0; j < top_k; ++j) {
+        if (top_idx[s * top_k + j] == e) indices[j * num_tokens + s] = e;
+    }
+}
+
+int64_t blocks_for(int64_t items, int threads) { return (items + threads - 1) / threads; }
+
+}  // namespace
+
+cudaError_t launch_top2_routes(const float* gates, const float* logits, const float* uniform, int64_t num_tokens,
+                               int num_experts, int64_t capacity, int32_t* choices, int32_t* routes, float* masks,
+                               int64_t* expert_counts, cudaStream_t stream) {
+    if (num_tokens == 0) return cudaMemsetAsync(expert_counts, 0, num_experts * sizeof(int64_t), stream);
+    top2_choices_kernel<<<blocks_for(num_tokens, kGateThreads), kGateThreads, 0, stream>>>(
+        gates, logits, uniform, num_tokens, num_experts, choices);
+    top2_queue_kernel<<<num_experts, kQueueThreads, 0, stream>>>(choices, num_tokens, num_experts, capacity, routes,
+                                                                 masks, expert_counts);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_topk_masks(const int64_t* top_idx, const float* top_gate, int64_t num_tokens, int top_k,
+                              int num_experts, bool drop, float* mask, float* kept, float* ranked, int32_t* indices,
+                              int64_t* expert_counts, cudaStream_t stream) {
+    cudaError_t err = cudaMemsetAsync(expert_counts, 0, num_experts * sizeof(int64_t), stream);
+    if (err != cudaSuccess || num_tokens == 0) return err;
+    topk_masks_kernel<<<blocks_for(num_tokens, kGateThreads), kGateThreads, 0, stream>>>(
+        top_idx, top_gate, num_tokens, top_k, num_experts, drop, mask, kept, ranked, indices,
+        reinterpret_cast<unsigned long long*>(expert_counts));
+    return cudaGetLastError();
+}
+
+cudaError_t launch_topk_keep(const int64_t* capacity_idx, int64_t entries, const int64_t* top_idx, int64_t num_tokens,
+                             int top_k, int num_experts, const float* mask, float* kept, int32_t* indices,
+                             cudaStream_t stream) {
+    if (entries == 0) return cudaSuccess;
+    topk_keep_kernel<<<blocks_for(entries, kGateThreads), kGateThreads, 0, stream>>>(
+        capacity_idx, entries, top_idx, num_tokens, top_k, num_experts, mask, kept, indices);
+    return cudaGetLastError();
+}
+
+}  // namespace ds_comet
