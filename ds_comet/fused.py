@@ -428,9 +428,10 @@ class FusedCall:
     max_rows: Optional[int] = None
 
 
-def fused_moe(call: FusedCall, tokens: Tensor, gates: Tensor) -> Tensor:
-    """The fused pipeline under autograd: forward now, ``fused_backward`` when gradients flow."""
-    return FusedMoEFunction.apply(call, tokens, gates, *expert_parameters(call.experts))
+def fused_moe(call: FusedCall, tokens: Tensor, gates: Tensor, params: List[Tensor]) -> Tensor:
+    """The fused pipeline under autograd: forward now, ``fused_backward`` when gradients flow.
+    ``params`` is ``expert_parameters(call.experts)``."""
+    return FusedMoEFunction.apply(call, tokens, gates, *params)
 
 
 def next_power_of_2(n: int) -> int:
