@@ -61,9 +61,9 @@ __global__ void top2_choices_kernel(const float* gates, const float* logits, con
 
 // One block per expert e scans its routes in stock's queue order (every first choice, then every
 // second choice, each by token) for their 1-based places; with capacity >= 0 a route whose place is
-// past it is dropped. Writes routes[r] for e's routes, column e of masks and expert_counts[e].
+// past it is dropped. Writes routes[r] for e's routes and expert_counts[e].
 __global__ void top2_queue_kernel(const int32_t* choices, int64_t num_tokens, int num_experts, int64_t capacity,
-                                  int32_t* routes, float* masks, int64_t* expert_counts) {
+                                  int32_t* routes, int64_t* expert_counts) {
     const int e = blockIdx.x;
     const int64_t total = 2 * num_tokens;
     const int64_t run = (total + blockDim.x - 1) / blockDim.x;
@@ -72,48 +72,59 @@ __global__ void top2_queue_kernel(const int32_t* choices, int64_t num_tokens, in
     for (int64_t r = begin; r < end; ++r) mine += choices[r] == e;
     int64_t count;
     int64_t place = block_inclusive_sum(mine, &count) - mine;
-    const bool drop = capacity >= 0;
-    // Rows of masks: with dropping, the first choices before the drop, then both choices after it;
-    // without, both choices.
-    const int64_t plane = num_tokens * num_experts;
-    for (int64_t r = begin; r < end; ++r) {
-        const bool chosen = choices[r] == e;
-        bool kept = chosen;
-        if (chosen) {
+    for (int64_t r = begin; r < end && mine > 0; ++r) {
+        if (choices[r] == e) {
             ++place;
-            kept = !drop || place <= capacity;
-            routes[r] = kept ? e : -1;
+            routes[r] = capacity < 0 || place <= capacity ? e : -1;
         }
-        const int64_t slot = r / num_tokens, s = r - slot * num_tokens;
-        const int64_t cell = s * num_experts + e;
-        if (drop && slot == 0) masks[cell] = chosen ? 1.0f : 0.0f;
-        masks[(drop ? 1 + slot : slot) * plane + cell] = kept ? 1.0f : 0.0f;
     }
     if (threadIdx.x == 0) expert_counts[e] = count;
 }
 
-// Per token s, its top-k experts top_idx[s] (gate values top_gate[s]): mask[s] one-hot of them,
-// expert_counts += mask[s]; with dropping, ranked[s] their gate values, kept[s] zero and
-// indices[j][s] = -1 until topk_keep_kernel keeps them; without, indices[j][s] = top_idx[s][j].
+// One thread per (token, expert) cell of the one-hot masks. With dropping, three rows: the first
+// choices before the drop, then both choices after it; without, both choices.
+__global__ void top2_masks_kernel(const int32_t* choices, const int32_t* routes, int64_t num_tokens, int num_experts,
+                                  bool drop, float* masks) {
+    const int64_t plane = num_tokens * num_experts;
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= plane) return;
+    const int64_t s = i / num_experts;
+    const int e = static_cast<int>(i - s * num_experts);
+    const bool first = choices[s] == e, second = choices[num_tokens + s] == e;
+    if (drop) {
+        masks[i] = first ? 1.0f : 0.0f;
+        masks[plane + i] = first && routes[s] >= 0 ? 1.0f : 0.0f;
+        masks[2 * plane + i] = second && routes[num_tokens + s] >= 0 ? 1.0f : 0.0f;
+    } else {
+        masks[i] = first ? 1.0f : 0.0f;
+        masks[plane + i] = second ? 1.0f : 0.0f;
+    }
+}
+
+// One thread per (token s, expert e) cell: mask[s][e] = 1 if e is among s's top-k (top_idx[s],
+// gate values top_gate[s]), and expert_counts[e] counts it; with dropping, ranked[s][e] its gate
+// value (0 if not chosen), kept[s][e] = 0 and indices[j][s] = -1 until topk_keep_kernel keeps the
+// route; without, indices[j][s] = e.
 __global__ void topk_masks_kernel(const int64_t* top_idx, const float* top_gate, int64_t num_tokens, int top_k,
                                   int num_experts, bool drop, float* mask, float* kept, float* ranked,
                                   int32_t* indices, unsigned long long* expert_counts) {
-    const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (s >= num_tokens) return;
-    const int64_t row = s * num_experts;
-    for (int e = 0; e < num_experts; ++e) {
-        mask[row + e] = 0.0f;
-        if (drop) {
-            kept[row + e] = 0.0f;
-            ranked[row + e] = 0.0f;
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= num_tokens * num_experts) return;
+    const int64_t s = i / num_experts;
+    const int e = static_cast<int>(i - s * num_experts);
+    float chosen = 0.0f, value = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        if (top_idx[s * top_k + j] == e) {
+            chosen = 1.0f;
+            value = top_gate[s * top_k + j];
+            indices[j * num_tokens + s] = drop ? -1 : e;
+            atomicAdd(expert_counts + e, 1ull);
         }
     }
-    for (int j = 0; j < top_k; ++j) {
-        const int64_t e = top_idx[s * top_k + j];
-        mask[row + e] = 1.0f;
-        if (drop) ranked[row + e] = top_gate[s * top_k + j];
-        indices[j * num_tokens + s] = drop ? -1 : static_cast<int32_t>(e);
-        atomicAdd(expert_counts + e, 1ull);
+    mask[i] = chosen;
+    if (drop) {
+        kept[i] = 0.0f;
+        ranked[i] = value;
     }
 }
 
@@ -144,7 +155,9 @@ cudaError_t launch_top2_routes(const float* gates, const float* logits, const fl
     top2_choices_kernel<<<blocks_for(num_tokens, kGateThreads), kGateThreads, 0, stream>>>(
         gates, logits, uniform, num_tokens, num_experts, choices);
     top2_queue_kernel<<<num_experts, kQueueThreads, 0, stream>>>(choices, num_tokens, num_experts, capacity, routes,
-                                                                 masks, expert_counts);
+                                                                 expert_counts);
+    top2_masks_kernel<<<blocks_for(num_tokens * num_experts, kGateThreads), kGateThreads, 0, stream>>>(
+        choices, routes, num_tokens, num_experts, capacity >= 0, masks);
     return cudaGetLastError();
 }
 
@@ -153,7 +166,7 @@ cudaError_t launch_topk_masks(const int64_t* top_idx, const float* top_gate, int
                               int64_t* expert_counts, cudaStream_t stream) {
     cudaError_t err = cudaMemsetAsync(expert_counts, 0, num_experts * sizeof(int64_t), stream);
     if (err != cudaSuccess || num_tokens == 0) return err;
-    topk_masks_kernel<<<blocks_for(num_tokens, kGateThreads), kGateThreads, 0, stream>>>(
+    topk_masks_kernel<<<blocks_for(num_tokens * num_experts, kGateThreads), kGateThreads, 0, stream>>>(
         top_idx, top_gate, num_tokens, top_k, num_experts, drop, mask, kept, ranked, indices,
         reinterpret_cast<unsigned long long*>(expert_counts));
     return cudaGetLastError();

@@ -17,8 +17,8 @@ in stock's order, so forward values and gradients are equal on any device. Only 
 differently: integer bookkeeping (counts, positions, indices) and 0/1 masks or copied values that
 feed those ops, which have one right answer however they are built.
 
-On the fused path (``op`` given) that bookkeeping runs in the op's gate kernels, two launches
-in place of a dozen to thirty torch ops: the device finishes each op in microseconds, so the
+On the fused path (``op`` given) that bookkeeping runs in the op's gate kernels, one or two calls
+of the op in place of a dozen to thirty torch ops: the device finishes each op in microseconds, so the
 gate's time is its launches. The top-2 kernel also computes the second choice's Gumbel noise from
 torch's own uniform draw, repeating each fp32 op of ``torch.distributions.Gumbel`` with its
 rounding; the GPU tests compare every output bit for bit with stock's gate.
@@ -240,7 +240,7 @@ def _top2_ops(logits: Tensor, gates: Tensor, capacity: Optional[int], sampling: 
 
 
 def _top2_kernels(op, logits: Tensor, gates: Tensor, capacity: Optional[int], sampling: bool):
-    """``_top2_ops`` in two launches, after the one draw from the RNG that stock's Gumbel noise makes."""
+    """``_top2_ops`` in one call of the op, after the one draw from the RNG that stock's Gumbel noise makes."""
     num_tokens, num_experts = gates.shape
     # Gumbel(0, 1).rsample's only random op; the kernel repeats the rest of its arithmetic.
     uniform = (torch.rand(logits.shape, dtype=torch.float32, device=logits.device) if sampling else
@@ -296,7 +296,7 @@ def _topk_ops(gates: Tensor, top_gate: Tensor, top_idx: Tensor, capacity: Option
 
 
 def _topk_kernels(op, top_gate: Tensor, top_idx: Tensor, num_experts: int, capacity: Optional[int]):
-    """``_topk_ops`` in two launches around stock's capacity topk (kept is fp32 here)."""
+    """``_topk_ops`` in two calls of the op around stock's capacity topk (kept is fp32 here)."""
     num_tokens, k = top_idx.shape
     device = top_idx.device
     mask = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=device)
