@@ -9,6 +9,7 @@ data, and fewer ops than stock.
 
 import pytest
 import torch
+from deepspeed.moe import sharded_moe
 from deepspeed.moe.sharded_moe import TopKGate
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -341,3 +342,19 @@ def test_top1_min_capacity_assert_like_stock():
         gate(tokens, None, True)
     with pytest.raises(AssertionError):
         gate_routes(gate, tokens)
+
+
+def test_gumbel_noise_is_the_chain_the_top2_kernel_repeats():
+    """The top-2 gate kernel (csrc/gate_kernels.cu, gumbel_of) computes stock's Gumbel noise from
+    torch.rand with exactly these ops; should torch's Gumbel ever compute it another way, this fails
+    on any machine, before the GPU tests' bitwise comparisons would."""
+    shape = (257, 9)
+    torch.manual_seed(3)
+    expected = sharded_moe.gumbel_rsample(shape, device=torch.device("cpu"))
+    torch.manual_seed(3)
+    uniform = torch.rand(shape, dtype=torch.float32)
+    finfo = torch.finfo(torch.float32)
+    low, high = torch.tensor(finfo.tiny), torch.tensor(1 - finfo.eps)
+    inner = 0 + -1.0 * (low + uniform * (high - low)).log()
+    noise = 0 + -1.0 * inner.log()
+    assert torch.equal(noise, expected)
