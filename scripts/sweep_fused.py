@@ -1,18 +1,21 @@
 """Time the fused layer alone under several parameter settings, and where its host time goes.
 
     torchrun --nproc_per_node 2 scripts/sweep_fused.py --shape NAME [--custom H,F,E,K,T ...]
-        --comm-blocks 8,12,16,22 [--n-chunks 4,8] [--host-profile] [--out DIR]
+        --comm-blocks 8,12,16,22 [--n-chunks 4,8] [--gate-ops kernels,torch] [--host-profile] [--out DIR]
 
 The benchmark times one setting per run, next to stock DeepSpeed and the bounds; this times only
 the fused layer, once per setting (every combination of the lists; "auto" is the selection rule),
 so a split of the SMs can be chosen from one run. Same weights, inputs and timing as the
 benchmark: the forward under no_grad and one training step, each the median of CUDA-event
-timings started from an idle device, the maximum over ranks. With --host-profile, rank 0 also
+timings started from an idle device, the maximum over ranks. --gate-ops torch runs the layer's
+gate in torch ops instead of the op's gate kernels (the layer's own choice), for an A/B in one
+run. With --host-profile, rank 0 also
 prints cProfile's busiest functions over a few training steps of the rule's setting: the host
 work that an idle device waits for.
 """
 
 import argparse
+import contextlib
 import cProfile
 import itertools
 import json
@@ -24,7 +27,9 @@ import torch
 from deepspeed import comm as dist
 
 import ds_comet
+import ds_comet.layer
 from ds_comet.bench import timed, train_step
+from ds_comet.gate import gate_routes
 from ds_comet.experts import FeedForward, reset_expert_
 from ds_comet.shapes import selected_shapes
 
@@ -39,6 +44,7 @@ def parse_args():
     parser.add_argument("--custom", action="append", default=[], help="H,F,E,K,T (T = tokens per rank)")
     parser.add_argument("--comm-blocks", type=settings, default=[None])
     parser.add_argument("--n-chunks", type=settings, default=[None])
+    parser.add_argument("--gate-ops", type=lambda text: text.split(","), default=["kernels"])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--host-profile", action="store_true")
@@ -59,6 +65,19 @@ def fused_layer(hidden, ffn, experts, k, overrides, device):
     for i, expert in enumerate(local):  # the benchmark's weights
         reset_expert_(expert, 1000 + rank * len(local) + i)
     return layer.to(device=device, dtype=torch.bfloat16)
+
+
+@contextlib.contextmanager
+def gate_ops(kind):
+    """The layer's gate as it runs it ("kernels") or in torch ops alone ("torch")."""
+    if kind not in ("kernels", "torch"):
+        raise SystemExit(f"--gate-ops takes kernels and/or torch, got {kind!r}")
+    if kind == "torch":
+        ds_comet.layer.gate_routes = lambda gate, tokens, used_token=None, op=None: gate_routes(gate, tokens, used_token)
+    try:
+        yield
+    finally:
+        ds_comet.layer.gate_routes = gate_routes
 
 
 def host_profile(layer, x, dy, steps=10):
@@ -87,25 +106,27 @@ def main():
         x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16)
         xg = x.detach().clone().requires_grad_()
         dy = torch.randn_like(x)
-        for comm_blocks, n_chunks in itertools.product(args.comm_blocks, args.n_chunks):
+        for comm_blocks, n_chunks, gate in itertools.product(args.comm_blocks, args.n_chunks, args.gate_ops):
             overrides = {key: v for key, v in (("comm_blocks", comm_blocks), ("n_chunks", n_chunks)) if v is not None}
             layer = fused_layer(hidden, ffn, experts, k, overrides, device)
-            with torch.no_grad():
-                layer.eval()
-                forward = timed(lambda: layer(x), args.iters, args.warmup)
-            layer.train()
-            step = timed(lambda: train_step(layer, xg, dy), args.iters, args.warmup)
+            with gate_ops(gate):
+                with torch.no_grad():
+                    layer.eval()
+                    forward = timed(lambda: layer(x), args.iters, args.warmup)
+                layer.train()
+                step = timed(lambda: train_step(layer, xg, dy), args.iters, args.warmup)
             times = torch.tensor([forward, step], device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             params = layer.deepspeed_moe.selector._params
-            key = f"{name} comm_blocks={params.comm_blocks} n_chunks={params.n_chunks}"
+            key = f"{name} comm_blocks={params.comm_blocks} n_chunks={params.n_chunks} gate={gate}"
             results[key] = {"forward": times[0].item(), "fwd_bwd": times[1].item(), "rule": not overrides}
             if dist.get_rank() == 0:
-                print(f"{key:64s} forward {times[0].item():7.3f} ms  fwd+bwd {times[1].item():7.3f} ms"
+                print(f"{key:76s} forward {times[0].item():7.3f} ms  fwd+bwd {times[1].item():7.3f} ms"
                       f"{'  (rule)' if not overrides else ''}", flush=True)
-            if args.host_profile and not overrides and dist.get_rank() == 0:
+            profiled = args.host_profile and not overrides and gate == args.gate_ops[0]
+            if profiled and dist.get_rank() == 0:
                 print(f"== host profile: {key}", flush=True)
-            if args.host_profile and not overrides:
+            if profiled:
                 # Every rank steps (the layer's collectives pair up); rank 0 prints.
                 if dist.get_rank() == 0:
                     host_profile(layer, xg, dy)
