@@ -59,7 +59,10 @@ class CometBuilder(CUDAOpBuilder):
         return kept
 
     def nvcc_args(self):
-        return super().nvcc_args() + ["-lineinfo"]
+        # DeepSpeed's default --use_fast_math turns logf into __logf and flushes denormals to zero:
+        # the gate kernels must round and compare as torch's kernels do, and nothing here gains
+        # from it (the kernels move data and add in fp32).
+        return [arg for arg in super().nvcc_args() if arg != "--use_fast_math"] + ["-lineinfo"]
 
     def incompatibility(self):
         """Why the op cannot build or run here, or None."""

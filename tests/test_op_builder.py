@@ -9,6 +9,7 @@ import sysconfig
 import pytest
 import torch
 from deepspeed.ops.op_builder.all_ops import ALL_OPS
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
 import op_builder
 from ds_comet import layout
@@ -62,6 +63,21 @@ def test_cuda_sources_compile_for_hopper(source, tmp_path):
                              "arch=compute_90a,code=sm_90a", "-I", CSRC, source], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_gate_kernels_round_as_torch_under_the_builders_flags(monkeypatch, tmp_path):
+    # DeepSpeed's CUDAOpBuilder adds --use_fast_math, under which logf is an approximation and
+    # compares flush denormals to zero: the gate kernels would then round and order unlike torch.
+    monkeypatch.setattr(CUDAOpBuilder, "nvcc_args", lambda self: ["-O3", "--use_fast_math", "-std=c++17"])
+    args = [arg for arg in CometBuilder().nvcc_args() if arg]
+    assert "--use_fast_math" not in args and "-O3" in args
+    ptx = tmp_path / "gate_kernels.ptx"
+    result = subprocess.run(["nvcc", *args, "-ptx", "-arch=sm_90a", "-I", CSRC, "-o", str(ptx),
+                             os.path.join(CSRC, "gate_kernels.cu")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    text = ptx.read_text()
+    assert "lg2.approx" not in text and ".ftz" not in text
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or not os.path.exists(os.path.join(CUDA_INCLUDE, "cuda_runtime.h")),
