@@ -179,7 +179,8 @@ def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, s
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
     capacity = _capacity(gates, factor * 2, min_capacity) if drop_tokens else None
-    if op is not None and ds.gumbel_rsample is _STOCK_GUMBEL:
+    kernels_fit = num_experts >= 2 and (capacity is None or capacity >= 0)  # the op's "no drop" is capacity -1
+    if op is not None and kernels_fit and (not sampling or _stock_gumbel_is_fp32(logits.device)):
         routes, masks, exp_counts = _top2_kernels(op, logits, gates, capacity, sampling)
     else:
         routes, masks, exp_counts = _top2_ops(logits, gates, capacity, sampling)
@@ -195,6 +196,21 @@ def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, s
     gates1_s /= denom_s
     gates2_s /= denom_s
     return l_aux, num_experts, routes, torch.stack([gates1_s, gates2_s]), exp_counts
+
+
+def _stock_gumbel_is_fp32(device: torch.device) -> bool:
+    """Whether stock's second-choice noise on ``device`` is the fp32 Gumbel(0, 1) the top-2 kernel
+    repeats: stock makes its sampler on first use in the default dtype, and a replaced function or
+    sampler may compute anything."""
+    if ds.gumbel_rsample is not _STOCK_GUMBEL:
+        return False
+    sampler = ds.gumbel_map.get(device)
+    if sampler is None:  # made as stock makes it, so that both share it from here on
+        one, zero = torch.tensor(1.0, device=device), torch.tensor(0.0, device=device)
+        sampler = ds.gumbel_map[device] = torch.distributions.gumbel.Gumbel(zero, one).rsample
+    owner = getattr(sampler, "__self__", None)
+    return type(owner) is torch.distributions.gumbel.Gumbel and owner.loc.dtype == torch.float32 and \
+        owner.scale.dtype == torch.float32
 
 
 def _top2_ops(logits: Tensor, gates: Tensor, capacity: Optional[int], sampling: bool):

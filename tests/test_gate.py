@@ -358,3 +358,21 @@ def test_gumbel_noise_is_the_chain_the_top2_kernel_repeats():
     inner = 0 + -1.0 * (low + uniform * (high - low)).log()
     noise = 0 + -1.0 * inner.log()
     assert torch.equal(noise, expected)
+
+
+def test_top2_kernels_sample_only_like_stocks_fp32_gumbel(monkeypatch):
+    """The top-2 kernel draws fp32 uniforms; stock's sampler takes the default dtype when first made."""
+    device = torch.device("cpu")
+    monkeypatch.setattr(sharded_moe, "gumbel_map", {})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert not gate_module._stock_gumbel_is_fp32(device)
+    finally:
+        torch.set_default_dtype(default)
+    assert not gate_module._stock_gumbel_is_fp32(device), "the fp64 sampler stock would keep is kept"
+    monkeypatch.setattr(sharded_moe, "gumbel_map", {})
+    assert gate_module._stock_gumbel_is_fp32(device)
+    assert sharded_moe.gumbel_map[device](torch.Size([3])).dtype == torch.float32
+    monkeypatch.setattr(sharded_moe, "gumbel_rsample", lambda shape, device: torch.zeros(shape))
+    assert not gate_module._stock_gumbel_is_fp32(device)
