@@ -127,6 +127,9 @@ cudaError_t launch_top2_routes(const float* gates, const float* logits, const fl
                                int num_experts, int64_t capacity, int32_t* choices, int32_t* routes, float* masks,
                                int64_t* expert_counts, cudaStream_t stream);
 
+// The Gumbel noise the top-2 kernel adds to the logits, for each of count uniform draws (tests).
+cudaError_t launch_gumbel_noise(const float* uniform, int64_t count, float* noise, cudaStream_t stream);
+
 // Top-k, from torch.topk's top_idx and top_gate [S, k]: mask [S, E] fp32 one-hot of the choices,
 // expert_counts [E] int64; with drop also ranked [S, E] (the chosen gate values; what stock's
 // capacity topk ranks), kept [S, E] zeroed and indices [k, S] int32 all -1; without, indices =

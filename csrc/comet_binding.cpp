@@ -87,6 +87,15 @@ void top2_routes(const torch::Tensor& gates, const torch::Tensor& logits, const 
                  "top2_routes");
 }
 
+void gumbel_noise(const torch::Tensor& uniform, torch::Tensor& noise) {
+    check_cuda(uniform, "uniform", at::kFloat);
+    check_cuda(noise, "noise", at::kFloat);
+    check_sizes(noise, "noise", uniform.sizes());
+    check_launch(ds_comet::launch_gumbel_noise(uniform.data_ptr<float>(), uniform.numel(), noise.data_ptr<float>(),
+                                               at::cuda::getCurrentCUDAStream()),
+                 "gumbel_noise");
+}
+
 void topk_masks(const torch::Tensor& top_idx, const torch::Tensor& top_gate, bool drop, torch::Tensor& mask,
                 torch::Tensor& kept, torch::Tensor& ranked, torch::Tensor& indices, torch::Tensor& expert_counts) {
     check_cuda(top_idx, "top_idx", at::kLong);
@@ -275,6 +284,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("plan", &plan, "The routing plan (route order by expert, its inverse, kept routes per expert) of the "
           "gate's indices");
     m.def("top2_routes", &top2_routes, "The top-2 gate's choices, capacity drop, one-hot masks and expert counts");
+    m.def("gumbel_noise", &gumbel_noise, "The Gumbel noise top2_routes adds for each uniform draw (tests)");
     m.def("topk_masks", &topk_masks, "The top-k gate's one-hot masks, expert counts and (dropping) ranked gates");
     m.def("topk_keep", &topk_keep, "The top-k gate's capacity drop from the capacity topk's token indices");
     m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout");

@@ -31,6 +31,11 @@ __device__ __forceinline__ float gumbel_of(float r) {
     return __fadd_rn(0.0f, __fmul_rn(-1.0f, logf(inner)));
 }
 
+__global__ void gumbel_noise_kernel(const float* uniform, int64_t count, float* noise) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < count) noise[i] = gumbel_of(uniform[i]);
+}
+
 // choices[0][s] = argmax(gates[s]); choices[1][s] = argmax of logits[s] (+ Gumbel noise of
 // uniform[s] when given) with the first choice ruled out by -inf, as stock's top-2 does.
 __global__ void top2_choices_kernel(const float* gates, const float* logits, const float* uniform,
@@ -147,6 +152,12 @@ __global__ void topk_keep_kernel(const int64_t* capacity_idx, int64_t entries, c
 int64_t blocks_for(int64_t items, int threads) { return (items + threads - 1) / threads; }
 
 }  // namespace
+
+cudaError_t launch_gumbel_noise(const float* uniform, int64_t count, float* noise, cudaStream_t stream) {
+    if (count == 0) return cudaSuccess;
+    gumbel_noise_kernel<<<blocks_for(count, kGateThreads), kGateThreads, 0, stream>>>(uniform, count, noise);
+    return cudaGetLastError();
+}
 
 cudaError_t launch_top2_routes(const float* gates, const float* logits, const float* uniform, int64_t num_tokens,
                                int num_experts, int64_t capacity, int32_t* choices, int32_t* routes, float* masks,

@@ -376,3 +376,20 @@ def test_top2_kernels_sample_only_like_stocks_fp32_gumbel(monkeypatch):
     assert sharded_moe.gumbel_map[device](torch.Size([3])).dtype == torch.float32
     monkeypatch.setattr(sharded_moe, "gumbel_rsample", lambda shape, device: torch.zeros(shape))
     assert not gate_module._stock_gumbel_is_fp32(device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_top2_kernel_gumbel_noise_is_torchs_for_every_uniform_draw():
+    """Every value CUDA's torch.rand can return (the multiples of 2^-24 in [0, 1)): the kernel's noise
+    equals torch's own ops on the GPU (the chain test_gumbel_noise_is_the_chain_the_top2_kernel_repeats
+    ties to stock's sampler), bit for bit."""
+    routes_on("cuda-kernels")  # skips where the op cannot be built
+    from ds_comet.ops import load_op
+    uniform = torch.arange(2**24, device="cuda", dtype=torch.float64).mul_(2.0**-24).float()
+    finfo = torch.finfo(torch.float32)
+    low, high = torch.tensor(finfo.tiny, device="cuda"), torch.tensor(1 - finfo.eps, device="cuda")
+    expected = 0 + -1.0 * (0 + -1.0 * (low + uniform * (high - low)).log()).log()
+    noise = torch.empty_like(uniform)
+    load_op().gumbel_noise(uniform, noise)
+    mismatched = (noise != expected).nonzero()[:5].flatten().tolist()
+    assert not mismatched, f"noise differs at uniform = {[uniform[i].item() for i in mismatched]}"
