@@ -156,9 +156,13 @@ FORWARD_CASES = [
     # The combine reads k routes in passes of 1, 2, 4 or 8: k = 3 fills a pass partly, k = 12 takes two.
     dict(hidden=448, ffn=512, experts_per_rank=3, k=3, tokens_per_rank=(211, 300), skew=4.0),
     dict(hidden=264, ffn=384, experts_per_rank=8, k=12, tokens_per_rank=(150, 97)),
+    # k = 5 leaves three of a pass of 8 empty; a rank with no tokens still serves its experts.
+    dict(hidden=640, ffn=768, experts_per_rank=4, k=5, tokens_per_rank=(257, 190)),
+    dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(0, 300), capacity_factor=0.5,
+         min_capacity=0),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
-               "k3-skewed", "k12-two-passes"]
+               "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens"]
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)
