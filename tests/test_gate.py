@@ -113,6 +113,8 @@ CASES = [
     (dict(k=2, noisy_gate_policy="Jitter", eval_capacity_factor=0.6), 199, dict(train=False)),
     (dict(k=2, noisy_gate_policy="Jitter"), 199, dict(dtype=torch.bfloat16)),
     (dict(k=2, num_experts=3), 29, {}),
+    (dict(k=2, capacity_factor=0.5, min_capacity=0), 150, dict(ties=True)),
+    (dict(k=2, top2_2nd_expert_sampling=False, capacity_factor=0.5, min_capacity=0), 150, dict(ties=True)),
     # top-k, k > 2
     (dict(k=3), 101, {}),
     (dict(k=3, drop_tokens=False), 101, {}),
@@ -121,6 +123,7 @@ CASES = [
     (dict(k=4, drop_tokens=False), 131, dict(skew=3.0)),
     (dict(k=4, eval_capacity_factor=0.5, min_capacity=0), 333, dict(skew=2.0, train=False)),
     (dict(k=4, min_capacity=90), 47, {}),
+    (dict(k=4, capacity_factor=0.5, min_capacity=0), 150, dict(ties=True)),
     (dict(k=8), 67, {}),
     (dict(k=8, drop_tokens=False), 67, {}),
     (dict(k=8, num_experts=12, capacity_factor=0.3, min_capacity=0, noisy_gate_policy="Jitter"), 199, dict(skew=2.0)),
@@ -138,6 +141,12 @@ def prepare(case, seed, device="cpu"):
     gate = make_gate(seed=seed, **gate_args)
     gate.train(extra.get("train", True))
     tokens = make_tokens(gate, num_tokens, seed, extra.get("skew", 0.0), extra.get("dtype", torch.float32))
+    if extra.get("ties"):
+        # Two experts with equal logits for every token (ties inside a row: argmax and topk pick the
+        # lower index) and every third token a copy of another (ties across tokens for the capacity).
+        with torch.no_grad():
+            gate.wg.weight[-2] = gate.wg.weight[1]
+        tokens[1::3] = tokens[0::3][:len(tokens[1::3])]
     used_token = None
     if extra.get("used_token"):
         generator = torch.Generator().manual_seed(seed + 1)
