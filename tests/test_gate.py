@@ -159,7 +159,10 @@ def prepare(case, seed, device="cpu"):
 
 # CUDA runs other kernels (softmax, topk, einsum through cuBLAS): equality there is checked too, with
 # torch ops and with the op's gate kernels (the fused layer's path).
-DEVICES = ["cpu"] + (["cuda", "cuda-kernels"] if torch.cuda.is_available() else [])
+# "cuda:1-kernels": the gate kernels on a GPU other than the current one (the bindings must launch
+# on the tensors' device and its current stream, not on the current device).
+DEVICES = (["cpu"] + (["cuda", "cuda-kernels"] if torch.cuda.is_available() else []) +
+           (["cuda:1-kernels"] if torch.cuda.device_count() > 1 else []))
 # Sizes the kernels split over many threads and blocks (CUDA only: stock's CPU gate is slow there).
 LARGE_CASES = [
     (dict(k=2, num_experts=64, capacity_factor=0.5, min_capacity=0), 4099, dict(skew=3.0)),
@@ -172,14 +175,14 @@ LARGE_CASES = [
 
 def routes_on(device):
     """(torch device, gate_routes as the layer calls it there)."""
-    if device != "cuda-kernels":
+    if not device.endswith("-kernels"):
         return device, gate_routes
     from ds_comet.ops import load_op, op_unavailable_reason
     reason = op_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
     op = load_op()
-    return "cuda", lambda gate, tokens, used_token: gate_routes(gate, tokens, used_token, op=op)
+    return device[:-len("-kernels")], lambda gate, tokens, used_token: gate_routes(gate, tokens, used_token, op=op)
 
 
 @pytest.mark.parametrize("device", DEVICES)
