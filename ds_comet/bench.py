@@ -4,8 +4,10 @@
                                                   [--no-backward]
 
 Every number comes from one run on the same GPUs and inputs: the three layers (same weights), the
-gate alone (stock's call and the comet layer's ``gate_routes``), the routing plan, the expert GEMMs
-alone on the rows each rank actually receives (cuBLAS: the compute bound) and the two all-to-alls
+gate alone (stock's call and the comet layer's ``gate_routes``), the routing plan, the fused
+pipeline's GEMM1, GEMM2 and combine relaunched alone ("fused_combine" on every SM,
+"fused_combine_comm" on the communication blocks only), the expert GEMMs alone on the rows each
+rank actually receives (cuBLAS: the compute bound) and the two all-to-alls
 alone with the same splits (NCCL: the communication bound). Each time is the median of CUDA-event
 timings of many calls, the ranks lined up before each call.
 
@@ -272,7 +274,7 @@ def draw(ax, all_results, bars, ratios, ylabel):
 
 def report(all_results, out_dir):
     columns = ("stock", "reference", "fused", "stock_gate", "gate_routes", "plan", "fused_gemm1", "fused_gemm2",
-               "experts", "all_to_all", "bound", "stock_over_fused", "fused_over_bound")
+               "fused_combine", "experts", "all_to_all", "bound", "stock_over_fused", "fused_over_bound")
     lines = ["shape".ljust(28) + "".join(c[:11].rjust(12) for c in columns)]
     for name, results in all_results.items():
         lines.append(name.ljust(28) + "".join(f"{results[c]:12.3f}" for c in columns))

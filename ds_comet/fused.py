@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from .experts import FusedExpert
-from .layout import TOTAL_TILES
+from .layout import TOTAL_COMBINE_CLAIM, TOTAL_TILES
 from .routing import RoutingPlan
 from .workspace import CometBuffer
 
@@ -146,18 +146,18 @@ class _Launch:
         work with the communication blocks: what they have not reduced when GEMM2 ends is reduced by
         every SM instead of by them alone.
         """
+        with torch.cuda.stream(self.buffer.comm_stream):
+            self.reduce(plan, gates, out, returned, self.params.comm_blocks)
+        if finish_on_main:
+            self.reduce(plan, gates, out, returned, self.grid)
+
+    def reduce(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor, blocks: int):
+        """One launch of the combine kernel, on the current stream, over ``blocks`` thread blocks."""
         b = self.buffer
         chunk_tiles, num_chunks = self.chunking
-
-        def launch(blocks):
-            b.op.combine(b.kernel_shape, b.peer_expert_out, b.route_row, plan.route_position, gates, out, returned,
-                         chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.meta, b.layout,
-                         b.error_address, blocks)
-
-        with torch.cuda.stream(b.comm_stream):
-            launch(self.params.comm_blocks)
-        if finish_on_main:
-            launch(self.grid)
+        b.op.combine(b.kernel_shape, b.peer_expert_out, b.route_row, plan.route_position, gates, out, returned,
+                     chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.meta, b.layout,
+                     b.error_address, blocks)
 
     def join(self, device, *used_on_comm: Tensor):
         main = torch.cuda.current_stream(device)
@@ -241,7 +241,8 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     current mode; default: the workspace's bound): the activations are sized by it, and the
     exchange kernel stops with an error rather than let a call exceed it.
 
-    ``profile``, if given, receives callables that relaunch GEMM1 and GEMM2 alone (benchmarks).
+    ``profile``, if given, receives callables that relaunch GEMM1, GEMM2 and the combine alone (the
+    combine on every SM, and on the communication blocks only): benchmarks.
     ``saved``, if given, receives what ``fused_backward`` needs: a copy of the received rows (the
     workspace is reused by the next call), each route's expert output (the combine writes them), the
     products before the activation and the activations.
@@ -281,8 +282,15 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
         # GEMM1 waited for every received row; keep them before the next call overwrites them.
         saved.update(rows=buffer.recv[:rows].clone(), pre=pre, h=h)
     if profile is not None:
-        # Relaunching the GEMMs alone is safe until the next call's exchange resets the counters.
-        profile.update(gemm1=run_gemm1, gemm2=run_gemm2)
+        # Relaunching the GEMMs and the combine alone is safe until the next call's exchange resets
+        # the counters: the chunks stay counted, so the combine then measures its own rate.
+        def rerun_combine(blocks):
+            claim = buffer.layout_offsets.totals + TOTAL_COMBINE_CLAIM
+            buffer.layout[claim:claim + 1].zero_()
+            launch.reduce(plan, gates, out, _no_rows(tokens), blocks)
+
+        profile.update(gemm1=run_gemm1, gemm2=run_gemm2, combine=lambda: rerun_combine(buffer.num_sms),
+                       combine_comm=lambda: rerun_combine(params.comm_blocks))
     # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
     # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
     # whose producers this rank has not launched yet.
