@@ -32,6 +32,10 @@ enum WaitKind : int64_t {
 // [0] set flag, [1] rank, [2] kind, [3] index, [4] target, [5] observed, [6] waited ns.
 constexpr int kErrorRecordWords = 8;
 
+// The combine stages each unit's routes in shared memory (16 bytes a route, within the 48 KB a
+// launch takes without opting in to more): a token can have at most this many.
+constexpr int64_t kMaxCombineTopK = 3000;
+
 // Offsets (in int32 words) of the parts of the symmetric meta buffer. ds_comet/layout.py computes
 // them (the one statement of the layout) and the binding passes them in.
 struct MetaOffsets {

@@ -246,6 +246,8 @@ void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, cons
     TORCH_CHECK(std::max(out.size(0), route_position.numel()) < (int64_t{1} << 31),
                 "at most 2^31 - 1 tokens and routes per call");
     const int64_t top_k = out.size(0) == 0 ? 0 : route_position.numel() / out.size(0);
+    TORCH_CHECK(top_k <= ds_comet::kMaxCombineTopK, "the fused combine takes at most ", ds_comet::kMaxCombineTopK,
+                " routes per token, got ", top_k);
     const float* weights = optional_weights(gates, "gates", route_position.numel());
     void* kept_rows = optional_rows(returned, "returned", out.scalar_type(), route_position.numel(), out.size(1));
     TORCH_CHECK(out.size(1) % 8 == 0 && chunk_cols % 8 == 0, "hidden size and chunk width must be multiples of 8");

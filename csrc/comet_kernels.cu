@@ -321,9 +321,12 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
 // finished, and a second launch on the GEMM stream (all SMs, once GEMM2 is done) takes whatever is
 // left, so the last chunks are not reduced by the few communication blocks alone.
 //
-// Per pass a thread reads ROUTES routes of ITEMS (token, 8-column) vectors, issuing all ROUTES x
-// ITEMS loads before using any: a read over NVLink takes microseconds, and k alone (2 on many
-// models) would leave too few in flight.
+// A unit first looks up where each of its routes' rows lies (route position, then the row the
+// dispatch placed it in, then that rank's buffer) into shared memory, once for all its passes: looked
+// up in every pass, that chain of dependent loads came before every read of a row and bounded the
+// kernel by latency (about 10 GB/s per SM, docs/performance.md). Per pass a thread then reads ROUTES
+// routes of ITEMS (token, 8-column) vectors, issuing all ROUTES x ITEMS loads before using any: a
+// read over NVLink takes microseconds, and k alone (2 on many models) would leave too few in flight.
 template <typename T, int ROUTES, int ITEMS>
 __global__ void __launch_bounds__(kCombineThreads, 1)
 combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* route_row, const int64_t* route_position,
@@ -337,6 +340,12 @@ combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* 
     const int64_t total_units = chunks * units_per_chunk;
     int32_t* claim = layout + shape.layout.totals + kTotalCombineClaim;
     __shared__ int64_t claimed;
+    // A unit's routes, [route j][token of the unit]: the row (null for a dropped route), the gate and
+    // the send position (where `returned` keeps the row).
+    extern __shared__ int64_t staged[];
+    const T** staged_row = reinterpret_cast<const T**>(staged);
+    float* staged_gate = reinterpret_cast<float*>(staged_row + top_k * unit_tokens);
+    int32_t* staged_pos = reinterpret_cast<int32_t*>(staged_gate + top_k * unit_tokens);
 
     for (;;) {
         if (threadIdx.x == 0) {
@@ -349,41 +358,55 @@ combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* 
             }
             claimed = u;
         }
+        // Also: every thread is done with the previous unit's staging before it is overwritten.
         __syncthreads();
         const int64_t u = claimed;
         __syncthreads();  // every thread has read it before thread 0 claims the next unit
         if (u >= total_units) return;
         const int64_t c = u / units_per_chunk;
         const int64_t t0 = (u % units_per_chunk) * unit_tokens, t1 = min(num_tokens, t0 + unit_tokens);
+        const int64_t n = t1 - t0;
+        for (int64_t e = threadIdx.x; e < top_k * n; e += blockDim.x) {
+            const int64_t j = e / n, t = e % n;  // consecutive threads, consecutive tokens: coalesced
+            const int64_t route = j * num_tokens + t0 + t;
+            const int64_t pos = route_position[route];
+            const T* row = nullptr;  // a dropped route adds nothing
+            if (pos < kept) {
+                const int64_t where = route_row[pos];
+                row = reinterpret_cast<const T*>(peer_expert_out[where >> 32]) + (where & 0xFFFFFFFF) * hidden;
+            }
+            staged_row[j * unit_tokens + t] = row;
+            staged_gate[j * unit_tokens + t] = gates == nullptr ? 1.f : gates[route];
+            staged_pos[j * unit_tokens + t] = static_cast<int32_t>(pos);
+        }
+        __syncthreads();
         const int64_t col0 = c * chunk_cols, vectors = (min(hidden, col0 + chunk_cols) - col0) / 8;
-        const int64_t work = (t1 - t0) * vectors;
+        const int64_t work = n * vectors;
 
         for (int64_t w0 = threadIdx.x; w0 < work; w0 += static_cast<int64_t>(ITEMS) * blockDim.x) {
-            int32_t token[ITEMS], col[ITEMS];  // int32 (as the layout's counts): fewer registers, no spills
+            int32_t token[ITEMS], col[ITEMS];  // token within the unit (-1: no item); int32: fewer registers
             float acc[ITEMS][8];
 #pragma unroll
             for (int it = 0; it < ITEMS; ++it) {
                 const int64_t w = w0 + static_cast<int64_t>(it) * blockDim.x;
-                token[it] = w < work ? static_cast<int32_t>(t0 + w / vectors) : -1;
+                token[it] = w < work ? static_cast<int32_t>(w / vectors) : -1;
                 col[it] = static_cast<int32_t>(col0 + (w % vectors) * 8);
 #pragma unroll
                 for (int v = 0; v < 8; ++v) acc[it][v] = 0.f;
             }
             for (int64_t j0 = 0; j0 < top_k; j0 += ROUTES) {
                 int4 raw[ITEMS][ROUTES];
-                int32_t pos[ITEMS][ROUTES];
+                uint32_t present = 0;  // bit it * ROUTES + i: that item's route read a row
 #pragma unroll
                 for (int it = 0; it < ITEMS; ++it) {
 #pragma unroll
                     for (int i = 0; i < ROUTES; ++i) {
-                        pos[it][i] = static_cast<int32_t>(
-                            token[it] >= 0 && j0 + i < top_k ? route_position[(j0 + i) * num_tokens + token[it]] : kept);
-                        if (pos[it][i] < kept) {  // else a dropped route (or no item): it adds nothing
-                            const int64_t where = route_row[pos[it][i]];
-                            const T* rows = reinterpret_cast<const T*>(peer_expert_out[where >> 32]);
+                        const T* row = token[it] >= 0 && j0 + i < top_k ? staged_row[(j0 + i) * unit_tokens + token[it]]
+                                                                        : nullptr;
+                        if (row != nullptr) {
                             // Written by another GPU: read past L1, which does not see its stores.
-                            raw[it][i] = __ldcg(reinterpret_cast<const int4*>(rows + (where & 0xFFFFFFFF) * hidden +
-                                                                              col[it]));
+                            raw[it][i] = __ldcg(reinterpret_cast<const int4*>(row + col[it]));
+                            present |= 1u << (it * ROUTES + i);
                         }
                     }
                 }
@@ -391,14 +414,16 @@ combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* 
                 for (int it = 0; it < ITEMS; ++it) {
 #pragma unroll
                     for (int i = 0; i < ROUTES; ++i) {
-                        if (pos[it][i] >= kept) continue;
-                        const float gate = gates == nullptr ? 1.f : gates[(j0 + i) * num_tokens + token[it]];
+                        if (!(present & (1u << (it * ROUTES + i)))) continue;
+                        const int64_t e = (j0 + i) * unit_tokens + token[it];
                         float values[8];
                         Vec8<T>::to_float(raw[it][i], values);
+                        const float gate = staged_gate[e];
 #pragma unroll
                         for (int v = 0; v < 8; ++v) acc[it][v] += gate * values[v];
                         if (returned != nullptr) {
-                            *reinterpret_cast<int4*>(returned + static_cast<int64_t>(pos[it][i]) * hidden + col[it]) = raw[it][i];
+                            *reinterpret_cast<int4*>(returned + static_cast<int64_t>(staged_pos[e]) * hidden + col[it]) =
+                                raw[it][i];
                         }
                     }
                 }
@@ -406,8 +431,7 @@ combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* 
 #pragma unroll
             for (int it = 0; it < ITEMS; ++it) {
                 if (token[it] >= 0) {
-                    *reinterpret_cast<int4*>(out + static_cast<int64_t>(token[it]) * hidden + col[it]) =
-                        Vec8<T>::from_float(acc[it]);
+                    *reinterpret_cast<int4*>(out + (t0 + token[it]) * hidden + col[it]) = Vec8<T>::from_float(acc[it]);
                 }
             }
         }
@@ -419,11 +443,14 @@ void launch_combine_as(const GroupShape& shape, const int64_t* peer_expert_out, 
                        const int64_t* route_position, const float* gates, void* out, void* returned, int64_t top_k,
                        int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
                        const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks, cudaStream_t stream) {
-    // About eight passes of a block per unit: long enough to hide the claim, short enough that the
-    // last units spread over every block.
+    // About eight passes of a block per unit: long enough to hide the claim and the staging, short
+    // enough that the last units spread over every block.
     const int64_t unit_vectors = static_cast<int64_t>(kCombineThreads) * ITEMS * 8;
-    const int64_t unit_tokens = max(int64_t{1}, unit_vectors / max(int64_t{1}, chunk_cols / 8));
-    combine_kernel<T, ROUTES, ITEMS><<<blocks, kCombineThreads, 0, stream>>>(
+    const int64_t routes_per_token = max(int64_t{1}, top_k);
+    const int64_t unit_tokens = max(int64_t{1}, min(unit_vectors / max(int64_t{1}, chunk_cols / 8),
+                                                    kMaxCombineTopK / routes_per_token));
+    const size_t staging = static_cast<size_t>(routes_per_token * unit_tokens) * 16;
+    combine_kernel<T, ROUTES, ITEMS><<<blocks, kCombineThreads, staging, stream>>>(
         shape, peer_expert_out, route_row, route_position, gates, static_cast<T*>(out), static_cast<T*>(returned), top_k,
         num_tokens, hidden, chunk_cols, tile_n, num_chunks, unit_tokens, meta, layout, error_record);
 }
