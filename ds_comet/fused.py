@@ -131,12 +131,16 @@ class _Launch:
 
     def dispatch(self, rows: Tensor, plan: RoutingPlan, scale: Tensor):
         """Sends rows[route token] (times scale[route], if scale is not empty) for every kept route."""
-        b = self.buffer
         main = torch.cuda.current_stream(rows.device)
-        b.comm_stream.wait_stream(main)
-        with torch.cuda.stream(b.comm_stream):
-            b.op.dispatch(b.kernel_shape, rows, plan.route_order, b.layout, b.peer_recv, b.peer_origin, b.peer_meta,
-                          b.route_row, scale, self.params.comm_blocks)
+        self.buffer.comm_stream.wait_stream(main)
+        with torch.cuda.stream(self.buffer.comm_stream):
+            self.send(rows, plan, scale, self.params.comm_blocks)
+
+    def send(self, rows: Tensor, plan: RoutingPlan, scale: Tensor, blocks: int):
+        """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks."""
+        b = self.buffer
+        b.op.dispatch(b.kernel_shape, rows, plan.route_order, b.layout, b.peer_recv, b.peer_origin, b.peer_meta,
+                      b.route_row, scale, blocks)
 
     def combine(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor, finish_on_main: bool):
         """out[token] = sum over its kept routes of gate (1 if gates is empty) x the route's expert output;
@@ -241,8 +245,8 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     current mode; default: the workspace's bound): the activations are sized by it, and the
     exchange kernel stops with an error rather than let a call exceed it.
 
-    ``profile``, if given, receives callables that relaunch GEMM1, GEMM2 and the combine alone (the
-    combine on every SM, and on the communication blocks only): benchmarks.
+    ``profile``, if given, receives callables that relaunch GEMM1, GEMM2, the combine and the dispatch
+    alone (the last two on every SM, and on the communication blocks only): benchmarks.
     ``saved``, if given, receives what ``fused_backward`` needs: a copy of the received rows (the
     workspace is reused by the next call), each route's expert output (the combine writes them), the
     products before the activation and the activations.
@@ -282,15 +286,20 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
         # GEMM1 waited for every received row; keep them before the next call overwrites them.
         saved.update(rows=buffer.recv[:rows].clone(), pre=pre, h=h)
     if profile is not None:
-        # Relaunching the GEMMs and the combine alone is safe until the next call's exchange resets
-        # the counters: the chunks stay counted, so the combine then measures its own rate.
+        # Relaunching the parts alone is safe until the next call's exchange resets the counters:
+        # tiles and chunks stay counted, so each part then measures its own rate.
         def rerun_combine(blocks):
             claim = buffer.layout_offsets.totals + TOTAL_COMBINE_CLAIM
             buffer.layout[claim:claim + 1].zero_()
             launch.reduce(plan, gates, out, _no_rows(tokens), blocks)
 
+        def rerun_dispatch(blocks):  # the same rows to the same places; the tile counts only grow
+            launch.send(tokens, plan, _no_scale(tokens.device), blocks)
+
         profile.update(gemm1=run_gemm1, gemm2=run_gemm2, combine=lambda: rerun_combine(buffer.num_sms),
-                       combine_comm=lambda: rerun_combine(params.comm_blocks))
+                       combine_comm=lambda: rerun_combine(params.comm_blocks),
+                       dispatch=lambda: rerun_dispatch(buffer.num_sms),
+                       dispatch_comm=lambda: rerun_dispatch(params.comm_blocks))
     # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
     # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
     # whose producers this rank has not launched yet.
