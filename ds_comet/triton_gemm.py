@@ -120,6 +120,28 @@ def _swizzle(tile, rows, cols, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _own_rows_first(slot, local_prefix, remote_prefix, local_total, layout, off_expert_start, off_local_tiles,
+                    off_remote_tiles, BM: tl.constexpr):
+    """(expert, its tile index, first row, the expert's row end) of GEMM1's row tile ``slot`` in the
+    schedule that runs every expert's tiles of own rows first, then every expert's remaining tiles.
+
+    Branch-free: given this as an if/else, ptxas 12.8 (Triton 3.6's) if-converts the two warp-wide
+    reductions of _find_expert under the per-thread predicate that guards the TMA descriptor's
+    staging, so warps take the wrong branch's expert and build descriptors of garbage pointers
+    (docs/performance.md). Both answers are in bounds.
+    """
+    own_tile = slot < local_total
+    remote_slot = slot - local_total
+    expert = tl.where(own_tile, _find_expert(local_prefix, slot), _find_expert(remote_prefix, remote_slot))
+    local_start = tl.load(layout + off_local_tiles + expert)
+    full_local = tl.load(layout + off_local_tiles + expert + 1) - local_start
+    t = tl.where(own_tile, slot - local_start, full_local + remote_slot - tl.load(layout + off_remote_tiles + expert))
+    row_end = tl.load(layout + off_expert_start + expert + 1)
+    tile_row = tl.load(layout + off_expert_start + expert) + t * BM
+    return expert, t, tile_row, row_end
+
+
+@triton.jit
 def _weight_tiles(table, expert, dtype, K, N, BK: tl.constexpr, BN: tl.constexpr, W_NK: tl.constexpr):
     """A TMA descriptor of expert's weight matrix: stored [N, K] (read transposed) with W_NK, else [K, N].
 
@@ -193,19 +215,8 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
 
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
         slot, pid_n = _swizzle(tile, total_m, n_tiles, GROUP_M)
-        # The schedule: every expert's tiles of own rows, then every expert's remaining tiles.
-        # Branch-free: given this as an if/else, ptxas 12.8 (Triton 3.6's) if-converts the two
-        # warp-wide reductions of _find_expert under the per-thread predicate that guards the TMA
-        # descriptor's staging, so warps take the wrong branch's expert and build descriptors of
-        # garbage pointers (docs/performance.md). Both answers are in bounds.
-        own_tile = slot < local_total
-        remote_slot = slot - local_total
-        expert = tl.where(own_tile, _find_expert(local_prefix, slot), _find_expert(remote_prefix, remote_slot))
-        local_start = tl.load(layout + off_local_tiles + expert)
-        full_local = tl.load(layout + off_local_tiles + expert + 1) - local_start
-        t = tl.where(own_tile, slot - local_start, full_local + remote_slot - tl.load(layout + off_remote_tiles + expert))
-        row_end = tl.load(layout + off_expert_start + expert + 1)
-        tile_row = tl.load(layout + off_expert_start + expert) + t * BM
+        expert, t, tile_row, row_end = _own_rows_first(slot, local_prefix, remote_prefix, local_total, layout,
+                                                       off_expert_start, off_local_tiles, off_remote_tiles, BM)
         if WAIT:
             tile_index = tl.load(layout + off_tile_start + expert) + t
             _wait_at_least(tile_counters + tile_index, tl.minimum(row_end - tile_row, BM), timeout_ns, error_addr, rank,

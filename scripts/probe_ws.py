@@ -38,8 +38,20 @@ TG = TUNE.TG
 
 
 @triton.jit
-def _expert_of(prefix, value):
-    return tl.sum((prefix <= value).to(tl.int32)) - 1
+def _tile_product(a_desc, rows, w_desc, expert, row0, col0, offs_m, m_mask, K, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, A_TMA: tl.constexpr, WS: tl.constexpr):
+    """rows[row0:row0+BM] @ W_expert[col0:col0+BN]^T in fp32, W's tiles through the one 3-D descriptor."""
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BK), warp_specialize=WS):
+        if A_TMA:
+            a = a_desc.load([row0, k * BK])
+        else:
+            a = tl.load(rows + offs_m[:, None] * K + (k * BK + offs_k)[None, :],
+                        mask=m_mask[:, None] & (offs_k < K - k * BK)[None, :], other=0.0)
+        w = w_desc.load([expert, col0, k * BK]).reshape(BN, BK)
+        acc = tl.dot(a, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit
@@ -65,35 +77,16 @@ def gemm1_desc_kernel(a_desc, rows, out, pre, w_desc, b1_table, layout, K, N, nu
     own_prefix = tl.load(layout + off_local_tiles + lanes, mask=in_table, other=1 << 30)
     rest_prefix = tl.load(layout + off_remote_tiles + lanes, mask=in_table, other=1 << 30)
     own_total = tl.load(layout + off_local_tiles + num_local)
-    offs_k = tl.arange(0, BK)
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
-        band = GROUP_M * n_tiles
-        first_row = (tile // band) * GROUP_M
-        band_rows = tl.minimum(total_m - first_row, GROUP_M)
-        slot = first_row + (tile % band) % band_rows
-        pid_n = (tile % band) // band_rows
-        own_tile = slot < own_total
-        rest = slot - own_total
-        expert = tl.where(own_tile, _expert_of(own_prefix, slot), _expert_of(rest_prefix, rest))
-        own_start = tl.load(layout + off_local_tiles + expert)
-        own = tl.load(layout + off_local_tiles + expert + 1) - own_start
-        t = tl.where(own_tile, slot - own_start, own + rest - tl.load(layout + off_remote_tiles + expert))
-        row0 = tl.load(layout + off_expert_start + expert) + t * BM
-        row_end = tl.load(layout + off_expert_start + expert + 1)
+        slot, pid_n = TG._swizzle(tile, total_m, n_tiles, GROUP_M)
+        expert, _, row0, row_end = TG._own_rows_first(slot, own_prefix, rest_prefix, own_total, layout,
+                                                      off_expert_start, off_local_tiles, off_remote_tiles, BM)
         col0 = pid_n * BN
         offs_m = row0 + tl.arange(0, BM)
         offs_n = col0 + tl.arange(0, BN)
         m_mask = offs_m < row_end
         n_mask = offs_n < N
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in tl.range(0, tl.cdiv(K, BK), warp_specialize=WS):
-            if A_TMA:
-                a = a_desc.load([row0, k * BK])
-            else:
-                a = tl.load(rows + offs_m[:, None] * K + (k * BK + offs_k)[None, :],
-                            mask=m_mask[:, None] & (offs_k < K - k * BK)[None, :], other=0.0)
-            w = w_desc.load([expert, col0, k * BK]).reshape(BN, BK)
-            acc = tl.dot(a, tl.trans(w), acc)
+        acc = _tile_product(a_desc, rows, w_desc, expert, row0, col0, offs_m, m_mask, K, BM, BN, BK, A_TMA, WS)
         if HAS_BIAS:
             b1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
             acc += tl.load(b1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -114,17 +107,11 @@ def gemm2_desc_kernel(a_desc, rows, w_desc, b2_table, origin, out, chunk_counter
     n_tiles = tl.cdiv(N, BN)
     lanes = tl.arange(0, L_POW2)
     tile_prefix = tl.load(layout + off_tile_start + lanes, mask=lanes <= num_local, other=1 << 30)
-    offs_k = tl.arange(0, BK)
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
         chunk = tile // (total_m * CHUNK_TILES)
         chunk_cols = tl.minimum(CHUNK_TILES, n_tiles - chunk * CHUNK_TILES)
-        in_chunk = tile - chunk * total_m * CHUNK_TILES
-        per_group = GROUP_M * chunk_cols
-        first_row = (in_chunk // per_group) * GROUP_M
-        group_rows = tl.minimum(total_m - first_row, GROUP_M)
-        m = first_row + (in_chunk % per_group) % group_rows
-        n_in_chunk = (in_chunk % per_group) // group_rows
-        expert = _expert_of(tile_prefix, m)
+        m, n_in_chunk = TG._swizzle(tile - chunk * total_m * CHUNK_TILES, total_m, chunk_cols, GROUP_M)
+        expert = TG._find_expert(tile_prefix, m)
         t = m - tl.load(layout + off_tile_start + expert)
         row_end = tl.load(layout + off_expert_start + expert + 1)
         row0 = tl.load(layout + off_expert_start + expert) + t * BM
@@ -133,15 +120,7 @@ def gemm2_desc_kernel(a_desc, rows, w_desc, b2_table, origin, out, chunk_counter
         offs_n = n0 + tl.arange(0, BN)
         m_mask = offs_m < row_end
         n_mask = offs_n < N
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in tl.range(0, tl.cdiv(K, BK), warp_specialize=WS):
-            if A_TMA:
-                a = a_desc.load([row0, k * BK])
-            else:
-                a = tl.load(rows + offs_m[:, None] * K + (k * BK + offs_k)[None, :],
-                            mask=m_mask[:, None] & (offs_k < K - k * BK)[None, :], other=0.0)
-            w = w_desc.load([expert, n0, k * BK]).reshape(BN, BK)
-            acc = tl.dot(a, tl.trans(w), acc)
+        acc = _tile_product(a_desc, rows, w_desc, expert, row0, n0, offs_m, m_mask, K, BM, BN, BK, A_TMA, WS)
         if HAS_BIAS:
             b2 = tl.load(b2_table + expert).to(tl.pointer_type(dtype))
             acc += tl.load(b2 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -155,21 +155,10 @@ def gemm1_tma_kernel(rows, out, w_table, w3_table, b1_table, b3_table, layout, n
         a_desc = tl.make_tensor_descriptor(rows, shape=[num_rows, K], strides=[K, 1], block_shape=[BM, BK])
 
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
-        band = GROUP_M * n_tiles
-        first_row = (tile // band) * GROUP_M
-        band_rows = tl.minimum(total_m - first_row, GROUP_M)
-        slot = first_row + (tile % band) % band_rows
-        pid_n = (tile % band) // band_rows
-        # Branch-free: Triton's warp specialisation gives up on a loop body with an scf.if.
-        own_tile = slot < own_total
-        rest = slot - own_total
-        expert = tl.where(own_tile, tl.sum((own_prefix <= slot).to(tl.int32)), tl.sum(
-            (rest_prefix <= rest).to(tl.int32))) - 1
-        own_start = tl.load(layout + off_local_tiles + expert)
-        own = tl.load(layout + off_local_tiles + expert + 1) - own_start
-        t = tl.where(own_tile, slot - own_start, own + rest - tl.load(layout + off_remote_tiles + expert))
-        row0 = tl.load(layout + off_expert_start + expert) + t * BM
-        row_end = tl.load(layout + off_expert_start + expert + 1)
+        slot, pid_n = TG._swizzle(tile, total_m, n_tiles, GROUP_M)
+        # Branch-free (also what Triton's warp specialisation needs: it gives up on a loop body with an scf.if).
+        expert, _, row0, row_end = TG._own_rows_first(slot, own_prefix, rest_prefix, own_total, layout,
+                                                      off_expert_start, off_local_tiles, off_remote_tiles, BM)
         col0 = pid_n * BN
         offs_m = row0 + tl.arange(0, BM)
         offs_n = col0 + tl.arange(0, BN)
