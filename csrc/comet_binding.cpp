@@ -31,13 +31,21 @@ void check_launch(cudaError_t err, const char* what) {
 
 // Each call's tensors live on one GPU, and the binding launches there, on that GPU's current stream,
 // whatever device is current: without the guard a kernel would run on the current device and read
-// another GPU's memory through its pointers. Empty tensors ("none") are never read.
-void check_one_device(const char* what, std::initializer_list<std::reference_wrapper<const torch::Tensor>> tensors) {
-    const c10::Device device = tensors.begin()->get().device();
+// another GPU's memory through its pointers. Empty tensors ("none") are never read, so they may be
+// anywhere. Returns the GPU of the first tensor that is not empty (the first one's, if all are).
+c10::Device one_device(const char* what, std::initializer_list<std::reference_wrapper<const torch::Tensor>> tensors) {
+    c10::Device device = tensors.begin()->get().device();
+    for (const torch::Tensor& t : tensors) {
+        if (t.numel() > 0) {
+            device = t.device();
+            break;
+        }
+    }
     for (const torch::Tensor& t : tensors) {
         TORCH_CHECK(t.numel() == 0 || t.device() == device, "ds_comet ", what, ": every tensor must be on ", device,
                     ", got one on ", t.device());
     }
+    return device;
 }
 
 int64_t* as_record(int64_t address) { return reinterpret_cast<int64_t*>(address); }
@@ -50,8 +58,7 @@ void exchange(const GroupShape& shape, const torch::Tensor& expert_counts, torch
     check_cuda(layout, "layout", at::kInt);
     TORCH_CHECK(expert_counts.numel() == shape.num_experts, "expert_counts must have num_experts entries");
     TORCH_CHECK(peer_meta.numel() == shape.ep_size, "peer_meta must have ep_size entries");
-    check_one_device("exchange", {expert_counts, meta, peer_meta, layout});
-    const c10::cuda::CUDAGuard device_guard(expert_counts.device());
+    const c10::cuda::CUDAGuard device_guard(one_device("exchange", {expert_counts, meta, peer_meta, layout}));
     check_launch(ds_comet::launch_exchange(shape, expert_counts.data_ptr<int64_t>(), meta.data_ptr<int32_t>(),
                                            peer_meta.data_ptr<int64_t>(), layout.data_ptr<int32_t>(),
                                            as_record(error_record), at::cuda::getCurrentCUDAStream()),
@@ -67,8 +74,7 @@ void plan(const torch::Tensor& indices, int64_t num_experts, torch::Tensor& rout
     TORCH_CHECK(route_order.numel() == indices.numel() && route_position.numel() == indices.numel(),
                 "route_order and route_position must have one entry per route");
     TORCH_CHECK(expert_counts.numel() == num_experts, "expert_counts must have num_experts entries");
-    check_one_device("plan", {indices, route_order, route_position, expert_counts});
-    const c10::cuda::CUDAGuard device_guard(indices.device());
+    const c10::cuda::CUDAGuard device_guard(one_device("plan", {indices, route_order, route_position, expert_counts}));
     check_launch(ds_comet::launch_plan(indices.data_ptr<int32_t>(), indices.numel(), static_cast<int>(num_experts),
                                        route_order.data_ptr<int64_t>(), route_position.data_ptr<int64_t>(),
                                        expert_counts.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()),
@@ -97,8 +103,8 @@ void top2_routes(const torch::Tensor& gates, const torch::Tensor& logits, const 
     check_cuda(expert_counts, "expert_counts", at::kLong);
     check_sizes(expert_counts, "expert_counts", {num_experts});
     TORCH_CHECK(num_experts >= 2 && num_tokens < (int64_t{1} << 31), "top-2 needs at least 2 experts and < 2^31 tokens");
-    check_one_device("top2_routes", {gates, logits, uniform, routes, masks, expert_counts});
-    const c10::cuda::CUDAGuard device_guard(gates.device());
+    const c10::cuda::CUDAGuard device_guard(
+        one_device("top2_routes", {gates, logits, uniform, routes, masks, expert_counts}));
     auto choices = torch::empty({2, num_tokens}, routes.options());
     check_launch(ds_comet::launch_top2_routes(gates.data_ptr<float>(), logits.data_ptr<float>(),
                                               uniform.numel() > 0 ? uniform.data_ptr<float>() : nullptr, num_tokens,
@@ -112,8 +118,7 @@ void gumbel_noise(const torch::Tensor& uniform, torch::Tensor& noise) {
     check_cuda(uniform, "uniform", at::kFloat);
     check_cuda(noise, "noise", at::kFloat);
     check_sizes(noise, "noise", uniform.sizes());
-    check_one_device("gumbel_noise", {uniform, noise});
-    const c10::cuda::CUDAGuard device_guard(uniform.device());
+    const c10::cuda::CUDAGuard device_guard(one_device("gumbel_noise", {uniform, noise}));
     check_launch(ds_comet::launch_gumbel_noise(uniform.data_ptr<float>(), uniform.numel(), noise.data_ptr<float>(),
                                                at::cuda::getCurrentCUDAStream()),
                  "gumbel_noise");
@@ -140,8 +145,8 @@ void topk_masks(const torch::Tensor& top_idx, const torch::Tensor& top_gate, boo
     check_cuda(expert_counts, "expert_counts", at::kLong);
     check_sizes(expert_counts, "expert_counts", {num_experts});
     TORCH_CHECK(top_k <= num_experts, "k must not exceed the number of experts");
-    check_one_device("topk_masks", {top_idx, top_gate, mask, kept, ranked, indices, expert_counts});
-    const c10::cuda::CUDAGuard device_guard(top_idx.device());
+    const c10::cuda::CUDAGuard device_guard(
+        one_device("topk_masks", {top_idx, top_gate, mask, kept, ranked, indices, expert_counts}));
     check_launch(ds_comet::launch_topk_masks(top_idx.data_ptr<int64_t>(), top_gate.data_ptr<float>(), num_tokens,
                                              static_cast<int>(top_k), static_cast<int>(num_experts), drop,
                                              mask.data_ptr<float>(), drop ? kept.data_ptr<float>() : nullptr,
@@ -163,8 +168,7 @@ void topk_keep(const torch::Tensor& capacity_idx, const torch::Tensor& top_idx, 
     check_sizes(kept, "kept", mask.sizes());
     check_cuda(indices, "indices", at::kInt);
     check_sizes(indices, "indices", {top_k, num_tokens});
-    check_one_device("topk_keep", {capacity_idx, top_idx, mask, kept, indices});
-    const c10::cuda::CUDAGuard device_guard(top_idx.device());
+    const c10::cuda::CUDAGuard device_guard(one_device("topk_keep", {capacity_idx, top_idx, mask, kept, indices}));
     check_launch(ds_comet::launch_topk_keep(capacity_idx.data_ptr<int64_t>(), capacity_idx.numel(),
                                             top_idx.data_ptr<int64_t>(), num_tokens, static_cast<int>(top_k),
                                             static_cast<int>(num_experts), mask.data_ptr<float>(),
@@ -206,8 +210,9 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     TORCH_CHECK(tokens.size(0) == 0 ? route_order.numel() == 0 : route_order.numel() % tokens.size(0) == 0,
                 "route_order must hold k routes per token");
     const float* scale = optional_weights(route_scale, "route_scale", route_order.numel());
-    check_one_device("dispatch", {tokens, route_order, layout, peer_recv, peer_origin, peer_meta, route_row, route_scale});
-    const c10::cuda::CUDAGuard device_guard(tokens.device());
+    const c10::cuda::CUDAGuard device_guard(
+        one_device("dispatch",
+                   {tokens, route_order, layout, peer_recv, peer_origin, peer_meta, route_row, route_scale}));
     check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1), dtype_code,
                                            route_order.data_ptr<int64_t>(), scale, layout.data_ptr<int32_t>(),
                                            peer_recv.data_ptr<int64_t>(), peer_origin.data_ptr<int64_t>(),
@@ -251,8 +256,8 @@ void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, cons
     const float* weights = optional_weights(gates, "gates", route_position.numel());
     void* kept_rows = optional_rows(returned, "returned", out.scalar_type(), route_position.numel(), out.size(1));
     TORCH_CHECK(out.size(1) % 8 == 0 && chunk_cols % 8 == 0, "hidden size and chunk width must be multiples of 8");
-    check_one_device("combine", {out, peer_expert_out, route_row, route_position, gates, returned, meta, layout});
-    const c10::cuda::CUDAGuard device_guard(out.device());
+    const c10::cuda::CUDAGuard device_guard(
+        one_device("combine", {out, peer_expert_out, route_row, route_position, gates, returned, meta, layout}));
     check_launch(ds_comet::launch_combine(shape, peer_expert_out.data_ptr<int64_t>(), route_row.data_ptr<int64_t>(),
                                           route_position.data_ptr<int64_t>(), weights, out.data_ptr(), kept_rows,
                                           top_k, out.size(0), out.size(1), dtype_code, chunk_cols, tile_n,

@@ -396,6 +396,7 @@ combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* 
             }
             for (int64_t j0 = 0; j0 < top_k; j0 += ROUTES) {
                 int4 raw[ITEMS][ROUTES];
+                static_assert(ITEMS * ROUTES <= 32, "one bit per read in `present`");
                 uint32_t present = 0;  // bit it * ROUTES + i: that item's route read a row
 #pragma unroll
                 for (int it = 0; it < ITEMS; ++it) {
@@ -443,8 +444,9 @@ void launch_combine_as(const GroupShape& shape, const int64_t* peer_expert_out, 
                        const int64_t* route_position, const float* gates, void* out, void* returned, int64_t top_k,
                        int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
                        const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks, cudaStream_t stream) {
-    // About eight passes of a block per unit: long enough to hide the claim and the staging, short
-    // enough that the last units spread over every block.
+    // About eight passes of a block per unit (fewer where a unit's routes would not fit the staging):
+    // long enough to hide the claim and the staging, short enough that the last units spread over
+    // every block.
     const int64_t unit_vectors = static_cast<int64_t>(kCombineThreads) * ITEMS * 8;
     const int64_t routes_per_token = max(int64_t{1}, top_k);
     const int64_t unit_tokens = max(int64_t{1}, min(unit_vectors / max(int64_t{1}, chunk_cols / 8),

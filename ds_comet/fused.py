@@ -286,8 +286,10 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
         # GEMM1 waited for every received row; keep them before the next call overwrites them.
         saved.update(rows=buffer.recv[:rows].clone(), pre=pre, h=h)
     if profile is not None:
-        # Relaunching the parts alone is safe until the next call's exchange resets the counters:
-        # tiles and chunks stay counted, so each part then measures its own rate.
+        # Tiles and chunks stay counted, so each part relaunched alone measures its own rate. Every
+        # rank's relaunches must be done before any rank's next exchange zeroes its counters (a late
+        # dispatch would count rows of the old call); the bench synchronises and meets its peers
+        # between parts.
         def rerun_combine(blocks):
             claim = buffer.layout_offsets.totals + TOTAL_COMBINE_CLAIM
             buffer.layout[claim:claim + 1].zero_()

@@ -160,9 +160,12 @@ FORWARD_CASES = [
     dict(hidden=640, ffn=768, experts_per_rank=4, k=5, tokens_per_rank=(257, 190)),
     dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(0, 300), capacity_factor=0.5,
          min_capacity=0),
+    # The combine stages a unit's routes in shared memory, at most 3,000 of them: with k = 24 a unit
+    # holds 125 tokens instead of 128 (three passes of 8 routes each).
+    dict(hidden=256, ffn=256, experts_per_rank=16, k=24, tokens_per_rank=(300, 129)),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
-               "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens"]
+               "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units"]
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)
