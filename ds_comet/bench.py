@@ -7,9 +7,9 @@ Every number comes from one run on the same GPUs and inputs: the three layers (s
 gate alone (stock's call and the comet layer's ``gate_routes``), the routing plan, the fused
 pipeline's GEMM1, GEMM2, combine and dispatch relaunched alone (the last two on every SM, and
 "_comm" on the communication blocks only), the expert GEMMs alone on the rows each rank actually
-receives (cuBLAS: the compute bound) and the two all-to-alls
-alone with the same splits (NCCL: the communication bound). Each time is the median of CUDA-event
-timings of many calls, the ranks lined up before each call.
+receives (cuBLAS: the compute bound) and the two all-to-alls alone with the same splits (NCCL: the
+communication bound). Each time is the median of CUDA-event timings of many calls, the ranks lined
+up before each call.
 
 Unless --no-backward, each pipeline also runs training steps (forward, then backward of the output
 against a fixed random gradient plus the aux loss; grads set to None at the start of each step),
