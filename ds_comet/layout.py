@@ -14,6 +14,8 @@ TOTALS_WORDS = 8
 # What a bounded wait waited for, as csrc/comet.h's enum WaitKind.
 WAIT_EXCHANGE_FLAG, WAIT_DISPATCH_TILE, WAIT_COMBINE_CHUNK, WORKSPACE_OVERFLOW = 1, 2, 3, 4
 ERROR_RECORD_WORDS = 8
+# Most routes per token the combine kernel stages (csrc/comet.h's kMaxCombineTopK).
+MAX_COMBINE_TOP_K = 3000
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from deepspeed.utils import log_dist
 from .config import CometMoEConfig
 from .experts import FusedExpert, fused_expert
 from .fused import ExpertTables, FusedCall, FusedParameters, expert_parameters, fused_forward, fused_moe
+from .layout import MAX_COMBINE_TOP_K
 from .routing import plan_routes_cuda
 from .workspace import BufferShape, get_buffer
 
@@ -126,6 +127,8 @@ class PipelineSelector:
         hidden = tokens.shape[-1]
         if hidden % 8 or first.first.out_features % 8:
             return f"hidden ({hidden}) and FFN ({first.first.out_features}) sizes must be multiples of 8"
+        if self.moe.gate.k > MAX_COMBINE_TOP_K:
+            return f"k = {self.moe.gate.k}: the fused combine takes at most {MAX_COMBINE_TOP_K} routes per token"
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install ds_comet[triton])"
         import triton

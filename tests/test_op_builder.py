@@ -102,7 +102,8 @@ def test_layout_codes_match_the_header():
                         ("kWaitDispatchTile", layout.WAIT_DISPATCH_TILE),
                         ("kWaitCombineChunk", layout.WAIT_COMBINE_CHUNK),
                         ("kWorkspaceOverflow", layout.WORKSPACE_OVERFLOW),
-                        ("kErrorRecordWords", layout.ERROR_RECORD_WORDS)]:
+                        ("kErrorRecordWords", layout.ERROR_RECORD_WORDS),
+                        ("kMaxCombineTopK", layout.MAX_COMBINE_TOP_K)]:
         assert f"{name} = {value}" in header, name
 
 

@@ -56,6 +56,13 @@ def test_experts_whose_layers_differ_in_bias_are_refused():
     assert "differ in having a bias" in moe.selector._local_static_reason(torch.randn(8, 16))
 
 
+def test_more_routes_per_token_than_the_combine_stages_is_refused():
+    moe = layer("auto").deepspeed_moe
+    moe.gate.k = layout.MAX_COMBINE_TOP_K + 1
+    reason = moe.selector._local_static_reason(torch.randn(8, 16))
+    assert reason == f"k = {layout.MAX_COMBINE_TOP_K + 1}: the fused combine takes at most 3000 routes per token"
+
+
 def test_triton_without_tensor_descriptors_is_refused(monkeypatch):
     triton = pytest.importorskip("triton")
     monkeypatch.delattr(triton.language, "make_tensor_descriptor")
