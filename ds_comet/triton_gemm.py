@@ -142,6 +142,21 @@ def _own_rows_first(slot, local_prefix, remote_prefix, local_total, layout, off_
 
 
 @triton.jit
+def _chunk_major_tile(tile, total_m, n_tiles, tile_prefix, layout, off_expert_start, off_tile_start, BM: tl.constexpr,
+                      BN: tl.constexpr, GROUP_M: tl.constexpr, CHUNK_TILES: tl.constexpr):
+    """(column chunk, expert, first row, the expert's row end, first column) of GEMM2's ``tile`` in the
+    schedule that finishes each chunk of CHUNK_TILES column tiles across all experts before the next."""
+    chunk = tile // (total_m * CHUNK_TILES)
+    chunk_cols = tl.minimum(CHUNK_TILES, n_tiles - chunk * CHUNK_TILES)
+    m, n_in_chunk = _swizzle(tile - chunk * total_m * CHUNK_TILES, total_m, chunk_cols, GROUP_M)
+    expert = _find_expert(tile_prefix, m)
+    t = m - tl.load(layout + off_tile_start + expert)
+    row_end = tl.load(layout + off_expert_start + expert + 1)
+    row0 = tl.load(layout + off_expert_start + expert) + t * BM
+    return chunk, expert, row0, row_end, (chunk * CHUNK_TILES + n_in_chunk) * BN
+
+
+@triton.jit
 def _weight_tiles(table, expert, dtype, K, N, BK: tl.constexpr, BN: tl.constexpr, W_NK: tl.constexpr):
     """A TMA descriptor of expert's weight matrix: stored [N, K] (read transposed) with W_NK, else [K, N].
 
@@ -286,14 +301,10 @@ def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, out, chunk_coun
     tile_prefix = tl.load(layout + off_tile_start + lanes, mask=lanes <= num_local, other=1 << 30)
 
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
-        chunk = tile // (total_m * CHUNK_TILES)
-        chunk_cols = tl.minimum(CHUNK_TILES, n_tiles - chunk * CHUNK_TILES)
-        m, n_in_chunk = _swizzle(tile - chunk * total_m * CHUNK_TILES, total_m, chunk_cols, GROUP_M)
-        expert = _find_expert(tile_prefix, m)
-        t = m - tl.load(layout + off_tile_start + expert)
-        row_end = tl.load(layout + off_expert_start + expert + 1)
-        offs_m = tl.load(layout + off_expert_start + expert) + t * BM + tl.arange(0, BM)
-        n0 = (chunk * CHUNK_TILES + n_in_chunk) * BN
+        chunk, expert, row0, row_end, n0 = _chunk_major_tile(tile, total_m, n_tiles, tile_prefix, layout,
+                                                             off_expert_start, off_tile_start, BM, BN, GROUP_M,
+                                                             CHUNK_TILES)
+        offs_m = row0 + tl.arange(0, BM)
         offs_n = n0 + tl.arange(0, BN)
         m_mask = offs_m < row_end
         n_mask = offs_n < N

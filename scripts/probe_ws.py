@@ -108,15 +108,10 @@ def gemm2_desc_kernel(a_desc, rows, w_desc, b2_table, origin, out, chunk_counter
     lanes = tl.arange(0, L_POW2)
     tile_prefix = tl.load(layout + off_tile_start + lanes, mask=lanes <= num_local, other=1 << 30)
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
-        chunk = tile // (total_m * CHUNK_TILES)
-        chunk_cols = tl.minimum(CHUNK_TILES, n_tiles - chunk * CHUNK_TILES)
-        m, n_in_chunk = TG._swizzle(tile - chunk * total_m * CHUNK_TILES, total_m, chunk_cols, GROUP_M)
-        expert = TG._find_expert(tile_prefix, m)
-        t = m - tl.load(layout + off_tile_start + expert)
-        row_end = tl.load(layout + off_expert_start + expert + 1)
-        row0 = tl.load(layout + off_expert_start + expert) + t * BM
+        chunk, expert, row0, row_end, n0 = TG._chunk_major_tile(tile, total_m, n_tiles, tile_prefix, layout,
+                                                                off_expert_start, off_tile_start, BM, BN, GROUP_M,
+                                                                CHUNK_TILES)
         offs_m = row0 + tl.arange(0, BM)
-        n0 = (chunk * CHUNK_TILES + n_in_chunk) * BN
         offs_n = n0 + tl.arange(0, BN)
         m_mask = offs_m < row_end
         n_mask = offs_n < N
