@@ -48,6 +48,7 @@ def parse_args():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--comm-blocks", type=int, default=None)
+    parser.add_argument("--combine-blocks", type=int, default=None)
     parser.add_argument("--n-chunks", type=int, default=None)
     parser.add_argument("--no-backward", dest="backward", action="store_false",
                         help="time the forward only (skip the training steps and their bounds)")
@@ -187,7 +188,8 @@ def bench_fwd_bwd(layers, x, modules, inputs, args):
 
 def bench_shape(hidden, ffn, experts, k, tokens, args):
     ep_size = dist.get_world_size()
-    overrides = {key: value for key, value in (("comm_blocks", args.comm_blocks), ("n_chunks", args.n_chunks))
+    overrides = {key: value for key, value in (("comm_blocks", args.comm_blocks),
+                                               ("combine_blocks", args.combine_blocks), ("n_chunks", args.n_chunks))
                  if value is not None}
     layers = build(hidden, ffn, experts, k, ep_size, args.gated, args.capacity_factor, overrides)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -204,6 +206,8 @@ def bench_shape(hidden, ffn, experts, k, tokens, args):
         _, _, indices, gates, _ = gate_routes(gate, x[0], op=op)
         results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts), args.iters, args.warmup)
         plan = plan_routes_cuda(op, indices, experts)
+        results["comm_blocks"] = selector._params.comm_blocks
+        results["combine_blocks"] = selector._params.combine_blocks
         parts = {}
         fused_forward(selector._buffer, x[0], plan, gates, selector._experts, selector._tables, selector._params,
                       profile=parts)

@@ -29,7 +29,10 @@ class CometMoEConfig(DeepSpeedConfigModel):
     """
 
     comm_blocks: Optional[int] = Field(None, ge=1)
-    """Thread blocks that move data while the rest compute (default: a rule on the layer's shape)."""
+    """Thread blocks that dispatch tokens while the rest run GEMM1 (default: a rule on the layer's shape)."""
+
+    combine_blocks: Optional[int] = Field(None, ge=1)
+    """Thread blocks that combine expert outputs while the rest run GEMM2 (default: a rule)."""
 
     tile_m: Literal[64, 128] = 128
     """Rows of a GEMM tile: the granularity at which arriving tokens start their GEMM."""

@@ -17,16 +17,18 @@ exchange, which waits until every rank has published that call's counts, which e
 after its previous call joined its combine; so no rank overwrites what a peer still reads.
 
 Streams: the exchange and the GEMMs run on the caller's stream; the dispatch and then the combine
-run on the buffer's communication stream on ``comm_blocks`` thread blocks, and the GEMMs take every
-other multiprocessor. In the forward the combine is launched a second time on the caller's stream,
-after GEMM2, with the GEMM's grid; both launches claim the same work units, so every SM reduces
-what is left once GEMM2 is done. No step reads anything back to the host.
+run on the buffer's communication stream, the dispatch on ``comm_blocks`` thread blocks beside GEMM1
+and the combine on ``combine_blocks`` beside GEMM2, and the GEMMs take every other multiprocessor.
+In the forward the combine is launched a second time on the caller's stream, after GEMM2, with
+GEMM2's grid; both launches claim the same work units, so every SM reduces what is left once GEMM2
+is done. No step reads anything back to the host.
 
 Progress: the dispatch waits for nothing; GEMM1 tiles wait only for dispatches, GEMM2 waits for
 nothing, and the combine waits only for GEMM2s. Every rank launches in the order exchange,
 dispatch, GEMM1, GEMM2, combine, so each spinning kernel's producers are launched on every rank
-before anything that could block a host behind it. The GEMM grids leave ``comm_blocks``
-multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled.
+before anything that could block a host behind it. GEMM1's grid leaves ``comm_blocks``
+multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled;
+GEMM2 waits for nothing and leaves ``combine_blocks`` free for the combine.
 The forward's second combine starts only after this rank's GEMM2, when the only work peers still
 need from this GPU is its dispatch, whose blocks are resident by then (GEMM1 waited for its own
 rows); a unit is claimed only by a running block, so no unit waits on a block that is not scheduled.
@@ -51,7 +53,8 @@ GROUP_M = 8
 
 @dataclass(frozen=True)
 class FusedParameters:
-    comm_blocks: int
+    comm_blocks: int  # thread blocks of the dispatch, beside GEMM1
+    combine_blocks: int  # thread blocks of the combine, beside GEMM2
     tile_m: int
     tile_n: int  # GEMM2's column tile, and the granularity of the combine's chunk counters
     n_chunks: int
@@ -110,7 +113,13 @@ class _Launch:
 
     @property
     def grid(self) -> int:
+        """Programs of GEMM1 (beside the dispatch) and of the weight gradients."""
         return max(1, self.buffer.num_sms - self.params.comm_blocks)
+
+    @property
+    def gemm2_grid(self) -> int:
+        """Programs of GEMM2, beside the combine."""
+        return max(1, self.buffer.num_sms - self.params.combine_blocks)
 
     @property
     def l_pow2(self) -> int:
@@ -151,9 +160,9 @@ class _Launch:
         every SM instead of by them alone.
         """
         with torch.cuda.stream(self.buffer.comm_stream):
-            self.reduce(plan, gates, out, returned, self.params.comm_blocks)
+            self.reduce(plan, gates, out, returned, self.params.combine_blocks)
         if finish_on_main:
-            self.reduce(plan, gates, out, returned, self.grid)
+            self.reduce(plan, gates, out, returned, self.gemm2_grid)
 
     def reduce(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor, blocks: int):
         """One launch of the combine kernel, on the current stream, over ``blocks`` thread blocks."""
@@ -190,12 +199,12 @@ class _Launch:
             w, w3, bias, lda, second = t["w1"], t["w3"], t["b2"], rows.shape[1], self.gated
         else:  # rows = h @ W2^T; W2 is [H, F], i.e. [N, K]
             w, w3, bias, lda, second = t["w2"], t["w2"], t["b2"], self.ffn, False
-        with_descriptor_scratch(lambda: gemm2_kernel[(self.grid, )](
+        with_descriptor_scratch(lambda: gemm2_kernel[(self.gemm2_grid, )](
             rows, lda, w, w3, bias, b.origin, b.expert_out, b.peer_chunk_counters, b.layout, self.ffn, self.hidden,
             len(self.experts), lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
             EP_SIZE=b.shape.ep_size, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K,
-            GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias and not backward,
-            SECOND=second, W_NK=not backward, num_warps=8 if self.params.tile_n >= 256 else 4, num_stages=3))
+            GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.gemm2_grid,
+            HAS_BIAS=self.has_bias and not backward, SECOND=second, W_NK=not backward, num_warps=8 if self.params.tile_n >= 256 else 4, num_stages=3))
 
     def wgrad(self, a: Tensor, b: Tensor, M: int, N: int, dtype) -> Tuple[Tensor, Optional[Tensor]]:
         """Per local expert l: a[rows of l, :M]^T @ b[rows of l, :N] and a's column sums (bias)."""
@@ -203,6 +212,8 @@ class _Launch:
         num_local = len(self.experts)
         out = torch.empty((num_local, M, N), dtype=dtype, device=a.device)
         bias = torch.empty((num_local, M), dtype=dtype, device=a.device) if self.has_bias else out
+        # GEMM1's grid, not GEMM2's: beside the combine's tail either would do, but the static
+        # schedule is sensitive to its grid (dW1 of shape 1: 3.3 ms on 123 programs, 8.4 on 128).
         wgrad_kernel[(self.grid, )](a, a.shape[1], b, b.shape[1], out, bias, self.buffer.layout,
                                     self.buffer.layout_offsets.expert_start, M, N, num_local, BM=128, BN=256, BK=64,
                                     GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, num_warps=8,
@@ -299,7 +310,7 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
             launch.send(tokens, plan, _no_scale(tokens.device), blocks)
 
         profile.update(gemm1=run_gemm1, gemm2=run_gemm2, combine=lambda: rerun_combine(buffer.num_sms),
-                       combine_comm=lambda: rerun_combine(params.comm_blocks),
+                       combine_comm=lambda: rerun_combine(params.combine_blocks),
                        dispatch=lambda: rerun_dispatch(buffer.num_sms),
                        dispatch_comm=lambda: rerun_dispatch(params.comm_blocks))
     # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the

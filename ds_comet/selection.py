@@ -27,9 +27,11 @@ from .routing import plan_routes_cuda
 from .workspace import BufferShape, get_buffer
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
-# Rates for the split rule (2 x H200, see shared/device/README.md): only their ratio matters.
+# Rates for the split rule (2 x H200, see shared/device/README.md and docs/performance.md).
 GEMM_FLOPS_PER_S = 600e12
 LINK_BYTES_PER_S = 300e9
+COMBINE_BYTES_PER_SM_S = 24e9  # the combine kernel on its own blocks, bytes read and written per SM
+COMBINE_SHARE_OF_GEMM2 = 0.8  # the combine's blocks aim to finish in this share of GEMM2's time
 
 
 def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool, top_k: int, ep_size: int,
@@ -43,6 +45,17 @@ def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool
         share = (link_bytes / LINK_BYTES_PER_S) / (link_bytes / LINK_BYTES_PER_S + flops / GEMM_FLOPS_PER_S)
         comm_blocks = min(max(round(num_sms * share), 8), max(num_sms // 6, 1))
     comm_blocks = min(comm_blocks, max(num_sms - 1, 1))
+    combine_blocks = config.combine_blocks
+    if combine_blocks is None:
+        # Enough blocks for the combine to keep pace with GEMM2 on the other SMs, and no more: what
+        # they leave is reduced by every SM once GEMM2 ends, and each block held is a GEMM2 SM lost.
+        # With b blocks: bytes / (b rate) = share x gemm2_s x n / (n - b), solved for b.
+        routes = top_k * max_tokens
+        combine_bytes = (routes + max_tokens) * hidden * elem_bytes
+        gemm2_s = 2 * routes * hidden * ffn / GEMM_FLOPS_PER_S
+        ratio = combine_bytes / (COMBINE_SHARE_OF_GEMM2 * gemm2_s * COMBINE_BYTES_PER_SM_S * num_sms)
+        combine_blocks = min(math.ceil(num_sms * ratio / (1 + ratio)), comm_blocks)
+    combine_blocks = min(combine_blocks, max(num_sms - 1, 1))
     # Measured on H200 (docs/performance.md, scripts/tune_gemm.py): both GEMMs are fastest with
     # 256-column tiles (GEMM2 since it stores rows locally); a gated GEMM1 holds two accumulators,
     # which do not fit in registers at 256.
@@ -50,7 +63,7 @@ def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool
     tile_n = config.tile_n or 256
     n_chunks = config.n_chunks or (4 if ffn >= 8192 else 8)
     n_chunks = min(n_chunks, math.ceil(hidden / tile_n))
-    return FusedParameters(comm_blocks=comm_blocks, tile_m=config.tile_m, tile_n=tile_n, n_chunks=n_chunks,
+    return FusedParameters(comm_blocks=comm_blocks, combine_blocks=combine_blocks, tile_m=config.tile_m, tile_n=tile_n, n_chunks=n_chunks,
                            gemm1_tile_n=gemm1_tile_n)
 
 

@@ -1,7 +1,8 @@
 """Time the fused layer alone under several parameter settings, and where its host time goes.
 
     torchrun --nproc_per_node 2 scripts/sweep_fused.py --shape NAME [--custom H,F,E,K,T ...]
-        --comm-blocks 8,12,16,22 [--n-chunks 4,8] [--gate-ops kernels,torch] [--host-profile] [--out DIR]
+        --comm-blocks 8,12,16,22 [--combine-blocks auto,22] [--n-chunks 4,8] [--gate-ops kernels,torch]
+        [--host-profile] [--out DIR]
 
 The benchmark times one setting per run, next to stock DeepSpeed and the bounds; this times only
 the fused layer, once per setting (every combination of the lists; "auto" is the selection rule),
@@ -43,6 +44,7 @@ def parse_args():
     parser.add_argument("--shape", action="append", help="a default shape (repeatable)")
     parser.add_argument("--custom", action="append", default=[], help="H,F,E,K,T (T = tokens per rank)")
     parser.add_argument("--comm-blocks", type=settings, default=[None])
+    parser.add_argument("--combine-blocks", type=settings, default=[None])
     parser.add_argument("--n-chunks", type=settings, default=[None])
     parser.add_argument("--gate-ops", type=lambda text: text.split(","), default=["kernels"])
     parser.add_argument("--iters", type=int, default=20)
@@ -106,8 +108,10 @@ def main():
         x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16)
         xg = x.detach().clone().requires_grad_()
         dy = torch.randn_like(x)
-        for comm_blocks, n_chunks, gate in itertools.product(args.comm_blocks, args.n_chunks, args.gate_ops):
-            overrides = {key: v for key, v in (("comm_blocks", comm_blocks), ("n_chunks", n_chunks)) if v is not None}
+        for comm_blocks, combine_blocks, n_chunks, gate in itertools.product(args.comm_blocks, args.combine_blocks,
+                                                                             args.n_chunks, args.gate_ops):
+            overrides = {key: v for key, v in (("comm_blocks", comm_blocks), ("combine_blocks", combine_blocks),
+                                               ("n_chunks", n_chunks)) if v is not None}
             layer = fused_layer(hidden, ffn, experts, k, overrides, device)
             with gate_ops(gate):
                 with torch.no_grad():
@@ -118,10 +122,11 @@ def main():
             times = torch.tensor([forward, step], device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             params = layer.deepspeed_moe.selector._params
-            key = f"{name} comm_blocks={params.comm_blocks} n_chunks={params.n_chunks} gate={gate}"
+            key = (f"{name} comm_blocks={params.comm_blocks} combine_blocks={params.combine_blocks} "
+                   f"n_chunks={params.n_chunks} gate={gate}")
             results[key] = {"forward": times[0].item(), "fwd_bwd": times[1].item(), "rule": not overrides}
             if dist.get_rank() == 0:
-                print(f"{key:76s} forward {times[0].item():7.3f} ms  fwd+bwd {times[1].item():7.3f} ms"
+                print(f"{key:94s} forward {times[0].item():7.3f} ms  fwd+bwd {times[1].item():7.3f} ms"
                       f"{'  (rule)' if not overrides else ''}", flush=True)
             profiled = args.host_profile and not overrides and gate == args.gate_ops[0]
             if profiled and dist.get_rank() == 0:

@@ -29,7 +29,7 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _layers(seed, hidden, ffn, expert_kind, timeout_s=20.0, **moe_kwargs):
+def _layers(seed, hidden, ffn, expert_kind, timeout_s=20.0, moe=None, **moe_kwargs):
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(seed)
     template = make_expert(expert_kind, hidden, ffn)
@@ -38,7 +38,7 @@ def _layers(seed, hidden, ffn, expert_kind, timeout_s=20.0, **moe_kwargs):
     reset_experts_(stock, seed)
     layers = {"stock": stock}
     for name, overlap in (("reference", "none"), ("fused", "fused")):
-        config = {"moe": {"backend": "comet", "overlap": overlap, "wait_timeout_s": timeout_s}}
+        config = {"moe": {"backend": "comet", "overlap": overlap, "wait_timeout_s": timeout_s, **(moe or {})}}
         layer = ds_comet.MoE(hidden, template, config=config, **moe_kwargs)
         layer.set_deepspeed_parallelism()
         layer.load_state_dict(stock.state_dict())
@@ -72,10 +72,10 @@ def _poison(layer):
 
 
 def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,
-               capacity_factor=1.0, min_capacity=4, skew=0.0, calls=2):
+               capacity_factor=1.0, min_capacity=4, skew=0.0, calls=2, moe=None):
     rank, ep_size = dist.get_rank(), dist.get_world_size()
     num_experts = experts_per_rank * ep_size
-    layers = _layers(seed, hidden, ffn, expert_kind, num_experts=num_experts, ep_size=ep_size, k=k,
+    layers = _layers(seed, hidden, ffn, expert_kind, moe=moe, num_experts=num_experts, ep_size=ep_size, k=k,
                      drop_tokens=drop_tokens, capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
                      min_capacity=min_capacity)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -163,9 +163,14 @@ FORWARD_CASES = [
     # The combine stages a unit's routes in shared memory, at most 3,000 of them: with k = 24 a unit
     # holds 125 tokens instead of 128 (three passes of 8 routes each).
     dict(hidden=256, ffn=256, experts_per_rank=16, k=24, tokens_per_rank=(300, 129)),
+    # The extreme splits: GEMM1 on one program beside a dispatch on every other SM (comm_blocks is
+    # capped there), and a combine on one block beside GEMM2, which every SM finishes after GEMM2.
+    dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(700, 500), skew=4.0,
+         moe=dict(comm_blocks=100000, combine_blocks=1)),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
-               "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units"]
+               "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units",
+               "extreme-sm-splits"]
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)
@@ -190,7 +195,7 @@ def _exact_copy(stock, hidden, template, device, **moe_kwargs):
 
 def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,
                   capacity_factor=1.0, min_capacity=4, skew=0.0, micro_batches=2, frozen_experts=False,
-                  input_grad=True):
+                  input_grad=True, moe=None):
     """Training steps (train-mode gate, gradients accumulated over micro-batches) on every pipeline.
 
     Every gradient (input, gate weight, each expert weight and bias) of the fused pipeline is
@@ -202,7 +207,7 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
     moe_kwargs = dict(num_experts=experts_per_rank * ep_size, ep_size=ep_size, k=k, drop_tokens=drop_tokens,
                       capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
                       min_capacity=min_capacity)
-    layers = _layers(seed, hidden, ffn, expert_kind, **moe_kwargs)
+    layers = _layers(seed, hidden, ffn, expert_kind, moe=moe, **moe_kwargs)
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(seed)
     layers["exact"] = _exact_copy(layers["stock"], hidden, make_expert(expert_kind, hidden, ffn), device,

@@ -110,6 +110,18 @@ def test_parameter_rule():
     assert pinned.comm_blocks == 20 and pinned.n_chunks == 2 and pinned.tile_n == pinned.gemm1_tile_n == 256
     ruled = choose_parameters(CometMoEConfig(), 4096, 14336, False, 2, 2, 8192, 2, 132)
     assert (ruled.gemm1_tile_n, ruled.tile_n) == (256, 256)
+    # The combine's blocks: enough to keep pace with GEMM2 (more where GEMM2 is short against the
+    # bytes to combine), never more than the dispatch's, and as pinned when pinned.
+    combine = [choose_parameters(config, hidden, ffn, False, k, 2, 4096, 2, 132).combine_blocks
+               for hidden, ffn, k in ((4096, 14336, 2), (7168, 4096, 8), (7168, 2048, 8), (7168, 1024, 8))]
+    assert combine == sorted(combine) and combine[0] < combine[-1], combine
+    for shape in ((4096, 14336, False, 2), (7168, 2048, False, 8), (2048, 1408, True, 4), (64, 64, False, 1)):
+        params = choose_parameters(config, *shape, 2, 8192, 2, 132)
+        assert 1 <= params.combine_blocks <= params.comm_blocks, (shape, params)
+    assert choose_parameters(CometMoEConfig(combine_blocks=30), 4096, 14336, False, 2, 2, 8192, 2,
+                             132).combine_blocks == 30
+    assert choose_parameters(CometMoEConfig(combine_blocks=500), 4096, 14336, False, 2, 2, 8192, 2,
+                             132).combine_blocks == 131
     assert choose_parameters(CometMoEConfig(), 4096, 14336, True, 2, 2, 8192, 2, 132).gemm1_tile_n == 128
 
 
