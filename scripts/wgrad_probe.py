@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Weight-gradient GEMMs on one GPU: ds_comet's Triton wgrad_kernel against torch._grouped_mm (cuBLAS/CUTLASS).
 
-    python3 scripts/wgrad_probe.py [--out DIR]
+    python3 scripts/wgrad_probe.py [--grids 110,123,128,132] [--out DIR]
 
 For each default shape (EP=2, the rows one rank receives, mildly uneven, one expert empty) it times
 dW2 = dY_l^T h_l ([L, H, F]) and dW1 = dA_l^T x_l ([L, F, H]) both ways, checks both against an fp32
 per-expert reference, and prints TFLOP/s. It decides which grouped weight-gradient GEMM the fused
-backward should use.
+backward should use. With --grids it times the fused backward's configuration on each of those
+numbers of programs instead (its static schedule is sensitive to the grid: docs/performance.md).
 """
 
 import argparse
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ds_comet.shapes import SHAPES  # noqa: E402
 from ds_comet.triton_gemm import wgrad_kernel  # noqa: E402
 
+FUSED_CONFIG = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)  # what fused.py launches
 CONFIGS = [dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3), dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
            dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4), dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
            dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=4)]
@@ -37,6 +39,7 @@ def counts_for(rows, experts, generator):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--grids", type=lambda text: [int(v) for v in text.split(",")], default=None)
     args = parser.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -62,10 +65,10 @@ def main():
 
             out = torch.empty(L, M, N, device=dev, dtype=torch.bfloat16)
             bias = torch.empty(L, M, device=dev, dtype=torch.bfloat16)
-            for cfg in CONFIGS:
+            runs = [(FUSED_CONFIG, grid) for grid in args.grids] if args.grids else [(cfg, sms - 16) for cfg in CONFIGS]
+            for cfg, grid in runs:
                 c = dict(cfg)
                 bm, bn, bk = c.pop("BM"), c.pop("BN"), c.pop("BK")
-                grid = sms - 16
 
                 def run():
                     wgrad_kernel[(grid, )](a, M, b, N, out, bias, layout, 0, M, N, L, BM=bm, BN=bn, BK=bk, GROUP_M=8,
@@ -74,9 +77,11 @@ def main():
                     run()
                     err = rel(out)
                     ms = triton.testing.do_bench(run, warmup=10, rep=60)
-                    entry[f"{what} triton {cfg}"] = dict(ms=ms, tflops=flops / ms / 1e9, err=err)
+                    entry[f"{what} triton {cfg} grid {grid}"] = dict(ms=ms, tflops=flops / ms / 1e9, err=err)
                 except Exception as error:  # a config that does not fit
-                    entry[f"{what} triton {cfg}"] = dict(error=str(error)[:200])
+                    entry[f"{what} triton {cfg} grid {grid}"] = dict(error=str(error)[:200])
+            if args.grids:
+                continue
             try:
                 def grouped():
                     return torch._grouped_mm(a[:rows].t(), b[:rows], offs=offs)
