@@ -212,8 +212,9 @@ class _Launch:
         num_local = len(self.experts)
         out = torch.empty((num_local, M, N), dtype=dtype, device=a.device)
         bias = torch.empty((num_local, M), dtype=dtype, device=a.device) if self.has_bias else out
-        # GEMM1's grid, not GEMM2's: beside the combine's tail either would do, but the static
-        # schedule is sensitive to its grid (dW1 of shape 1: 3.3 ms on 123 programs, 8.4 on 128).
+        # GEMM1's grid, not GEMM2's: beside the combine's tail either would do, but in shape 1's
+        # training step dW1 took 8.4 ms on GEMM2's 128 programs against 3.3 on 123 (not reproduced
+        # alone: docs/performance.md, eighth session).
         wgrad_kernel[(self.grid, )](a, a.shape[1], b, b.shape[1], out, bias, self.buffer.layout,
                                     self.buffer.layout_offsets.expert_start, M, N, num_local, BM=128, BN=256, BK=64,
                                     GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, num_warps=8,
