@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Weight-gradient GEMMs on one GPU: ds_comet's Triton wgrad_kernel against torch._grouped_mm (cuBLAS/CUTLASS).
 
-    python3 scripts/wgrad_probe.py [--grids 110,123,128,132] [--out DIR]
+    python3 scripts/wgrad_probe.py [--grids 110,123,128,132] [--every-expert] [--out DIR]
 
 For each default shape (EP=2, the rows one rank receives, mildly uneven, one expert empty) it times
 dW2 = dY_l^T h_l ([L, H, F]) and dW1 = dA_l^T x_l ([L, F, H]) both ways, checks both against an fp32
 per-expert reference, and prints TFLOP/s. It decides which grouped weight-gradient GEMM the fused
 backward should use. With --grids it times the fused backward's configuration on each of those
-numbers of programs instead (its static schedule is sensitive to the grid: docs/performance.md).
+numbers of programs instead (inside a training step it was slow on one grid: docs/performance.md).
+--every-expert gives every expert rows, as a training step's routing does.
 """
 
 import argparse
@@ -28,9 +29,10 @@ CONFIGS = [dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3), dict(BM=128, 
            dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=4)]
 
 
-def counts_for(rows, experts, generator):
+def counts_for(rows, experts, generator, every_expert):
     weights = torch.rand(experts, generator=generator) + 0.5
-    weights[experts // 2] = 0  # one expert without rows
+    if not every_expert:
+        weights[experts // 2] = 0  # one expert without rows
     counts = (weights / weights.sum() * rows).floor().long()
     counts[0] += rows - counts.sum()
     return counts
@@ -40,6 +42,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--grids", type=lambda text: [int(v) for v in text.split(",")], default=None)
+    parser.add_argument("--every-expert", action="store_true")
     args = parser.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -47,7 +50,7 @@ def main():
     for name, (H, F, E, k, T) in SHAPES.items():
         L = E // 2
         g = torch.Generator().manual_seed(0)
-        counts = counts_for(2 * T * k // 2, L, g)
+        counts = counts_for(2 * T * k // 2, L, g, args.every_expert)
         rows = int(counts.sum())
         starts = torch.zeros(L + 1, dtype=torch.int32)
         starts[1:] = counts.cumsum(0)
@@ -88,8 +91,9 @@ def main():
                 got = grouped()
                 err = rel(got)
                 ms = triton.testing.do_bench(grouped, warmup=10, rep=60)
-                empty_zero = bool((got[L // 2] == 0).all())
-                entry[f"{what} grouped_mm"] = dict(ms=ms, tflops=flops / ms / 1e9, err=err, empty_group_zero=empty_zero)
+                entry[f"{what} grouped_mm"] = dict(ms=ms, tflops=flops / ms / 1e9, err=err)
+                if not args.every_expert:
+                    entry[f"{what} grouped_mm"]["empty_group_zero"] = bool((got[L // 2] == 0).all())
             except Exception as error:
                 entry[f"{what} grouped_mm"] = dict(error=str(error)[:300])
         results[name] = entry
