@@ -32,13 +32,14 @@ class CometMoEConfig(DeepSpeedConfigModel):
     """Thread blocks that dispatch tokens while the rest run GEMM1 (default: a rule on the layer's shape)."""
 
     combine_blocks: Optional[int] = Field(None, ge=1)
-    """Thread blocks that combine expert outputs while the rest run GEMM2 (default: a rule)."""
+    """Thread blocks that combine expert outputs while the rest run GEMM2 (default: a rule); at most
+    ``comm_blocks``, which a larger value is lowered to."""
 
     tile_m: Literal[64, 128] = 128
     """Rows of a GEMM tile: the granularity at which arriving tokens start their GEMM."""
 
     tile_n: Optional[Literal[64, 128, 256]] = None
-    """Columns of a GEMM tile, for both GEMMs (default: a rule, 256 for GEMM1 and 128 for GEMM2)."""
+    """Columns of a GEMM tile, for both GEMMs (default: a rule, 256 for both, 128 for a gated GEMM1)."""
 
     n_chunks: Optional[int] = Field(None, ge=1, le=64)
     """Column chunks of GEMM2; the combine of chunk j overlaps GEMM2 of chunk j+1 (default: a rule)."""

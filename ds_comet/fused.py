@@ -27,11 +27,13 @@ Progress: the dispatch waits for nothing; GEMM1 tiles wait only for dispatches, 
 nothing, and the combine waits only for GEMM2s. Every rank launches in the order exchange,
 dispatch, GEMM1, GEMM2, combine, so each spinning kernel's producers are launched on every rank
 before anything that could block a host behind it. GEMM1's grid leaves ``comm_blocks``
-multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled;
-GEMM2 waits for nothing and leaves ``combine_blocks`` free for the combine.
-The forward's second combine starts only after this rank's GEMM2, when the only work peers still
-need from this GPU is its dispatch, whose blocks are resident by then (GEMM1 waited for its own
-rows); a unit is claimed only by a running block, so no unit waits on a block that is not scheduled.
+multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled. The
+communication stream's combine starts only after the dispatch and holds at most ``combine_blocks``
+<= ``comm_blocks`` SMs (selection.py), so it and GEMM1 fit on the GPU together. The forward's
+second combine starts only after this rank's GEMM2, when the only work peers may still need from
+this GPU is its dispatch; it takes ``num_sms - combine_blocks`` SMs, and the SMs of the other
+combine, which cannot start before the dispatch ends, stay for the dispatch. A unit is claimed only
+by a running block, so no unit waits on a block that is not scheduled.
 """
 
 import contextvars

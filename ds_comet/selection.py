@@ -37,6 +37,7 @@ COMBINE_SHARE_OF_GEMM2 = 0.8  # the combine's blocks aim to finish in this share
 def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool, top_k: int, ep_size: int,
                       max_tokens: int, elem_bytes: int, num_sms: int) -> FusedParameters:
     """The first, simple per-shape rule; every value can be pinned in the "moe" section."""
+    max_tokens = max(max_tokens, 1)  # a group whose first call had no tokens still gets a split
     comm_blocks = config.comm_blocks
     if comm_blocks is None:
         routes = top_k * max_tokens
@@ -54,8 +55,11 @@ def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool
         combine_bytes = (routes + max_tokens) * hidden * elem_bytes
         gemm2_s = 2 * routes * hidden * ffn / GEMM_FLOPS_PER_S
         ratio = combine_bytes / (COMBINE_SHARE_OF_GEMM2 * gemm2_s * COMBINE_BYTES_PER_SM_S * num_sms)
-        combine_blocks = min(math.ceil(num_sms * ratio / (1 + ratio)), comm_blocks)
-    combine_blocks = min(combine_blocks, max(num_sms - 1, 1))
+        combine_blocks = math.ceil(num_sms * ratio / (1 + ratio))
+    # Never more than the dispatch's: the combine's blocks can start as soon as the dispatch ends and
+    # spin until GEMM2s finish, so with more of them than the dispatch frees, they could take SMs that
+    # GEMM1's programs still need (fused.py's progress argument).
+    combine_blocks = min(combine_blocks, comm_blocks)
     # Measured on H200 (docs/performance.md, scripts/tune_gemm.py): both GEMMs are fastest with
     # 256-column tiles (GEMM2 since it stores rows locally); a gated GEMM1 holds two accumulators,
     # which do not fit in registers at 256.

@@ -101,6 +101,9 @@ def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_k
                 outputs[name] = layer(tokens.unsqueeze(0))
             fused_layer = layers["fused"].deepspeed_moe
             assert fused_layer.selector._buffer is not None, "the fused pipeline did not run"
+            num_sms = fused_layer.selector._buffer.num_sms
+            for key, value in (moe or {}).items():  # pinned values, as capped by the selection
+                assert getattr(fused_layer.selector._params, key) == min(value, num_sms - 1), key
             torch.manual_seed(noise)
             expected, indices = _float64_output(layers["fused"], tokens, seed, expert_kind, hidden, ffn)
 

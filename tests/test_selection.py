@@ -118,10 +118,17 @@ def test_parameter_rule():
     for shape in ((4096, 14336, False, 2), (7168, 2048, False, 8), (2048, 1408, True, 4), (64, 64, False, 1)):
         params = choose_parameters(config, *shape, 2, 8192, 2, 132)
         assert 1 <= params.combine_blocks <= params.comm_blocks, (shape, params)
-    assert choose_parameters(CometMoEConfig(combine_blocks=30), 4096, 14336, False, 2, 2, 8192, 2,
-                             132).combine_blocks == 30
-    assert choose_parameters(CometMoEConfig(combine_blocks=500), 4096, 14336, False, 2, 2, 8192, 2,
-                             132).combine_blocks == 131
+    assert choose_parameters(CometMoEConfig(combine_blocks=5), 4096, 14336, False, 2, 2, 8192, 2,
+                             132).combine_blocks == 5
+    # More than the dispatch's blocks is lowered to them (they could otherwise starve GEMM1).
+    lowered = choose_parameters(CometMoEConfig(combine_blocks=30), 4096, 14336, False, 2, 2, 8192, 2, 132)
+    assert lowered.combine_blocks == lowered.comm_blocks < 30
+    pinned = choose_parameters(CometMoEConfig(comm_blocks=500, combine_blocks=500), 4096, 14336, False, 2, 2, 8192,
+                               2, 132)
+    assert pinned.comm_blocks == pinned.combine_blocks == 131
+    # A group whose first call had no tokens still gets a valid split.
+    empty = choose_parameters(CometMoEConfig(), 4096, 14336, False, 2, 2, 0, 2, 132)
+    assert 1 <= empty.combine_blocks <= empty.comm_blocks <= 132 // 6
     assert choose_parameters(CometMoEConfig(), 4096, 14336, True, 2, 2, 8192, 2, 132).gemm1_tile_n == 128
 
 
