@@ -206,7 +206,8 @@ class _Launch:
             len(self.experts), lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
             EP_SIZE=b.shape.ep_size, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K,
             GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.gemm2_grid,
-            HAS_BIAS=self.has_bias and not backward, SECOND=second, W_NK=not backward, num_warps=8 if self.params.tile_n >= 256 else 4, num_stages=3))
+            HAS_BIAS=self.has_bias and not backward, SECOND=second, W_NK=not backward,
+            num_warps=8 if self.params.tile_n >= 256 else 4, num_stages=3))
 
     def wgrad(self, a: Tensor, b: Tensor, M: int, N: int, dtype) -> Tuple[Tensor, Optional[Tensor]]:
         """Per local expert l: a[rows of l, :M]^T @ b[rows of l, :N] and a's column sums (bias)."""

@@ -67,8 +67,8 @@ def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool
     tile_n = config.tile_n or 256
     n_chunks = config.n_chunks or (4 if ffn >= 8192 else 8)
     n_chunks = min(n_chunks, math.ceil(hidden / tile_n))
-    return FusedParameters(comm_blocks=comm_blocks, combine_blocks=combine_blocks, tile_m=config.tile_m, tile_n=tile_n, n_chunks=n_chunks,
-                           gemm1_tile_n=gemm1_tile_n)
+    return FusedParameters(comm_blocks=comm_blocks, combine_blocks=combine_blocks, tile_m=config.tile_m,
+                           tile_n=tile_n, n_chunks=n_chunks, gemm1_tile_n=gemm1_tile_n)
 
 
 def max_received_rows(max_tokens, top_k, num_experts, ep_size, drop_tokens, capacity_factor, eval_capacity_factor,
