@@ -221,13 +221,13 @@ class PipelineSelector:
         try:
             plan = plan_routes_cuda(self._buffer.op, indices, self.moe.num_local_experts * self.moe.ep_size)
             max_rows = self._max_rows[self.moe.gate.training]
-            # The experts' parameters as the fused function takes them (every parameter of the expert
-            # kinds it runs), without nn.Module's recursive walk over every local expert.
-            params = expert_parameters(self._experts)
-            if torch.is_grad_enabled() and (tokens.requires_grad or gates.requires_grad or any(
-                    p.requires_grad for p in params)):
-                call = FusedCall(self._buffer, plan, self._experts, self._tables, self._params, max_rows)
-                return fused_moe(call, tokens, gates, params)
+            if torch.is_grad_enabled():  # under no_grad the parameter list is not needed at all
+                # The experts' parameters as the fused function takes them (every parameter of the
+                # expert kinds it runs), without nn.Module's recursive walk over every local expert.
+                params = expert_parameters(self._experts)
+                if tokens.requires_grad or gates.requires_grad or any(p.requires_grad for p in params):
+                    call = FusedCall(self._buffer, plan, self._experts, self._tables, self._params, max_rows)
+                    return fused_moe(call, tokens, gates, params)
             return fused_forward(self._buffer, tokens, plan, gates, self._experts, self._tables, self._params,
                                  max_rows=max_rows)
         except RuntimeError as error:
