@@ -70,6 +70,8 @@ enum Total : int64_t {
     kTotalPieces = 3,     // dispatch pieces this rank sends
     kTotalGeneration = 4, // the call generation
     kTotalCombineClaim = 5, // combine work units claimed so far (zeroed by the exchange)
+    kTotalErrorClaim = 6,   // 1 once a wait that gave up owns the error record (never reset: its trap
+                            // ends the process's CUDA context)
 };
 
 struct GroupShape {

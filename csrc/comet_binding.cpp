@@ -275,6 +275,7 @@ py::dict codes() {
     d["total_pieces"] = static_cast<int64_t>(ds_comet::kTotalPieces);
     d["total_generation"] = static_cast<int64_t>(ds_comet::kTotalGeneration);
     d["total_combine_claim"] = static_cast<int64_t>(ds_comet::kTotalCombineClaim);
+    d["total_error_claim"] = static_cast<int64_t>(ds_comet::kTotalErrorClaim);
     d["wait_exchange_flag"] = static_cast<int64_t>(ds_comet::kWaitExchangeFlag);
     d["wait_dispatch_tile"] = static_cast<int64_t>(ds_comet::kWaitDispatchTile);
     d["wait_combine_chunk"] = static_cast<int64_t>(ds_comet::kWaitCombineChunk);

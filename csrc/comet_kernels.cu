@@ -35,11 +35,14 @@ __device__ const char* wait_name(int64_t kind) {
 }
 
 // Writes the error record the host turns into an exception, prints it, and stops the kernel:
-// a wait that never completes must not leave wrong numbers behind or hang the job.
-__device__ void fail(const GroupShape& shape, int64_t* error_record, int64_t kind, int64_t index, int64_t target,
-                     int64_t observed, uint64_t waited_ns) {
+// a wait that never completes must not leave wrong numbers behind or hang the job. When a peer
+// stops, every waiting block gives up at about the same time; the claim in device memory lets
+// exactly one of them (in these kernels or the Triton GEMM) fill the record, so that its fields
+// describe one wait.
+__device__ void fail(const GroupShape& shape, int32_t* layout, int64_t* error_record, int64_t kind, int64_t index,
+                     int64_t target, int64_t observed, uint64_t waited_ns) {
     volatile int64_t* record = error_record;
-    if (record[0] == 0) {
+    if (atomicCAS(layout + shape.layout.totals + kTotalErrorClaim, 0, 1) == 0) {
         record[1] = shape.rank;
         record[2] = kind;
         record[3] = index;
@@ -58,7 +61,7 @@ __device__ void fail(const GroupShape& shape, int64_t* error_record, int64_t kin
 
 // Spins until *ptr >= target (acquire, system scope), bounded by shape.timeout_ns.
 __device__ void wait_at_least(const int32_t* ptr, int32_t target, const GroupShape& shape, int64_t kind,
-                              int64_t index, int64_t* error_record) {
+                              int64_t index, int32_t* layout, int64_t* error_record) {
     int32_t seen = load_acquire_sys(ptr);
     if (seen >= target) return;
     const uint64_t start = global_timer_ns();
@@ -67,7 +70,7 @@ __device__ void wait_at_least(const int32_t* ptr, int32_t target, const GroupSha
         seen = load_acquire_sys(ptr);
         const uint64_t waited = global_timer_ns() - start;
         if (seen < target && waited > static_cast<uint64_t>(shape.timeout_ns)) {
-            fail(shape, error_record, kind, index, target, seen, waited);
+            fail(shape, layout, error_record, kind, index, target, seen, waited);
         }
     }
 }
@@ -106,7 +109,7 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
         }
     }
     if (tid < P) {
-        wait_at_least(meta + mo.exchange_flag + tid, generation, shape, kWaitExchangeFlag, tid, error_record);
+        wait_at_least(meta + mo.exchange_flag + tid, generation, shape, kWaitExchangeFlag, tid, layout, error_record);
     }
     __syncthreads();
 
@@ -178,8 +181,10 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
 
     const int64_t recv_rows = layout[lo.totals + kTotalRecvRows];
     const int64_t tiles = layout[lo.totals + kTotalTiles];
-    if (recv_rows > shape.max_recv_rows) fail(shape, error_record, kWorkspaceOverflow, 0, shape.max_recv_rows, recv_rows, 0);
-    if (tiles > shape.max_tiles) fail(shape, error_record, kWorkspaceOverflow, 1, shape.max_tiles, tiles, 0);
+    if (recv_rows > shape.max_recv_rows) {
+        fail(shape, layout, error_record, kWorkspaceOverflow, 0, shape.max_recv_rows, recv_rows, 0);
+    }
+    if (tiles > shape.max_tiles) fail(shape, layout, error_record, kWorkspaceOverflow, 1, shape.max_tiles, tiles, 0);
 }
 
 // The sort key of a route: its expert, or num_experts for a dropped one. An id past the last
@@ -354,7 +359,7 @@ combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* 
                 const int64_t c = u / units_per_chunk;
                 const int64_t tiles = ceil_div(min(hidden, (c + 1) * chunk_cols) - c * chunk_cols, tile_n);
                 wait_at_least(meta + mo.chunk_counter + c, static_cast<int32_t>(kept * tiles), shape,
-                              kWaitCombineChunk, c, error_record);
+                              kWaitCombineChunk, c, layout, error_record);
             }
             claimed = u;
         }

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 # Indexes into layout[totals:], as csrc/comet.h's enum Total.
 TOTAL_TILES, TOTAL_KEPT, TOTAL_RECV_ROWS, TOTAL_PIECES, TOTAL_GENERATION, TOTAL_COMBINE_CLAIM = 0, 1, 2, 3, 4, 5
+TOTAL_ERROR_CLAIM = 6  # which wait that gave up fills the error record (the first to set it)
 TOTALS_WORDS = 8
 # What a bounded wait waited for, as csrc/comet.h's enum WaitKind.
 WAIT_EXCHANGE_FLAG, WAIT_DISPATCH_TILE, WAIT_COMBINE_CHUNK, WORKSPACE_OVERFLOW = 1, 2, 3, 4

@@ -20,6 +20,7 @@ def load_op():
     expected = dict(total_tiles=layout.TOTAL_TILES, total_kept=layout.TOTAL_KEPT,
                     total_recv_rows=layout.TOTAL_RECV_ROWS, total_pieces=layout.TOTAL_PIECES,
                     total_generation=layout.TOTAL_GENERATION, total_combine_claim=layout.TOTAL_COMBINE_CLAIM,
+                    total_error_claim=layout.TOTAL_ERROR_CLAIM,
                     wait_exchange_flag=layout.WAIT_EXCHANGE_FLAG,
                     wait_dispatch_tile=layout.WAIT_DISPATCH_TILE, wait_combine_chunk=layout.WAIT_COMBINE_CHUNK,
                     workspace_overflow=layout.WORKSPACE_OVERFLOW, error_record_words=layout.ERROR_RECORD_WORDS)

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SILU = 0, 1, 2, 3
+# layout.TOTAL_ERROR_CLAIM - layout.TOTAL_TILES (this module imports nothing of the package; a test checks it).
+ERROR_CLAIM_AFTER_TILES = tl.constexpr(6)
 ACTIVATION_CODES = {"gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH, "relu": ACT_RELU, "silu": ACT_SILU}
 
 
@@ -42,14 +44,24 @@ def _global_timer(anchor):
 
 
 @triton.jit
+def _fence_system(anchor):
+    return tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r,l", [anchor], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _trap(anchor):
     return tl.inline_asm_elementwise("mov.u32 $0, 0; trap;", "=r,l", [anchor], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _wait_at_least(counter, target, timeout_ns, error_addr, rank, index, WAIT_KIND: tl.constexpr,
+def _wait_at_least(counter, target, timeout_ns, error_addr, error_claim, rank, index, WAIT_KIND: tl.constexpr,
                    INTERPRET: tl.constexpr):
-    """Spin until *counter >= target; past timeout_ns record the wait in the error record and trap."""
+    """Spin until *counter >= target; past timeout_ns record the wait in the error record and trap.
+
+    Only the first wait to set ``error_claim`` (a device word the CUDA kernels' waits share) fills
+    the record, so that its fields describe one wait.
+    """
     if INTERPRET:
         # The interpreter runs every producer to completion before a consumer starts.
         seen = tl.atomic_add(counter, 0)
@@ -63,14 +75,16 @@ def _wait_at_least(counter, target, timeout_ns, error_addr, rank, index, WAIT_KI
                 seen = _load_acquire(counter)
                 waited = _global_timer(counter) - start
             if seen < target:
-                record = error_addr.to(tl.pointer_type(tl.int64))
-                tl.store(record + 1, tl.zeros([], tl.int64) + rank)
-                tl.store(record + 2, WAIT_KIND)
-                tl.store(record + 3, index.to(tl.int64))
-                tl.store(record + 4, target.to(tl.int64))
-                tl.store(record + 5, seen.to(tl.int64))
-                tl.store(record + 6, waited)
-                tl.store(record, 1)
+                if tl.atomic_cas(error_claim, 0, 1) == 0:
+                    record = error_addr.to(tl.pointer_type(tl.int64))
+                    tl.store(record + 1, tl.zeros([], tl.int64) + rank)
+                    tl.store(record + 2, WAIT_KIND)
+                    tl.store(record + 3, index.to(tl.int64))
+                    tl.store(record + 4, target.to(tl.int64))
+                    tl.store(record + 5, seen.to(tl.int64))
+                    tl.store(record + 6, waited)
+                    _fence_system(counter)
+                    tl.store(record, 1)
                 _trap(counter)
 
 
@@ -234,8 +248,8 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
                                                        off_expert_start, off_local_tiles, off_remote_tiles, BM)
         if WAIT:
             tile_index = tl.load(layout + off_tile_start + expert) + t
-            _wait_at_least(tile_counters + tile_index, tl.minimum(row_end - tile_row, BM), timeout_ns, error_addr, rank,
-                           tile_index, 2, INTERPRET)
+            _wait_at_least(tile_counters + tile_index, tl.minimum(row_end - tile_row, BM), timeout_ns, error_addr,
+                           layout + off_total_tiles + ERROR_CLAIM_AFTER_TILES, rank, tile_index, 2, INTERPRET)
 
         offs_m = tile_row + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)

@@ -98,6 +98,7 @@ def test_layout_codes_match_the_header():
                         ("kTotalRecvRows", layout.TOTAL_RECV_ROWS), ("kTotalPieces", layout.TOTAL_PIECES),
                         ("kTotalGeneration", layout.TOTAL_GENERATION),
                         ("kTotalCombineClaim", layout.TOTAL_COMBINE_CLAIM),
+                        ("kTotalErrorClaim", layout.TOTAL_ERROR_CLAIM),
                         ("kWaitExchangeFlag", layout.WAIT_EXCHANGE_FLAG),
                         ("kWaitDispatchTile", layout.WAIT_DISPATCH_TILE),
                         ("kWaitCombineChunk", layout.WAIT_COMBINE_CHUNK),

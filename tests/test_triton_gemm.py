@@ -174,3 +174,81 @@ def test_triton_gemms_in_interpreter():
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert result.stdout.count("ok ") == 4
+
+
+GIVE_UP_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from layout_reference import reference_layout, layout_array
+from ds_comet import layout as L
+from ds_comet.experts import FeedForward, fused_expert
+from ds_comet.fused import ExpertTables, next_power_of_2, with_descriptor_scratch
+from ds_comet.ops import describe_error_record
+from ds_comet.triton_gemm import ACTIVATION_CODES, gemm1_kernel
+
+hidden, ffn, tile_m, tile_n, num_experts, timeout_ns = 64, 512, 64, 64, 8, 200_000_000
+rows_of = [5 + 7 * e for e in range(num_experts)]  # one tile per expert, each waiting for a different count
+lay = reference_layout([rows_of], 0, tile_m)
+offsets = L.layout_offsets(num_experts, num_experts)
+layout = layout_array(lay, {**offsets.__dict__, "layout_total": offsets.total, "total_tiles": L.TOTAL_TILES,
+                            "total_kept": L.TOTAL_KEPT, "total_recv_rows": L.TOTAL_RECV_ROWS,
+                            "total_pieces": L.TOTAL_PIECES}).cuda()
+tiles = lay["totals"]["tiles"]
+wanted = {}
+for e in range(num_experts):
+    for t in range(lay["tile_start"][e + 1] - lay["tile_start"][e]):
+        wanted[lay["tile_start"][e] + t] = min(tile_m, rows_of[e] - t * tile_m)
+experts = [fused_expert(FeedForward(hidden, ffn).cuda().bfloat16()) for _ in range(num_experts)]
+tables = ExpertTables().get(experts, torch.device("cuda"))
+rows = lay["totals"]["recv_rows"]
+recv = torch.zeros((rows + tile_m, hidden), dtype=torch.bfloat16, device="cuda")
+h = torch.empty((rows + tile_m, ffn), dtype=torch.bfloat16, device="cuda")
+counters = torch.zeros(tiles + 1, dtype=torch.int32, device="cuda")  # no row ever arrives
+record = torch.zeros(L.ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+programs = tiles * (ffn // tile_n)  # every program waits on its first tile, and all give up together
+try:
+    with_descriptor_scratch(lambda: gemm1_kernel[(programs, )](
+        recv, h, h, tables["w1"], tables["w3"], tables["b1"], tables["b3"], layout, counters, record.data_ptr(),
+        timeout_ns, 3, hidden, ffn, num_experts, offsets.expert_start, offsets.tile_start, offsets.local_tiles,
+        offsets.remote_tiles, offsets.totals + L.TOTAL_TILES, L_POW2=next_power_of_2(num_experts + 1), BM=tile_m,
+        BN=tile_n, BK=64, GROUP_M=8, NUM_PROGS=programs, HAS_BIAS=True, GATED=False,
+        ACTIVATION=ACTIVATION_CODES["gelu"], BACKWARD=False, STORE_PRE=False, WAIT=True, INTERPRET=False,
+        num_warps=4, num_stages=3))
+    torch.cuda.synchronize()
+    trapped = False
+except RuntimeError:
+    trapped = True
+print(json.dumps(dict(trapped=trapped, record=record.tolist(), wanted=wanted, tiles=tiles, timeout_ns=timeout_ns,
+                      message=describe_error_record(record))))
+"""
+
+
+def test_a_gemm1_wait_that_gives_up_fills_the_error_record_from_one_wait(tmp_path):
+    """Every GEMM1 program waits for rows that never come and gives up at about the same time: the
+    record must describe one of those waits (its tile and that tile's row count), not a mix."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import json
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton_cache"))
+    env.pop("TRITON_INTERPRET", None)
+    # The kernel traps, which ends the CUDA context: its own process.
+    result = subprocess.run([sys.executable, "-c", GIVE_UP_SCRIPT, tests_dir], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    flag, rank, kind, index, target, seen, waited, _ = out["record"]
+    assert out["trapped"] and flag == 1, out
+    assert (rank, kind, seen) == (3, 2, 0), out  # rank as launched, WAIT_DISPATCH_TILE, nothing arrived
+    assert 0 <= index < out["tiles"] and target == out["wanted"][str(index)], out
+    assert waited >= out["timeout_ns"], out
+    assert f"GEMM1 row tile {index} to reach {target} but saw 0" in out["message"], out
+
+
+def test_the_gemm_error_claim_is_the_layouts():
+    from ds_comet import layout
+    from ds_comet.triton_gemm import ERROR_CLAIM_AFTER_TILES
+    assert ERROR_CLAIM_AFTER_TILES == layout.TOTAL_ERROR_CLAIM - layout.TOTAL_TILES
+    assert layout.TOTAL_ERROR_CLAIM < layout.TOTALS_WORDS
