@@ -1,7 +1,7 @@
 """Benchmark one MoE layer, forward and forward+backward: stock DeepSpeed, the reference and the fused pipeline.
 
     torchrun --nproc_per_node 2 -m ds_comet.bench [--shape NAME ...] [--custom H,F,E,K,T ...] [--out DIR]
-                                                  [--no-backward]
+                                                  [--no-backward] [--cuda-graph-gate]
 
 Every number comes from one run on the same GPUs and inputs: the three layers (same weights), the
 gate alone (stock's call and the comet layer's ``gate_routes``), the routing plan, the fused
@@ -50,6 +50,7 @@ def parse_args():
     parser.add_argument("--comm-blocks", type=int, default=None)
     parser.add_argument("--combine-blocks", type=int, default=None)
     parser.add_argument("--n-chunks", type=int, default=None)
+    parser.add_argument("--cuda-graph-gate", action="store_true", help="the comet layers replay the gate from CUDA graphs")
     parser.add_argument("--no-backward", dest="backward", action="store_false",
                         help="time the forward only (skip the training steps and their bounds)")
     parser.add_argument("--out", default="bench_out")
@@ -58,13 +59,15 @@ def parse_args():
 
 
 def timed(fn, iters, warmup):
-    """Median milliseconds of fn() over iters calls, every rank starting each call together."""
+    """Median milliseconds of fn() over iters calls from an idle device, every rank (if distributed)
+    starting each call together."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -189,7 +192,8 @@ def bench_fwd_bwd(layers, x, modules, inputs, args):
 def bench_shape(hidden, ffn, experts, k, tokens, args):
     ep_size = dist.get_world_size()
     overrides = {key: value for key, value in (("comm_blocks", args.comm_blocks),
-                                               ("combine_blocks", args.combine_blocks), ("n_chunks", args.n_chunks))
+                                               ("combine_blocks", args.combine_blocks), ("n_chunks", args.n_chunks),
+                                               ("cuda_graph_gate", args.cuda_graph_gate or None))
                  if value is not None}
     layers = build(hidden, ffn, experts, k, ep_size, args.gated, args.capacity_factor, overrides)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -203,6 +207,9 @@ def bench_shape(hidden, ffn, experts, k, tokens, args):
         selector = layers["fused"].deepspeed_moe.selector
         op = selector.op
         results["gate_routes"] = timed(lambda: gate_routes(gate, x[0], op=op), args.iters, args.warmup)
+        graphs = layers["fused"].deepspeed_moe.gate_graphs
+        if graphs is not None:
+            results["gate_routes_graphed"] = timed(lambda: graphs.routes(gate, x[0], None, op), args.iters, args.warmup)
         _, _, indices, gates, _ = gate_routes(gate, x[0], op=op)
         results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts), args.iters, args.warmup)
         plan = plan_routes_cuda(op, indices, experts)

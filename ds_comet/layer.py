@@ -10,6 +10,7 @@ from torch import Tensor
 
 from .config import CometMoEConfig, moe_config_from
 from .gate import gate_routes
+from .gate_graph import GateGraphs
 from .reference import reference_moe
 from .routing import plan_routes
 from .selection import PipelineSelector
@@ -27,6 +28,7 @@ class CometMOELayer(MOELayer):
     def __init__(self, gate, experts, ep_group_name, ep_size, num_local_experts, config: CometMoEConfig):
         super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts)
         self.selector = PipelineSelector(self, config)
+        self.gate_graphs = GateGraphs() if config.cuda_graph_gate else None
 
     @classmethod
     def from_stock(cls, stock: MOELayer, config: CometMoEConfig) -> "CometMOELayer":
@@ -48,7 +50,8 @@ class CometMOELayer(MOELayer):
         # Stock's routing without the buffer locations (the dispatch places tokens itself); the
         # fused path's op also does its bookkeeping.
         op = self.selector.op if fused is not None else None
-        self.l_aux, num_experts, indices, gates, self.exp_counts = gate_routes(self.gate, tokens, used_token, op)
+        routes = gate_routes if fused is None or self.gate_graphs is None else self.gate_graphs.routes
+        self.l_aux, num_experts, indices, gates, self.exp_counts = routes(self.gate, tokens, used_token, op)
         if fused is not None:
             output = fused(tokens, indices, gates)
         else:

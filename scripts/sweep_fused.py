@@ -1,7 +1,7 @@
 """Time the fused layer alone under several parameter settings, and where its host time goes.
 
     torchrun --nproc_per_node 2 scripts/sweep_fused.py --shape NAME [--custom H,F,E,K,T ...]
-        --comm-blocks 8,12,16,22 [--combine-blocks auto,22] [--n-chunks 4,8] [--gate-ops kernels,torch]
+        --comm-blocks 8,12,16,22 [--combine-blocks auto,22] [--n-chunks 4,8] [--gate-ops kernels,torch,graph]
         [--host-profile] [--out DIR]
 
 The benchmark times one setting per run, next to stock DeepSpeed and the bounds; this times only
@@ -9,8 +9,8 @@ the fused layer, once per setting (every combination of the lists; "auto" is the
 so a split of the SMs can be chosen from one run. Same weights, inputs and timing as the
 benchmark: the forward under no_grad and one training step, each the median of CUDA-event
 timings started from an idle device, the maximum over ranks. --gate-ops torch runs the layer's
-gate in torch ops instead of the op's gate kernels (the layer's own choice), for an A/B in one
-run. With --host-profile, rank 0 also
+gate in torch ops instead of the op's gate kernels (the layer's own choice), and --gate-ops graph
+replays the kernels' routing from CUDA graphs ("cuda_graph_gate"), for an A/B in one run. With --host-profile, rank 0 also
 prints cProfile's busiest functions over a few training steps of the rule's setting: the host
 work that an idle device waits for.
 """
@@ -72,8 +72,8 @@ def fused_layer(hidden, ffn, experts, k, overrides, device):
 @contextlib.contextmanager
 def gate_ops(kind):
     """The layer's gate as it runs it ("kernels") or in torch ops alone ("torch")."""
-    if kind not in ("kernels", "torch"):
-        raise SystemExit(f"--gate-ops takes kernels and/or torch, got {kind!r}")
+    if kind not in ("kernels", "torch", "graph"):
+        raise SystemExit(f"--gate-ops takes kernels, torch and/or graph, got {kind!r}")
     if kind == "torch":
         ds_comet.layer.gate_routes = lambda gate, tokens, used_token=None, op=None: gate_routes(gate, tokens, used_token)
     try:
@@ -112,7 +112,8 @@ def main():
                                                                              args.n_chunks, args.gate_ops):
             overrides = {key: v for key, v in (("comm_blocks", comm_blocks), ("combine_blocks", combine_blocks),
                                                ("n_chunks", n_chunks)) if v is not None}
-            layer = fused_layer(hidden, ffn, experts, k, overrides, device)
+            graphed = {"cuda_graph_gate": True} if gate == "graph" else {}
+            layer = fused_layer(hidden, ffn, experts, k, {**overrides, **graphed}, device)
             with gate_ops(gate):
                 with torch.no_grad():
                     layer.eval()

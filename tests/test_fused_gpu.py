@@ -102,8 +102,12 @@ def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_k
             fused_layer = layers["fused"].deepspeed_moe
             assert fused_layer.selector._buffer is not None, "the fused pipeline did not run"
             num_sms = fused_layer.selector._buffer.num_sms
-            for key, value in (moe or {}).items():  # pinned values, as capped by the selection
-                assert getattr(fused_layer.selector._params, key) == min(value, num_sms - 1), key
+            for key, value in (moe or {}).items():  # pinned block counts, as capped by the selection
+                if key in ("comm_blocks", "combine_blocks"):
+                    assert getattr(fused_layer.selector._params, key) == min(value, num_sms - 1), key
+            if (moe or {}).get("cuda_graph_gate") and call > 0:
+                assert fused_layer.gate_graphs._captured, "the gate was not captured"
+
             torch.manual_seed(noise)
             expected, indices = _float64_output(layers["fused"], tokens, seed, expert_kind, hidden, ffn)
 
@@ -170,10 +174,15 @@ FORWARD_CASES = [
     # capped there), and a combine on one block beside GEMM2, which every SM finishes after GEMM2.
     dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(700, 500), skew=4.0,
          moe=dict(comm_blocks=100000, combine_blocks=1)),
+    # The gate replayed from CUDA graphs: the first call captures, the later ones replay.
+    dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(512, 512), calls=3,
+         moe=dict(cuda_graph_gate=True)),
+    dict(hidden=448, ffn=512, experts_per_rank=3, k=3, tokens_per_rank=(211, 300), skew=4.0,
+         moe=dict(cuda_graph_gate=True)),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
                "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units",
-               "extreme-sm-splits"]
+               "extreme-sm-splits", "graphed-gate", "graphed-gate-k3-skewed"]
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)

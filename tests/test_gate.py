@@ -405,3 +405,109 @@ def test_top2_kernel_gumbel_noise_is_torchs_for_every_uniform_draw():
     load_op().gumbel_noise(uniform, noise)
     mismatched = (noise != expected).nonzero()[:5].flatten().tolist()
     assert not mismatched, f"noise differs at uniform = {[uniform[i].item() for i in mismatched]}"
+
+
+# The CUDA-graphed gate ("moe": {"cuda_graph_gate": true}): the first call captures, later calls
+# replay; each call must still equal stock's bit for bit, RNG state and gradients included.
+GRAPH_CASES = [
+    (dict(k=1), 101, {}),
+    (dict(k=1, noisy_gate_policy="RSample"), 77, {}),
+    (dict(k=1, use_rts=False), 333, dict(skew=3.0)),
+    (dict(k=2), 101, {}),
+    (dict(k=2, drop_tokens=False), 250, dict(skew=3.0)),
+    (dict(k=2, noisy_gate_policy="Jitter"), 199, dict(dtype=torch.bfloat16)),
+    (dict(k=2, num_experts=8), 8192, {}),
+    (dict(k=4, capacity_factor=0.5, min_capacity=0), 150, dict(ties=True)),
+    (dict(k=4, num_experts=64, capacity_factor=0.7, min_capacity=0), 3001, dict(skew=2.0)),
+    (dict(k=8, drop_tokens=False), 67, {}),
+    (dict(k=2), 101, dict(train=False)),
+]
+
+
+def graphed_routes():
+    from ds_comet.gate_graph import GateGraphs
+    _, kernels = routes_on("cuda-kernels")  # skips where the op cannot be built
+    from ds_comet.ops import load_op
+    graphs, op = GateGraphs(), load_op()
+    return graphs, lambda gate, tokens, used_token: graphs.routes(gate, tokens, used_token, op)
+
+
+def fresh_tokens(like, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(like.shape, generator=generator).to(like.dtype).to(like.device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=case_id)
+def test_cuda_graph_gate_matches_stock_bitwise(case):
+    graphs, graphed = graphed_routes()
+    gate, tokens, _ = prepare(case, 11, "cuda")
+    for call, seed in enumerate((11, 12, 13)):
+        if call:
+            tokens = fresh_tokens(tokens, seed)
+        expected = run_gate(stock_routes, gate, tokens, None, seed, mix_seed=seed + 5)
+        actual = run_gate(graphed, gate, tokens, None, seed, mix_seed=seed + 5)
+        assert_bitwise_equal(actual, expected)
+        with torch.no_grad():  # a second signature: no gradients, no backward graph
+            torch.manual_seed(seed)
+            want = stock_routes(gate, tokens) + (torch.cuda.get_rng_state(),)
+            torch.manual_seed(seed)
+            got = graphed(gate, tokens, None) + (torch.cuda.get_rng_state(),)
+        for a, e in zip(got, want):
+            assert a == e if isinstance(e, int) else torch.equal(a, e)
+    assert len(graphs._captured) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_cuda_graph_gate_runs_eagerly_while_a_backward_is_due_and_recaptures_moved_weights():
+    graphs, graphed = graphed_routes()
+    case = (dict(k=2), 257, {})
+    gate, tokens, _ = prepare(case, 3, "cuda")
+
+    def two_forwards_then_backwards(routes_fn):
+        torch.manual_seed(5)
+        inputs = [fresh_tokens(tokens, s).requires_grad_() for s in (1, 2)]
+        outs = [routes_fn(gate, x, None) for x in inputs]  # the second forward's replay would clobber the first's
+        weights = [torch.randn(o[3].shape, generator=torch.Generator().manual_seed(9)).cuda() for o in outs]
+        grads = []
+        for (l_aux, _, _, gates, _), w, x in zip(outs[::-1], weights[::-1], inputs[::-1]):
+            grads += torch.autograd.grad(l_aux + (gates * w).sum(), [gate.wg.weight, x])
+        return [t for o in outs for t in (o[0], o[2], o[3])] + grads
+
+    # DeepSpeed's ZeRO keeps each parameter's accumulation node alive, made on the default stream:
+    # the capture (on a side stream) must not differentiate through it.
+    accumulator = gate.wg.weight.expand_as(gate.wg.weight).grad_fn.next_functions[0][0]
+    graphed(gate, tokens.clone().requires_grad_(), None)  # capture
+    for _ in range(2):
+        expected = two_forwards_then_backwards(stock_routes)
+        actual = two_forwards_then_backwards(graphed)
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+        with torch.no_grad():  # ZeRO may move a parameter: the next call captures anew
+            gate.wg.weight.data = gate.wg.weight.data.clone()
+    assert len(graphs._captured) == 2 and accumulator is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_cuda_graph_gate_refuses_a_backward_whose_activations_a_later_replay_reused():
+    graphs, graphed = graphed_routes()
+    gate, tokens, _ = prepare((dict(k=2), 101, {}), 4, "cuda")
+    x = tokens.clone().requires_grad_()
+    l_aux, _, _, gates, _ = graphed(gate, x, None)
+    loss = l_aux + gates.sum()
+    loss.backward(retain_graph=True)
+    graphed(gate, x, None)  # replays: the first call's backward is done, so this may reuse its memory
+    with pytest.raises(RuntimeError, match="cuda_graph_gate"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("case", [(dict(k=2), 101, {}), (dict(k=1), 90, dict(used_token="binary"))], ids=case_id)
+def test_graphed_gate_runs_eagerly_where_it_cannot_capture(case):
+    # CPU tokens (and, on any device, a used_token mask) take the eager routing, untouched.
+    from ds_comet.gate_graph import GateGraphs
+    graphs = GateGraphs()
+    for seed in (1, 2):
+        gate, tokens, used_token = prepare(case, seed)
+        expected = run_gate(stock_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
+        actual = run_gate(lambda g, t, u: graphs.routes(g, t, u, None), gate, tokens, used_token, seed, mix_seed=seed + 5)
+        assert_bitwise_equal(actual, expected)
+    assert not graphs._captured
