@@ -175,8 +175,7 @@ FORWARD_CASES = [
     dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(700, 500), skew=4.0,
          moe=dict(comm_blocks=100000, combine_blocks=1)),
     # The gate replayed from CUDA graphs: the first call captures, the later ones replay.
-    dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(512, 512), calls=3,
-         moe=dict(cuda_graph_gate=True)),
+    dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(512, 512), moe=dict(cuda_graph_gate=True)),
     dict(hidden=448, ffn=512, experts_per_rank=3, k=3, tokens_per_rank=(211, 300), skew=4.0,
          moe=dict(cuda_graph_gate=True)),
 ]
