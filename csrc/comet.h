@@ -31,6 +31,8 @@ enum WaitKind : int64_t {
 // int64 error record in host memory the device can write (pinned, mapped through UVA):
 // [0] set flag, [1] rank, [2] kind, [3] index, [4] target, [5] observed, [6] waited ns.
 constexpr int kErrorRecordWords = 8;
+// Longest a wait that gave up waits for another one to finish filling the error record.
+constexpr uint64_t kErrorRecordWaitNs = 1000000000ull;
 
 // The combine stages each unit's routes in shared memory (16 bytes a route, within the 48 KB a
 // launch takes without opting in to more): a token can have at most this many.

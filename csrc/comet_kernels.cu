@@ -38,7 +38,8 @@ __device__ const char* wait_name(int64_t kind) {
 // a wait that never completes must not leave wrong numbers behind or hang the job. When a peer
 // stops, every waiting block gives up at about the same time; the claim in device memory lets
 // exactly one of them (in these kernels or the Triton GEMM) fill the record, so that its fields
-// describe one wait.
+// describe one wait. The others wait (boundedly) until it is filled: a trap ends every block of the
+// context, the filling one included.
 __device__ void fail(const GroupShape& shape, int32_t* layout, int64_t* error_record, int64_t kind, int64_t index,
                      int64_t target, int64_t observed, uint64_t waited_ns) {
     volatile int64_t* record = error_record;
@@ -52,6 +53,9 @@ __device__ void fail(const GroupShape& shape, int32_t* layout, int64_t* error_re
         __threadfence_system();
         record[0] = 1;
         __threadfence_system();
+    } else {
+        const uint64_t start = global_timer_ns();
+        while (record[0] == 0 && global_timer_ns() - start < kErrorRecordWaitNs) __nanosleep(1000);
     }
     printf("ds_comet: rank %d gave up after %.1f s waiting for %s %lld to reach %lld (saw %lld)\n", shape.rank,
            waited_ns * 1e-9, wait_name(kind), static_cast<long long>(index), static_cast<long long>(target),

@@ -14,34 +14,49 @@ A graph reads and writes fixed memory, which its next replay reuses:
 - the tokens are copied in, and the outputs copied out;
 - a forward runs eagerly while an earlier forward of the same signature still awaits its backward,
   because the replay would overwrite the activations that backward reads;
-- a backward whose activations a later replay overwrote raises an error rather than return wrong
-  gradients (this happens only with ``retain_graph``).
+- a backward whose activations a later replay overwrote, or a second backward of one forward
+  (``retain_graph``), raises an error rather than return wrong gradients.
 
-Each captured signature holds its activations and the backward's temporaries permanently, about
-6 bytes x tokens x hidden (fp32 features and their gradient, and the bf16 gradient of the tokens).
+It runs eagerly where a graph could not be the eager call: under autocast (which caches a cast of
+the weight that the graph would keep reading), under saved-tensor hooks (non-reentrant activation
+checkpointing compares the saved tensors of the recomputation with the first forward's; CPU
+offloading of activations would be bypassed), while another capture is under way, and for
+signatures past the first ``MAX_SIGNATURES`` of a layer.
+
+Each captured signature holds its activations and the backward's temporaries permanently: at
+the bench's three shapes 129-192 MiB allocated and 218-326 MiB reserved per layer, mostly the fp32
+features and their gradient and the bf16 gradient of the tokens (about 6 bytes x tokens x hidden).
 """
 
 import contextlib
 import weakref
-from collections import OrderedDict
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
+from deepspeed.moe import sharded_moe
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .gate import _reproducible, gate_routes
 
 WARMUP_CALLS = 2  # eager calls on a side stream before a capture (lazy cuBLAS and allocator set-up)
-MAX_SIGNATURES = 4  # captured signatures per layer; varying token counts evict the oldest
+MAX_SIGNATURES = 4  # captured signatures per layer; further ones (say, other token counts) run eagerly
 
 
-def _signature(gate, tokens: Tensor, params, needs_grad: bool) -> tuple:
+def _signature(gate, tokens: Tensor, op, params, needs_grad: bool) -> tuple:
     """What a captured graph is only valid for."""
-    return (gate.training, needs_grad, tokens.requires_grad, tuple(p.requires_grad for p in params),
-            tuple(p.data_ptr() for p in params), tuple(p.dtype for p in params), tuple(tokens.shape), tokens.dtype,
-            tokens.device, torch.is_autocast_enabled(), gate.k, gate.capacity_factor, gate.eval_capacity_factor,
-            gate.min_capacity, gate.noisy_gate_policy, gate.drop_tokens, gate.use_rts,
-            getattr(gate, "top2_2nd_expert_sampling", None))
+    return (gate.training, needs_grad, torch.is_inference_mode_enabled(), tokens.requires_grad,
+            tuple(p.requires_grad for p in params), tuple(p.data_ptr() for p in params),
+            tuple(p.dtype for p in params), tuple(tokens.shape), tokens.dtype, tokens.device, op is None,
+            torch.are_deterministic_algorithms_enabled(), id(sharded_moe.gumbel_rsample), gate.k,
+            gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy,
+            gate.drop_tokens, gate.use_rts, getattr(gate, "top2_2nd_expert_sampling", None))
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (non-reentrant checkpointing, offloading) see what autograd saves."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None  # unknown: assume they are
 
 
 class _Captured:
@@ -68,13 +83,12 @@ class _Captured:
         side = torch.cuda.Stream(device)
         side.wait_stream(main)
         try:
-            with _own_leaves(gate) as aliases, torch.cuda.stream(side), torch.set_grad_enabled(needs_grad):
+            with _own_leaves(gate, params) as aliases, torch.cuda.stream(side), torch.set_grad_enabled(needs_grad):
                 inputs = ([self.tokens] if self.tokens.requires_grad else []) + [a for a in aliases if a.requires_grad]
                 for _ in range(WARMUP_CALLS):
                     l_aux, _, _, gates, _ = gate_routes(gate, self.tokens, None, op)
                     if needs_grad:
                         differentiate(inputs, l_aux, gates, torch.ones_like(l_aux), torch.ones_like(gates))
-                del l_aux, gates
                 self.forward = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.forward, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                     l_aux, self.num_experts, indices, gates, counts = gate_routes(gate, self.tokens, None, op)
@@ -99,7 +113,7 @@ class _Captured:
 
 
 @contextlib.contextmanager
-def _own_leaves(gate):
+def _own_leaves(gate, params):
     """The gate's parameters swapped for new leaves on the same memory while it is captured.
 
     Autograd keeps one accumulation node per parameter, made on the stream of its first backward;
@@ -107,15 +121,18 @@ def _own_leaves(gate):
     side stream would make the engine sync with that other stream, which invalidates the capture
     (and leaves torch's CUDA generator in capture mode). Leaves of the capture's own have none of
     that history; they share the parameters' memory, so the graphs read the live weights.
+    Yields the leaves in the order of ``params`` (``gate.parameters()``: a shared one once).
     """
-    swapped = []
+    swapped, leaf_of = [], {}
     try:
         for module in gate.modules():
             for name, param in list(module._parameters.items()):
                 if param is not None:
                     swapped.append((module, name, param))
-                    module._parameters[name] = torch.nn.Parameter(param.detach(), requires_grad=param.requires_grad)
-        yield [module._parameters[name] for module, name, _ in swapped]
+                    if id(param) not in leaf_of:
+                        leaf_of[id(param)] = torch.nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+                    module._parameters[name] = leaf_of[id(param)]
+        yield [leaf_of[id(p)] for p in params]
     finally:
         for module, name, param in swapped:
             module._parameters[name] = param
@@ -138,18 +155,21 @@ class _ReplayRoutes(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_l_aux, _grad_indices, grad_gates, _grad_counts):
         captured = ctx.captured
         if captured.backward is None or ctx.generation != captured.generation:
-            raise RuntimeError("the CUDA-graphed gate's activations were reused by a later forward before this "
-                               "backward (retain_graph=True, or a backward after another forward); set \"moe\": "
-                               "{\"cuda_graph_gate\": false}")
+            raise RuntimeError("the CUDA-graphed gate's activations were reused before this backward (a second "
+                               "backward with retain_graph=True, or a backward after another forward); set "
+                               "\"moe\": {\"cuda_graph_gate\": false}")
         for static, grad in ((captured.grad_l_aux, grad_l_aux), (captured.grad_gates, grad_gates)):
             if grad is None:
                 static.zero_()
             else:
                 static.copy_(grad)
         captured.backward.replay()
+        # The backward's temporaries reused the memory of the activations it read: no second one.
+        captured.generation += 1
         captured.pending = None
         grads = captured.grads
 
@@ -164,22 +184,23 @@ class GateGraphs:
     """One MoE layer's captured routings, by call signature."""
 
     def __init__(self):
-        self._captured: "OrderedDict[tuple, _Captured]" = OrderedDict()
+        self._captured: Dict[tuple, _Captured] = {}
 
     def routes(self, gate, tokens: Tensor, used_token: Optional[Tensor],
                op) -> Tuple[Tensor, int, Tensor, Tensor, Tensor]:
         """What ``gate_routes(gate, tokens, used_token, op)`` returns, replayed where it can be."""
         if (used_token is not None or not tokens.is_cuda or torch.cuda.is_current_stream_capturing()
+                or torch.is_autocast_enabled(tokens.device.type) or _saved_tensor_hooks_active()
                 or not _reproducible(gate, tokens)):
             return gate_routes(gate, tokens, used_token, op)
         params = list(gate.parameters())
         needs_grad = torch.is_grad_enabled() and (tokens.requires_grad or any(p.requires_grad for p in params))
-        key = _signature(gate, tokens, params, needs_grad)
-        if key not in self._captured:
-            self._captured[key] = self._capture(gate, tokens, op, params, needs_grad)
-            while len(self._captured) > MAX_SIGNATURES:
-                self._captured.popitem(last=False)
-        captured = self._captured[key]
+        key = _signature(gate, tokens, op, params, needs_grad)
+        captured = self._captured.get(key)
+        if captured is None:
+            if len(self._captured) >= MAX_SIGNATURES:
+                return gate_routes(gate, tokens, used_token, op)
+            captured = self._captured[key] = self._capture(gate, tokens, op, params, needs_grad)
         if needs_grad and captured.awaiting_backward():
             return gate_routes(gate, tokens, used_token, op)
         l_aux, indices, gates, counts = _ReplayRoutes.apply(captured, tokens, *params)

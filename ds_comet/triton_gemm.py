@@ -28,6 +28,7 @@ import triton.language as tl
 ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SILU = 0, 1, 2, 3
 # layout.TOTAL_ERROR_CLAIM - layout.TOTAL_TILES (this module imports nothing of the package; a test checks it).
 ERROR_CLAIM_AFTER_TILES = tl.constexpr(6)
+ERROR_RECORD_WAIT_NS = tl.constexpr(1_000_000_000)  # csrc/comet.h's kErrorRecordWaitNs
 ACTIVATION_CODES = {"gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH, "relu": ACT_RELU, "silu": ACT_SILU}
 
 
@@ -60,7 +61,8 @@ def _wait_at_least(counter, target, timeout_ns, error_addr, error_claim, rank, i
     """Spin until *counter >= target; past timeout_ns record the wait in the error record and trap.
 
     Only the first wait to set ``error_claim`` (a device word the CUDA kernels' waits share) fills
-    the record, so that its fields describe one wait.
+    the record, so that its fields describe one wait; the others wait (boundedly) until it is filled,
+    because a trap ends every program, the filling one included.
     """
     if INTERPRET:
         # The interpreter runs every producer to completion before a consumer starts.
@@ -75,8 +77,8 @@ def _wait_at_least(counter, target, timeout_ns, error_addr, error_claim, rank, i
                 seen = _load_acquire(counter)
                 waited = _global_timer(counter) - start
             if seen < target:
+                record = error_addr.to(tl.pointer_type(tl.int64))
                 if tl.atomic_cas(error_claim, 0, 1) == 0:
-                    record = error_addr.to(tl.pointer_type(tl.int64))
                     tl.store(record + 1, tl.zeros([], tl.int64) + rank)
                     tl.store(record + 2, WAIT_KIND)
                     tl.store(record + 3, index.to(tl.int64))
@@ -85,6 +87,12 @@ def _wait_at_least(counter, target, timeout_ns, error_addr, error_claim, rank, i
                     tl.store(record + 6, waited)
                     _fence_system(counter)
                     tl.store(record, 1)
+                    _fence_system(counter)
+                else:
+                    filled = tl.load(record, volatile=True)
+                    begin = _global_timer(counter)
+                    while (filled == 0) & (_global_timer(counter) - begin < ERROR_RECORD_WAIT_NS):
+                        filled = tl.load(record, volatile=True)
                 _trap(counter)
 
 

@@ -511,3 +511,52 @@ def test_graphed_gate_runs_eagerly_where_it_cannot_capture(case):
         actual = run_gate(lambda g, t, u: graphs.routes(g, t, u, None), gate, tokens, used_token, seed, mix_seed=seed + 5)
         assert_bitwise_equal(actual, expected)
     assert not graphs._captured
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_cuda_graph_gate_refuses_a_second_backward_of_one_forward():
+    graphs, graphed = graphed_routes()
+    gate, tokens, _ = prepare((dict(k=2), 101, {}), 6, "cuda")
+    l_aux, _, _, gates, _ = graphed(gate, tokens.clone().requires_grad_(), None)
+    loss = l_aux + gates.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="cuda_graph_gate"):
+        loss.backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+@pytest.mark.parametrize("context", ["autocast", "checkpoint", "many-token-counts"])
+def test_cuda_graph_gate_runs_eagerly_where_a_graph_could_differ(context):
+    """Autocast caches a cast of the weight, non-reentrant checkpointing compares saved tensors, and
+    a layer captures at most MAX_SIGNATURES signatures: there the gate runs eagerly, as stock's."""
+    from ds_comet.gate_graph import MAX_SIGNATURES
+    graphs, graphed = graphed_routes()
+    gate, tokens, _ = prepare((dict(k=2), 101, {}), 8, "cuda")
+    counts = range(90, 91 + MAX_SIGNATURES) if context == "many-token-counts" else [101, 101]
+    for seed, num_tokens in enumerate(counts):
+        x = fresh_tokens(torch.empty(num_tokens, MODEL_DIM, device="cuda"), seed)
+        if context == "autocast":
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                expected = run_gate(stock_routes, gate, x, None, seed, mix_seed=seed + 5)
+                actual = run_gate(graphed, gate, x, None, seed, mix_seed=seed + 5)
+        elif context == "checkpoint":
+            def through_checkpoint(routes_fn):
+                def wrapped(g, t, u):
+                    def body(inputs):
+                        l_aux, _, _, gates_, _ = routes_fn(g, inputs, u)
+                        return l_aux, gates_
+                    l_aux, gates_ = torch.utils.checkpoint.checkpoint(body, t, use_reentrant=False)
+                    _, num, indices, _, counts_ = stock_routes(g, t.detach())  # the non-differentiable outputs
+                    return l_aux, num, indices, gates_, counts_
+                return wrapped
+            expected = run_gate(through_checkpoint(stock_routes), gate, x, None, seed, mix_seed=seed + 5)
+            actual = run_gate(through_checkpoint(graphed), gate, x, None, seed, mix_seed=seed + 5)
+        else:
+            expected = run_gate(stock_routes, gate, x, None, seed, mix_seed=seed + 5)
+            actual = run_gate(graphed, gate, x, None, seed, mix_seed=seed + 5)
+        if context == "checkpoint":
+            for name in ("l_aux", "gates", "weight_grad", "input_grad"):
+                assert torch.equal(actual[name], expected[name]), name
+        else:
+            assert_bitwise_equal(actual, expected)
+    assert len(graphs._captured) == (MAX_SIGNATURES if context == "many-token-counts" else 0)

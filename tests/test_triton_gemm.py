@@ -249,6 +249,8 @@ def test_a_gemm1_wait_that_gives_up_fills_the_error_record_from_one_wait(tmp_pat
 
 def test_the_gemm_error_claim_is_the_layouts():
     from ds_comet import layout
-    from ds_comet.triton_gemm import ERROR_CLAIM_AFTER_TILES
+    from ds_comet.triton_gemm import ERROR_CLAIM_AFTER_TILES, ERROR_RECORD_WAIT_NS
     assert ERROR_CLAIM_AFTER_TILES == layout.TOTAL_ERROR_CLAIM - layout.TOTAL_TILES
     assert layout.TOTAL_ERROR_CLAIM < layout.TOTALS_WORDS
+    header = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "comet.h")).read()
+    assert f"kErrorRecordWaitNs = {ERROR_RECORD_WAIT_NS.value}ull" in header
