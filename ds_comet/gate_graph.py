@@ -20,8 +20,9 @@ A graph reads and writes fixed memory, which its next replay reuses:
 It runs eagerly where a graph could not be the eager call: under autocast (which caches a cast of
 the weight that the graph would keep reading), under saved-tensor hooks (non-reentrant activation
 checkpointing compares the saved tensors of the recomputation with the first forward's; CPU
-offloading of activations would be bypassed), while another capture is under way, and for
-signatures past the first ``MAX_SIGNATURES`` of a layer.
+offloading of activations would be bypassed), while another capture is under way, while
+``torch.compile`` traces (a trace must not capture), and for signatures past the first
+``MAX_SIGNATURES`` of a layer.
 
 Each captured signature holds its activations and the backward's temporaries permanently: at
 the bench's three shapes 129-192 MiB allocated and 218-326 MiB reserved per layer, mostly the fp32
@@ -190,7 +191,8 @@ class GateGraphs:
                op) -> Tuple[Tensor, int, Tensor, Tensor, Tensor]:
         """What ``gate_routes(gate, tokens, used_token, op)`` returns, replayed where it can be."""
         if (used_token is not None or not tokens.is_cuda or torch.cuda.is_current_stream_capturing()
-                or torch.is_autocast_enabled(tokens.device.type) or _saved_tensor_hooks_active()
+                or torch.compiler.is_compiling() or torch.is_autocast_enabled(tokens.device.type)
+                or _saved_tensor_hooks_active()
                 or not _reproducible(gate, tokens)):
             return gate_routes(gate, tokens, used_token, op)
         params = list(gate.parameters())
