@@ -4,6 +4,7 @@
 // each in microseconds, so the layer waits on their launches. The answers are exact (indices,
 // counts, 0/1 masks, copied values), and the one float computation here, the Gumbel noise of
 // top-2 sampling, repeats torch's own ops one rounding at a time.
+#include <algorithm>
 #include <cmath>
 
 #include "block_scan.cuh"
@@ -107,12 +108,38 @@ __global__ void top2_masks_kernel(const int32_t* choices, const int32_t* routes,
 }
 
 // One thread per (token s, expert e) cell: mask[s][e] = 1 if e is among s's top-k (top_idx[s],
-// gate values top_gate[s]), and expert_counts[e] counts it; with dropping, ranked[s][e] its gate
-// value (0 if not chosen), kept[s][e] = 0 and indices[j][s] = -1 until topk_keep_kernel keeps the
-// route; without, indices[j][s] = e.
+// gate values top_gate[s]); with dropping, ranked[s][e] its gate value (0 if not chosen),
+// kept[s][e] = 0 and indices[j][s] = -1 until topk_keep_kernel keeps the route; without,
+// indices[j][s] = e.
+//
+// The first blocks also count kCountedRoutes routes each into expert_counts. One global atomic
+// per chosen cell put S x k atomics on the few cache lines that hold the counters, and they
+// serialised there (63 us of an 8192-token, 64-expert, k = 4 gate); a block's histogram in shared
+// memory leaves one global atomic per block and expert. Without room for it (num_experts past
+// kSharedCounters), each route is counted globally as before.
+constexpr int kCountedRoutes = 4096;
+constexpr int kSharedCounters = 12288;  // 48 KiB of dynamic shared memory, the default limit
+
 __global__ void topk_masks_kernel(const int64_t* top_idx, const float* top_gate, int64_t num_tokens, int top_k,
                                   int num_experts, bool drop, float* mask, float* kept, float* ranked,
                                   int32_t* indices, unsigned long long* expert_counts) {
+    extern __shared__ unsigned int histogram[];
+    const bool shared_counts = num_experts <= kSharedCounters;
+    const int64_t routes = num_tokens * top_k;
+    const int64_t first_route = static_cast<int64_t>(blockIdx.x) * kCountedRoutes;
+    if (shared_counts && first_route < routes) {  // alike for the whole block
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) histogram[e] = 0;
+        __syncthreads();
+        const int64_t last_route = min(routes, first_route + kCountedRoutes);
+        for (int64_t r = first_route + threadIdx.x; r < last_route; r += blockDim.x) {
+            atomicAdd(histogram + top_idx[r], 1u);
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+            if (histogram[e] != 0) atomicAdd(expert_counts + e, static_cast<unsigned long long>(histogram[e]));
+        }
+    }
+
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= num_tokens * num_experts) return;
     const int64_t s = i / num_experts;
@@ -123,7 +150,7 @@ __global__ void topk_masks_kernel(const int64_t* top_idx, const float* top_gate,
             chosen = 1.0f;
             value = top_gate[s * top_k + j];
             indices[j * num_tokens + s] = drop ? -1 : e;
-            atomicAdd(expert_counts + e, 1ull);
+            if (!shared_counts) atomicAdd(expert_counts + e, 1ull);
         }
     }
     mask[i] = chosen;
@@ -177,7 +204,12 @@ cudaError_t launch_topk_masks(const int64_t* top_idx, const float* top_gate, int
                               int64_t* expert_counts, cudaStream_t stream) {
     cudaError_t err = cudaMemsetAsync(expert_counts, 0, num_experts * sizeof(int64_t), stream);
     if (err != cudaSuccess || num_tokens == 0) return err;
-    topk_masks_kernel<<<blocks_for(num_tokens * num_experts, kGateThreads), kGateThreads, 0, stream>>>(
+    // Enough blocks for every cell and for every route's count (num_experts < top_k cannot come
+    // from torch.topk, but the grid must not depend on that).
+    const int64_t blocks = std::max(blocks_for(num_tokens * num_experts, kGateThreads),
+                                    blocks_for(num_tokens * top_k, kCountedRoutes));
+    const size_t shared_bytes = num_experts <= kSharedCounters ? num_experts * sizeof(unsigned int) : 0;
+    topk_masks_kernel<<<blocks, kGateThreads, shared_bytes, stream>>>(
         top_idx, top_gate, num_tokens, top_k, num_experts, drop, mask, kept, ranked, indices,
         reinterpret_cast<unsigned long long*>(expert_counts));
     return cudaGetLastError();
