@@ -264,8 +264,10 @@ def _top2_kernels(op, logits: Tensor, gates: Tensor, capacity: Optional[int], sa
     routes = torch.empty((2, num_tokens), dtype=torch.int32, device=logits.device)
     masks = gates.new_empty((2 if capacity is None else 3, num_tokens, num_experts))
     exp_counts = torch.empty(num_experts, dtype=torch.int64, device=logits.device)
-    op.top2_routes(gates.detach(), logits.detach(), uniform, -1 if capacity is None else capacity, routes, masks,
-                   exp_counts)
+    # Under autocast the logits are bf16 or fp16. Stock's noisy add promotes them to fp32 exactly,
+    # and its plain argmax orders them as their fp32 values do: the kernel may read them as fp32.
+    op.top2_routes(gates.detach(), logits.detach().float(), uniform, -1 if capacity is None else capacity, routes,
+                   masks, exp_counts)
     return routes, masks, exp_counts
 
 

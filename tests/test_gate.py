@@ -210,6 +210,32 @@ def test_matches_stock_bitwise(case, device, forward_calls):
             assert dropped > 0 or not gate.drop_tokens
 
 
+AUTOCAST_CASES = [
+    (dict(k=1, noisy_gate_policy="RSample"), 101, {}),
+    (dict(k=2), 101, {}),
+    (dict(k=2, top2_2nd_expert_sampling=False), 250, dict(skew=3.0)),
+    (dict(k=2, drop_tokens=False), 101, {}),
+    (dict(k=4, capacity_factor=0.5, min_capacity=0), 150, dict(ties=True)),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", AUTOCAST_CASES, ids=case_id)
+def test_matches_stock_bitwise_under_autocast(case, dtype, forward_calls):
+    # Autocast makes the gate's logits half precision (its softmax stays fp32): the kernels must
+    # take them as stock's ops do.
+    device, routes_fn = routes_on("cuda-kernels")
+    for seed in (3, 4):
+        gate, tokens, used_token = prepare(case, seed, device)
+        with torch.autocast("cuda", dtype=dtype):
+            forward_calls.clear()
+            expected = run_gate(stock_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
+            actual = run_gate(routes_fn, gate, tokens, used_token, seed, mix_seed=seed + 5)
+        assert len(forward_calls) == 1, "took the stock path"
+        assert_bitwise_equal(actual, expected)
+
+
 class OpLog(TorchDispatchMode):
     """The aten ops a call runs, and the host reads it makes of device data.
 
@@ -522,6 +548,56 @@ def test_cuda_graph_gate_refuses_a_second_backward_of_one_forward():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="cuda_graph_gate"):
         loss.backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+@pytest.mark.parametrize("order", ["capture-order", "reversed", "eval-between"])
+def test_cuda_graph_gate_of_several_layers_matches_stock_in_any_order(order):
+    """Several layers' graphs, called in capture order, in another order, and with another layer's
+    replay without gradients before a backward: no replay may overwrite another layer's activations
+    or outputs."""
+    from ds_comet.gate_graph import GateGraphs
+    from ds_comet.ops import load_op
+    graphed_routes()  # skips where the op cannot be built
+    op = load_op()
+    cases = [(dict(k=2), 301, {}), (dict(k=4, num_experts=16), 301, dict(skew=2.0)), (dict(k=1), 301, {})]
+    layers = [prepare(case, 20 + i, "cuda")[:2] for i, case in enumerate(cases)]
+    per_layer = [GateGraphs() for _ in layers]
+
+    def graphed_of(i):
+        return lambda gate, tokens, used_token: per_layer[i].routes(gate, tokens, used_token, op)
+
+    def step(routes_of, seed):
+        sequence = list(range(len(layers)))
+        if order == "reversed" and seed % 2:
+            sequence.reverse()
+        torch.manual_seed(seed)
+        loss, inputs, outputs = 0, [], []
+        for i in sequence:
+            gate, tokens = layers[i]
+            x = fresh_tokens(tokens, seed * 10 + i).requires_grad_()
+            l_aux, _, indices, gates, counts = routes_of(i)(gate, x, None)
+            if order == "eval-between":  # another layer's replay without gradients before this backward
+                other, other_tokens = layers[(i + 1) % len(layers)]
+                other.eval()
+                with torch.no_grad():
+                    outputs += [t for t in routes_of((i + 1) % len(layers))(other, other_tokens, None)
+                                if isinstance(t, torch.Tensor)]
+                other.train()
+            loss = loss + l_aux + (gates * fresh_tokens(gates, seed + i)).sum()
+            inputs.append(x)
+            outputs += [l_aux, indices, gates, counts]
+        for gate, _ in layers:
+            gate.wg.weight.grad = None
+        loss.backward()
+        return outputs + [x.grad for x in inputs] + [gate.wg.weight.grad for gate, _ in layers]
+
+    for seed in range(1, 5):  # the first graphed step captures, the later ones replay
+        expected = step(lambda i: stock_routes, seed)
+        actual = step(graphed_of, seed)
+        assert len(actual) == len(expected)
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected)), f"step {seed}"
+    assert all(graphs._captured for graphs in per_layer)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
