@@ -12,6 +12,12 @@ layers are), the fused path's gate kernels, T tokens.
   gate weight's gradients compared bit for bit after reseeding both.
 - both again through ``ds_comet.gate_graph.GateGraphs`` (what ``"cuda_graph_gate"`` runs).
 Times are medians of CUDA-event timings, the device synchronised before each call (as the bench).
+
+    python3 scripts/gate_graph_probe.py --memory-layers N
+
+instead measures memory: N layers' gates (bf16, training), each with its own ``GateGraphs``; a
+training step through all N (forwards in order, one backward), eager and graphed. Prints what
+the graphs keep allocated and reserved between steps, and each step's peak above the inputs.
 """
 
 import argparse
@@ -45,11 +51,64 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+MIB = 2.0**20
+
+
+def memory(name, shape, num_layers, op):
+    """Eager and graphed training steps through num_layers gates: what the graphs keep, and peaks."""
+    H, F, E, k, T = shape
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    gates = [TopKGate(H, E, k, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4,
+                      top2_2nd_expert_sampling=True).to(dev, torch.bfloat16) for _ in range(num_layers)]
+    inputs = [torch.randn(T, H, device=dev).to(torch.bfloat16).requires_grad_() for _ in gates]
+    weights = torch.randn(k, T, device=dev)
+    graphs = [GateGraphs() for _ in gates]
+
+    def step(routes_of):
+        loss = 0
+        for i, (gate, x) in enumerate(zip(gates, inputs)):
+            l_aux, _, _, g, _ = routes_of(i)(gate, x)
+            loss = loss + l_aux + (g * weights).sum()
+        loss.backward()
+        for gate, x in zip(gates, inputs):
+            x.grad = gate.wg.weight.grad = None
+
+    def peak(routes_of):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(routes_of)
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / MIB
+
+    eager = lambda i: lambda gate, x: gate_routes(gate, x, None, op)
+    graphed = lambda i: lambda gate, x: graphs[i].routes(gate, x, None, op)
+    step(eager)
+    eager_peak = peak(eager)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    step(graphed)  # captures
+    torch.cuda.synchronize()
+    kept = (torch.cuda.memory_allocated() - allocated) / MIB
+    kept_reserved = (torch.cuda.memory_reserved() - reserved) / MIB
+    graphed_peak = peak(graphed)
+    print(f"{name} | {num_layers} layers, training step: eager peak {eager_peak:.0f} MiB above the inputs | "
+          f"graphs keep {kept:.0f} MiB allocated, {kept_reserved:.0f} MiB reserved "
+          f"({kept / num_layers:.0f} / {kept_reserved / num_layers:.0f} per layer) | graphed step peak "
+          f"{graphed_peak:.0f} MiB above the inputs and the graphs (with them {kept + graphed_peak:.0f})", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--memory-layers", type=int, default=0)
     args = parser.parse_args()
     op = load_op()
+    if args.memory_layers:
+        for name, shape in SHAPES.items():
+            memory(name, shape, args.memory_layers, op)
+        return
     dev = torch.device("cuda")
     for name, (H, F, E, k, T) in SHAPES.items():
         torch.manual_seed(0)
