@@ -49,7 +49,8 @@ def _signature(gate, tokens: Tensor, op, params, needs_grad: bool) -> tuple:
     return (gate.training, needs_grad, torch.is_inference_mode_enabled(), tokens.requires_grad,
             tuple(p.requires_grad for p in params), tuple(p.data_ptr() for p in params),
             tuple(p.dtype for p in params), tuple(tokens.shape), tokens.dtype, tokens.device, op is None,
-            torch.are_deterministic_algorithms_enabled(), id(sharded_moe.gumbel_rsample), gate.k,
+            torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.fp32_precision,
+            id(sharded_moe.gumbel_rsample), gate.k,
             gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy,
             gate.drop_tokens, gate.use_rts, getattr(gate, "top2_2nd_expert_sampling", None))
 

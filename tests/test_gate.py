@@ -551,6 +551,24 @@ def test_cuda_graph_gate_refuses_a_second_backward_of_one_forward():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_cuda_graph_gate_recaptures_when_tf32_is_switched():
+    # The gate's fp32 linear is a cuBLAS kernel chosen by the TF32 setting at capture time.
+    graphs, graphed = graphed_routes()
+    gate, tokens, _ = prepare((dict(k=2), 101, {}), 12, "cuda")
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        for seed, precision in enumerate(["ieee", "tf32", "ieee"]):
+            torch.backends.cuda.matmul.fp32_precision = precision
+            x = fresh_tokens(tokens, seed)
+            expected = run_gate(stock_routes, gate, x, None, seed, mix_seed=seed + 5)
+            actual = run_gate(graphed, gate, x, None, seed, mix_seed=seed + 5)
+            assert_bitwise_equal(actual, expected)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+    assert len(graphs._captured) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
 @pytest.mark.parametrize("order", ["capture-order", "reversed", "eval-between"])
 def test_cuda_graph_gate_of_several_layers_matches_stock_in_any_order(order):
     """Several layers' graphs, called in capture order, in another order, and with another layer's
