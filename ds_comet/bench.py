@@ -252,6 +252,7 @@ def bench_shape(hidden, ffn, experts, k, tokens, args):
     values = torch.tensor([results[key] for key in sorted(results)], device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     results = dict(zip(sorted(results), values.tolist()))
+    results.update(comm_blocks=int(results["comm_blocks"]), combine_blocks=int(results["combine_blocks"]))
     results.update(stock_over_fused=results["stock"] / results["fused"], fused_over_bound=results["fused"] /
                    results["bound"], reference_over_fused=results["reference"] / results["fused"])
     if args.backward:
