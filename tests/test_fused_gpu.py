@@ -187,7 +187,9 @@ FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)
 def test_fused_forward(gpu_pool, case):
     stats = gpu_pool.run(fused_case, seed=_seed(), **case)
-    if case.get("skew") and case.get("drop_tokens", True):
+    # With one GPU, k3-skewed routes every token to each of its 3 experts: nothing to drop.
+    degenerate = case["k"] >= case["experts_per_rank"] * gpu_pool.world_size
+    if case.get("skew") and case.get("drop_tokens", True) and not degenerate:
         assert sum(s[-1]["dropped"] for s in stats) > 0, stats
     if case.get("skew") and case["k"] == 1:  # top-2 samples its second expert, so only top-1 starves experts
         assert sum(s[-1]["empty_experts"] for s in stats) > 0, stats
