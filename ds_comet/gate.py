@@ -180,6 +180,8 @@ def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, s
     num_tokens, num_experts = gates.shape
     capacity = _capacity(gates, factor * 2, min_capacity) if drop_tokens else None
     kernels_fit = num_experts >= 2 and (capacity is None or capacity >= 0)  # the op's "no drop" is capacity -1
+    # The kernel adds the noise in fp32; stock adds it in place, in the logits' dtype (autocast's bf16).
+    kernels_fit = kernels_fit and (not sampling or logits.dtype == torch.float32)
     if op is not None and kernels_fit and (not sampling or _stock_gumbel_is_fp32(logits.device)):
         routes, masks, exp_counts = _top2_kernels(op, logits, gates, capacity, sampling)
     else:
@@ -225,7 +227,9 @@ def _top2_ops(logits: Tensor, gates: Tensor, capacity: Optional[int], sampling: 
     # The second choice ranks the (optionally Gumbel-perturbed) logits with the first ruled out.
     # Nothing differentiable reads them, so work on a detached copy and rule out in place.
     if sampling:
-        scores = logits.detach() + ds.gumbel_rsample(logits.shape, device=logits.device)
+        # Stock adds the noise in place: rounded to the logits' dtype (bf16 under autocast).
+        scores = logits.detach().clone()
+        scores += ds.gumbel_rsample(logits.shape, device=logits.device)
         scores.scatter_(1, first.unsqueeze(1), float("-inf"))
     else:
         scores = logits.detach().scatter(1, first.unsqueeze(1), float("-inf"))
@@ -248,8 +252,10 @@ def _top2_ops(logits: Tensor, gates: Tensor, capacity: Optional[int], sampling: 
     else:
         # Nothing is dropped, and the capacity stock would all-reduce is only returned.
         picks = torch.stack([first, second])
-    # One-hot rows as fp32 in one op: the masks stock multiplies and averages, equal in value.
-    masks = torch.eq(picks.unsqueeze(2), experts, out=gates.new_empty((picks.shape[0], num_tokens, num_experts)))
+    # One-hot rows as fp32 in one op: the masks stock multiplies and averages, equal in value (fp32
+    # even where CPU autocast leaves the gates bf16, as stock's .float() masks are).
+    masks = torch.eq(picks.unsqueeze(2), experts, out=gates.new_empty((picks.shape[0], num_tokens, num_experts),
+                                                                       dtype=torch.float32))
     if capacity is None:
         exp_counts = masks.sum(dim=(0, 1), dtype=torch.int64)
     return picks[-2:].to(torch.int32), masks, exp_counts
@@ -264,8 +270,8 @@ def _top2_kernels(op, logits: Tensor, gates: Tensor, capacity: Optional[int], sa
     routes = torch.empty((2, num_tokens), dtype=torch.int32, device=logits.device)
     masks = gates.new_empty((2 if capacity is None else 3, num_tokens, num_experts))
     exp_counts = torch.empty(num_experts, dtype=torch.int64, device=logits.device)
-    # Under autocast the logits are bf16 or fp16. Stock's noisy add promotes them to fp32 exactly,
-    # and its plain argmax orders them as their fp32 values do: the kernel may read them as fp32.
+    # Under autocast the logits are bf16 or fp16 (and then nothing is sampled here): their argmax
+    # orders them as their fp32 values do, so the kernel may read them as fp32.
     op.top2_routes(gates.detach(), logits.detach().float(), uniform, -1 if capacity is None else capacity, routes,
                    masks, exp_counts)
     return routes, masks, exp_counts

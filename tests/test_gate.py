@@ -219,16 +219,16 @@ AUTOCAST_CASES = [
 ]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+@pytest.mark.parametrize("device", [d for d in DEVICES if not d.startswith("cuda:")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", AUTOCAST_CASES, ids=case_id)
-def test_matches_stock_bitwise_under_autocast(case, dtype, forward_calls):
-    # Autocast makes the gate's logits half precision (its softmax stays fp32): the kernels must
-    # take them as stock's ops do.
-    device, routes_fn = routes_on("cuda-kernels")
+def test_matches_stock_bitwise_under_autocast(case, dtype, device, forward_calls):
+    # Autocast makes the gate's logits half precision (its softmax stays fp32): stock then adds
+    # top-2's noise in place, rounded to that precision.
+    device, routes_fn = routes_on(device)
     for seed in (3, 4):
         gate, tokens, used_token = prepare(case, seed, device)
-        with torch.autocast("cuda", dtype=dtype):
+        with torch.autocast(torch.device(device).type, dtype=dtype):
             forward_calls.clear()
             expected = run_gate(stock_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
             actual = run_gate(routes_fn, gate, tokens, used_token, seed, mix_seed=seed + 5)
@@ -447,6 +447,9 @@ GRAPH_CASES = [
     (dict(k=4, num_experts=64, capacity_factor=0.7, min_capacity=0), 3001, dict(skew=2.0)),
     (dict(k=8, drop_tokens=False), 67, {}),
     (dict(k=2), 101, dict(train=False)),
+    # bf16 tokens, as the layer's: the graph takes them as fp32 and casts their gradient back.
+    (dict(k=1, noisy_gate_policy="RSample"), 77, dict(dtype=torch.bfloat16)),
+    (dict(k=4, num_experts=64, capacity_factor=0.7, min_capacity=0), 3001, dict(skew=2.0, dtype=torch.bfloat16)),
 ]
 
 
