@@ -158,6 +158,9 @@ class PipelineSelector:
         self._experts = experts
         return None
 
+    # Under torch.compile this runs as written, not traced (as _run, below): a collective on Python
+    # objects, the op's build, the symmetric-memory rendezvous and new CUDA streams, once per layer.
+    @torch._disable_dynamo
     def _agree_static(self, tokens: torch.Tensor) -> Optional[str]:
         """One collective: every rank's local reason, host and token count; then the workspace."""
         group = self.moe.ep_group
@@ -217,7 +220,16 @@ class PipelineSelector:
         self.say_once(reason)
         return None
 
+    # Under torch.compile the fused call runs as written, behind one graph break. Dynamo would otherwise
+    # trace into the fused autograd function around the op's calls and could put its Triton launches
+    # in graphs; a functionalized launch (aot_autograd, inductor) runs on copies of the tensors it
+    # writes, while the kernels hand data to peers through raw pointers into the symmetric workspace,
+    # which no graph sees. torch._disable_dynamo, not torch.compiler.disable: it imports torch._dynamo
+    # at the first call, not at `import ds_comet` (seconds; DeepSpeed's lazy_disable does the same).
+    @torch._disable_dynamo
     def _run(self, tokens: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        # The kernels weight routes in fp32; autocast makes the top-2 gate's weights bf16 (exact in fp32).
+        gates = gates.float()
         try:
             plan = plan_routes_cuda(self._buffer.op, indices, self.moe.num_local_experts * self.moe.ep_size)
             max_rows = self._max_rows[self.moe.gate.training]

@@ -184,12 +184,20 @@ FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one
                "extreme-sm-splits", "graphed-gate", "graphed-gate-k3-skewed"]
 
 
+def _experts_or_skip(gpu_pool, case) -> int:
+    """The case's experts in all; a case whose k needs more of them than this many GPUs give skips."""
+    num_experts = case["experts_per_rank"] * gpu_pool.world_size
+    if case["k"] > num_experts:
+        pytest.skip(f"k = {case['k']} needs more experts than {gpu_pool.world_size} GPU(s) give this case")
+    return num_experts
+
+
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)
 def test_fused_forward(gpu_pool, case):
+    num_experts = _experts_or_skip(gpu_pool, case)
     stats = gpu_pool.run(fused_case, seed=_seed(), **case)
     # With one GPU, k3-skewed routes every token to each of its 3 experts: nothing to drop.
-    degenerate = case["k"] >= case["experts_per_rank"] * gpu_pool.world_size
-    if case.get("skew") and case.get("drop_tokens", True) and not degenerate:
+    if case.get("skew") and case.get("drop_tokens", True) and case["k"] < num_experts:
         assert sum(s[-1]["dropped"] for s in stats) > 0, stats
     if case.get("skew") and case["k"] == 1:  # top-2 samples its second expert, so only top-1 starves experts
         assert sum(s[-1]["empty_experts"] for s in stats) > 0, stats
@@ -276,6 +284,7 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=FORWARD_IDS)
 def test_fused_backward(gpu_pool, case):
+    _experts_or_skip(gpu_pool, case)
     worst = gpu_pool.run(backward_case, seed=_seed(), **case)
     assert max(worst) < BF16_GRAD_REL
 
@@ -288,6 +297,38 @@ def test_fused_backward_partial_gradients(gpu_pool, frozen_experts, input_grad):
     case = dict(FORWARD_CASES[1], frozen_experts=frozen_experts, input_grad=input_grad)
     worst = gpu_pool.run(backward_case, seed=_seed(), **case)
     assert max(worst) < BF16_GRAD_REL
+
+
+def autocast_case(seed, k, moe=None):
+    """Training forward and backward under bf16 autocast, which makes the gate's logits and the
+    top-2 gate's weights bf16: the fused layer against stock's, both under autocast."""
+    rank, ep_size = dist.get_rank(), dist.get_world_size()
+    layers = _layers(seed, 512, 1024, "gelu", moe=moe, num_experts=4 * ep_size, ep_size=ep_size, k=k)
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator(device=device).manual_seed(seed * 10 + rank)
+    tokens = torch.randn(384, 512, generator=generator, device=device).to(torch.bfloat16)
+    grad_out = torch.randn(384, 512, generator=generator, device=device).to(torch.bfloat16)
+    results = {}
+    for name in ("stock", "fused"):
+        layer = layers[name].train()
+        for call in range(2):  # with the graphed gate, the second call replays (or runs eagerly under autocast)
+            x = tokens.clone().requires_grad_()
+            torch.manual_seed(seed + call)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out, l_aux, counts = layer(x.unsqueeze(0))
+            torch.autograd.backward([out[0], l_aux], [grad_out, torch.ones_like(l_aux)])
+        results[name] = (out[0].detach(), l_aux.detach(), counts, x.grad)
+    assert layers["fused"].deepspeed_moe.selector._buffer is not None, "the fused pipeline did not run"
+    (out, l_aux, counts, grad), (want, want_l_aux, want_counts, want_grad) = results["fused"], results["stock"]
+    assert torch.equal(l_aux, want_l_aux) and torch.equal(counts, want_counts)
+    assert _rel(out, want) < 2 * BF16_REL and _rel(grad, want_grad) < 2 * BF16_GRAD_REL, (_rel(out, want),
+                                                                                          _rel(grad, want_grad))
+
+
+@pytest.mark.parametrize("k,moe", [(1, None), (2, None), (4, None), (2, dict(cuda_graph_gate=True))],
+                         ids=["k1", "k2", "k4", "k2-graphed-gate"])
+def test_fused_under_autocast_matches_stock(gpu_pool, k, moe):
+    gpu_pool.run(autocast_case, seed=_seed(), k=k, moe=moe)
 
 
 class _ZeroNet(torch.nn.Module):
