@@ -132,7 +132,9 @@ __global__ void topk_masks_kernel(const int64_t* top_idx, const float* top_gate,
         __syncthreads();
         const int64_t last_route = min(routes, first_route + kCountedRoutes);
         for (int64_t r = first_route + threadIdx.x; r < last_route; r += blockDim.x) {
-            atomicAdd(histogram + top_idx[r], 1u);
+            // torch.topk gives ids in range; one that is not is left uncounted, as the cells leave it.
+            const uint64_t e = static_cast<uint64_t>(top_idx[r]);
+            if (e < static_cast<uint64_t>(num_experts)) atomicAdd(histogram + e, 1u);
         }
         __syncthreads();
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {

@@ -44,12 +44,21 @@ WARMUP_CALLS = 2  # eager calls on a side stream before a capture (lazy cuBLAS a
 MAX_SIGNATURES = 4  # captured signatures per layer; further ones (say, other token counts) run eagerly
 
 
+def _fp32_matmul_precision():
+    """The TF32 setting, which picks the cuBLAS kernel of the gate's fp32 linear. From torch 2.9 it
+    is read through fp32_precision: the legacy allow_tf32 raises once a program used the new API."""
+    try:
+        return torch.backends.cuda.matmul.fp32_precision
+    except AttributeError:
+        return torch.backends.cuda.matmul.allow_tf32
+
+
 def _signature(gate, tokens: Tensor, op, params, needs_grad: bool) -> tuple:
     """What a captured graph is only valid for."""
     return (gate.training, needs_grad, torch.is_inference_mode_enabled(), tokens.requires_grad,
             tuple(p.requires_grad for p in params), tuple(p.data_ptr() for p in params),
             tuple(p.dtype for p in params), tuple(tokens.shape), tokens.dtype, tokens.device, op is None,
-            torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.fp32_precision,
+            torch.are_deterministic_algorithms_enabled(), _fp32_matmul_precision(),
             id(sharded_moe.gumbel_rsample), gate.k,
             gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy,
             gate.drop_tokens, gate.use_rts, getattr(gate, "top2_2nd_expert_sampling", None))
