@@ -11,7 +11,9 @@ received rows by expert, plus, on a first call, the "runs the reference pipeline
 capacity's ``int()``. Stock breaks at its capacity's ``int()``.
 
 GPU (skipped without CUDA): the fused pipeline compiled with "aot_eager", with and without the
-CUDA-graphed gate, against its eager calls within bf16 tolerance. The gate is traced (the graphed
+CUDA-graphed gate, and with inductor (its random numbers from torch's generator, as
+``fallback_random`` asks: otherwise the gate's noise differs from the eager call's, stock's too),
+against its eager calls within bf16 tolerance. The gate is traced (the graphed
 gate runs it eagerly while Dynamo traces); the fused call runs eagerly behind a graph break
 (``PipelineSelector._run`` is excluded from tracing).
 """
@@ -129,42 +131,53 @@ def fused_compile_case(seed, cuda_graph_gate, backend="aot_eager", hidden=512, f
     graphs = []
     compiled = _compiled(layer, backend, graphs)
     errors = []
-    for call in range(calls):
-        generator = torch.Generator(device=device).manual_seed(seed * 100 + call * 10 + rank)
-        tokens = torch.randn(1, tokens_per_rank, hidden, generator=generator, device=device).to(torch.bfloat16)
-        loss_weight = torch.randn(tokens.shape, generator=generator, device=device).to(torch.bfloat16)
-        noise_seed = seed * 7 + call * 3 + rank  # the gate's top-2 sampling
-        # The first call is compiled: the layer's one-time selection and workspace run under it.
-        steps = {}
-        for name in (("compiled", "eager") if call == 0 else ("eager", "compiled")):
-            module = compiled if name == "compiled" else layer
-            steps[name] = _unwrapped(run_step(module, tokens, loss_weight, noise_seed))
-        moe = layer.deepspeed_moe
-        assert moe.selector._buffer is not None, "the fused pipeline did not run"
-        if cuda_graph_gate:
-            assert moe.gate_graphs._captured, "the eager calls did not capture the gate"
-        eager, actual = steps["eager"], steps["compiled"]
-        assert torch.equal(actual["exp_counts"], eager["exp_counts"]), "exp_counts"
-        torch.testing.assert_close(actual["l_aux"], eager["l_aux"], rtol=1e-5, atol=1e-6, msg="l_aux")
-        assert torch.isfinite(actual["output"]).all(), "the compiled output is not finite"
-        err = {"output": _rel(actual["output"], eager["output"])}
-        assert err["output"] < BF16_REL, err
-        compared = [("input grad", actual["input_grad"], eager["input_grad"])]
-        compared += [(name, actual["grads"][name], grad) for name, grad in eager["grads"].items()]
-        assert actual["grads"].keys() == eager["grads"].keys()
-        for what, got, want in compared:
-            assert (got is None) == (want is None), f"{what}: {got is None=} {want is None=}"
-            if want is not None:
-                assert torch.isfinite(got).all(), f"{what}: the compiled gradient is not finite"
-                err[what] = _rel(got, want)
-                assert err[what] < BF16_GRAD_REL, (what, err)
-        errors.append(max(err.values()))
+    # Inductor draws random numbers with its own generator unless told to fall back to torch's, and
+    # the gate's noise (top-2 sampling) then differs from the eager call's: stock's gate as well.
+    with torch._inductor.config.patch(fallback_random=True):
+        for call in range(calls):
+            errors.append(_fused_compile_step(layer, compiled, seed, call, rank, cuda_graph_gate, device, hidden,
+                                              tokens_per_rank))
     assert graphs, "nothing was compiled"  # the gate; the experts run in the fused call, which is not traced
     return max(errors)
 
 
+def _fused_compile_step(layer, compiled, seed, call, rank, cuda_graph_gate, device, hidden, tokens_per_rank):
+    """One training step compiled and eagerly (fresh tokens); the largest relative error."""
+    generator = torch.Generator(device=device).manual_seed(seed * 100 + call * 10 + rank)
+    tokens = torch.randn(1, tokens_per_rank, hidden, generator=generator, device=device).to(torch.bfloat16)
+    loss_weight = torch.randn(tokens.shape, generator=generator, device=device).to(torch.bfloat16)
+    noise_seed = seed * 7 + call * 3 + rank  # the gate's top-2 sampling
+    # The first call is compiled: the layer's one-time selection and workspace run under it.
+    steps = {}
+    for name in (("compiled", "eager") if call == 0 else ("eager", "compiled")):
+        module = compiled if name == "compiled" else layer
+        steps[name] = _unwrapped(run_step(module, tokens, loss_weight, noise_seed))
+    moe = layer.deepspeed_moe
+    assert moe.selector._buffer is not None, "the fused pipeline did not run"
+    if cuda_graph_gate:
+        assert moe.gate_graphs._captured, "the eager calls did not capture the gate"
+    eager, actual = steps["eager"], steps["compiled"]
+    assert torch.equal(actual["exp_counts"], eager["exp_counts"]), "exp_counts"
+    torch.testing.assert_close(actual["l_aux"], eager["l_aux"], rtol=1e-5, atol=1e-6, msg="l_aux")
+    assert torch.isfinite(actual["output"]).all(), "the compiled output is not finite"
+    err = {"output": _rel(actual["output"], eager["output"])}
+    assert err["output"] < BF16_REL, err
+    compared = [("input grad", actual["input_grad"], eager["input_grad"])]
+    compared += [(name, actual["grads"][name], grad) for name, grad in eager["grads"].items()]
+    assert actual["grads"].keys() == eager["grads"].keys()
+    for what, got, want in compared:
+        assert (got is None) == (want is None), f"{what}: {got is None=} {want is None=}"
+        if want is not None:
+            assert torch.isfinite(got).all(), f"{what}: the compiled gradient is not finite"
+            err[what] = _rel(got, want)
+            assert err[what] < BF16_GRAD_REL, (what, err)
+    return max(err.values())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fused kernels run on GPUs")
-@pytest.mark.parametrize("cuda_graph_gate", [False, True], ids=["eager-gate", "graphed-gate"])
-def test_fused_compiled_matches_eager(gpu_pool, cuda_graph_gate):
-    worst = gpu_pool.run(fused_compile_case, seed=torch.randint(1, 10**6, ()).item(), cuda_graph_gate=cuda_graph_gate)
+@pytest.mark.parametrize("backend,cuda_graph_gate", [("aot_eager", False), ("aot_eager", True), ("inductor", False)],
+                         ids=["eager-gate", "graphed-gate", "inductor"])
+def test_fused_compiled_matches_eager(gpu_pool, backend, cuda_graph_gate):
+    worst = gpu_pool.run(fused_compile_case, seed=torch.randint(1, 10**6, ()).item(), cuda_graph_gate=cuda_graph_gate,
+                         backend=backend)
     assert max(worst) < BF16_GRAD_REL
