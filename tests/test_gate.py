@@ -216,6 +216,9 @@ AUTOCAST_CASES = [
     (dict(k=2, top2_2nd_expert_sampling=False), 250, dict(skew=3.0)),
     (dict(k=2, drop_tokens=False), 101, {}),
     (dict(k=4, capacity_factor=0.5, min_capacity=0), 150, dict(ties=True)),
+    (dict(k=2, noisy_gate_policy="Jitter"), 199, {}),
+    (dict(k=2), 101, dict(train=False)),
+    (dict(k=1, use_rts=False), 90, dict(used_token="weighted")),
 ]
 
 
