@@ -127,13 +127,14 @@ cudaError_t launch_combine(const GroupShape& shape, const int64_t* peer_expert_o
                            cudaStream_t stream);
 
 // The gate's integer bookkeeping (gate_kernels.cu; ds_comet/gate.py says what each replaces).
-// Top-2: gates and logits [S, E] fp32; uniform [S, E] (torch.rand) or null for no second-choice
-// sampling; capacity < 0 for no dropping; choices [2, S] int32 scratch; routes [2, S] int32 (-1:
-// dropped); masks [3 or 2, S, E] fp32 one-hot (with dropping: first choices before it, then both
-// choices after it; without: both choices); expert_counts [E] int64 before the drop.
-cudaError_t launch_top2_routes(const float* gates, const float* logits, const float* uniform, int64_t num_tokens,
-                               int num_experts, int64_t capacity, int32_t* choices, int32_t* routes, float* masks,
-                               int64_t* expert_counts, cudaStream_t stream);
+// Top-2: gates [S, E] fp32; logits [S, E] of logits_code (0 = bf16, 1 = fp16: dtype_code; 2 =
+// fp32); uniform [S, E] (torch.rand) or null for no second-choice sampling; capacity < 0 for no
+// dropping; choices [2, S] int32 scratch; routes [2, S] int32 (-1: dropped); masks [3 or 2, S, E]
+// fp32 one-hot (with dropping: first choices before it, then both choices after it; without: both
+// choices); expert_counts [E] int64 before the drop.
+cudaError_t launch_top2_routes(const float* gates, const void* logits, int logits_code, const float* uniform,
+                               int64_t num_tokens, int num_experts, int64_t capacity, int32_t* choices, int32_t* routes,
+                               float* masks, int64_t* expert_counts, cudaStream_t stream);
 
 // The Gumbel noise the top-2 kernel adds to the logits, for each of count uniform draws (tests).
 cudaError_t launch_gumbel_noise(const float* uniform, int64_t count, float* noise, cudaStream_t stream);

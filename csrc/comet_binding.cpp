@@ -90,7 +90,12 @@ void top2_routes(const torch::Tensor& gates, const torch::Tensor& logits, const 
     check_cuda(gates, "gates", at::kFloat);
     TORCH_CHECK(gates.dim() == 2, "gates must be [tokens, experts]");
     const int64_t num_tokens = gates.size(0), num_experts = gates.size(1);
-    check_cuda(logits, "logits", at::kFloat);
+    // Autocast makes the logits bf16 or fp16; the kernel rounds their noisy sum as stock does.
+    TORCH_CHECK(logits.is_cuda() && logits.is_contiguous(), "logits must be a contiguous CUDA tensor");
+    const at::ScalarType logits_type = logits.scalar_type();
+    TORCH_CHECK(logits_type == at::kFloat || logits_type == at::kBFloat16 || logits_type == at::kHalf,
+                "logits must be fp32, bf16 or fp16, got ", logits_type);
+    const int logits_code = logits_type == at::kBFloat16 ? 0 : logits_type == at::kHalf ? 1 : 2;
     check_sizes(logits, "logits", gates.sizes());
     if (uniform.numel() > 0) {
         check_cuda(uniform, "uniform", at::kFloat);
@@ -106,7 +111,7 @@ void top2_routes(const torch::Tensor& gates, const torch::Tensor& logits, const 
     const c10::cuda::CUDAGuard device_guard(
         one_device("top2_routes", {gates, logits, uniform, routes, masks, expert_counts}));
     auto choices = torch::empty({2, num_tokens}, routes.options());
-    check_launch(ds_comet::launch_top2_routes(gates.data_ptr<float>(), logits.data_ptr<float>(),
+    check_launch(ds_comet::launch_top2_routes(gates.data_ptr<float>(), logits.data_ptr(), logits_code,
                                               uniform.numel() > 0 ? uniform.data_ptr<float>() : nullptr, num_tokens,
                                               static_cast<int>(num_experts), capacity, choices.data_ptr<int32_t>(),
                                               routes.data_ptr<int32_t>(), masks.data_ptr<float>(),

@@ -4,6 +4,9 @@
 // each in microseconds, so the layer waits on their launches. The answers are exact (indices,
 // counts, 0/1 masks, copied values), and the one float computation here, the Gumbel noise of
 // top-2 sampling, repeats torch's own ops one rounding at a time.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -37,9 +40,33 @@ __global__ void gumbel_noise_kernel(const float* uniform, int64_t count, float* 
     if (i < count) noise[i] = gumbel_of(uniform[i]);
 }
 
+// The logits' dtype: autocast makes them bf16 or fp16. Stock adds the noise in place, so the noisy
+// logit is the fp32 sum rounded to that dtype; a plain logit converts to fp32 exactly.
+template <typename T>
+struct Logit;
+
+template <>
+struct Logit<float> {
+    static __device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
+    static __device__ __forceinline__ float round(float x) { return x; }
+};
+
+template <>
+struct Logit<__nv_bfloat16> {
+    static __device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+    static __device__ __forceinline__ float round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+};
+
+template <>
+struct Logit<__half> {
+    static __device__ __forceinline__ float load(const __half* p, int64_t i) { return __half2float(p[i]); }
+    static __device__ __forceinline__ float round(float x) { return __half2float(__float2half_rn(x)); }
+};
+
 // choices[0][s] = argmax(gates[s]); choices[1][s] = argmax of logits[s] (+ Gumbel noise of
 // uniform[s] when given) with the first choice ruled out by -inf, as stock's top-2 does.
-__global__ void top2_choices_kernel(const float* gates, const float* logits, const float* uniform,
+template <typename T>
+__global__ void top2_choices_kernel(const float* gates, const T* logits, const float* uniform,
                                     int64_t num_tokens, int num_experts, int32_t* choices) {
     const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (s >= num_tokens) return;
@@ -55,7 +82,10 @@ __global__ void top2_choices_kernel(const float* gates, const float* logits, con
     int second = 0;
     for (int e = 0; e < num_experts; ++e) {
         float score = -INFINITY;
-        if (e != first) score = uniform ? __fadd_rn(logits[row + e], gumbel_of(uniform[row + e])) : logits[row + e];
+        if (e != first) {
+            const float logit = Logit<T>::load(logits, row + e);
+            score = uniform ? Logit<T>::round(__fadd_rn(logit, gumbel_of(uniform[row + e]))) : logit;
+        }
         if (e == 0 || beats(score, best)) {
             best = score;
             second = e;
@@ -188,12 +218,21 @@ cudaError_t launch_gumbel_noise(const float* uniform, int64_t count, float* nois
     return cudaGetLastError();
 }
 
-cudaError_t launch_top2_routes(const float* gates, const float* logits, const float* uniform, int64_t num_tokens,
-                               int num_experts, int64_t capacity, int32_t* choices, int32_t* routes, float* masks,
-                               int64_t* expert_counts, cudaStream_t stream) {
+cudaError_t launch_top2_routes(const float* gates, const void* logits, int logits_code, const float* uniform,
+                               int64_t num_tokens, int num_experts, int64_t capacity, int32_t* choices, int32_t* routes,
+                               float* masks, int64_t* expert_counts, cudaStream_t stream) {
     if (num_tokens == 0) return cudaMemsetAsync(expert_counts, 0, num_experts * sizeof(int64_t), stream);
-    top2_choices_kernel<<<blocks_for(num_tokens, kGateThreads), kGateThreads, 0, stream>>>(
-        gates, logits, uniform, num_tokens, num_experts, choices);
+    const int64_t blocks = blocks_for(num_tokens, kGateThreads);
+    if (logits_code == 0) {
+        top2_choices_kernel<<<blocks, kGateThreads, 0, stream>>>(
+            gates, static_cast<const __nv_bfloat16*>(logits), uniform, num_tokens, num_experts, choices);
+    } else if (logits_code == 1) {
+        top2_choices_kernel<<<blocks, kGateThreads, 0, stream>>>(
+            gates, static_cast<const __half*>(logits), uniform, num_tokens, num_experts, choices);
+    } else {
+        top2_choices_kernel<<<blocks, kGateThreads, 0, stream>>>(
+            gates, static_cast<const float*>(logits), uniform, num_tokens, num_experts, choices);
+    }
     top2_queue_kernel<<<num_experts, kQueueThreads, 0, stream>>>(choices, num_tokens, num_experts, capacity, routes,
                                                                  expert_counts);
     top2_masks_kernel<<<blocks_for(num_tokens * num_experts, kGateThreads), kGateThreads, 0, stream>>>(

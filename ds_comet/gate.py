@@ -180,8 +180,6 @@ def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, s
     num_tokens, num_experts = gates.shape
     capacity = _capacity(gates, factor * 2, min_capacity) if drop_tokens else None
     kernels_fit = num_experts >= 2 and (capacity is None or capacity >= 0)  # the op's "no drop" is capacity -1
-    # The kernel adds the noise in fp32; stock adds it in place, in the logits' dtype (autocast's bf16).
-    kernels_fit = kernels_fit and (not sampling or logits.dtype == torch.float32)
     if op is not None and kernels_fit and (not sampling or _stock_gumbel_is_fp32(logits.device)):
         routes, masks, exp_counts = _top2_kernels(op, logits, gates, capacity, sampling)
     else:
@@ -270,10 +268,10 @@ def _top2_kernels(op, logits: Tensor, gates: Tensor, capacity: Optional[int], sa
     routes = torch.empty((2, num_tokens), dtype=torch.int32, device=logits.device)
     masks = gates.new_empty((2 if capacity is None else 3, num_tokens, num_experts))
     exp_counts = torch.empty(num_experts, dtype=torch.int64, device=logits.device)
-    # Under autocast the logits are bf16 or fp16 (and then nothing is sampled here): their argmax
-    # orders them as their fp32 values do, so the kernel may read them as fp32.
-    op.top2_routes(gates.detach(), logits.detach().float(), uniform, -1 if capacity is None else capacity, routes,
-                   masks, exp_counts)
+    # Under autocast the logits are bf16 or fp16: the kernel reads them in their dtype and rounds
+    # their noisy sum to it, as stock's in-place add does.
+    op.top2_routes(gates.detach(), logits.detach(), uniform, -1 if capacity is None else capacity, routes, masks,
+                   exp_counts)
     return routes, masks, exp_counts
 
 
