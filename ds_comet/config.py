@@ -49,9 +49,10 @@ class CometMoEConfig(DeepSpeedConfigModel):
 
     cuda_graph_gate: bool = False
     """Replay the gate's routing from CUDA graphs on the fused path: bit for bit the same routes,
-    gates, aux loss and gradients, about 0.4 ms less per forward and 1 ms less per training step
-    on an H200's host, for memory its graphs hold permanently (about 6 bytes x tokens x hidden per
-    layer; 220-330 MiB reserved at the bench's shapes; ds_comet/gate_graph.py)."""
+    gates, aux loss and gradients, 0.24-0.53 ms less per forward and 0.43-0.59 ms less per training
+    step of one layer on 2 x H200 (the bench's shapes), for memory its graphs hold permanently
+    (about 6 bytes x tokens x hidden per layer; 220-330 MiB reserved at the bench's shapes;
+    ds_comet/gate_graph.py)."""
 
     wait_timeout_s: float = Field(60.0, gt=0)
     """Longest a fused kernel waits for a peer rank before it stops the job with an error."""
