@@ -197,29 +197,42 @@ __device__ __forceinline__ int key_of(int32_t id, int num_experts) {
     return id < 0 || id >= num_experts ? num_experts : id;
 }
 
-// One block per key (an expert, or num_experts for the dropped routes). Each thread owns a run of
-// consecutive route ids, so a block-wide prefix of per-thread counts gives every route of the key
-// its place in route-id order: a stable counting sort with no pass between blocks.
+// One block per key (an expert, or num_experts for the dropped routes). Each warp owns a segment of
+// consecutive route ids and walks it 32 routes at a time, lane l reading route base + l (coalesced):
+// ballots count the key's routes in route-id order, a block-wide prefix over the warps' counts gives
+// each warp its first place, and a second walk places every route of the key. A stable counting sort
+// with no pass between blocks.
 __global__ void plan_kernel(const int32_t* indices, int64_t routes, int num_experts, int64_t* route_order,
                             int64_t* route_position, int64_t* expert_counts) {
+    constexpr unsigned kAll = 0xFFFFFFFFu;
     const int key = blockIdx.x;
-    const int64_t run = ceil_div(routes, blockDim.x);
-    const int64_t first = min(routes, threadIdx.x * run), last = min(routes, first + run);
-    int64_t mine = 0, smaller = 0;
-    for (int64_t r = first; r < last; ++r) {
-        const int k = key_of(indices[r], num_experts);
-        mine += k == key;
-        smaller += k < key;
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, num_warps = blockDim.x / kWarp;
+    const int64_t segment = ceil_div(ceil_div(routes, num_warps), kWarp) * kWarp;
+    const int64_t first = min(routes, warp * segment), last = min(routes, first + segment);
+    int64_t mine = 0, smaller = 0;  // the same in every lane of the warp
+#pragma unroll 4
+    for (int64_t base = first; base < last; base += kWarp) {
+        const int64_t r = base + lane;
+        const int k = r < last ? key_of(indices[r], num_experts) : num_experts + 1;
+        mine += __popc(__ballot_sync(kAll, k == key));
+        smaller += __popc(__ballot_sync(kAll, k < key));
     }
+    // Lane 0 carries its warp's counts into the block-wide sums: thread order is warp order.
+    const int64_t warp_mine = lane == 0 ? mine : 0;
     int64_t key_total, before_key;
-    block_inclusive_sum(smaller, &before_key);
-    int64_t place = before_key + block_inclusive_sum(mine, &key_total) - mine;
-    for (int64_t r = first; r < last && mine > 0; ++r) {
-        if (key_of(indices[r], num_experts) == key) {
-            route_order[place] = r;
-            route_position[r] = place;
-            ++place;
+    block_inclusive_sum(lane == 0 ? smaller : 0, &before_key);
+    int64_t place = before_key + block_inclusive_sum(warp_mine, &key_total) - warp_mine;
+    place = __shfl_sync(kAll, place, 0);
+    for (int64_t base = first; base < last && mine > 0; base += kWarp) {
+        const int64_t r = base + lane;
+        const bool match = r < last && key_of(indices[r], num_experts) == key;
+        const unsigned matches = __ballot_sync(kAll, match);
+        if (match) {
+            const int64_t at = place + __popc(matches & ((1u << lane) - 1u));
+            route_order[at] = r;
+            route_position[r] = at;
         }
+        place += __popc(matches);
     }
     if (threadIdx.x == 0 && key < num_experts) expert_counts[key] = key_total;
 }
