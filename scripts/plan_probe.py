@@ -13,22 +13,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ds_comet.ops import load_op  # noqa: E402
 from ds_comet.routing import plan_routes  # noqa: E402
-
-CALLS = 50
-
-
-def per_call_us(graph):
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return sorted(times)[len(times) // 2]
+from graph_timing import us_per_call  # noqa: E402
 
 
 def main():
@@ -39,24 +27,14 @@ def main():
         indices = scores.topk(k, dim=1).indices.t().contiguous().int()
         indices[torch.rand(indices.shape, device="cuda", generator=generator) < 0.1] = -1
         flat = indices.reshape(-1)
-        order, position = torch.empty(flat.numel(), dtype=torch.int64, device="cuda"), None
+        order = torch.empty(flat.numel(), dtype=torch.int64, device="cuda")
         position = torch.empty_like(order)
         counts = torch.empty(experts, dtype=torch.int64, device="cuda")
 
         def call():
             op.plan(flat, experts, order, position, counts)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(CALLS):
-                call()
-        us = per_call_us(graph)
+        us = us_per_call(call)
         want = plan_routes(indices, experts)
         ok = (torch.equal(order, want.route_order) and torch.equal(position, want.route_position)
               and torch.equal(counts, want.expert_counts))

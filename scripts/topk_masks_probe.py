@@ -13,21 +13,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ds_comet.ops import load_op  # noqa: E402
-
-CALLS = 50
-
-
-def per_call_us(graph):
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return sorted(times)[len(times) // 2]
+from graph_timing import us_per_call  # noqa: E402
 
 
 def main():
@@ -45,17 +33,7 @@ def main():
             def call():
                 op.topk_masks(top_idx, top_gate, drop, mask, kept, ranked, indices, counts)
 
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    call()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(CALLS):
-                    call()
-            us = per_call_us(graph)
+            us = us_per_call(call)
             ok = torch.equal(counts, torch.bincount(top_idx.flatten(), minlength=experts))
             print(f"{label} T{tokens} E{experts} k{k} drop={drop}: {us:.1f} us per call, counts ok {ok}", flush=True)
 
