@@ -79,7 +79,7 @@ __device__ void wait_at_least(const int32_t* ptr, int32_t target, const GroupSha
     }
 }
 
-__device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 __device__ __forceinline__ int64_t pieces_of(int64_t rel_start, int64_t count, int64_t tile_m) {
     return count == 0 ? 0 : (rel_start + count - 1) / tile_m - rel_start / tile_m + 1;
@@ -197,44 +197,64 @@ __device__ __forceinline__ int key_of(int32_t id, int num_experts) {
     return id < 0 || id >= num_experts ? num_experts : id;
 }
 
-// One block per key (an expert, or num_experts for the dropped routes). Each warp owns a segment of
-// consecutive route ids and walks it 32 routes at a time, lane l reading route base + l (coalesced):
-// ballots count the key's routes in route-id order, a block-wide prefix over the warps' counts gives
-// each warp its first place, and a second walk places every route of the key. A stable counting sort
-// with no pass between blocks.
-__global__ void plan_kernel(const int32_t* indices, int64_t routes, int num_experts, int64_t* route_order,
-                            int64_t* route_position, int64_t* expert_counts) {
+// A stable counting sort with no pass between blocks. Keys are the experts and num_experts (the
+// dropped routes). Each block takes KEYS consecutive keys: more than one only where one key a block
+// would need more blocks than the GPU runs at once, since every block reads every route. Each warp
+// owns a segment of consecutive route ids and walks it 32 routes at a time, lane l reading route
+// base + l (coalesced): ballots count each key's routes in route-id order, block-wide prefixes over
+// the warps' counts give each warp its first place per key, and a second walk places the routes.
+constexpr int kPlanThreads = 1024;
+
+template <int KEYS>
+__global__ void __launch_bounds__(kPlanThreads, 1)
+    plan_kernel(const int32_t* indices, int64_t routes, int num_experts, int64_t* route_order,
+                int64_t* route_position, int64_t* expert_counts) {
     constexpr unsigned kAll = 0xFFFFFFFFu;
-    const int key = blockIdx.x;
+    // With one key a block, the grid has one block per key: no block is short of keys.
+    const int first_key = blockIdx.x * KEYS, keys = KEYS == 1 ? 1 : min(KEYS, num_experts + 1 - first_key);
     const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, num_warps = blockDim.x / kWarp;
     const int64_t segment = ceil_div(ceil_div(routes, num_warps), kWarp) * kWarp;
     const int64_t first = min(routes, warp * segment), last = min(routes, first + segment);
-    int64_t mine = 0, smaller = 0;  // the same in every lane of the warp
+    int64_t mine[KEYS], smaller = 0, any = 0;  // the same in every lane of the warp
+#pragma unroll
+    for (int j = 0; j < KEYS; ++j) mine[j] = 0;
 #pragma unroll 4
     for (int64_t base = first; base < last; base += kWarp) {
         const int64_t r = base + lane;
-        const int k = r < last ? key_of(indices[r], num_experts) : num_experts + 1;
-        mine += __popc(__ballot_sync(kAll, k == key));
-        smaller += __popc(__ballot_sync(kAll, k < key));
+        // Past the segment: a key no block has.
+        const int offset = (r < last ? key_of(indices[r], num_experts) : num_experts + 1) - first_key;
+        smaller += __popc(__ballot_sync(kAll, offset < 0));
+#pragma unroll
+        for (int j = 0; j < KEYS; ++j) mine[j] += __popc(__ballot_sync(kAll, offset == j && j < keys));
     }
-    // Lane 0 carries its warp's counts into the block-wide sums: thread order is warp order.
-    const int64_t warp_mine = lane == 0 ? mine : 0;
-    int64_t key_total, before_key;
-    block_inclusive_sum(lane == 0 ? smaller : 0, &before_key);
-    int64_t place = before_key + block_inclusive_sum(warp_mine, &key_total) - warp_mine;
-    place = __shfl_sync(kAll, place, 0);
-    for (int64_t base = first; base < last && mine > 0; base += kWarp) {
+    int64_t place[KEYS];
+    int64_t start;  // the first place of this block's first key
+    block_inclusive_sum(lane == 0 ? smaller : 0, &start);
+#pragma unroll
+    for (int j = 0; j < KEYS; ++j) {
+        // Lane 0 carries its warp's count into the block-wide sums: thread order is warp order.
+        const int64_t warp_mine = lane == 0 ? mine[j] : 0;
+        int64_t key_total;
+        place[j] = __shfl_sync(kAll, start + block_inclusive_sum(warp_mine, &key_total) - warp_mine, 0);
+        if (threadIdx.x == 0 && j < keys && first_key + j < num_experts) expert_counts[first_key + j] = key_total;
+        start += key_total;
+        any += mine[j];
+    }
+    for (int64_t base = first; base < last && any > 0; base += kWarp) {
         const int64_t r = base + lane;
-        const bool match = r < last && key_of(indices[r], num_experts) == key;
-        const unsigned matches = __ballot_sync(kAll, match);
-        if (match) {
-            const int64_t at = place + __popc(matches & ((1u << lane) - 1u));
-            route_order[at] = r;
-            route_position[r] = at;
+        const int offset = (r < last ? key_of(indices[r], num_experts) : num_experts + 1) - first_key;
+#pragma unroll
+        for (int j = 0; j < KEYS; ++j) {
+            const bool match = offset == j && j < keys;
+            const unsigned matches = __ballot_sync(kAll, match);
+            if (match) {
+                const int64_t at = place[j] + __popc(matches & ((1u << lane) - 1u));
+                route_order[at] = r;
+                route_position[r] = at;
+            }
+            place[j] += __popc(matches);
         }
-        place += __popc(matches);
     }
-    if (threadIdx.x == 0 && key < num_experts) expert_counts[key] = key_total;
 }
 
 template <typename T>
@@ -509,8 +529,21 @@ void launch_combine_for_k(const GroupShape& shape, const int64_t* peer_expert_ou
 
 cudaError_t launch_plan(const int32_t* indices, int64_t routes, int num_experts, int64_t* route_order,
                         int64_t* route_position, int64_t* expert_counts, cudaStream_t stream) {
-    plan_kernel<<<num_experts + 1, 1024, 0, stream>>>(indices, routes, num_experts, route_order, route_position,
-                                                      expert_counts);
+    int device = 0, sms = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    const int keys = num_experts + 1;
+    if (keys <= sms) {
+        plan_kernel<1><<<keys, kPlanThreads, 0, stream>>>(indices, routes, num_experts, route_order,
+                                                           route_position, expert_counts);
+    } else if (keys <= 2 * sms) {
+        plan_kernel<2><<<ceil_div(keys, 2), kPlanThreads, 0, stream>>>(indices, routes, num_experts, route_order,
+                                                                        route_position, expert_counts);
+    } else {  // past 4 keys a block, the counts' registers spill (1024 threads: 64 a thread at most)
+        plan_kernel<4><<<ceil_div(keys, 4), kPlanThreads, 0, stream>>>(indices, routes, num_experts, route_order,
+                                                                        route_position, expert_counts);
+    }
     return cudaGetLastError();
 }
 

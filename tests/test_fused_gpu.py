@@ -396,15 +396,21 @@ def plan_case(seed):
     op = load_op()
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator(device=device).manual_seed(seed + dist.get_rank())
+    # The kernel gives each block 1, 2 or 4 experts, the fewest with which one wave of blocks covers
+    # every expert (4 past that): on 132 SMs (H100, H200) the expert counts below take each of
+    # those paths, and 1201 experts take several waves.
     cases = [(2, 8192, 8, 0.1, 0.0), (4, 333, 64, 0.5, 3.0), (8, 1000, 32, 0.0, 0.0), (1, 5, 3, 1.0, 0.0),
-             (2, 0, 4, 0.0, 0.0), (3, 2047, 300, 0.2, 8.0), (1, 70000, 2, 0.3, 0.0)]
+             (2, 0, 4, 0.0, 0.0), (3, 2047, 300, 0.2, 8.0), (1, 70000, 2, 0.3, 0.0), (2, 999, 200, 0.1, 0.0),
+             (8, 3001, 256, 0.05, 2.0), (1, 4000, 1201, 0.1, 4.0)]
     for k, tokens, experts, drop, skew in cases:
         scores = torch.rand(tokens, experts, generator=generator, device=device)
         scores[:, 0] += skew  # skewed: most routes go to expert 0, some experts get none
         indices = scores.topk(min(k, experts), dim=1).indices.t().contiguous().int()
         indices[torch.rand(indices.shape, generator=generator, device=device) < drop] = -1
-        if skew == 8.0:  # an id one past the last expert counts as dropped in both
+        if skew == 8.0:  # ids past the last expert, or far below -1, count as dropped in both
             indices[0, :5] = experts
+            indices[-1, 5:8] = experts + 7
+            indices[-1, 8] = -2**31
         want, got = plan_routes(indices, experts), plan_routes_cuda(op, indices, experts)
         for field in ("route_order", "route_position", "expert_counts"):
             assert torch.equal(getattr(got, field), getattr(want, field)), (k, tokens, experts, field)
