@@ -12,6 +12,7 @@ import re
 import deepspeed
 import pytest
 import torch
+import torch.utils.checkpoint
 from deepspeed import comm as dist
 
 import ds_comet
@@ -329,6 +330,54 @@ def autocast_case(seed, k, moe=None):
                          ids=["k1", "k2", "k4", "k2-graphed-gate"])
 def test_fused_under_autocast_matches_stock(gpu_pool, k, moe):
     gpu_pool.run(autocast_case, seed=_seed(), k=k, moe=moe)
+
+
+def checkpoint_case(seed, use_reentrant, moe=None):
+    """The fused layer under activation checkpointing, as a training script wraps its blocks: the
+    forward under checkpoint, the backward recomputing it (gate noise included, from the restored
+    RNG). Non-reentrant checkpointing packs saved tensors through hooks, and recomputes the block
+    when the fused function's saved gates are unpacked. Outputs and every gradient must equal those
+    of the same layer run without checkpointing."""
+    rank, ep_size = dist.get_rank(), dist.get_world_size()
+    layers = _layers(seed, 512, 1024, "gelu", moe=moe, num_experts=4 * ep_size, ep_size=ep_size, k=2)
+    layer = layers["fused"].train()
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator(device=device).manual_seed(seed * 10 + rank)
+    tokens = torch.randn(384, 512, generator=generator, device=device).to(torch.bfloat16)
+    grad_out = torch.randn(1, 384, 512, generator=generator, device=device).to(torch.bfloat16)
+
+    def block(x):
+        out, l_aux, _ = layer(x)
+        return out, l_aux
+
+    results = {}
+    for mode in ("plain", "checkpointed", "plain-again"):
+        layer.zero_grad(set_to_none=True)
+        x = tokens.unsqueeze(0).clone().requires_grad_()
+        torch.manual_seed(seed)  # the gate's top-2 sampling
+        if mode == "checkpointed":
+            out, l_aux = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=use_reentrant)
+        else:
+            out, l_aux = block(x)
+        torch.autograd.backward([out, l_aux], [grad_out, torch.tensor(0.01, device=device)])
+        grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
+        results[mode] = (out.detach(), l_aux.detach(), x.grad, grads)
+    assert layer.deepspeed_moe.selector._buffer is not None, "the fused pipeline did not run"
+    want_out, want_l_aux, want_grad, want_grads = results["plain"]
+    for mode in ("checkpointed", "plain-again"):
+        out, l_aux, grad, grads = results[mode]
+        assert torch.equal(l_aux, want_l_aux), mode
+        assert _rel(out, want_out) < 1e-6 and _rel(grad, want_grad) < 1e-6, (mode, _rel(out, want_out),
+                                                                             _rel(grad, want_grad))
+        assert grads.keys() == want_grads.keys() and len(grads) > 2, (mode, sorted(grads))
+        worst = max(_rel(grads[name], want) for name, want in want_grads.items())
+        assert worst < 1e-6, (mode, worst)
+
+
+@pytest.mark.parametrize("use_reentrant,moe", [(True, None), (False, None), (False, dict(cuda_graph_gate=True))],
+                         ids=["reentrant", "non-reentrant", "non-reentrant-graphed-gate"])
+def test_fused_under_activation_checkpointing(gpu_pool, use_reentrant, moe):
+    gpu_pool.run(checkpoint_case, seed=_seed(), use_reentrant=use_reentrant, moe=moe)
 
 
 class _ZeroNet(torch.nn.Module):
