@@ -77,6 +77,7 @@ SHAPES = _load("shapes").SHAPES
 SMOKE_SHAPE = ("smoke-H64-F96-E4-k2-T40", (64, 96, 4, 2, 40))
 EP = 2
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
+SMEM_PER_SM, SMEM_RESERVED = 233472, 1024  # a multiprocessor's shared memory, and what each block's costs besides
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread past which a tile spills
 MAX_CHUNKS = 64  # chunk counters per source (the workspace's max_chunks)
 REL_TOL = 1e-2
@@ -104,6 +105,9 @@ TMA_TILES = [(128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 8), (
 # Warp-specialised TMA GEMM1 (num_warps per consumer group): all gave wrong results on H200 with
 # Triton 3.6 (docs/performance.md), kept to retest on the next Triton.
 WS_TILES = [(128, 256, 64, 3, 4), (128, 256, 64, 4, 4), (128, 128, 64, 4, 4), (128, 128, 64, 5, 4)]
+# --ctas-per-sm: tiles whose pipelines fit two (some three) programs a multiprocessor.
+CTAS_TILES = [(128, 128, 64, 3, 4), (128, 128, 64, 3, 8), (64, 128, 64, 3, 4), (64, 128, 64, 4, 4),
+              (64, 256, 64, 2, 4), (128, 256, 64, 3, 8)]
 # --smoke: interpreter-sized tiles (stages and warps mean nothing there).
 SMOKE_DEFAULT = dict(bm=16, bn=32, bk=16, stages=3, warps=4, group_m=2)
 SMOKE_TILES = [(16, 32, 16, 3, 4), (32, 16, 32, 3, 4), (16, 16, 32, 3, 4), (32, 32, 16, 3, 4)]
@@ -239,6 +243,8 @@ class Config:
     a_tma: bool = False  # gemm1_tma: the row tile through a descriptor too
     ws: bool = False  # gemm1_tma: Triton's warp specialisation of the K loop (loads and MMAs in separate warps)
     split_epilogue: bool = False  # gemm1_tma: the activation and store one column half at a time
+    ctas: int = 1  # programs per multiprocessor: 2 lets one program's epilogue run beside another's K loop
+    maxnreg: int = 0  # a register cap per thread (0: the compiler's choice), so that ctas programs fit
 
     def label(self, meta=None):
         text = f"{self.bm}x{self.bn}x{self.bk} s{self.stages} w{self.warps} g{self.group_m}"
@@ -247,7 +253,8 @@ class Config:
         if self.kind == "gemm1_tma":
             text += (" tmaA+W" if self.a_tma else " tmaW") + (" ws" if self.ws else "") + (
                 " split" if self.split_epilogue else "")
-        return text + f" cb{self.comm_blocks}"
+        text += f" cb{self.comm_blocks}" + (f" x{self.ctas}" if self.ctas > 1 else "")
+        return text + (f" r{self.maxnreg}" if self.maxnreg else "")
 
     def tile(self):
         return (self.bm, self.bn, self.bk, self.stages, self.warps)
@@ -268,6 +275,11 @@ def acc_regs(cfg, gated):
 
 def fits(cfg, gated):
     return smem_bytes(cfg, gated) <= SMEM_LIMIT and acc_regs(cfg, gated) <= MAX_ACC_REGS
+
+
+def programs(cfg, num_sms):
+    """The persistent grid: cfg.ctas programs on each multiprocessor left to the GEMM."""
+    return cfg.ctas * max(1, num_sms - cfg.comm_blocks)
 
 
 def column_tiles(meta, cfg):
@@ -334,6 +346,34 @@ def phase_b(kind, meta, ranked, smoke, done):
             if v not in done and v not in out:
                 out.append(v)
     return out
+
+
+def ctas_configs(kind, meta, comm_blocks, values, smoke):
+    """CTAS_TILES (and the default tile) at each programs-per-multiprocessor value whose shared memory fits."""
+    tiles = SMOKE_TILES[:2] if smoke else CTAS_TILES
+    group_m = SMOKE_DEFAULT["group_m"] if smoke else DEFAULT_TILE["group_m"]
+    out = []
+    for bm, bn, bk, stages, warps in tiles:
+        for ctas in values:
+            cfg = Config(kind, bm, bn, bk, stages, warps, group_m, comm_blocks=comm_blocks, ctas=ctas)
+            if kind == "gemm2":
+                cfg = canonical(meta, replace(cfg, n_chunks=default_n_chunks(meta, bn)))
+            if smoke or (fits(cfg, meta.gated) and ctas * (smem_bytes(cfg, meta.gated) + SMEM_RESERVED) <= SMEM_PER_SM):
+                out.append(cfg)
+                cap = 65536 // (ctas * warps * 32) // 8 * 8
+                if ctas > 1 and cap < 255 and not smoke:  # the compiler's choice may leave room for one program only
+                    out.append(replace(cfg, maxnreg=cap))
+    return out
+
+
+def resident_programs(device, regs, warps, shared):
+    """Programs of one kernel that a multiprocessor holds at once, by registers, shared memory and threads."""
+    props = torch.cuda.get_device_properties(device)
+    regs_per_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // regs_per_warp // warps
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", SMEM_PER_SM) // (shared + SMEM_RESERVED)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return min(by_regs, by_smem, by_threads)
 
 
 def tma_configs(meta, comm_blocks, smoke):
@@ -544,6 +584,8 @@ def bind(cfg, values):
                          "add them to kernel_values in scripts/tune_gemm.py")
     kwargs = {name: values[name] for name in kernel.arg_names}
     kwargs.update(num_warps=cfg.warps, num_stages=cfg.stages)
+    if cfg.maxnreg:
+        kwargs["maxnreg"] = cfg.maxnreg
     return kwargs
 
 
@@ -770,7 +812,7 @@ class Runner:
         record = dict(kind=cfg.kind, config=asdict(cfg), label=cfg.label(meta), phase=phase, split=self.split)
         if cfg.kind == "gemm2":
             record["chunk_tiles"], record["n_chunks_effective"] = chunk_tiles(meta, cfg), effective_chunks(meta, cfg)
-        num_progs = max(1, ctx.num_sms - cfg.comm_blocks)
+        num_progs = programs(cfg, ctx.num_sms)
         kwargs = bind(cfg, kernel_values(cfg, meta, bufs, num_progs, ctx.interpret))
         report = ctx.compiler.wait(compile_key(cfg, meta), deadline)
         if report == "timeout":
@@ -796,6 +838,9 @@ class Runner:
             value = getattr(compiled, attr, None)
             if isinstance(value, int):
                 record[attr] = value
+        if ctx.device.type == "cuda" and "n_regs" in record:
+            # Below cfg.ctas the extra programs run one after another, not beside each other.
+            record["resident"] = resident_programs(ctx.device, record["n_regs"], cfg.warps, compiled.metadata.shared)
         err, problem = check_output(cfg, meta, bufs, self.refs)
         record["rel_err"] = err if math.isfinite(err) else None  # JSON has no inf
         if not err < REL_TOL or problem:
@@ -900,7 +945,7 @@ def all_phase_a(meta, args):
 def request(ctx, meta, cfgs, priority):
     bufs = MockBuffers(meta)
     for i, cfg in enumerate(cfgs):
-        kwargs = bind(cfg, kernel_values(cfg, meta, bufs, max(1, ctx.num_sms - cfg.comm_blocks), ctx.interpret))
+        kwargs = bind(cfg, kernel_values(cfg, meta, bufs, programs(cfg, ctx.num_sms), ctx.interpret))
         ctx.compiler.request(compile_key(cfg, meta), cfg.kind, worker_spec(kwargs), (priority, i))
 
 
@@ -947,7 +992,7 @@ def tune_shape(ctx, meta, index, deadline):
     defaults = {kind: default_config(kind, meta, cbs[0], args.smoke) for kind in ("gemm1", "gemm2")}
     for cfg in defaults.values():  # the defaults run whatever the time box says
         runner.run(cfg, time.perf_counter() + 600, "default")
-    if not args.tma_only:  # --tma-only: straight from the defaults to the TMA variants
+    if not (args.tma_only or args.ctas_only):  # straight from the defaults to the TMA or programs-per-SM variants
         sweep(all_phase_a(meta, args)[2:], start + 0.55 * span, "A")
 
         later, done = [], {Config(**r["config"]) for r in runner.results}
@@ -963,6 +1008,12 @@ def tune_shape(ctx, meta, index, deadline):
         extra = [c for c in dict.fromkeys(extra) if c not in done]
         request(ctx, meta, extra, 10 * index + 2)
         sweep(extra, start + 0.9 * span if args.tma else deadline, "C")
+    if args.ctas_only or len(args.ctas) > 1:
+        done = {Config(**r["config"]) for r in runner.results}
+        cfgs = [c for kind in ("gemm1", "gemm2") for c in ctas_configs(kind, meta, cbs[0], args.ctas, args.smoke)]
+        cfgs = [c for c in cfgs if c not in done]
+        request(ctx, meta, cfgs, 10 * index + 4)
+        sweep(cfgs, start + 0.9 * span if args.tma else deadline, "P")
     if args.tma:
         tma = tma_configs(meta, cbs[0], args.smoke)
         sweep(tma, deadline, "T")
@@ -1038,6 +1089,11 @@ def summary(name, res):
                 got = best(results, kind, comm_blocks=other)
                 if got:
                     lines.append(f"  {kind} comm_blocks={other}: best {_tf(got[0])}")
+        for kind in ("gemm1", "gemm2"):
+            for ctas in sorted({r["config"].get("ctas", 1) for r in results} - {1}):
+                got = best(results, kind, comm_blocks=cb, ctas=ctas)
+                if got:
+                    lines.append(f"  {kind} {ctas} programs/SM: best {_tf(got[0])} (resident {got[0].get('resident')})")
         for a_tma in (False, True):
             got = best(results, "gemm1_tma", a_tma=a_tma)
             if got:
@@ -1089,6 +1145,9 @@ def parse_args():
                         "the others are tried on the best configurations")
     parser.add_argument("--tma", action="store_true", help="also the stand-alone TMA GEMM1: rows by TMA too, warp-specialised")
     parser.add_argument("--tma-only", action="store_true", help="the defaults, then only the TMA GEMM1 variants")
+    parser.add_argument("--ctas-per-sm", dest="ctas", default="1",
+                        help="programs per multiprocessor to try on small tiles, e.g. 1,2 (epilogues beside K loops)")
+    parser.add_argument("--ctas-only", action="store_true", help="the defaults, then only the --ctas-per-sm variants")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep (time box)")
     parser.add_argument("--shape-seconds", type=float, default=90.0, help="at most this many seconds per shape")
     parser.add_argument("--jobs", type=int, default=None, help="compile workers (default: CPUs - 2; 0: none)")
@@ -1102,6 +1161,7 @@ def parse_args():
     parser.add_argument("--ptxas-info", action="store_true", help="--offline: registers and spills from ptxas -v")
     args = parser.parse_args()
     args.tma = args.tma or args.tma_only
+    args.ctas = [int(v) for v in args.ctas.split(",") if v] or [1]
     return args
 
 
@@ -1143,7 +1203,7 @@ def offline(args, shapes, log):
         info = compiler.wait(key, time.perf_counter() + 3600)
         if info is None:  # no workers: compile here
             bufs = MockBuffers(meta)
-            kwargs = bind(cfg, kernel_values(cfg, meta, bufs, max(1, 132 - cfg.comm_blocks), False))
+            kwargs = bind(cfg, kernel_values(cfg, meta, bufs, programs(cfg, 132), False))
             info = compile_job(cfg.kind, worker_spec(kwargs), args.arch if args.ptxas_info else 0)
         ok = "error" not in info and info["shared"] <= SMEM_LIMIT
         failures += not ok
@@ -1157,7 +1217,7 @@ def offline(args, shapes, log):
     hits = []
     for meta, cfg in keys[:3]:
         bufs = MockBuffers(meta)
-        kwargs = bind(cfg, kernel_values(cfg, meta, bufs, max(1, 132 - cfg.comm_blocks), False))
+        kwargs = bind(cfg, kernel_values(cfg, meta, bufs, programs(cfg, 132), False))
         real = {k: torch.empty(16, dtype=getattr(torch, v[1])) if isinstance(v, tuple) else v
                 for k, v in worker_spec(kwargs).items()}
         if "error_addr" in real:
@@ -1222,8 +1282,12 @@ def main():
     ctx = Context(args, device, num_sms, compiler, timer, interpret, log_file)
     metas = [make_meta(name, shape, args.gated, args.dtype) for name, shape in shapes.items()]
     for index, meta in enumerate(metas):  # phase A of every shape (and TMA) to the workers at once
-        if not args.tma_only:
+        if not (args.tma_only or args.ctas_only):
             request(ctx, meta, all_phase_a(meta, args), 10 * index)
+        if args.ctas_only or len(args.ctas) > 1:
+            request(ctx, meta, [c for kind in ("gemm1", "gemm2")
+                                for c in ctas_configs(kind, meta, comm_blocks_list(args)[0], args.ctas, args.smoke)],
+                    10 * index + 4)
         if args.tma:
             request(ctx, meta, tma_configs(meta, comm_blocks_list(args)[0], args.smoke), 10 * index + 3)
     log(f"tune_gemm: {len(metas)} shapes, {num_sms} SMs, {jobs} compile workers, budget {args.budget:.0f} s"

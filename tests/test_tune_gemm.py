@@ -1,7 +1,7 @@
 """scripts/tune_gemm.py --smoke under Triton's CPU interpreter: the sweep still binds, checks and runs
-every kind of GEMM it knows (the pipeline's two, and the TMA, warp-specialised and split-epilogue
-GEMM1 variants), so a change to a kernel's arguments cannot leave the tuning tool broken. Skipped
-without triton."""
+every kind of GEMM it knows (the pipeline's two, the TMA, warp-specialised and split-epilogue GEMM1
+variants, and two programs a multiprocessor), so a change to a kernel's arguments cannot leave the
+tuning tool broken. Skipped without triton."""
 
 import json
 import os
@@ -17,7 +17,7 @@ def test_tune_gemm_smoke_sweep_runs_every_kind(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, os.path.join(root, "scripts", "tune_gemm.py"), "--smoke", "--tma-only",
-                             "--budget", "120", "--out", str(tmp_path)], cwd=root, env=env, capture_output=True,
+                             "--ctas-per-sm", "1,2", "--budget", "120", "--out", str(tmp_path)], cwd=root, env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(tmp_path / "tune_gemm.json") as handle:
@@ -28,6 +28,6 @@ def test_tune_gemm_smoke_sweep_runs_every_kind(tmp_path):
     labels = {r["label"] for r in runs}
     for kind in ("gemm1", "gemm2", "gemm1_tma"):
         assert any(r["kind"] == kind for r in runs), kind
-    for variant in (" tmaW ", " tmaA+W ", " ws ", " ws split "):
+    for variant in (" tmaW ", " tmaA+W ", " ws ", " ws split ", " x2"):
         assert any(variant in label for label in labels), (variant, sorted(labels))
     assert not any(shape["skipped"] for shape in shapes.values()), [shape["skipped"] for shape in shapes.values()]
