@@ -366,6 +366,11 @@ def ctas_configs(kind, meta, comm_blocks, values, smoke):
     return out
 
 
+def chunk_configs(meta, base, values):
+    """GEMM2's base tile at each n_chunks (as the kernel sees it: equal CHUNK_TILES are one)."""
+    return list(dict.fromkeys(canonical(meta, replace(base, n_chunks=c)) for c in values))
+
+
 def resident_programs(device, regs, warps, shared):
     """Programs of one kernel that a multiprocessor holds at once, by registers, shared memory and threads."""
     props = torch.cuda.get_device_properties(device)
@@ -992,7 +997,7 @@ def tune_shape(ctx, meta, index, deadline):
     defaults = {kind: default_config(kind, meta, cbs[0], args.smoke) for kind in ("gemm1", "gemm2")}
     for cfg in defaults.values():  # the defaults run whatever the time box says
         runner.run(cfg, time.perf_counter() + 600, "default")
-    if not (args.tma_only or args.ctas_only):  # straight from the defaults to the TMA or programs-per-SM variants
+    if not (args.tma_only or args.no_sweep):  # straight from the defaults to the variants asked for
         sweep(all_phase_a(meta, args)[2:], start + 0.55 * span, "A")
 
         later, done = [], {Config(**r["config"]) for r in runner.results}
@@ -1008,7 +1013,11 @@ def tune_shape(ctx, meta, index, deadline):
         extra = [c for c in dict.fromkeys(extra) if c not in done]
         request(ctx, meta, extra, 10 * index + 2)
         sweep(extra, start + 0.9 * span if args.tma else deadline, "C")
-    if args.ctas_only or len(args.ctas) > 1:
+    if args.gemm2_chunks:
+        cfgs = chunk_configs(meta, defaults["gemm2"], args.gemm2_chunks)
+        request(ctx, meta, cfgs, 10 * index + 5)
+        sweep([c for c in cfgs if c != defaults["gemm2"]], deadline, "N")
+    if len(args.ctas) > 1:
         done = {Config(**r["config"]) for r in runner.results}
         cfgs = [c for kind in ("gemm1", "gemm2") for c in ctas_configs(kind, meta, cbs[0], args.ctas, args.smoke)]
         cfgs = [c for c in cfgs if c not in done]
@@ -1147,7 +1156,9 @@ def parse_args():
     parser.add_argument("--tma-only", action="store_true", help="the defaults, then only the TMA GEMM1 variants")
     parser.add_argument("--ctas-per-sm", dest="ctas", default="1",
                         help="programs per multiprocessor to try on small tiles, e.g. 1,2 (epilogues beside K loops)")
-    parser.add_argument("--ctas-only", action="store_true", help="the defaults, then only the --ctas-per-sm variants")
+    parser.add_argument("--gemm2-chunks", default="", help="GEMM2's default tile at each of these n_chunks, e.g. 1,2,4,8")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="the defaults, then only the variants asked for (--ctas-per-sm, --gemm2-chunks, --tma)")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep (time box)")
     parser.add_argument("--shape-seconds", type=float, default=90.0, help="at most this many seconds per shape")
     parser.add_argument("--jobs", type=int, default=None, help="compile workers (default: CPUs - 2; 0: none)")
@@ -1162,6 +1173,7 @@ def parse_args():
     args = parser.parse_args()
     args.tma = args.tma or args.tma_only
     args.ctas = [int(v) for v in args.ctas.split(",") if v] or [1]
+    args.gemm2_chunks = [int(v) for v in args.gemm2_chunks.split(",") if v]
     return args
 
 
@@ -1282,9 +1294,9 @@ def main():
     ctx = Context(args, device, num_sms, compiler, timer, interpret, log_file)
     metas = [make_meta(name, shape, args.gated, args.dtype) for name, shape in shapes.items()]
     for index, meta in enumerate(metas):  # phase A of every shape (and TMA) to the workers at once
-        if not (args.tma_only or args.ctas_only):
+        if not (args.tma_only or args.no_sweep):
             request(ctx, meta, all_phase_a(meta, args), 10 * index)
-        if args.ctas_only or len(args.ctas) > 1:
+        if len(args.ctas) > 1:
             request(ctx, meta, [c for kind in ("gemm1", "gemm2")
                                 for c in ctas_configs(kind, meta, comm_blocks_list(args)[0], args.ctas, args.smoke)],
                     10 * index + 4)
