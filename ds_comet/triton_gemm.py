@@ -171,6 +171,9 @@ def _chunk_major_tile(tile, total_m, n_tiles, tile_prefix, layout, off_expert_st
     chunk = tile // (total_m * CHUNK_TILES)
     chunk_cols = tl.minimum(CHUNK_TILES, n_tiles - chunk * CHUNK_TILES)
     m, n_in_chunk = _swizzle(tile - chunk * total_m * CHUNK_TILES, total_m, chunk_cols, GROUP_M)
+    # Every chunk reads all the rows again. Odd chunks walk them backwards, so a chunk starts on the
+    # rows its predecessor read last, which are still in L2.
+    m = tl.where(chunk % 2 == 1, total_m - 1 - m, m)
     expert = _find_expert(tile_prefix, m)
     t = m - tl.load(layout + off_tile_start + expert)
     row_end = tl.load(layout + off_expert_start + expert + 1)

@@ -366,9 +366,11 @@ def ctas_configs(kind, meta, comm_blocks, values, smoke):
     return out
 
 
-def chunk_configs(meta, base, values):
-    """GEMM2's base tile at each n_chunks (as the kernel sees it: equal CHUNK_TILES are one)."""
-    return list(dict.fromkeys(canonical(meta, replace(base, n_chunks=c)) for c in values))
+def chunk_configs(meta, base, chunks, stages):
+    """GEMM2's base tile at each n_chunks (as the kernel sees it: equal CHUNK_TILES are one) and
+    pipeline depth (none: the base's)."""
+    return list(dict.fromkeys(canonical(meta, replace(base, n_chunks=c, stages=s))
+                              for s in stages or [base.stages] for c in chunks))
 
 
 def resident_programs(device, regs, warps, shared):
@@ -1014,7 +1016,7 @@ def tune_shape(ctx, meta, index, deadline):
         request(ctx, meta, extra, 10 * index + 2)
         sweep(extra, start + 0.9 * span if args.tma else deadline, "C")
     if args.gemm2_chunks:
-        cfgs = chunk_configs(meta, defaults["gemm2"], args.gemm2_chunks)
+        cfgs = chunk_configs(meta, defaults["gemm2"], args.gemm2_chunks, args.gemm2_stages)
         request(ctx, meta, cfgs, 10 * index + 5)
         sweep([c for c in cfgs if c != defaults["gemm2"]], deadline, "N")
     if len(args.ctas) > 1:
@@ -1157,6 +1159,7 @@ def parse_args():
     parser.add_argument("--ctas-per-sm", dest="ctas", default="1",
                         help="programs per multiprocessor to try on small tiles, e.g. 1,2 (epilogues beside K loops)")
     parser.add_argument("--gemm2-chunks", default="", help="GEMM2's default tile at each of these n_chunks, e.g. 1,2,4,8")
+    parser.add_argument("--gemm2-stages", default="", help="with --gemm2-chunks: pipeline stages to try, e.g. 3,4")
     parser.add_argument("--no-sweep", action="store_true",
                         help="the defaults, then only the variants asked for (--ctas-per-sm, --gemm2-chunks, --tma)")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for the whole sweep (time box)")
@@ -1174,6 +1177,7 @@ def parse_args():
     args.tma = args.tma or args.tma_only
     args.ctas = [int(v) for v in args.ctas.split(",") if v] or [1]
     args.gemm2_chunks = [int(v) for v in args.gemm2_chunks.split(",") if v]
+    args.gemm2_stages = [int(v) for v in args.gemm2_stages.split(",") if v]
     return args
 
 
