@@ -10,14 +10,16 @@ so a split of the SMs can be chosen from one run. Same weights, inputs and timin
 benchmark: the forward under no_grad and one training step, each the median of CUDA-event
 timings started from an idle device, the maximum over ranks. --gate-ops torch runs the layer's
 gate in torch ops instead of the op's gate kernels (the layer's own choice), and --gate-ops graph
-replays the kernels' routing from CUDA graphs ("cuda_graph_gate"), for an A/B in one run. With --host-profile, rank 0 also
-prints cProfile's busiest functions over a few training steps of the rule's setting: the host
-work that an idle device waits for; with --host-split, the host time of a training step split
-into its parts (no profiler, so no profiler's overhead either). Each setting is also timed back to back (--iters calls queued
-with no sync between them, as a training loop queues them), with the host's own time to queue
-them: where the host's time is the larger, the layer is bound by launches even in a loop. Last,
-the device's own time per call: the same calls queued behind a sleeping kernel long enough for the
-host to queue them all, so that the device never waits for the host.
+replays the kernels' routing from CUDA graphs ("cuda_graph_gate"), for an A/B in one run. With
+--host-profile, rank 0 also prints cProfile's busiest functions over a few training steps of the
+rule's setting: the host work that an idle device waits for; with --host-split (one rank), the
+host time of a training step split into its parts, without a profiler's overhead.
+
+Each setting is also timed back to back (--iters calls queued with no sync between them, as a
+training loop queues them), with the host's own time to queue them: where the host's time is the
+larger, the layer is bound by launches even in a loop. Last, the device's own time per call: the
+same calls queued behind a sleeping kernel long enough for the host to queue them all, so that
+the device never waits for the host (nan where the host could not get that far ahead).
 """
 
 import argparse
@@ -136,12 +138,12 @@ def timing(spent, *targets):
         raw = vars(owner).get(name, getattr(owner, name))
         function = raw.__func__ if isinstance(raw, staticmethod) else raw
 
-        def wrapper(*args, __function=function, __label=label, **kwargs):
+        def wrapper(*args, _function=function, _label=label, **kwargs):
             start = time.perf_counter()
             try:
-                return __function(*args, **kwargs)
+                return _function(*args, **kwargs)
             finally:
-                spent[__label] += time.perf_counter() - start
+                spent[_label] += time.perf_counter() - start
 
         setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
         originals.append((owner, name, raw))
@@ -229,7 +231,7 @@ def main():
                 layer.train()
                 step = timed(lambda: train_step(layer, xg, dy), args.iters, args.warmup)
                 step_queued, step_host = back_to_back(lambda: train_step(layer, xg, dy), args.iters)
-                # Few steps: an eager gate's hundreds of launches a step would fill the device's launch queue,
+                # Few steps: an eager gate's hundreds of launches a step would fill the launch queue,
                 # which blocks the host.
                 step_device = device_only(lambda: train_step(layer, xg, dy), min(args.iters, 5))
             times = torch.tensor([forward, step, forward_queued, step_queued, forward_host, step_host,
@@ -240,13 +242,13 @@ def main():
                    f"n_chunks={params.n_chunks} gate={gate}")
             t = times.tolist()
             results[key] = {"forward": t[0], "fwd_bwd": t[1], "forward_queued": t[2], "fwd_bwd_queued": t[3],
-                            "forward_host": t[4], "fwd_bwd_host": t[5], "forward_device": t[6], "fwd_bwd_device": t[7],
-                            "rule": not overrides}
+                            "forward_host": t[4], "fwd_bwd_host": t[5], "forward_device": t[6],
+                            "fwd_bwd_device": t[7], "rule": not overrides}
             if dist.get_rank() == 0:
                 print(f"{key:94s} forward {t[0]:7.3f} ms  fwd+bwd {t[1]:7.3f} ms{'  (rule)' if not overrides else ''}"
                       f"\n{'':94s} queued: forward {t[2]:7.3f} ms (host {t[4]:.3f})  fwd+bwd {t[3]:7.3f} ms "
-                      f"(host {t[5]:.3f})\n{'':94s} device alone: forward {t[6]:7.3f} ms  fwd+bwd {t[7]:7.3f} ms "
-                      "(nan: the host fell behind the lead)", flush=True)
+                      f"(host {t[5]:.3f})\n{'':94s} device alone: forward {t[6]:7.3f} ms  fwd+bwd {t[7]:7.3f} ms",
+                      flush=True)
             profiled = args.host_profile and not overrides and gate == args.gate_ops[0]
             if profiled and dist.get_rank() == 0:
                 print(f"== host profile: {key}", flush=True)

@@ -2,6 +2,7 @@
 """Tune the fused pipeline's two Triton grouped GEMMs on one GPU, against cuBLAS, without communication.
 
     python3 scripts/tune_gemm.py --out DIR [--shape NAME ...] [--tma | --tma-only] [--gated] [--budget S]
+        [--no-sweep] [--ctas-per-sm 1,2] [--gemm2-chunks 1,2,4,8 [--gemm2-stages 3,4]]
     TRITON_INTERPRET=1 python3 scripts/tune_gemm.py --smoke --out DIR    (CPU interpreter, a tiny shape)
     python3 scripts/tune_gemm.py --offline --out DIR [--ptxas-info]       (no GPU: compile the sweep for sm_90)
 
@@ -17,10 +18,12 @@ sweeps tile configurations:
      accumulator fits 128 registers a thread, GROUP_M 8, GEMM2 with the pipeline's default chunks;
   B  GROUP_M 4 and 16 on the three best tiles of each GEMM, and GEMM2's n_chunks 1, 2, 4, 8 on its best tiles;
   C  the other --comm-blocks values (a persistent grid of every SM) on the two best of each;
+  N  (--gemm2-chunks) GEMM2's default tile at each chunk count (and --gemm2-stages);
+  P  (--ctas-per-sm) small tiles with two or three programs a multiprocessor, the grid grown to match;
   T  (--tma) a stand-alone GEMM1 with weight tiles (and optionally row tiles) loaded through
      device-side TMA descriptors, and warp-specialised variants of it; the pipeline's own GEMMs load
      their weight tiles that way too (--tma-only: the defaults, then only these);
-  then the defaults and the winners again on the exactly balanced split.
+  then the defaults and the winners again on the exactly balanced split. --no-sweep skips A, B and C.
 
 Compilation dominates, so worker processes compile every configuration into Triton's cache ahead
 of the main process (highest priority first), and each shape stops sweeping when its share of
@@ -77,7 +80,7 @@ SHAPES = _load("shapes").SHAPES
 SMOKE_SHAPE = ("smoke-H64-F96-E4-k2-T40", (64, 96, 4, 2, 40))
 EP = 2
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
-SMEM_PER_SM, SMEM_RESERVED = 233472, 1024  # a multiprocessor's shared memory, and what each block's costs besides
+SMEM_PER_SM, SMEM_RESERVED = 233472, 1024  # a multiprocessor's shared memory; what each block costs besides
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread past which a tile spills
 MAX_CHUNKS = 64  # chunk counters per source (the workspace's max_chunks)
 REL_TOL = 1e-2
@@ -349,7 +352,8 @@ def phase_b(kind, meta, ranked, smoke, done):
 
 
 def ctas_configs(kind, meta, comm_blocks, values, smoke):
-    """CTAS_TILES (and the default tile) at each programs-per-multiprocessor value whose shared memory fits."""
+    """CTAS_TILES at each programs-per-multiprocessor value whose shared memory fits (8-warp tiles
+    also with their registers capped, so that the programs fit the register file too)."""
     tiles = SMOKE_TILES[:2] if smoke else CTAS_TILES
     group_m = SMOKE_DEFAULT["group_m"] if smoke else DEFAULT_TILE["group_m"]
     out = []
@@ -358,10 +362,11 @@ def ctas_configs(kind, meta, comm_blocks, values, smoke):
             cfg = Config(kind, bm, bn, bk, stages, warps, group_m, comm_blocks=comm_blocks, ctas=ctas)
             if kind == "gemm2":
                 cfg = canonical(meta, replace(cfg, n_chunks=default_n_chunks(meta, bn)))
-            if smoke or (fits(cfg, meta.gated) and ctas * (smem_bytes(cfg, meta.gated) + SMEM_RESERVED) <= SMEM_PER_SM):
+            shared = ctas * (smem_bytes(cfg, meta.gated) + SMEM_RESERVED)
+            if smoke or (fits(cfg, meta.gated) and shared <= SMEM_PER_SM):
                 out.append(cfg)
                 cap = 65536 // (ctas * warps * 32) // 8 * 8
-                if ctas > 1 and cap < 255 and not smoke:  # the compiler's choice may leave room for one program only
+                if ctas > 1 and cap < 255 and not smoke:  # the compiler's choice may leave room for one program
                     out.append(replace(cfg, maxnreg=cap))
     return out
 
