@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): build the op, run the GPU tests, then the benchmark.
-# Usage: bash scripts/gpu_check.sh [tests|bench|all] [extra bench args...]; logs go to $OUT (or ./gpu_out).
+# Usage: bash scripts/gpu_check.sh [tests|bench|all|sweep] [extra bench args...]; logs go to $OUT (or ./gpu_out).
+# sweep: the fused layer alone on the default shapes (idle-device, back-to-back and device-alone times,
+# graphed gate), and shape 2 at 2, 4 and the rule's column chunks.
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -20,4 +22,13 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 420 torchrun --nproc_per_node "$(python3 -c 'import torch; print(torch.cuda.device_count())')" \
         --master_port 29631 -m ds_comet.bench --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v "^\[" | tail -30
+fi
+if [ "$what" = sweep ]; then
+    gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    timeout 300 torchrun --nproc_per_node "$gpus" --master_port 29632 scripts/sweep_fused.py --gate-ops graph \
+        --shape H4096-F14336-E8-k2-T8192 --shape H7168-F2048-E32-k8-T4096 --out "$out/sweep" 2>&1 \
+        | tee "$out/sweep.log" | grep -v "^\[" | tail -12
+    timeout 300 torchrun --nproc_per_node "$gpus" --master_port 29633 scripts/sweep_fused.py --gate-ops graph \
+        --shape H2048-F1408-E64-k4-T8192 --n-chunks auto,2,4 --out "$out/sweep-chunks" 2>&1 \
+        | tee "$out/sweep-chunks.log" | grep -v "^\[" | tail -12
 fi
