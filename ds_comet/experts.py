@@ -6,7 +6,7 @@ these two modules (and ``nn.Sequential(Linear, activation, Linear)``) say it.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -88,24 +88,73 @@ class FusedExpert:
         return (first["weight"], first.get("bias"), gate.get("weight"), gate.get("bias"), second["weight"],
                 second.get("bias"))
 
+    def linears(self) -> List[nn.Linear]:
+        return [self.first, self.second] + ([self.gate] if self.gate is not None else [])
+
 
 _SEQUENTIAL_ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu"}
+_SUPPORTED = ("ds_comet.experts.FeedForward, GatedFeedForward, or nn.Sequential(Linear, GELU|ReLU|SiLU, Linear), "
+              "as they are (not subclasses, not parametrized)")
 
 
 def fused_expert(expert: nn.Module) -> Union[FusedExpert, str]:
-    """The expert's weights for the fused kernels, or why the fused kernels cannot run it."""
-    if isinstance(expert, FeedForward):
+    """The expert's weights for the fused kernels, or why the fused kernels cannot run it.
+
+    The kernels compute what these modules compute without calling them, so the types must be exactly
+    these: a subclass may override ``forward``, and a parametrized Linear computes its weight.
+    """
+    spec = _spec(expert)
+    if spec is None:
+        return f"the expert is a {type(expert).__name__}; the fused kernels run {_SUPPORTED}"
+    for linear in spec.linears():
+        if type(linear) is not nn.Linear:  # a parametrized Linear is of a subclass too
+            return f"the expert's layer is a {type(linear).__name__}; the fused kernels run {_SUPPORTED}"
+    return spec
+
+
+def _spec(expert: nn.Module) -> Optional[FusedExpert]:
+    if type(expert) is FeedForward:
         return FusedExpert(expert.fc1, None, expert.fc2, expert.activation)
-    if isinstance(expert, GatedFeedForward):
+    if type(expert) is GatedFeedForward:
         return FusedExpert(expert.gate_proj, expert.up_proj, expert.down_proj, expert.activation)
-    if isinstance(expert, nn.Sequential) and len(expert) == 3:
+    if type(expert) is nn.Sequential and len(expert) == 3:
         first, act, second = expert
-        name = None
-        if isinstance(act, nn.GELU):
-            name = "gelu" if act.approximate == "none" else "gelu_tanh"
-        elif type(act) in _SEQUENTIAL_ACTIVATIONS:
-            name = _SEQUENTIAL_ACTIVATIONS[type(act)]
-        if isinstance(first, nn.Linear) and isinstance(second, nn.Linear) and name is not None:
-            return FusedExpert(first, None, second, name)
-    return (f"the expert is a {type(expert).__name__}; the fused kernels run ds_comet.experts.FeedForward, "
-            "GatedFeedForward, or nn.Sequential(Linear, GELU|ReLU|SiLU, Linear)")
+        if type(act) is nn.GELU:
+            return FusedExpert(first, None, second, "gelu" if act.approximate == "none" else "gelu_tanh")
+        if type(act) in _SEQUENTIAL_ACTIVATIONS:
+            return FusedExpert(first, None, second, _SEQUENTIAL_ACTIVATIONS[type(act)])
+    return None
+
+
+def expert_tensors_reason(experts: List[FusedExpert], hidden: int, dtype: torch.dtype,
+                          device: torch.device) -> Optional[str]:
+    """Why the kernels cannot read these experts' weights for [S, hidden] tokens of dtype on device, or None.
+
+    The kernels take every size from the tokens and the first expert, and read every weight and bias
+    as dense rows of the tokens' dtype: anything else would be read wrong, not refused.
+    """
+    first = experts[0]
+    ffn = first.first.out_features
+    for index, spec in enumerate(experts):
+        if (spec.activation, spec.gate is None) != (first.activation, first.gate is None):
+            return "the local experts differ in structure"
+        inputs = [spec.first] + ([spec.gate] if spec.gate is not None else [])
+        if any(linear.in_features != hidden for linear in inputs) or spec.second.out_features != hidden:
+            return (f"expert {index} maps {inputs[0].in_features} -> {spec.second.out_features} features, the tokens "
+                    f"have {hidden}")
+        if any(linear.out_features != ffn for linear in inputs) or spec.second.in_features != ffn:
+            return f"expert {index}'s FFN width differs from expert 0's ({ffn}) or between its layers"
+        linears = spec.linears()
+        if len({linear.bias is None for linear in linears}) > 1 or (spec.first.bias is None) != (
+                first.first.bias is None):
+            return "the expert's linear layers differ in having a bias; the fused kernels need all or none"
+        for linear in linears:
+            for name, tensor in linear._parameters.items():
+                if tensor is None:
+                    continue
+                if tensor.dtype != dtype or tensor.device != device:
+                    return (f"expert {index}'s {name} is {tensor.dtype} on {tensor.device}, the tokens "
+                            f"{dtype} on {device}")
+                if not tensor.is_contiguous():
+                    return f"expert {index}'s {name} is not contiguous; the fused kernels read dense rows"
+    return None

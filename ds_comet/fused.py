@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .experts import FusedExpert
+from .experts import FusedExpert, expert_tensors_reason
 from .layout import TOTAL_COMBINE_CLAIM, TOTAL_TILES
 from .routing import RoutingPlan
 from .workspace import CometBuffer
@@ -73,17 +73,22 @@ class ExpertTables:
         self._key: Optional[Tuple[int, ...]] = None
         self._tables = None
 
-    def get(self, experts: List[FusedExpert], device) -> dict:
+    def get(self, experts: List[FusedExpert], tokens: Tensor) -> dict:
         per_expert = [e.tensors() for e in experts]
         key = tuple(0 if t is None else t.data_ptr() for ts in per_expert for t in ts)
         if key != self._key:
+            # New storage: a parameter was replaced or converted since the layer chose the fused path.
+            reason = expert_tensors_reason(experts, tokens.shape[-1], tokens.dtype, tokens.device)
+            if reason is not None:
+                raise ValueError(f"the fused MoE kernels cannot read the experts' weights: {reason} "
+                                 "(use \"overlap\": \"none\")")
             misaligned = sorted({TABLE_NAMES[i] for ts in per_expert for i, t in enumerate(ts)
                                  if t is not None and t.data_ptr() % 16})
             if misaligned:
                 raise ValueError(f"expert weights {misaligned} are not 16-byte aligned; the fused "
                                  "kernels need aligned weights (use \"overlap\": \"none\")")
             pointers = torch.tensor(key, dtype=torch.int64).view(len(experts), len(TABLE_NAMES)).t().contiguous()
-            stacked = pointers.to(device)
+            stacked = pointers.to(tokens.device)
             self._tables = {name: stacked[i] for i, name in enumerate(TABLE_NAMES)}
             self._key = key
         return self._tables
@@ -110,7 +115,7 @@ class _Launch:
     @classmethod
     def of(cls, buffer, tokens, experts, tables: ExpertTables, params):
         first = experts[0]
-        return cls(buffer, experts, params, tables.get(experts, tokens.device), tokens.shape[1],
+        return cls(buffer, experts, params, tables.get(experts, tokens), tokens.shape[1],
                    first.first.out_features, first.gate is not None, first.first.bias is not None, first.activation)
 
     @property

@@ -6,8 +6,9 @@ runs the reference pipeline and says once, through DeepSpeed's logger, why. With
 ``"overlap": "fused"`` a reason is an error instead.
 
 The one-time checks (op, experts, topology, workspace size) are agreed on by the whole group in one
-collective at the first call, so every rank takes the same path; the per-call checks (device,
-dtype) depend only on what every rank of an SPMD job has alike.
+collective at the first call, and again whenever the tokens' dtype, width or device changes, so
+every rank takes the same path; the per-call checks (device, dtype, hooks on the experts) depend
+only on what every rank of an SPMD job has alike.
 """
 
 import importlib.util
@@ -20,7 +21,7 @@ import torch.distributed as torch_dist
 from deepspeed.utils import log_dist
 
 from .config import CometMoEConfig
-from .experts import FusedExpert, fused_expert
+from .experts import FusedExpert, expert_tensors_reason, fused_expert
 from .fused import ExpertTables, FusedCall, FusedParameters, expert_parameters, fused_forward, fused_moe
 from .layout import MAX_COMBINE_TOP_K
 from .routing import plan_routes_cuda
@@ -92,6 +93,24 @@ def offsets_overflow(recv_rows: int, routes: int, hidden: int, ffn: int, gated: 
     return None
 
 
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def hooks_reason(modules: List[torch.nn.Module]) -> Optional[str]:
+    """Why hooks on the experts (or every module's global hooks) rule out the fused kernels, which
+    compute the experts without calling them; checked on every call, as hooks come and go."""
+    for name in _MODULE_HOOKS:
+        if getattr(torch.nn.modules.module, "_global" + name, None):
+            return f"a global module hook is registered ({name[1:]}); the fused kernels do not call the experts"
+    for module in modules:
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or \
+                module._backward_pre_hooks:
+            hooked = [name[1:] for name in _MODULE_HOOKS if getattr(module, name)]
+            return (f"an expert's {type(module).__name__} has {' and '.join(hooked)}, which the fused kernels would "
+                    "not run: they compute the experts without calling them")
+    return None
+
+
 class PipelineSelector:
     """Per layer: decides reference or fused for each call and owns the fused state."""
 
@@ -100,7 +119,8 @@ class PipelineSelector:
         self.config = config
         self._said = set()
         self._static_reason: Optional[str] = None
-        self._static_checked = False
+        self._static_key = None  # what the static decision was made for: the tokens' dtype, width and device
+        self._hooked: List[torch.nn.Module] = []  # modules whose hooks stock would run and the kernels skip
         self._experts: List[FusedExpert] = []
         self._tables = ExpertTables()
         self._buffer = None
@@ -131,17 +151,10 @@ class PipelineSelector:
                 return spec
             experts.append(spec)
         first = experts[0]
-        for spec in experts:
-            if (spec.activation, spec.gate is None, spec.first.bias is None) != (first.activation, first.gate is None,
-                                                                                 first.first.bias is None):
-                return "the local experts differ in structure"
-            linears = [spec.first, spec.second] + ([spec.gate] if spec.gate is not None else [])
-            if len({linear.bias is None for linear in linears}) > 1:
-                return "the expert's linear layers differ in having a bias; the fused kernels need all or none"
-            for linear in linears:
-                if linear.weight.dtype != tokens.dtype or not linear.weight.is_contiguous():
-                    return f"expert weights are {linear.weight.dtype}, tokens {tokens.dtype}"
         hidden = tokens.shape[-1]
+        reason = expert_tensors_reason(experts, hidden, tokens.dtype, tokens.device)
+        if reason is not None:
+            return reason
         if hidden % 8 or first.first.out_features % 8:
             return f"hidden ({hidden}) and FFN ({first.first.out_features}) sizes must be multiples of 8"
         if self.moe.gate.k > MAX_COMBINE_TOP_K:
@@ -156,6 +169,7 @@ class PipelineSelector:
         if reason is not None:
             return reason
         self._experts = experts
+        self._hooked = [self.moe.experts] + [m for expert in self.moe.experts.deepspeed_experts for m in expert.modules()]
         return None
 
     # Under torch.compile this runs as written, not traced (as _run, below): a collective on Python
@@ -209,10 +223,13 @@ class PipelineSelector:
         """A callable (tokens, indices, gates) -> output for the fused path, or None for the reference."""
         reason = self._per_call_reason(tokens)
         if reason is None:
-            if not self._static_checked:
+            key = (tokens.dtype, tokens.shape[-1], tokens.device)
+            if key != self._static_key:  # the first call, or tokens the workspace and checks were not made for
                 self._static_reason = self._agree_static(tokens)
-                self._static_checked = True
+                self._static_key = key
             reason = self._static_reason
+        if reason is None:
+            reason = hooks_reason(self._hooked)
         if reason is None:
             return self._run
         if self.config.overlap == "fused":

@@ -170,7 +170,7 @@ def test_expert_tables_follow_the_modules(gated):
     from ds_comet.fused import ExpertTables, expert_parameters
     modules = [GatedFeedForward(8, 16) if gated else FeedForward(8, 16) for _ in range(3)]
     experts = [fused_expert(m) for m in modules]
-    tables = ExpertTables()
+    tables, tokens = ExpertTables(), torch.empty(0, 8)
 
     def expected():
         names = {"w1": "first", "w3": "gate", "w2": "second"}
@@ -181,18 +181,18 @@ def test_expert_tables_follow_the_modules(gated):
             want["b" + name[1]] = [0 if lin is None or lin.bias is None else lin.bias.data_ptr() for lin in linears]
         return want
 
-    got = tables.get(experts, torch.device("cpu"))
+    got = tables.get(experts, tokens)
     assert {name: t.tolist() for name, t in got.items()} == expected()
     replaced = modules[1].down_proj if gated else modules[1].fc2
     replaced.weight = torch.nn.Parameter(torch.randn(8, 16))
-    got = tables.get(experts, torch.device("cpu"))
+    got = tables.get(experts, tokens)
     assert got["w2"].tolist()[1] == replaced.weight.data_ptr()
     assert {name: t.tolist() for name, t in got.items()} == expected()
     ordered, registered = expert_parameters(experts), [p for m in modules for p in m.parameters()]
     assert len(ordered) == len(registered) and all(a is b for a, b in zip(ordered, registered))
     replaced.weight = torch.nn.Parameter(torch.randn(8 * 16 + 1)[1:].view(8, 16))  # 4 bytes past alignment
     with pytest.raises(ValueError, match=r"\['w2'\] are not 16-byte aligned"):
-        tables.get(experts, torch.device("cpu"))
+        tables.get(experts, tokens)
 
 
 def test_rows_for_kernels_aligns_views():
@@ -206,3 +206,136 @@ def test_rows_for_kernels_aligns_views():
     assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, shifted)
     strided = torch.randn(16, 5, dtype=torch.bfloat16).t()
     assert rows_for_kernels(strided).is_contiguous() and torch.equal(rows_for_kernels(strided), strided)
+
+
+class _Scaled(FeedForward):
+    def forward(self, x):
+        return 0.5 * super().forward(x)
+
+
+class _QuickGELU(torch.nn.GELU):
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)
+
+
+class _LoRALinear(torch.nn.Linear):
+    def __init__(self, fan_in, fan_out):
+        super().__init__(fan_in, fan_out)
+        self.down = torch.nn.Parameter(torch.randn(2, fan_in))
+        self.up = torch.nn.Parameter(torch.randn(fan_out, 2))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.down.t() @ self.up.t()
+
+
+def test_experts_that_compute_something_else_are_not_fused():
+    # The kernels compute an expert from its weights without calling it: a subclass's forward, a
+    # replaced layer or a parametrized weight would be skipped, so each is refused by name.
+    weight_normed = FeedForward(8, 16)
+    torch.nn.utils.parametrizations.weight_norm(weight_normed.fc1)
+    replaced = FeedForward(8, 16)
+    replaced.fc2 = _LoRALinear(16, 8)
+    cases = {
+        "the expert is a _Scaled": _Scaled(8, 16),
+        "the expert is a Sequential": torch.nn.Sequential(torch.nn.Linear(8, 16), _QuickGELU(), torch.nn.Linear(16, 8)),
+        "the expert's layer is a _LoRALinear": replaced,
+        "the expert's layer is a ParametrizedLinear": weight_normed,
+    }
+    for start, expert in cases.items():
+        reason = fused_expert(expert)
+        assert isinstance(reason, str) and reason.startswith(start) and "not subclasses" in reason, (start, reason)
+    assert not isinstance(fused_expert(FeedForward(8, 16)), str)
+
+
+def test_expert_weights_the_kernels_would_misread_are_refused():
+    from ds_comet.experts import expert_tensors_reason
+
+    def specs(*modules):
+        return [fused_expert(m) for m in modules]
+
+    ok = specs(FeedForward(8, 16), FeedForward(8, 16))
+    assert expert_tensors_reason(ok, 8, torch.float32, torch.device("cpu")) is None
+    assert "maps 8 -> 8 features, the tokens have 12" in expert_tensors_reason(ok, 12, torch.float32,
+                                                                                torch.device("cpu"))
+    assert "FFN width differs" in expert_tensors_reason(specs(FeedForward(8, 16), FeedForward(8, 24)), 8,
+                                                        torch.float32, torch.device("cpu"))
+    mixed = FeedForward(8, 16).bfloat16()
+    mixed.fc1.bias.data = mixed.fc1.bias.data.float()
+    assert "expert 0's bias is torch.float32 on cpu, the tokens torch.bfloat16" in expert_tensors_reason(
+        specs(mixed), 8, torch.bfloat16, torch.device("cpu"))
+    transposed = FeedForward(8, 16)
+    transposed.fc2.weight = torch.nn.Parameter(torch.randn(16, 8).t())
+    assert "expert 0's weight is not contiguous" in expert_tensors_reason(specs(transposed), 8, torch.float32,
+                                                                        torch.device("cpu"))
+    assert "on cpu, the tokens torch.float32 on meta" in expert_tensors_reason(ok, 8, torch.float32,
+                                                                               torch.device("meta"))
+    gated_wide = GatedFeedForward(8, 16)
+    gated_wide.up_proj = torch.nn.Linear(8, 24, bias=False)
+    assert "FFN width differs" in expert_tensors_reason(specs(gated_wide), 8, torch.float32, torch.device("cpu"))
+
+
+def _fusable(selector, tokens, monkeypatch):
+    """The selector as it stands once the fused path was chosen (which needs a GPU): only the
+    per-call hook check is left to decide."""
+    monkeypatch.setattr(selector, "_per_call_reason", lambda t: None)
+    selector._static_key, selector._static_reason = (tokens.dtype, tokens.shape[-1], tokens.device), None
+    moe = selector.moe
+    selector._hooked = [moe.experts] + [m for e in moe.experts.deepspeed_experts for m in e.modules()]
+
+
+def test_hooks_on_the_experts_rule_out_the_fused_kernels_on_every_call(monkeypatch):
+    moe = layer("auto").deepspeed_moe
+    selector, tokens = moe.selector, torch.randn(8, 16)
+    _fusable(selector, tokens, monkeypatch)
+    assert selector.fused_runner(tokens) == selector._run
+    handle = moe.experts.deepspeed_experts[1].fc1.register_forward_hook(lambda module, args, out: out * 2)
+    assert selector.fused_runner(tokens) is None
+    assert "an expert's Linear has forward_hooks" in " ".join(selector._said)
+    handle.remove()
+    assert selector.fused_runner(tokens) == selector._run
+    handle = moe.experts.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    assert selector.fused_runner(tokens) is None
+    assert "an expert's Experts has backward_hooks" in " ".join(selector._said)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        assert selector.fused_runner(tokens) is None
+        assert "a global module hook is registered (forward_pre_hooks)" in " ".join(selector._said)
+    finally:
+        handle.remove()
+    assert selector.fused_runner(tokens) == selector._run
+
+
+def test_hooked_experts_with_fused_asked_for_is_an_error(monkeypatch):
+    moe = layer("fused").deepspeed_moe
+    tokens = torch.randn(8, 16)
+    _fusable(moe.selector, tokens, monkeypatch)
+    moe.experts.deepspeed_experts[0].register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(RuntimeError, match=r"\"fused\" was asked for, but an expert's FeedForward has "
+                                           r"forward_pre_hooks"):
+        moe.selector.fused_runner(tokens)
+
+
+def test_static_checks_run_again_for_new_dtype_or_width(monkeypatch):
+    # The workspace and the weight checks were made for the first call's tokens: other tokens
+    # (say after model.half()) are checked again, by the whole group, before the kernels run.
+    moe = layer("auto").deepspeed_moe
+    selector = moe.selector
+    agreed = []
+    monkeypatch.setattr(selector, "_per_call_reason", lambda t: None)
+    monkeypatch.setattr(selector, "_agree_static", lambda t: agreed.append((t.dtype, t.shape[-1])) or "stub")
+    for tokens in (torch.randn(8, 16), torch.randn(5, 16), torch.randn(8, 16).half(), torch.randn(8, 16).half(),
+                   torch.randn(8, 16)):
+        assert selector.fused_runner(tokens) is None
+    assert agreed == [(torch.float32, 16), (torch.float16, 16), (torch.float32, 16)]
+
+
+def test_expert_tables_refuse_weights_converted_after_the_choice():
+    from ds_comet.fused import ExpertTables
+    modules = [FeedForward(8, 16) for _ in range(2)]
+    experts = [fused_expert(m) for m in modules]
+    tables, tokens = ExpertTables(), torch.empty(0, 8)
+    tables.get(experts, tokens)
+    modules[1].fc1.weight = torch.nn.Parameter(modules[1].fc1.weight.detach().double())
+    with pytest.raises(ValueError, match=r"cannot read the experts' weights: expert 1's weight is torch.float64"):
+        tables.get(experts, tokens)

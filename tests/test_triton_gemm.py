@@ -73,7 +73,7 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     experts = [(GatedFeedForward(hidden, ffn, activation, bias=True) if gated else FeedForward(hidden, ffn, activation))
                for _ in range(num_experts)]
     specs = [fused_expert(e) for e in experts]
-    tables = ExpertTables().get(specs, torch.device("cpu"))
+    tables = ExpertTables().get(specs, torch.empty(0, hidden))
     h = torch.full((rows + tile_m, ffn), float("nan"))
     expert_out = torch.full((rows + tile_m, hidden), float("nan"))  # GEMM2's rows, by recv row
     chunk_counters = torch.zeros(64, dtype=torch.int32)
@@ -200,7 +200,7 @@ for e in range(num_experts):
     for t in range(lay["tile_start"][e + 1] - lay["tile_start"][e]):
         wanted[lay["tile_start"][e] + t] = min(tile_m, rows_of[e] - t * tile_m)
 experts = [fused_expert(FeedForward(hidden, ffn).cuda().bfloat16()) for _ in range(num_experts)]
-tables = ExpertTables().get(experts, torch.device("cuda"))
+tables = ExpertTables().get(experts, torch.empty(0, hidden, dtype=torch.bfloat16, device="cuda"))
 rows = lay["totals"]["recv_rows"]
 recv = torch.zeros((rows + tile_m, hidden), dtype=torch.bfloat16, device="cuda")
 h = torch.empty((rows + tile_m, ffn), dtype=torch.bfloat16, device="cuda")
