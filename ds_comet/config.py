@@ -4,18 +4,26 @@ DeepSpeed ignores top-level keys it does not know, so the section lives beside D
 ones. It is not called ``"comet"``: DeepSpeed's Comet ML monitor owns that key.
 """
 
-import json
+import base64
+import binascii
 import os
 from typing import Any, Literal, Mapping, Optional, get_args, get_origin
 
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError
+import hjson
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel, dict_raise_error_on_duplicate_keys
+from deepspeed.utils import logger
+from pydantic import ConfigDict, Field, ValidationError
 
 MOE_SECTION = "moe"
+_warned_ignored = set()
 
 
 class CometMoEConfig(DeepSpeedConfigModel):
     """Options of the ``"moe"`` section; every key is optional."""
+
+    # A JSON value of the wrong type (true or "8" for a count, "yes" for a flag) is an error, not
+    # converted; an integer is still a valid number of seconds.
+    model_config = ConfigDict(strict=True)
 
     backend: Literal["deepspeed", "comet"] = "deepspeed"
     """``"deepspeed"``: stock ``deepspeed.moe.layer.MoE``. ``"comet"``: this package's layer."""
@@ -54,8 +62,9 @@ class CometMoEConfig(DeepSpeedConfigModel):
     (about 6 bytes x tokens x hidden per layer; 220-330 MiB reserved at the bench's shapes;
     ds_comet/gate_graph.py)."""
 
-    wait_timeout_s: float = Field(60.0, gt=0)
-    """Longest a fused kernel waits for a peer rank before it stops the job with an error."""
+    wait_timeout_s: float = Field(60.0, ge=1e-3, le=1e6, allow_inf_nan=False)
+    """Longest a fused kernel waits for a peer rank before it stops the job with an error (the
+    kernels count it in 64-bit nanoseconds: between a millisecond and about eleven days)."""
 
     def __init__(self, **data):
         # strict: DeepSpeedConfigModel otherwise drops every value spelled "auto", which would
@@ -93,8 +102,7 @@ def _config_dict(ds_config) -> Mapping[str, Any]:
     if isinstance(ds_config, Mapping):
         return ds_config
     if isinstance(ds_config, (str, os.PathLike)):
-        with open(ds_config) as handle:
-            return json.load(handle)
+        return _read_config(ds_config)
     # DeepSpeedConfig keeps the parsed JSON in _param_dict.
     param_dict = getattr(ds_config, "_param_dict", None)
     if isinstance(param_dict, Mapping):
@@ -107,6 +115,25 @@ def _config_dict(ds_config) -> Mapping[str, Any]:
                     "a deepspeed DeepSpeedConfig, a DeepSpeed engine or a CometMoEConfig")
 
 
+def _read_config(source) -> Mapping[str, Any]:
+    """A ds_config file, or a base64 string of one, read as DeepSpeed reads it: HJSON (comments and
+    trailing commas allowed), a key given twice an error."""
+    if os.path.exists(source):
+        try:
+            with open(source) as handle:
+                return hjson.load(handle, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+        except ValueError as error:  # hjson's decode errors and the duplicate keys' error
+            raise ValueError(f"invalid ds_config file {os.fspath(source)}: {error}") from None
+    try:
+        loaded = hjson.loads(base64.urlsafe_b64decode(os.fspath(source)).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, binascii.Error):
+        loaded = None
+    if not isinstance(loaded, Mapping):  # HJSON reads most garbage as a quoteless string
+        raise FileNotFoundError(f"ds_config {os.fspath(source)!r} is neither an existing file nor a base64-encoded "
+                                "JSON config")
+    return loaded
+
+
 def moe_config_from(ds_config=None) -> CometMoEConfig:
     """The validated ``"moe"`` section of ``ds_config`` (defaults where it has none)."""
     if isinstance(ds_config, CometMoEConfig):
@@ -117,6 +144,12 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
     if not isinstance(section, Mapping):
         raise ValueError(f"invalid ds_config: '{MOE_SECTION}' must be a JSON object, got {type(section).__name__}")
     try:
-        return CometMoEConfig(**section)
+        config = CometMoEConfig(**section)
     except ValidationError as error:
         raise ValueError(_explain(error, section)) from None
+    ignored = tuple(sorted(key for key in section if key != "backend"))
+    if config.backend == "deepspeed" and ignored and ignored not in _warned_ignored:
+        _warned_ignored.add(ignored)  # once, not once per MoE layer
+        logger.warning(f"ds_config '{MOE_SECTION}' keys {', '.join(ignored)} only apply to \"backend\": \"comet\"; "
+                       "this job runs stock DeepSpeed's MoE and ignores them")
+    return config

@@ -1,5 +1,6 @@
 """The ds_config switch: the "moe" section, its errors, and which class a config builds."""
 
+import base64
 import json
 
 import deepspeed
@@ -87,12 +88,56 @@ def test_deepspeed_accepts_the_section():
     ({"overlap": "always"}, ["moe.overlap", "'auto', 'fused', 'none'"]),
     ({"backend": "comet", "overlapp": "none"}, ["unknown key 'moe.overlapp'", "backend, overlap"]),
     ([1, 2], ["'moe' must be a JSON object"]),
+    # JSON values of the wrong type are errors, not converted.
+    ({"backend": "comet", "comm_blocks": True}, ["'moe.comm_blocks' is True"]),
+    ({"backend": "comet", "n_chunks": "4"}, ["'moe.n_chunks' is '4'"]),
+    ({"backend": "comet", "max_tokens_per_rank": 1024.0}, ["'moe.max_tokens_per_rank' is 1024.0"]),
+    ({"backend": "comet", "cuda_graph_gate": "yes"}, ["'moe.cuda_graph_gate' is 'yes'"]),
+    # The kernels count the wait in 64-bit nanoseconds.
+    ({"backend": "comet", "wait_timeout_s": float("inf")}, ["'moe.wait_timeout_s' is inf"]),
+    ({"backend": "comet", "wait_timeout_s": 1e10}, ["'moe.wait_timeout_s' is 10000000000.0", "1000000"]),
+    ({"backend": "comet", "wait_timeout_s": 1e-10}, ["'moe.wait_timeout_s' is 1e-10", "0.001"]),
 ])
 def test_bad_config_names_key_and_choices(section, words):
     with pytest.raises(ValueError) as error:
         moe_config_from({"moe": section})
     for word in words:
         assert word in str(error.value)
+
+
+def test_a_whole_number_of_seconds_is_a_timeout():
+    assert moe_config_from({"moe": {"backend": "comet", "wait_timeout_s": 5}}).wait_timeout_s == 5.0
+
+
+def test_config_files_read_as_deepspeed_reads_them(tmp_path):
+    # HJSON (comments, trailing commas) and base64 strings, as DeepSpeedConfig takes them; a key
+    # given twice is an error naming the file.
+    commented = tmp_path / "commented.json"
+    commented.write_text('{\n  // the comet backend\n  "moe": {"backend": "comet", "overlap": "none",},\n}\n')
+    assert moe_config_from(str(commented)) == CometMoEConfig(backend="comet", overlap="none")
+    encoded = base64.urlsafe_b64encode(json.dumps({"moe": {"backend": "comet"}}).encode()).decode()
+    assert moe_config_from(encoded) == CometMoEConfig(backend="comet")
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"moe": {"backend": "comet"}, "moe": {"backend": "deepspeed"}}')
+    with pytest.raises(ValueError, match=r"invalid ds_config file .*twice.json: Duplicate keys"):
+        moe_config_from(twice)
+    with pytest.raises(FileNotFoundError, match=r"'missing.json' is neither an existing file nor a base64"):
+        moe_config_from("missing.json")
+    with pytest.raises(FileNotFoundError, match=r"neither an existing file"):
+        moe_config_from("abcd")  # valid base64 of bytes that are no JSON object
+
+
+def test_comet_keys_under_the_deepspeed_backend_are_reported(monkeypatch):
+    import ds_comet.config as config
+    said = []
+    monkeypatch.setattr(config.logger, "warning", said.append)
+    monkeypatch.setattr(config, "_warned_ignored", set())
+    for _ in range(2):  # once, not once per layer
+        assert moe_config_from({"moe": {"overlap": "fused", "comm_blocks": 8}}).backend == "deepspeed"
+    assert said == ["ds_config 'moe' keys comm_blocks, overlap only apply to \"backend\": \"comet\"; this job "
+                    "runs stock DeepSpeed's MoE and ignores them"]
+    moe_config_from({"moe": {"backend": "deepspeed"}})
+    assert len(said) == 1
 
 
 def test_bad_config_type():
