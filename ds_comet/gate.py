@@ -103,7 +103,8 @@ def _capacity(gates: Tensor, factor: float, min_capacity: int) -> int:
     It is a handful of host-side tensor ops on scalars, rerun by stock on every call for the same
     answer; its fp32 rounding of ``S / E * factor`` is why this asks it rather than redoing the math.
     """
-    key = (gates.shape[0], gates.shape[1], factor, min_capacity, torch.get_default_dtype())
+    # The factor's type is part of the answer: stock makes it a tensor, fp64 from a numpy float.
+    key = (gates.shape[0], gates.shape[1], factor, type(factor), min_capacity, torch.get_default_dtype())
     capacity = _capacities.get(key)
     if capacity is None:
         if len(_capacities) > 4096:  # varying token counts must not grow this without bound
@@ -179,6 +180,10 @@ def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, s
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
     capacity = _capacity(gates, factor * 2, min_capacity) if drop_tokens else None
+    if capacity is not None:
+        # A queue position is at most 2S, so a larger capacity drops nothing either; capped, it fits
+        # the int32 positions it is compared with (2^31 and more would wrap).
+        capacity = min(capacity, 2 * num_tokens)
     kernels_fit = num_experts >= 2 and (capacity is None or capacity >= 0)  # the op's "no drop" is capacity -1
     if op is not None and kernels_fit and (not sampling or _stock_gumbel_is_fp32(logits.device)):
         routes, masks, exp_counts = _top2_kernels(op, logits, gates, capacity, sampling)

@@ -661,3 +661,30 @@ def test_cuda_graph_gate_runs_eagerly_where_a_graph_could_differ(context):
         else:
             assert_bitwise_equal(actual, expected)
     assert len(graphs._captured) == (MAX_SIGNATURES if context == "many-token-counts" else 0)
+
+
+@pytest.mark.parametrize("capacity_factor,min_capacity", [(1e9, 0), (1.0, 2**31), (1.0, 2**32 + 1)])
+def test_top2_capacity_past_int32_drops_nothing_like_stock(capacity_factor, min_capacity, forward_calls):
+    # "Never drop" spelled as a huge capacity: the queue positions it is compared with are int32.
+    gate = make_gate(2, capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
+                     min_capacity=min_capacity)
+    tokens = make_tokens(gate, 101, seed=1, skew=3.0)
+    expected = run_gate(stock_routes, gate, tokens, None, 5, 6)
+    actual = run_gate(gate_routes, gate, tokens, None, 5, 6)
+    assert (expected["indices"] >= 0).all()
+    assert_bitwise_equal(actual, expected)
+
+
+def test_capacity_is_remembered_per_type_of_factor(monkeypatch):
+    # Stock's capacity of ceil(S / E * factor) rounds in fp64 for a numpy float factor and in fp32
+    # for a Python float: 25 * 1.2 gives 31 in fp32, 30 in fp64. Neither may be served the other's.
+    np = pytest.importorskip("numpy")
+    monkeypatch.setattr(gate_module, "_capacities", {})
+    tokens = torch.randn(50, MODEL_DIM)
+    for factor in (1.2, np.float64(1.2), 1.2):
+        gate = make_gate(1, num_experts=2, capacity_factor=factor, eval_capacity_factor=factor, min_capacity=0,
+                         use_rts=False)
+        with torch.no_grad():
+            gate.wg.weight.zero_()  # every token ties, so expert 0 gets all 50 and the capacity binds
+        assert_bitwise_equal(run_gate(gate_routes, gate, tokens, None, 3, 4), run_gate(stock_routes, gate, tokens,
+                                                                                        None, 3, 4))
