@@ -42,6 +42,8 @@ _capacities: Dict[tuple, int] = {}
 _expert_ids: Dict[tuple, Tensor] = {}
 # The top-2 kernel repeats this function's arithmetic; a replaced one is called as it is.
 _STOCK_GUMBEL = ds.gumbel_rsample
+# Stock's forward looks these up at every call: a replaced one changes stock's answer.
+_STOCK_GATINGS = (ds.top1gating, ds.top2gating, ds.topkgating)
 
 
 def gate_routes(gate: TopKGate,
@@ -82,6 +84,8 @@ def _reproducible(gate, tokens: Tensor) -> bool:
     if any(getattr(gate, name, None) for name in _MODULE_HOOKS):
         return False
     if any(getattr(nn_module, name, None) for name in _GLOBAL_HOOKS):
+        return False
+    if (ds.top1gating, ds.top2gating, ds.topkgating) != _STOCK_GATINGS:
         return False
     # Tracing records stock's trace-friendly ops; the layer passes [S, M].
     if torch.jit.is_tracing() or tokens.dim() != 2:
@@ -181,9 +185,9 @@ def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, s
     num_tokens, num_experts = gates.shape
     capacity = _capacity(gates, factor * 2, min_capacity) if drop_tokens else None
     if capacity is not None:
-        # A queue position is at most 2S, so a larger capacity drops nothing either; capped, it fits
-        # the int32 positions it is compared with (2^31 and more would wrap).
-        capacity = min(capacity, 2 * num_tokens)
+        # Queue positions run from 1 to 2S, so a larger capacity drops nothing either and a negative
+        # one everything; kept in [0, 2S], it fits the int32 positions it is compared with.
+        capacity = max(0, min(capacity, 2 * num_tokens))
     kernels_fit = num_experts >= 2 and (capacity is None or capacity >= 0)  # the op's "no drop" is capacity -1
     if op is not None and kernels_fit and (not sampling or _stock_gumbel_is_fp32(logits.device)):
         routes, masks, exp_counts = _top2_kernels(op, logits, gates, capacity, sampling)

@@ -663,16 +663,28 @@ def test_cuda_graph_gate_runs_eagerly_where_a_graph_could_differ(context):
     assert len(graphs._captured) == (MAX_SIGNATURES if context == "many-token-counts" else 0)
 
 
-@pytest.mark.parametrize("capacity_factor,min_capacity", [(1e9, 0), (1.0, 2**31), (1.0, 2**32 + 1)])
-def test_top2_capacity_past_int32_drops_nothing_like_stock(capacity_factor, min_capacity, forward_calls):
-    # "Never drop" spelled as a huge capacity: the queue positions it is compared with are int32.
+@pytest.mark.parametrize("capacity_factor,min_capacity,dropped", [(1e9, 0, 0), (1.0, 2**31, 0), (1.0, 2**32 + 1, 0),
+                                                                   (-1e10, -2**32 + 5, 202)])
+def test_top2_capacity_past_int32_like_stock(capacity_factor, min_capacity, dropped):
+    # "Never drop" spelled as a huge capacity (or "drop all" as a hugely negative one): the queue
+    # positions it is compared with are int32.
     gate = make_gate(2, capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
                      min_capacity=min_capacity)
     tokens = make_tokens(gate, 101, seed=1, skew=3.0)
     expected = run_gate(stock_routes, gate, tokens, None, 5, 6)
     actual = run_gate(gate_routes, gate, tokens, None, 5, 6)
-    assert (expected["indices"] >= 0).all()
+    assert (expected["indices"] < 0).sum().item() == dropped
     assert_bitwise_equal(actual, expected)
+
+
+@pytest.mark.parametrize("name", ["top1gating", "top2gating", "topkgating"])
+def test_a_replaced_stock_gating_function_falls_back(name, monkeypatch, forward_calls):
+    # Stock's forward calls DeepSpeed's module-level gating functions: a replaced one is stock's answer.
+    replaced = getattr(sharded_moe, name)
+    monkeypatch.setattr(sharded_moe, name, lambda *args, **kwargs: replaced(*args, **kwargs))
+    gate = make_gate({"top1gating": 1, "top2gating": 2, "topkgating": 4}[name])
+    gate_routes(gate, make_tokens(gate, 33, seed=2))
+    assert forward_calls == [gate]
 
 
 def test_capacity_is_remembered_per_type_of_factor(monkeypatch):
