@@ -188,8 +188,7 @@ def _top2(logits: Tensor, factor: float, min_capacity: int, drop_tokens: bool, s
         # Queue positions run from 1 to 2S, so a larger capacity drops nothing either and a negative
         # one everything; kept in [0, 2S], it fits the int32 positions it is compared with.
         capacity = max(0, min(capacity, 2 * num_tokens))
-    kernels_fit = num_experts >= 2 and (capacity is None or capacity >= 0)  # the op's "no drop" is capacity -1
-    if op is not None and kernels_fit and (not sampling or _stock_gumbel_is_fp32(logits.device)):
+    if op is not None and num_experts >= 2 and (not sampling or _stock_gumbel_is_fp32(logits.device)):
         routes, masks, exp_counts = _top2_kernels(op, logits, gates, capacity, sampling)
     else:
         routes, masks, exp_counts = _top2_ops(logits, gates, capacity, sampling)

@@ -23,6 +23,7 @@ from deepspeed.utils import log_dist
 from .config import CometMoEConfig
 from .experts import FusedExpert, expert_tensors_reason, fused_expert
 from .fused import ExpertTables, FusedCall, FusedParameters, expert_parameters, fused_forward, fused_moe
+from .gate import _GLOBAL_HOOKS, _MODULE_HOOKS
 from .layout import MAX_COMBINE_TOP_K
 from .routing import plan_routes_cuda
 from .workspace import BufferShape, get_buffer
@@ -93,15 +94,12 @@ def offsets_overflow(recv_rows: int, routes: int, hidden: int, ffn: int, gated: 
     return None
 
 
-_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
 def hooks_reason(modules: List[torch.nn.Module]) -> Optional[str]:
     """Why hooks on the experts (or every module's global hooks) rule out the fused kernels, which
     compute the experts without calling them; checked on every call, as hooks come and go."""
-    for name in _MODULE_HOOKS:
-        if getattr(torch.nn.modules.module, "_global" + name, None):
-            return f"a global module hook is registered ({name[1:]}); the fused kernels do not call the experts"
+    for name in _GLOBAL_HOOKS:
+        if getattr(torch.nn.modules.module, name, None):
+            return f"a global module hook is registered ({name[8:]}); the fused kernels do not call the experts"
     for module in modules:
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or \
                 module._backward_pre_hooks:
