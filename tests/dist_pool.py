@@ -96,6 +96,11 @@ def _rank_main(rank, world_size, port, backend, tasks, results):
     if backend == "nccl":
         torch.cuda.set_device(rank)
     import deepspeed
+    if backend == "gloo":
+        # DeepSpeed binds the rank's CUDA device whenever one is visible, whatever the backend, and
+        # torch (2.11) then builds every new group by splitting the default one, which gloo cannot.
+        # Initialised here, DeepSpeed keeps the group as it is.
+        torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=120))
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=120))
     results.put((rank, True, "ready"))
     while True:
