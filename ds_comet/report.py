@@ -35,8 +35,8 @@ def pipeline_verdict(config) -> str:
     else:
         reason = op_unavailable_reason()
     if reason is None:
-        return ("fused pipeline for bf16/fp16 FFN experts in eval/no-grad steps, if the expert-parallel group "
-                "lies inside one node; training steps run the reference pipeline until the fused backward lands")
+        return ("fused pipeline (forward and backward) for bf16/fp16 FFN and gated FFN experts, if the "
+                "expert-parallel group lies inside one node; each layer logs once what it runs and why")
     if section.overlap == "fused":
         return f"error: \"overlap\": \"fused\" was asked for, but {reason}"
     return f"reference pipeline: {reason}"
