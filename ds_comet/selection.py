@@ -67,8 +67,14 @@ def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool
     # which do not fit in registers at 256.
     gemm1_tile_n = config.tile_n or (128 if gated else 256)
     tile_n = config.tile_n or 256
-    n_chunks = config.n_chunks or (4 if ffn >= 8192 else 8)
-    n_chunks = min(n_chunks, math.ceil(hidden / tile_n))
+    col_tiles = math.ceil(hidden / tile_n)
+    if config.n_chunks is not None:
+        n_chunks = min(config.n_chunks, col_tiles)
+    else:
+        # At least two column tiles a chunk: a one-column chunk rereads every row of the hidden
+        # activations with nothing for GEMM2's GROUP_M swizzle to share, which cost H2048's GEMM2
+        # 15 % alone and its fused step 0.1 ms on 2 x H200 (docs/performance.md, thirteenth session).
+        n_chunks = min(4 if ffn >= 8192 else 8, max(col_tiles // 2, 1))
     return FusedParameters(comm_blocks=comm_blocks, combine_blocks=combine_blocks, tile_m=config.tile_m,
                            tile_n=tile_n, n_chunks=n_chunks, gemm1_tile_n=gemm1_tile_n)
 

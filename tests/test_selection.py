@@ -101,6 +101,11 @@ def test_parameter_rule():
     heavy = choose_parameters(config, 7168, 2048, False, 8, 2, 4096, 2, 132)
     assert 8 <= small.comm_blocks <= heavy.comm_blocks <= 132 // 6
     assert small.n_chunks == 4 and heavy.n_chunks == 8
+    # The rule keeps two column tiles a chunk (H2048: 8 tiles, 4 chunks; H256: 1 chunk); a pinned
+    # count is only capped at one tile a chunk.
+    assert [choose_parameters(config, hidden, 1408, True, 4, 2, 8192, 2, 132).n_chunks
+            for hidden in (256, 512, 1000, 2048, 7168)] == [1, 1, 2, 4, 8]
+    assert choose_parameters(CometMoEConfig(n_chunks=8), 2048, 1408, True, 4, 2, 8192, 2, 132).n_chunks == 8
     # More ranks send a larger share of the routes over the links: never fewer communication blocks.
     for shape in ((4096, 14336, False, 2), (7168, 2048, False, 8), (2048, 1408, True, 4)):
         blocks = [choose_parameters(config, *shape, ep_size, 8192, 2, 132).comm_blocks for ep_size in (1, 2, 4, 8)]
