@@ -35,6 +35,11 @@ class _AllToAllV(torch.autograd.Function):
         return grad_rows, None, None, None
 
 
+# Run eagerly under torch.compile, behind a graph break. Traced, this autograd.Function (a collective
+# with its process group kept for the backward, the pattern of pytorch#129942) compiled on torch
+# 2.11 to a backward that exchanged the wrong rows: gradients off by as much as themselves, or a
+# gloo size mismatch. Stock DeepSpeed's _AllToAll compiles to the same wrong gradients there.
+@torch.compiler.disable
 def exchange(rows: Tensor, send_splits: List[int], recv_splits: List[int], group, ep_size: int) -> Tensor:
     if ep_size == 1:
         return rows

@@ -5,10 +5,13 @@ CPU (the gloo pool's ranks, the reference pipeline): the layer compiled with the
 loss, expert counts, input gradient and every parameter gradient, call after call with fresh
 tokens (so fresh all-to-all splits), and so must stock DeepSpeed MoE compiled the same way. The
 gate's and DeepSpeed's module-level caches are emptied first, so the first call traces their
-filling. The all-to-alls are traced (as c10d functional collectives); the graph breaks are the host
-read of the splits (``.tolist()``) and the data-dependent ``repeat_interleave`` that orders the
-received rows by expert, plus, on a first call, the "runs the reference pipeline" log line and the
-capacity's ``int()``. Stock breaks at its capacity's ``int()``.
+filling. The graph breaks are the host read of the splits (``.tolist()``), the row exchanges (run
+eagerly: see ``ds_comet.reference.exchange``) and the data-dependent ``repeat_interleave`` that
+orders the received rows by expert, plus, on a first call, the "runs the reference pipeline" log
+line and the capacity's ``int()``. Stock breaks at its capacity's ``int()``; its all-to-alls are
+traced, and before torch 2.13 their compiled backward gives wrong gradients (seen on 2.11: the
+input gradient off by as much as itself), so stock's compiled step is held to its eager one only
+from 2.13.
 
 GPU (skipped without CUDA): the fused pipeline compiled with "aot_eager", with and without the
 CUDA-graphed gate, and with inductor (its random numbers from torch's generator, as
@@ -30,6 +33,7 @@ from moe_helpers import assert_same_step, build_pair, make_expert, reset_experts
 
 HIDDEN, FFN = 24, 40
 P = cpu_world_size()
+STOCK_COMPILES_RIGHT = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
 GELU = {torch._C._nn.gelu, torch.nn.functional.gelu}  # the experts' activation ("gelu" experts)
 
 
@@ -89,7 +93,8 @@ def compile_case(seed, k, backend, calls=2, tokens_per_rank=48):
         eager = run_step(comet, tokens, loss_weight, noise_seed)
         assert_same_step(eager, comet_compiled)
         # The parity tests hold the eager comet layer to stock's eager numbers at these tolerances.
-        assert_same_step(eager, stock_compiled)
+        if STOCK_COMPILES_RIGHT:
+            assert_same_step(eager, stock_compiled)
     for name, recorded in graphs.items():
         assert _ran_experts(recorded), f"{name}: no compiled graph ran the experts"
     return {name: len(recorded) for name, recorded in graphs.items()}
