@@ -36,6 +36,14 @@ COMBINE_BYTES_PER_SM_S = 24e9  # the combine kernel on its own blocks, bytes rea
 COMBINE_SHARE_OF_GEMM2 = 0.8  # the combine's blocks aim to finish in this share of GEMM2's time
 
 
+def rule_n_chunks(hidden: int, ffn: int, tile_n: int) -> int:
+    """GEMM2's column chunks when the config leaves them open: 4 for wide FFNs, else 8, and at least
+    two column tiles a chunk. A one-column chunk rereads every row of the activations with nothing
+    for GEMM2's GROUP_M swizzle to share: that cost H2048's GEMM2 15 % alone, and its fused step
+    0.1 ms of device time on 2 x H200 (docs/performance.md, thirteenth session)."""
+    return min(4 if ffn >= 8192 else 8, max(math.ceil(hidden / tile_n) // 2, 1))
+
+
 def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool, top_k: int, ep_size: int,
                       max_tokens: int, elem_bytes: int, num_sms: int) -> FusedParameters:
     """The first, simple per-shape rule; every value can be pinned in the "moe" section."""
@@ -67,14 +75,10 @@ def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool
     # which do not fit in registers at 256.
     gemm1_tile_n = config.tile_n or (128 if gated else 256)
     tile_n = config.tile_n or 256
-    col_tiles = math.ceil(hidden / tile_n)
     if config.n_chunks is not None:
-        n_chunks = min(config.n_chunks, col_tiles)
+        n_chunks = min(config.n_chunks, math.ceil(hidden / tile_n))
     else:
-        # At least two column tiles a chunk: a one-column chunk rereads every row of the hidden
-        # activations with nothing for GEMM2's GROUP_M swizzle to share, which cost H2048's GEMM2
-        # 15 % alone and its fused step 0.1 ms on 2 x H200 (docs/performance.md, thirteenth session).
-        n_chunks = min(4 if ffn >= 8192 else 8, max(col_tiles // 2, 1))
+        n_chunks = rule_n_chunks(hidden, ffn, tile_n)
     return FusedParameters(comm_blocks=comm_blocks, combine_blocks=combine_blocks, tile_m=config.tile_m,
                            tile_n=tile_n, n_chunks=n_chunks, gemm1_tile_n=gemm1_tile_n)
 

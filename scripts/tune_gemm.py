@@ -299,8 +299,9 @@ def effective_chunks(meta, cfg):
 
 
 def default_n_chunks(meta, bn):
-    """selection.py's rule: 4 chunks for wide FFNs, else 8, at most one per column tile."""
-    return min(4 if meta.ffn >= 8192 else 8, -(-meta.hidden // bn))
+    """The library's own rule. Imported here, in the main process only: the package pulls in DeepSpeed."""
+    from ds_comet.selection import rule_n_chunks
+    return rule_n_chunks(meta.hidden, meta.ffn, bn)
 
 
 def default_config(kind, meta, comm_blocks, smoke):

@@ -9,9 +9,9 @@ filling. The graph breaks are the host read of the splits (``.tolist()``), the r
 eagerly: see ``ds_comet.reference.exchange``) and the data-dependent ``repeat_interleave`` that
 orders the received rows by expert, plus, on a first call, the "runs the reference pipeline" log
 line and the capacity's ``int()``. Stock breaks at its capacity's ``int()``; its all-to-alls are
-traced, and before torch 2.13 their compiled backward gives wrong gradients (seen on 2.11: the
-input gradient off by as much as itself), so stock's compiled step is held to its eager one only
-from 2.13.
+traced, and on torch 2.11 their compiled backward gives wrong gradients (the input gradient off
+by as much as itself; 2.12 was not tried), so stock's compiled step is held to its eager one only
+from 2.13, where it is right.
 
 GPU (skipped without CUDA): the fused pipeline compiled with "aot_eager", with and without the
 CUDA-graphed gate, and with inductor (its random numbers from torch's generator, as
