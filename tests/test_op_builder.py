@@ -121,3 +121,20 @@ def test_report_runs_and_names_the_pipeline():
     assert "op ds_comet_ops" in text and "pipeline:" in text
     if not torch.cuda.is_available():
         assert "reference pipeline" in text
+
+
+def test_report_verdict_where_the_fused_pipeline_can_run(monkeypatch):
+    """The verdict on a machine where everything is there (faked here): the fused pipeline, which
+    runs training steps too since its backward landed, and an error only under "fused"."""
+    import ds_comet.ops
+    import ds_comet.report as report_module
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(report_module, "_version", lambda name: "3.6.0")
+    monkeypatch.setattr(ds_comet.ops, "op_unavailable_reason", lambda: None)
+    verdict = report_module.pipeline_verdict({"moe": {"backend": "comet"}})
+    assert verdict.startswith("fused pipeline (forward and backward)"), verdict
+    assert "reference pipeline" not in verdict
+    assert report_module.pipeline_verdict({"moe": {"backend": "comet", "overlap": "none"}}).startswith("reference")
+    monkeypatch.setattr(ds_comet.ops, "op_unavailable_reason", lambda: "nvcc not found")
+    assert report_module.pipeline_verdict({"moe": {"backend": "comet", "overlap": "fused"}}) == (
+        "error: \"overlap\": \"fused\" was asked for, but nvcc not found")
