@@ -128,7 +128,7 @@ class PipelineSelector:
         self._said = set()
         self._static_reason: Optional[str] = None
         self._static_key = None  # what the static decision was made for: the tokens' dtype, width and device
-        self._hooked: List[torch.nn.Module] = []  # modules whose hooks stock would run and the kernels skip
+        self._hooked: List[torch.nn.Module] = []  # hookable_modules(), once the fused path is chosen
         self._experts: List[FusedExpert] = []
         self._tables = ExpertTables()
         self._buffer = None
@@ -177,8 +177,13 @@ class PipelineSelector:
         if reason is not None:
             return reason
         self._experts = experts
-        self._hooked = [self.moe.experts] + [m for expert in self.moe.experts.deepspeed_experts for m in expert.modules()]
+        self._hooked = self.hookable_modules()
         return None
+
+    def hookable_modules(self) -> List[torch.nn.Module]:
+        """The modules whose hooks stock would run and the fused kernels skip: kept from the choice
+        on, because walking them costs more than checking their hooks on every call."""
+        return [self.moe.experts] + [m for expert in self.moe.experts.deepspeed_experts for m in expert.modules()]
 
     # Under torch.compile this runs as written, not traced (as _run, below): a collective on Python
     # objects, the op's build, the symmetric-memory rendezvous and new CUDA streams, once per layer.

@@ -284,8 +284,7 @@ def _fusable(selector, tokens, monkeypatch):
     per-call hook check is left to decide."""
     monkeypatch.setattr(selector, "_per_call_reason", lambda t: None)
     selector._static_key, selector._static_reason = (tokens.dtype, tokens.shape[-1], tokens.device), None
-    moe = selector.moe
-    selector._hooked = [moe.experts] + [m for e in moe.experts.deepspeed_experts for m in e.modules()]
+    selector._hooked = selector.hookable_modules()
 
 
 def test_hooks_on_the_experts_rule_out_the_fused_kernels_on_every_call(monkeypatch):
