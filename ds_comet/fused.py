@@ -186,17 +186,18 @@ class _Launch:
                 tensor.record_stream(self.buffer.comm_stream)
         main.wait_stream(self.buffer.comm_stream)
 
-    def gemm1(self, rows: Tensor, out: Tensor, pre: Tensor, backward: bool, store_pre: bool):
+    def gemm1(self, rows: Tensor, out: Tensor, pre: Tensor, backward: bool, store_pre: bool,
+              act: Optional[Tensor] = None):
         from .triton_gemm import ACTIVATION_CODES, gemm1_kernel
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         with_descriptor_scratch(lambda: gemm1_kernel[(self.grid, )](
-            rows, out, pre, t["w2"] if backward else t["w1"], t["w3"], t["b1"], t["b3"], b.layout, b.tile_counters,
-            b.error_address, b.kernel_shape.timeout_ns, b.rank, self.hidden, self.ffn, len(self.experts), lo.expert_start,
-            lo.tile_start, lo.local_tiles, lo.remote_tiles, lo.totals + TOTAL_TILES, L_POW2=self.l_pow2,
-            BM=self.params.tile_m, BN=self.params.gemm1_tile_n, BK=TILE_K, GROUP_M=GROUP_M, NUM_PROGS=self.grid,
-            HAS_BIAS=self.has_bias, GATED=self.gated, ACTIVATION=ACTIVATION_CODES[self.activation],
-            BACKWARD=backward, STORE_PRE=store_pre, WAIT=True, INTERPRET=_interpreting(), num_warps=8,
-            num_stages=3))
+            rows, out, pre, out if act is None else act, t["w2"] if backward else t["w1"], t["w3"], t["b1"],
+            t["b3"], b.layout, b.tile_counters, b.error_address, b.kernel_shape.timeout_ns, b.rank, self.hidden,
+            self.ffn, len(self.experts), lo.expert_start, lo.tile_start, lo.local_tiles, lo.remote_tiles,
+            lo.totals + TOTAL_TILES, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.gemm1_tile_n,
+            BK=TILE_K, GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, GATED=self.gated,
+            ACTIVATION=ACTIVATION_CODES[self.activation], BACKWARD=backward, STORE_PRE=store_pre,
+            STORE_ACT=act is not None, WAIT=True, INTERPRET=_interpreting(), num_warps=8, num_stages=3))
 
     def gemm2(self, rows: Tensor, backward: bool):
         from .triton_gemm import gemm2_kernel
@@ -268,8 +269,10 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     ``profile``, if given, receives callables that relaunch GEMM1, GEMM2, the combine and the dispatch
     alone (the last two on every SM, and on the communication blocks only): benchmarks.
     ``saved``, if given, receives what ``fused_backward`` needs: a copy of the received rows (the
-    workspace is reused by the next call), each route's expert output (the combine writes them), the
-    products before the activation and the activations.
+    workspace is reused by the next call), each route's expert output (the combine writes them) and
+    the products before the activation. Not the activations: the backward's GEMM1 recomputes them
+    from those products as it reads them: a layer holds half the FFN-wide memory it did (a third
+    less for gated experts, whose products are twice as wide).
     """
     num_tokens, hidden = tokens.shape
     buffer.check_tokens(num_tokens)
@@ -304,7 +307,7 @@ def fused_forward(buffer: CometBuffer, tokens: Tensor, plan: RoutingPlan, gates:
     run_gemm2()
     if saved is not None:
         # GEMM1 waited for every received row; keep them before the next call overwrites them.
-        saved.update(rows=buffer.recv[:rows].clone(), pre=pre, h=h)
+        saved.update(rows=buffer.recv[:rows].clone(), pre=pre)
     if profile is not None:
         # Tiles and chunks stay counted, so each part relaunched alone measures its own rate. Every
         # rank's relaunches must be done before any rank's next exchange zeroes its counters (a late
@@ -348,8 +351,9 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
     # same kernels (a rank whose tokens need no gradient must still return its peers' rows).
     gates = gates.detach().contiguous()
     width = launch.ffn * (2 if launch.gated else 1)
-    rows = saved["h"].shape[0]
+    rows = saved["pre"].shape[0]
     grad_pre = torch.empty((rows, width), dtype=dtype, device=device)
+    h = torch.empty((rows, launch.ffn), dtype=dtype, device=device) if need_weights else None
     # Allocated before the dispatch, which orders the communication stream after everything queued
     # so far: the combine writes it there, and a block freed later (``pre``) may still be read by
     # GEMM1 when the combine runs.
@@ -360,13 +364,14 @@ def fused_backward(buffer: CometBuffer, grad_out: Tensor, plan: RoutingPlan, gat
     launch.dispatch(grad_out, plan, gates)
     # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
     # reuses its memory only for work queued after it on this stream, so the peak stays low.
-    launch.gemm1(buffer.recv, grad_pre, saved.pop("pre"), backward=True, store_pre=False)
+    launch.gemm1(buffer.recv, grad_pre, saved.pop("pre"), backward=True, store_pre=False, act=h)
     launch.gemm2(grad_pre, backward=True)
     # Not finished on the main stream: the weight gradients queued there next hide its tail.
     launch.combine(plan, _no_scale(device), grad_tokens, _no_rows(grad_out), finish_on_main=False)
     if need_weights:
         # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
-        dw2, db2 = launch.wgrad(buffer.recv, saved.pop("h"), hidden, launch.ffn, dtype)
+        dw2, db2 = launch.wgrad(buffer.recv, h, hidden, launch.ffn, dtype)
+        del h
         dw1, db1 = launch.wgrad(grad_pre, saved.pop("rows"), width, hidden, dtype)
         weight_grads = _split_weight_grads(experts, launch.ffn, dw1, db1, dw2, db2)
     del grad_pre

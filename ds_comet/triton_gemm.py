@@ -227,18 +227,20 @@ def _dot_rows(acc, acc2, a, lda, offs_m, m_mask, w, w2, n0, K, BK: tl.constexpr,
 
 # Not specialised: a rank of 1 would otherwise become a constant, and each rank its own compile.
 @triton.jit(do_not_specialize=["error_addr", "timeout_ns", "rank"])
-def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, tile_counters, error_addr,
+def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, layout, tile_counters, error_addr,
                  timeout_ns, rank, K, N, num_local, off_expert_start, off_tile_start, off_local_tiles,
                  off_remote_tiles, off_total_tiles, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
-                 WAIT: tl.constexpr, INTERPRET: tl.constexpr):
+                 STORE_ACT: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr):
     """The first grouped GEMM over the receive buffer ``rows`` ([R, K]), tile by tile as rows arrive.
 
     Forward (W = W1, [N, K]): out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)]; with STORE_PRE
     the products before the activation also go to ``pre`` ([R, N], gated [R, 2N]: first, then up).
     Backward (W = W2, [K, N]; rows are output gradients): g = rows @ W2 and, from the forward's
-    ``pre``, out = g * act'(z) (gated: out[:, :N] = g * u * act'(z), out[:, N:] = g * act(z)).
+    ``pre``, out = g * act'(z) (gated: out[:, :N] = g * u * act'(z), out[:, N:] = g * act(z)); with
+    STORE_ACT also the forward's activations again, act(z) [* u], to ``act`` ([R, N]) for W2's
+    gradient: recomputed from ``pre``, which the epilogue reads anyway, they need not be kept.
     """
     dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
@@ -281,11 +283,17 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
             z = tl.load(pre_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
             if GATED:
                 up = tl.load(pre_ptrs + N, mask=mn_mask, other=0.0).to(tl.float32)
+                activated = _activation(z, ACTIVATION)
                 tl.store(out_ptrs, (acc * up * _activation_grad(z, ACTIVATION)).to(dtype), mask=mn_mask)
-                tl.store(out_ptrs + N, (acc * _activation(z, ACTIVATION)).to(dtype), mask=mn_mask)
+                tl.store(out_ptrs + N, (acc * activated).to(dtype), mask=mn_mask)
+                if STORE_ACT:
+                    tl.store(act + offs_m[:, None] * N + offs_n[None, :], (activated * up).to(dtype), mask=mn_mask)
             else:
                 tl.store(out + offs_m[:, None] * N + offs_n[None, :],
                          (acc * _activation_grad(z, ACTIVATION)).to(dtype), mask=mn_mask)
+                if STORE_ACT:
+                    tl.store(act + offs_m[:, None] * N + offs_n[None, :], _activation(z, ACTIVATION).to(dtype),
+                             mask=mn_mask)
         else:
             if HAS_BIAS:
                 bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))

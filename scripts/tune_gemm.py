@@ -576,6 +576,7 @@ def kernel_values(cfg, meta, bufs, num_progs, interpret):
                  GATED=meta.gated, ACTIVATION=meta.activation, BACKWARD=False, WAIT=False, INTERPRET=interpret)
         v[PRE_ARG] = bufs.h_out  # only written with STORE_PRE
         v[STORE_PRE_ARG] = False
+        v.update(act=bufs.h_out, STORE_ACT=False)  # a backward-only output
     elif cfg.kind == "gemm2":
         v.update(h=bufs.h_in, rows=bufs.h_in, lda=Fd, w2_table=t["w2"], w_table=t["w2"], w3_table=t["w2"],
                  b2_table=t["b2"], origin=bufs.origin, out=bufs.expert_out, chunk_counter_table=bufs.chunk_table,

@@ -86,9 +86,9 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     lo = (offsets.expert_start, offsets.tile_start)
     first_args = (layout, counters, error.data_ptr(), 10**9, 0, hidden, ffn)
     first_offsets = (num_experts, *lo, offsets.local_tiles, offsets.remote_tiles, offsets.totals + L.TOTAL_TILES)
-    gemm1_kernel[(3, )](recv, h, pre, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args,
+    gemm1_kernel[(3, )](recv, h, pre, h, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args,
                         *first_offsets, **common, HAS_BIAS=True, GATED=gated, ACTIVATION=ACTIVATION_CODES[activation],
-                        BACKWARD=False, STORE_PRE=True, WAIT=True, INTERPRET=True)
+                        BACKWARD=False, STORE_PRE=True, STORE_ACT=False, WAIT=True, INTERPRET=True)
     gemm2_kernel[(3, )](h, ffn, tables["w2"], tables["w2"], tables["b2"], origin, expert_out, chunk_table, layout, ffn,
                         hidden, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
                         CHUNK_TILES=chunk_tiles, HAS_BIAS=True, SECOND=False, W_NK=True)
@@ -111,17 +111,20 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
         for i in range(counts[0][e]):
             grad_recv[lay["dest_row"][e] + i] = grad_routes[lay["send_offset"][e] + i]
     grad_pre = torch.full((rows + tile_m, width), float("nan"))
-    gemm1_kernel[(3, )](grad_recv, grad_pre, pre, tables["w2"], tables["w3"], tables["b1"], tables["b3"], *first_args,
-                        *first_offsets, **common, HAS_BIAS=True, GATED=gated,
-                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, WAIT=True,
-                        INTERPRET=True)
+    h_again = torch.full_like(h, float("nan"))  # the activations, recomputed from pre for W2's gradient
+    gemm1_kernel[(3, )](grad_recv, grad_pre, pre, h_again, tables["w2"], tables["w3"], tables["b1"], tables["b3"],
+                        *first_args, *first_offsets, **common, HAS_BIAS=True, GATED=gated,
+                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, STORE_ACT=True,
+                        WAIT=True, INTERPRET=True)
+    # fp32 here, so pre holds GEMM1's products exactly and the recomputed rows are the forward's.
+    torch.testing.assert_close(h_again[:rows], h[:rows], rtol=1e-6, atol=1e-6)
     grad_rows = torch.full_like(expert_out, float("nan"))
     chunk_counters.zero_()
     gemm2_kernel[(3, )](grad_pre, width, tables["w1"], tables["w3"], tables["b2"], origin, grad_rows, chunk_table,
                         layout, ffn, hidden, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
                         CHUNK_TILES=chunk_tiles, HAS_BIAS=False, SECOND=gated, W_NK=False)
     grads = {}
-    for name, a, b, m, n in (("w2", grad_recv, h, hidden, ffn), ("w1", grad_pre, recv, width, hidden)):
+    for name, a, b, m, n in (("w2", grad_recv, h_again, hidden, ffn), ("w1", grad_pre, recv, width, hidden)):
         out = torch.full((num_experts, m, n), float("nan"))
         bias = torch.full((num_experts, m), float("nan"))
         wgrad_kernel[(3, )](a, a.shape[1], b, b.shape[1], out, bias, layout, offsets.expert_start, m, n, num_experts,
@@ -209,11 +212,12 @@ record = torch.zeros(L.ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
 programs = tiles * (ffn // tile_n)  # every program waits on its first tile, and all give up together
 try:
     with_descriptor_scratch(lambda: gemm1_kernel[(programs, )](
-        recv, h, h, tables["w1"], tables["w3"], tables["b1"], tables["b3"], layout, counters, record.data_ptr(),
+        recv, h, h, h, tables["w1"], tables["w3"], tables["b1"], tables["b3"], layout, counters, record.data_ptr(),
         timeout_ns, 3, hidden, ffn, num_experts, offsets.expert_start, offsets.tile_start, offsets.local_tiles,
         offsets.remote_tiles, offsets.totals + L.TOTAL_TILES, L_POW2=next_power_of_2(num_experts + 1), BM=tile_m,
         BN=tile_n, BK=64, GROUP_M=8, NUM_PROGS=programs, HAS_BIAS=True, GATED=False,
-        ACTIVATION=ACTIVATION_CODES["gelu"], BACKWARD=False, STORE_PRE=False, WAIT=True, INTERPRET=False,
+        ACTIVATION=ACTIVATION_CODES["gelu"], BACKWARD=False, STORE_PRE=False, STORE_ACT=False, WAIT=True,
+        INTERPRET=False,
         num_warps=4, num_stages=3))
     torch.cuda.synchronize()
     trapped = False
