@@ -265,10 +265,7 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
                            layout + off_total_tiles + ERROR_CLAIM_AFTER_TILES, rank, tile_index, 2, INTERPRET)
 
         offs_m = tile_row + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
         m_mask = offs_m < row_end
-        n_mask = offs_n < N
-        mn_mask = m_mask[:, None] & n_mask[None, :]
         # Forward reads W1 ([N, K]) as W1^T; backward reads W2 ([K, N]) as it is.
         w = _weight_tiles(w_table, expert, dtype, K, N, BK, BN, not BACKWARD)
         w3 = w
@@ -277,38 +274,70 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, pid_n * BN, K, BK, not BACKWARD,
                               two_products)
-        pre_ptrs = pre + offs_m[:, None] * pre_cols + offs_n[None, :]
-        out_ptrs = out + offs_m[:, None] * pre_cols + offs_n[None, :]
-        if BACKWARD:
-            z = tl.load(pre_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
+        # The epilogue runs on one column half of the tile at a time. A whole 128x256 tile's
+        # accumulator did not fit the registers together with its bias, its pre-activations or its
+        # activations: ptxas spilled 0.4-2.4 KB a thread, and with the recomputed activations that
+        # took the backward's GEMM1 about twice as long (docs/performance.md, fifteenth session).
+        bias1 = rows
+        bias3 = rows
+        if HAS_BIAS and not BACKWARD:
+            bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
             if GATED:
-                up = tl.load(pre_ptrs + N, mask=mn_mask, other=0.0).to(tl.float32)
-                activated = _activation(z, ACTIVATION)
-                tl.store(out_ptrs, (acc * up * _activation_grad(z, ACTIVATION)).to(dtype), mask=mn_mask)
-                tl.store(out_ptrs + N, (acc * activated).to(dtype), mask=mn_mask)
-                if STORE_ACT:
-                    tl.store(act + offs_m[:, None] * N + offs_n[None, :], (activated * up).to(dtype), mask=mn_mask)
-            else:
-                tl.store(out + offs_m[:, None] * N + offs_n[None, :],
-                         (acc * _activation_grad(z, ACTIVATION)).to(dtype), mask=mn_mask)
-                if STORE_ACT:
-                    tl.store(act + offs_m[:, None] * N + offs_n[None, :], _activation(z, ACTIVATION).to(dtype),
-                             mask=mn_mask)
+                bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
+        acc_left, acc_right = _column_halves(acc, BM, BN)
+        acc3_left, acc3_right = _column_halves(acc3, BM, BN)
+        half_n = pid_n * BN + tl.arange(0, BN // 2)
+        _gemm1_epilogue(acc_left, acc3_left, offs_m, m_mask, half_n, N, pre_cols, out, pre, act, bias1, bias3,
+                        GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
+        _gemm1_epilogue(acc_right, acc3_right, offs_m, m_mask, half_n + BN // 2, N, pre_cols, out, pre, act, bias1,
+                        bias3, GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
+
+
+@triton.jit
+def _column_halves(x, BM: tl.constexpr, BN: tl.constexpr):
+    """The [BM, BN/2] left and right halves of x. Each thread of an MMA accumulator holds columns
+    of both halves, so this moves no data between threads."""
+    return tl.split(tl.permute(tl.reshape(x, (BM, 2, BN // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _gemm1_epilogue(acc, acc3, offs_m, m_mask, offs_n, N, pre_cols, out, pre, act, bias1, bias3, GATED: tl.constexpr,
+                    ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
+                    STORE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """gemm1_kernel's outputs for the columns offs_n of its tile (acc3: the up products, gated forward)."""
+    dtype = out.dtype.element_ty
+    n_mask = offs_n < N
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    pre_ptrs = pre + offs_m[:, None] * pre_cols + offs_n[None, :]
+    out_ptrs = out + offs_m[:, None] * pre_cols + offs_n[None, :]
+    if BACKWARD:
+        z = tl.load(pre_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
+        if GATED:
+            up = tl.load(pre_ptrs + N, mask=mn_mask, other=0.0).to(tl.float32)
+            activated = _activation(z, ACTIVATION)
+            tl.store(out_ptrs, (acc * up * _activation_grad(z, ACTIVATION)).to(dtype), mask=mn_mask)
+            tl.store(out_ptrs + N, (acc * activated).to(dtype), mask=mn_mask)
+            if STORE_ACT:
+                tl.store(act + offs_m[:, None] * N + offs_n[None, :], (activated * up).to(dtype), mask=mn_mask)
         else:
-            if HAS_BIAS:
-                bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
-                acc += tl.load(bias1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-                if GATED:
-                    bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
-                    acc3 += tl.load(bias3 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if STORE_PRE:
-                tl.store(pre_ptrs, acc.to(dtype), mask=mn_mask)
-                if GATED:
-                    tl.store(pre_ptrs + N, acc3.to(dtype), mask=mn_mask)
-            result = _activation(acc, ACTIVATION)
+            tl.store(out + offs_m[:, None] * N + offs_n[None, :], (acc * _activation_grad(z, ACTIVATION)).to(dtype),
+                     mask=mn_mask)
+            if STORE_ACT:
+                tl.store(act + offs_m[:, None] * N + offs_n[None, :], _activation(z, ACTIVATION).to(dtype),
+                         mask=mn_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if GATED:
-                result = result * acc3
-            tl.store(out + offs_m[:, None] * N + offs_n[None, :], result.to(dtype), mask=mn_mask)
+                acc3 += tl.load(bias3 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if STORE_PRE:
+            tl.store(pre_ptrs, acc.to(dtype), mask=mn_mask)
+            if GATED:
+                tl.store(pre_ptrs + N, acc3.to(dtype), mask=mn_mask)
+        result = _activation(acc, ACTIVATION)
+        if GATED:
+            result = result * acc3
+        tl.store(out + offs_m[:, None] * N + offs_n[None, :], result.to(dtype), mask=mn_mask)
 
 
 @triton.jit
