@@ -31,7 +31,7 @@ class Driver:  # just enough of Triton's driver to compile for sm_90 without a G
     def get_current_target(self): return GPUTarget("cuda", 90, 32)
 
 triton.runtime.driver.set_active(Driver())
-from ds_comet.triton_gemm import gemm1_kernel, gemm2_kernel
+from ds_comet.triton_gemm import gemm1_kernel, gemm2_kernel, wgrad_kernel
 tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 nvdisasm = os.path.join(tools, "nvdisasm")
 if not os.path.exists(nvdisasm) or not os.path.exists(os.path.join(tools, "cuobjdump")):
@@ -67,6 +67,10 @@ for num_local, backward, gated in ((16, False, False), (16, True, False), (16, F
                             HAS_BIAS=not backward, SECOND=backward and gated, W_NK=not backward, grid=(1, ),
                             num_warps=8, num_stages=3)
     found[("gemm2", num_local, backward, gated)] = predicated(k, path)
+for has_bias in (True, False):
+    k = wgrad_kernel.warmup(bf, 4096, bf, 14336, bf, bf, i32, 0, 4096, 14336, 4, BM=128, BN=256, BK=64, GROUP_M=8,
+                            NUM_PROGS=132, HAS_BIAS=has_bias, grid=(1, ), num_warps=8, num_stages=3)
+    found[("wgrad", has_bias)] = predicated(k, path)
 bad = {key: ins for key, ins in found.items() if ins}
 print("checked", len(found), "kernels; predicated collectives or large stacks:", bad)
 sys.exit(1 if bad else 0)
@@ -82,4 +86,4 @@ def test_no_predicated_collective_and_little_spilling(tmp_path):
     if result.stdout.startswith("SKIP"):
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "checked 10 kernels" in result.stdout
+    assert "checked 12 kernels" in result.stdout
