@@ -71,10 +71,11 @@ def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool
     # GEMM1's programs still need (fused.py's progress argument).
     combine_blocks = min(combine_blocks, comm_blocks)
     # Measured on H200 (docs/performance.md, scripts/tune_gemm.py): both GEMMs are fastest with
-    # 256-column tiles (GEMM2 since it stores rows locally); a gated GEMM1 holds two accumulators,
-    # which do not fit in registers at 256.
-    gemm1_tile_n = config.tile_n or (128 if gated else 256)
+    # 256-column tiles (GEMM2 since it stores rows locally). A gated GEMM1 holds two accumulators:
+    # at 256 columns they fit neither the registers nor, with 128 rows and three stages, a Hopper
+    # SM's shared memory (240 KB of at most 227 KB), so its tile is at most 128 columns, pinned or not.
     tile_n = config.tile_n or 256
+    gemm1_tile_n = min(tile_n, 128) if gated else tile_n
     if config.n_chunks is not None:
         n_chunks = min(config.n_chunks, math.ceil(hidden / tile_n))
     else:

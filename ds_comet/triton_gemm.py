@@ -242,6 +242,7 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
     STORE_ACT also the forward's activations again, act(z) [* u], to ``act`` ([R, N]) for W2's
     gradient: recomputed from ``pre``, which the epilogue reads anyway, they need not be kept.
     """
+    tl.static_assert(BACKWARD or not STORE_ACT, "gemm1_kernel: STORE_ACT is an output of the backward")
     dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
     n_tiles = tl.cdiv(N, BN)
@@ -274,10 +275,10 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, pid_n * BN, K, BK, not BACKWARD,
                               two_products)
-        # The epilogue runs on one column half of the tile at a time. A whole 128x256 tile's
-        # accumulator did not fit the registers together with its bias, its pre-activations or its
-        # activations: ptxas spilled 0.4-2.4 KB a thread, and with the recomputed activations that
-        # took the backward's GEMM1 about twice as long (docs/performance.md, fifteenth session).
+        # The epilogue runs on one column half of the tile at a time. A whole tile's accumulator
+        # did not fit the registers together with its pre-activations and activations: ptxas
+        # spilled up to 2.4 KB a thread, and a layer's training step ran 20-45 % slower
+        # (docs/performance.md, fifteenth session).
         bias1 = rows
         bias3 = rows
         if HAS_BIAS and not BACKWARD:
@@ -296,7 +297,8 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
 @triton.jit
 def _column_halves(x, BM: tl.constexpr, BN: tl.constexpr):
     """The [BM, BN/2] left and right halves of x. Each thread of an MMA accumulator holds columns
-    of both halves, so this moves no data between threads."""
+    of both halves, so the split itself moves no data between threads (Triton may still change
+    each half's layout for its loads and stores)."""
     return tl.split(tl.permute(tl.reshape(x, (BM, 2, BN // 2)), (0, 2, 1)))
 
 

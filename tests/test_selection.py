@@ -112,7 +112,13 @@ def test_parameter_rule():
         assert blocks == sorted(blocks) and 8 <= blocks[0] and blocks[-1] <= 132 // 6, (shape, blocks)
     pinned = choose_parameters(CometMoEConfig(comm_blocks=20, n_chunks=64, tile_n=256), 512, 1024, True, 2, 2,
                                100, 2, 132)
-    assert pinned.comm_blocks == 20 and pinned.n_chunks == 2 and pinned.tile_n == pinned.gemm1_tile_n == 256
+    assert pinned.comm_blocks == 20 and pinned.n_chunks == 2 and pinned.tile_n == 256
+    # A gated GEMM1's two 256-column accumulators need more shared memory than an SM has.
+    assert pinned.gemm1_tile_n == 128
+    ungated = choose_parameters(CometMoEConfig(tile_n=256), 512, 1024, False, 2, 2, 100, 2, 132)
+    assert ungated.tile_n == ungated.gemm1_tile_n == 256
+    narrow = choose_parameters(CometMoEConfig(tile_n=64), 512, 1024, True, 2, 2, 100, 2, 132)
+    assert narrow.tile_n == narrow.gemm1_tile_n == 64
     ruled = choose_parameters(CometMoEConfig(), 4096, 14336, False, 2, 2, 8192, 2, 132)
     assert (ruled.gemm1_tile_n, ruled.tile_n) == (256, 256)
     # The combine's blocks: enough to keep pace with GEMM2 (more where GEMM2 is short against the
