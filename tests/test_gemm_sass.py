@@ -33,14 +33,13 @@ class Driver:  # just enough of Triton's driver to compile for sm_90 without a G
 triton.runtime.driver.set_active(Driver())
 from ds_comet.triton_gemm import gemm1_kernel, gemm2_kernel, wgrad_kernel
 tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-nvdisasm = os.path.join(tools, "nvdisasm")
-if not os.path.exists(nvdisasm) or not os.path.exists(os.path.join(tools, "cuobjdump")):
+nvdisasm, cuobjdump = os.path.join(tools, "nvdisasm"), os.path.join(tools, "cuobjdump")
+if not os.path.exists(nvdisasm) or not os.path.exists(cuobjdump):
     print("SKIP no nvdisasm or cuobjdump in", tools); sys.exit(0)
 bf, i64, i32 = (MockTensor(t) for t in (torch.bfloat16, torch.int64, torch.int32))
 COLLECTIVE = re.compile(r"@!?U?P\d+ (REDUX|SHFL|VOTE|MATCH)")
 
 STACK_LIMIT = 256  # bytes a thread; the split epilogue's backward with the activations stored needs 192 here
-cuobjdump = os.path.join(tools, "cuobjdump")
 
 def predicated(kernel, path):
     with open(path, "wb") as handle:

@@ -41,7 +41,8 @@ from ds_comet.routing import plan_routes
 from ds_comet.fused import expert_parameters
 from ds_comet.triton_gemm import ACTIVATION_CODES, gemm1_kernel, gemm2_kernel, route_dot_kernel, wgrad_kernel
 
-def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_tiles, gated, activation, seed, with_bias=True):
+def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_tiles, gated, activation, seed,
+          with_bias=True):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randn(num_tokens, hidden, generator=g)
     scores = torch.rand(num_tokens, num_experts, generator=g)
@@ -87,8 +88,8 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     first_args = (layout, counters, error.data_ptr(), 10**9, 0, hidden, ffn)
     first_offsets = (num_experts, *lo, offsets.local_tiles, offsets.remote_tiles, offsets.totals + L.TOTAL_TILES)
     gemm1_kernel[(3, )](recv, h, pre, h, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args,
-                        *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated, ACTIVATION=ACTIVATION_CODES[activation],
-                        BACKWARD=False, STORE_PRE=True, STORE_ACT=False, WAIT=True, INTERPRET=True)
+                        *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated,
+                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=False, STORE_PRE=True, STORE_ACT=False, WAIT=True, INTERPRET=True)
     gemm2_kernel[(3, )](h, ffn, tables["w2"], tables["w2"], tables["b2"], origin, expert_out, chunk_table, layout, ffn,
                         hidden, num_experts, *lo, offsets.totals + L.TOTAL_TILES, EP_SIZE=1, **common,
                         CHUNK_TILES=chunk_tiles, HAS_BIAS=with_bias, SECOND=False, W_NK=True)
