@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 scripts/sweep_fused.py --shape NAME [--custom H,F,E,K,T ...]
         --comm-blocks 8,12,16,22 [--combine-blocks auto,22] [--n-chunks 4,8] [--gate-ops kernels,torch,graph]
-        [--host-profile] [--host-split] [--out DIR]
+        [--dtype bf16,fp16] [--host-profile] [--host-split] [--out DIR]
 
 The benchmark times one setting per run, next to stock DeepSpeed and the bounds; this times only
 the fused layer, once per setting (every combination of the lists; "auto" is the selection rule),
@@ -56,6 +56,8 @@ def parse_args():
     parser.add_argument("--combine-blocks", type=settings, default=[None])
     parser.add_argument("--n-chunks", type=settings, default=[None])
     parser.add_argument("--gate-ops", type=lambda text: text.split(","), default=["kernels"])
+    parser.add_argument("--dtype", type=lambda text: text.split(","), default=["bf16"],
+                        help="the layer's and the tokens' dtypes, each timed in turn: bf16 and/or fp16")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--host-profile", action="store_true")
@@ -65,7 +67,10 @@ def parse_args():
     return parser.parse_args()
 
 
-def fused_layer(hidden, ffn, experts, k, overrides, device):
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fused_layer(hidden, ffn, experts, k, overrides, device, dtype):
     torch.manual_seed(0)
     ep_size = dist.get_world_size()
     section = {"backend": "comet", "overlap": "fused", **overrides}
@@ -76,7 +81,7 @@ def fused_layer(hidden, ffn, experts, k, overrides, device):
     rank = dist.get_rank()
     for i, expert in enumerate(local):  # the benchmark's weights
         reset_expert_(expert, 1000 + rank * len(local) + i)
-    return layer.to(device=device, dtype=torch.bfloat16)
+    return layer.to(device=device, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -212,8 +217,13 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device())
     results = {}
-    for name, (hidden, ffn, experts, k, tokens) in selected_shapes(args.shape, args.custom).items():
-        x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16)
+    unknown = sorted(set(args.dtype) - set(DTYPES))
+    if unknown:
+        raise SystemExit(f"--dtype takes bf16 and/or fp16, got {','.join(unknown)}")
+    for (name, (hidden, ffn, experts, k, tokens)), dtype_name in itertools.product(
+            selected_shapes(args.shape, args.custom).items(), args.dtype):
+        dtype = DTYPES[dtype_name]
+        x = torch.randn(1, tokens, hidden, device=device).to(dtype)
         xg = x.detach().clone().requires_grad_()
         dy = torch.randn_like(x)
         for comm_blocks, combine_blocks, n_chunks, gate in itertools.product(args.comm_blocks, args.combine_blocks,
@@ -221,7 +231,7 @@ def main():
             overrides = {key: v for key, v in (("comm_blocks", comm_blocks), ("combine_blocks", combine_blocks),
                                                ("n_chunks", n_chunks)) if v is not None}
             graphed = {"cuda_graph_gate": True} if gate == "graph" else {}
-            layer = fused_layer(hidden, ffn, experts, k, {**overrides, **graphed}, device)
+            layer = fused_layer(hidden, ffn, experts, k, {**overrides, **graphed}, device, dtype)
             with gate_ops(gate):
                 with torch.no_grad():
                     layer.eval()
@@ -239,7 +249,7 @@ def main():
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             params = layer.deepspeed_moe.selector._params
             key = (f"{name} comm_blocks={params.comm_blocks} combine_blocks={params.combine_blocks} "
-                   f"n_chunks={params.n_chunks} gate={gate}")
+                   f"n_chunks={params.n_chunks} gate={gate}" + ("" if dtype_name == "bf16" else f" {dtype_name}"))
             t = times.tolist()
             results[key] = {"forward": t[0], "fwd_bwd": t[1], "forward_queued": t[2], "fwd_bwd_queued": t[3],
                             "forward_host": t[4], "fwd_bwd_host": t[5], "forward_device": t[6],

@@ -1,7 +1,7 @@
 """The fused pipeline on GPUs (one NCCL rank per visible GPU, at most DS_COMET_TEST_WORLD_SIZE): skipped without CUDA.
 
 Every case builds stock DeepSpeed MoE, the comet layer on the reference pipeline and the comet
-layer on the fused pipeline with the same weights, feeds fresh random bf16 tokens and checks the
+layer on the fused pipeline with the same weights, feeds fresh random bf16 (or fp16) tokens and checks the
 fused output against a float64 evaluation of the gate's routes and against both other layers.
 The workspace is poisoned with NaN before each fused call and the output buffer too, so a row
 nobody wrote cannot pass.
@@ -23,14 +23,15 @@ from ds_comet.routing import plan_routes
 from layout_reference import reference_layout
 from moe_helpers import make_expert, reset_experts_
 
-BF16_REL = 1e-2  # bf16 operands and outputs against float64
+BF16_REL = 1e-2  # bf16 operands and outputs against float64 (fp16 cases are held to the same bound)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _layers(seed, hidden, ffn, expert_kind, timeout_s=20.0, moe=None, **moe_kwargs):
+def _layers(seed, hidden, ffn, expert_kind, timeout_s=20.0, moe=None, dtype=torch.bfloat16, **moe_kwargs):
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(seed)
     template = make_expert(expert_kind, hidden, ffn)
@@ -45,7 +46,7 @@ def _layers(seed, hidden, ffn, expert_kind, timeout_s=20.0, moe=None, **moe_kwar
         layer.load_state_dict(stock.state_dict())
         layers[name] = layer
     for layer in layers.values():
-        layer.to(device=device, dtype=torch.bfloat16).eval()
+        layer.to(device=device, dtype=dtype).eval()
     return layers
 
 
@@ -58,7 +59,7 @@ def _float64_output(layer, tokens, seed, expert_kind, hidden, ffn):
     for global_id in range(num_experts):
         expert = make_expert(expert_kind, hidden, ffn)
         reset_expert_(expert, seed * 1000 + global_id)
-        expert = expert.to(tokens.device).to(torch.bfloat16).double()  # the bf16 weights, evaluated exactly
+        expert = expert.to(tokens.device).to(tokens.dtype).double()  # the layer's weights, evaluated exactly
         for j in range(indices.shape[0]):
             rows = (indices[j] == global_id).nonzero().flatten()
             if rows.numel():
@@ -73,12 +74,13 @@ def _poison(layer):
 
 
 def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,
-               capacity_factor=1.0, min_capacity=4, skew=0.0, calls=2, moe=None):
+               capacity_factor=1.0, min_capacity=4, skew=0.0, calls=2, moe=None, dtype="bf16"):
     rank, ep_size = dist.get_rank(), dist.get_world_size()
     num_experts = experts_per_rank * ep_size
-    layers = _layers(seed, hidden, ffn, expert_kind, moe=moe, num_experts=num_experts, ep_size=ep_size, k=k,
-                     drop_tokens=drop_tokens, capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
-                     min_capacity=min_capacity)
+    dtype = DTYPES[dtype]
+    layers = _layers(seed, hidden, ffn, expert_kind, moe=moe, dtype=dtype, num_experts=num_experts, ep_size=ep_size,
+                     k=k, drop_tokens=drop_tokens, capacity_factor=capacity_factor,
+                     eval_capacity_factor=capacity_factor, min_capacity=min_capacity)
     device = torch.device("cuda", torch.cuda.current_device())
     stats = []
     for call in range(calls):
@@ -86,7 +88,7 @@ def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_k
         tokens = torch.randn(tokens_per_rank[rank % len(tokens_per_rank)], hidden, generator=generator, device=device)
         if skew:
             tokens += skew * layers["stock"].deepspeed_moe.gate.wg.weight[0].float()
-        tokens = tokens.to(torch.bfloat16)
+        tokens = tokens.to(dtype)
         with torch.no_grad():
             if call > 0:
                 _poison(layers["fused"])
@@ -179,10 +181,16 @@ FORWARD_CASES = [
     dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(512, 512), moe=dict(cuda_graph_gate=True)),
     dict(hidden=448, ffn=512, experts_per_rank=3, k=3, tokens_per_rank=(211, 300), skew=4.0,
          moe=dict(cuda_graph_gate=True)),
+    # fp16 takes the same kernels with the other element type: a kernel reading fp16 as bf16 is far off.
+    dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(640, 384), skew=4.0, min_capacity=0,
+         dtype="fp16"),
+    dict(hidden=1408, ffn=704, experts_per_rank=4, k=4, tokens_per_rank=(333, 1000), expert_kind="swiglu",
+         dtype="fp16"),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
                "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units",
-               "extreme-sm-splits", "graphed-gate", "graphed-gate-k3-skewed"]
+               "extreme-sm-splits", "graphed-gate", "graphed-gate-k3-skewed", "fp16-skewed-drops",
+               "fp16-swiglu-odd-sizes"]
 
 
 def _experts_or_skip(gpu_pool, case) -> int:
@@ -207,17 +215,17 @@ def test_fused_forward(gpu_pool, case):
 BF16_GRAD_REL = 2e-2  # gradients sum many bf16 products: a little looser than outputs
 
 
-def _exact_copy(stock, hidden, template, device, **moe_kwargs):
-    """The comet reference pipeline in float64 with the bf16 model's weights: the ground truth."""
+def _exact_copy(stock, hidden, template, device, dtype, **moe_kwargs):
+    """The comet reference pipeline in float64 with the bf16 (or fp16) model's weights: the ground truth."""
     layer = ds_comet.MoE(hidden, template, config={"moe": {"backend": "comet", "overlap": "none"}}, **moe_kwargs)
     layer.set_deepspeed_parallelism()
     layer.load_state_dict(stock.state_dict())
-    return layer.to(device=device, dtype=torch.bfloat16).to(torch.float64)
+    return layer.to(device=device, dtype=dtype).to(torch.float64)
 
 
 def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,
                   capacity_factor=1.0, min_capacity=4, skew=0.0, micro_batches=2, frozen_experts=False,
-                  input_grad=True, moe=None):
+                  input_grad=True, moe=None, dtype="bf16"):
     """Training steps (train-mode gate, gradients accumulated over micro-batches) on every pipeline.
 
     Every gradient (input, gate weight, each expert weight and bias) of the fused pipeline is
@@ -229,10 +237,11 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
     moe_kwargs = dict(num_experts=experts_per_rank * ep_size, ep_size=ep_size, k=k, drop_tokens=drop_tokens,
                       capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
                       min_capacity=min_capacity)
-    layers = _layers(seed, hidden, ffn, expert_kind, moe=moe, **moe_kwargs)
+    dtype = DTYPES[dtype]
+    layers = _layers(seed, hidden, ffn, expert_kind, moe=moe, dtype=dtype, **moe_kwargs)
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(seed)
-    layers["exact"] = _exact_copy(layers["stock"], hidden, make_expert(expert_kind, hidden, ffn), device,
+    layers["exact"] = _exact_copy(layers["stock"], hidden, make_expert(expert_kind, hidden, ffn), device, dtype,
                                   **moe_kwargs)
     stock_runs = not drop_tokens or len(set(tokens_per_rank)) == 1
     if not stock_runs:
@@ -248,14 +257,14 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
         tokens = torch.randn(tokens_per_rank[rank % len(tokens_per_rank)], hidden, generator=generator, device=device)
         if skew:
             tokens += skew * layers["reference"].deepspeed_moe.gate.wg.weight[0].detach().float()
-        tokens = tokens.to(torch.bfloat16)
-        grad_out = torch.randn(1, *tokens.shape, generator=generator, device=device).to(torch.bfloat16)
+        tokens = tokens.to(dtype)
+        grad_out = torch.randn(1, *tokens.shape, generator=generator, device=device).to(dtype)
         for name, layer in layers.items():
-            dtype = torch.float64 if name == "exact" else torch.bfloat16
-            inputs = tokens.to(dtype).unsqueeze(0).requires_grad_(input_grad)
+            layer_dtype = torch.float64 if name == "exact" else dtype
+            inputs = tokens.to(layer_dtype).unsqueeze(0).requires_grad_(input_grad)
             torch.manual_seed(seed * 7 + step)  # the gate's top-2 sampling
             out, l_aux, _ = layer(inputs)
-            torch.autograd.backward([out, l_aux], [grad_out.to(dtype), torch.tensor(0.01, device=device)])
+            torch.autograd.backward([out, l_aux], [grad_out.to(layer_dtype), torch.tensor(0.01, device=device)])
             if input_grad:
                 assert torch.isfinite(inputs.grad).all(), f"{name}: input gradient is not finite"
                 input_grads[name].append(inputs.grad[0])
@@ -300,22 +309,23 @@ def test_fused_backward_partial_gradients(gpu_pool, frozen_experts, input_grad):
     assert max(worst) < BF16_GRAD_REL
 
 
-def autocast_case(seed, k, moe=None):
-    """Training forward and backward under bf16 autocast, which makes the gate's logits and the
-    top-2 gate's weights bf16: the fused layer against stock's, both under autocast."""
+def autocast_case(seed, k, moe=None, dtype="bf16"):
+    """Training forward and backward under bf16 (or fp16) autocast, which makes the gate's logits and
+    the top-2 gate's weights half precision: the fused layer against stock's, both under autocast."""
     rank, ep_size = dist.get_rank(), dist.get_world_size()
-    layers = _layers(seed, 512, 1024, "gelu", moe=moe, num_experts=4 * ep_size, ep_size=ep_size, k=k)
+    dtype = DTYPES[dtype]
+    layers = _layers(seed, 512, 1024, "gelu", moe=moe, dtype=dtype, num_experts=4 * ep_size, ep_size=ep_size, k=k)
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator(device=device).manual_seed(seed * 10 + rank)
-    tokens = torch.randn(384, 512, generator=generator, device=device).to(torch.bfloat16)
-    grad_out = torch.randn(384, 512, generator=generator, device=device).to(torch.bfloat16)
+    tokens = torch.randn(384, 512, generator=generator, device=device).to(dtype)
+    grad_out = torch.randn(384, 512, generator=generator, device=device).to(dtype)
     results = {}
     for name in ("stock", "fused"):
         layer = layers[name].train()
         for call in range(2):  # with the graphed gate, the second call replays (or runs eagerly under autocast)
             x = tokens.clone().requires_grad_()
             torch.manual_seed(seed + call)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=dtype):
                 out, l_aux, counts = layer(x.unsqueeze(0))
             torch.autograd.backward([out[0], l_aux], [grad_out, torch.ones_like(l_aux)])
         results[name] = (out[0].detach(), l_aux.detach(), counts, x.grad)
@@ -326,10 +336,12 @@ def autocast_case(seed, k, moe=None):
                                                                                           _rel(grad, want_grad))
 
 
-@pytest.mark.parametrize("k,moe", [(1, None), (2, None), (4, None), (2, dict(cuda_graph_gate=True))],
-                         ids=["k1", "k2", "k4", "k2-graphed-gate"])
-def test_fused_under_autocast_matches_stock(gpu_pool, k, moe):
-    gpu_pool.run(autocast_case, seed=_seed(), k=k, moe=moe)
+@pytest.mark.parametrize("k,moe,dtype", [(1, None, "bf16"), (2, None, "bf16"), (4, None, "bf16"),
+                                         (2, dict(cuda_graph_gate=True), "bf16"), (2, None, "fp16"),
+                                         (4, None, "fp16")],
+                         ids=["k1", "k2", "k4", "k2-graphed-gate", "k2-fp16", "k4-fp16"])
+def test_fused_under_autocast_matches_stock(gpu_pool, k, moe, dtype):
+    gpu_pool.run(autocast_case, seed=_seed(), k=k, moe=moe, dtype=dtype)
 
 
 def checkpoint_case(seed, use_reentrant, moe=None):
@@ -400,14 +412,20 @@ class _ZeroNet(torch.nn.Module):
         return self.out(hidden), l_aux
 
 
-def zero2_case(seed, hidden=256, ffn=512, steps=2):
-    """One ZeRO-2 bf16 job per backend (SGD, two micro-batches per step) from the same weights and data."""
+def zero2_case(seed, hidden=256, ffn=512, steps=2, precision="bf16"):
+    """One ZeRO-2 job per backend (SGD, two micro-batches per step) from the same weights and data.
+
+    fp16 runs DeepSpeed's loss scaler: both backends' gradients pass its overflow check and unscaling.
+    """
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     device = torch.device("cuda", torch.cuda.current_device())
     results = {}
     for backend in ("deepspeed", "comet"):
-        ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-                     "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+        # A small initial loss scale: an overflow skips a step, and both backends should take the same steps.
+        mixed = {"bf16": {"enabled": True}} if precision == "bf16" else {
+            "fp16": {"enabled": True, "initial_scale_power": 8}}
+        ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, **mixed,
+                     "zero_optimization": {"stage": 2},
                      "zero_allow_untested_optimizer": True, "steps_per_print": 10**6,
                      "moe": {"backend": backend, "overlap": "fused"} if backend == "comet" else {"backend": backend}}
         model = _ZeroNet(ds_config, hidden, ffn, seed)
@@ -418,8 +436,8 @@ def zero2_case(seed, hidden=256, ffn=512, steps=2):
         losses = []
         for step in range(steps * 2):
             generator = torch.Generator(device=device).manual_seed(seed + 1000 * step + dist.get_rank())
-            x = torch.randn(4, 64, hidden, generator=generator, device=device).to(torch.bfloat16)
-            target = torch.randn(4, 64, hidden, generator=generator, device=device).to(torch.bfloat16)
+            x = torch.randn(4, 64, hidden, generator=generator, device=device).to(DTYPES[precision])
+            target = torch.randn(4, 64, hidden, generator=generator, device=device).to(DTYPES[precision])
             torch.manual_seed(step)  # the gate's top-2 sampling
             output, l_aux = engine(x)
             loss = ((output.float() - target.float())**2).mean() + 0.01 * l_aux
@@ -428,8 +446,12 @@ def zero2_case(seed, hidden=256, ffn=512, steps=2):
             losses.append(loss.item())
         if backend == "comet":
             assert engine.module.moe.deepspeed_moe.selector._buffer is not None, "the fused pipeline did not run"
-        results[backend] = (losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()})
-    (stock_losses, stock_state), (comet_losses, comet_state) = results["deepspeed"], results["comet"]
+            assert engine.skipped_steps < steps, "the loss scaler skipped every step: nothing was compared"
+        results[backend] = (losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()},
+                            engine.skipped_steps)
+    (stock_losses, stock_state, stock_skipped), (comet_losses, comet_state, comet_skipped) = (results["deepspeed"],
+                                                                                          results["comet"])
+    assert stock_skipped == comet_skipped, (stock_skipped, comet_skipped)
     assert stock_state.keys() == comet_state.keys()
     for a, b in zip(stock_losses, comet_losses):
         assert abs(a - b) <= 2e-2 * abs(a), (stock_losses, comet_losses)
@@ -470,8 +492,9 @@ def test_plan_kernel_matches_plan_routes(gpu_pool):
     gpu_pool.run(plan_case, seed=_seed())
 
 
-def test_zero2_training_step_matches_stock(gpu_pool):
-    gpu_pool.run(zero2_case, seed=_seed())
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zero2_training_step_matches_stock(gpu_pool, precision):
+    gpu_pool.run(zero2_case, seed=_seed(), precision=precision)
 
 
 def graph_case(seed):
