@@ -412,18 +412,19 @@ class _ZeroNet(torch.nn.Module):
         return self.out(hidden), l_aux
 
 
-def zero2_case(seed, hidden=256, ffn=512, steps=2, precision="bf16"):
+def zero2_case(seed, hidden=256, ffn=512, steps=2, precision="bf16", scale_power=8):
     """One ZeRO-2 job per backend (SGD, two micro-batches per step) from the same weights and data.
 
     fp16 runs DeepSpeed's loss scaler: both backends' gradients pass its overflow check and unscaling.
+    With a loss scale of 2**32 every output gradient overflows fp16: the fused backward must take
+    the infinities without failing or hanging, and both backends skip every step.
     """
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     device = torch.device("cuda", torch.cuda.current_device())
     results = {}
     for backend in ("deepspeed", "comet"):
-        # A small initial loss scale: an overflow skips a step, and both backends should take the same steps.
         mixed = {"bf16": {"enabled": True}} if precision == "bf16" else {
-            "fp16": {"enabled": True, "initial_scale_power": 8}}
+            "fp16": {"enabled": True, "initial_scale_power": scale_power, "hysteresis": 1}}
         ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, **mixed,
                      "zero_optimization": {"stage": 2},
                      "zero_allow_untested_optimizer": True, "steps_per_print": 10**6,
@@ -446,12 +447,15 @@ def zero2_case(seed, hidden=256, ffn=512, steps=2, precision="bf16"):
             losses.append(loss.item())
         if backend == "comet":
             assert engine.module.moe.deepspeed_moe.selector._buffer is not None, "the fused pipeline did not run"
-            assert engine.skipped_steps < steps, "the loss scaler skipped every step: nothing was compared"
+            if scale_power < 32:
+                assert engine.skipped_steps < steps, "the loss scaler skipped every step: nothing was compared"
         results[backend] = (losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()},
                             engine.skipped_steps)
     (stock_losses, stock_state, stock_skipped), (comet_losses, comet_state, comet_skipped) = (results["deepspeed"],
                                                                                           results["comet"])
     assert stock_skipped == comet_skipped, (stock_skipped, comet_skipped)
+    if scale_power >= 32:
+        assert comet_skipped == steps, f"only {comet_skipped} of {steps} overflowing steps were skipped"
     assert stock_state.keys() == comet_state.keys()
     for a, b in zip(stock_losses, comet_losses):
         assert abs(a - b) <= 2e-2 * abs(a), (stock_losses, comet_losses)
@@ -492,9 +496,10 @@ def test_plan_kernel_matches_plan_routes(gpu_pool):
     gpu_pool.run(plan_case, seed=_seed())
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_zero2_training_step_matches_stock(gpu_pool, precision):
-    gpu_pool.run(zero2_case, seed=_seed(), precision=precision)
+@pytest.mark.parametrize("precision,scale_power", [("bf16", 8), ("fp16", 8), ("fp16", 32)],
+                         ids=["bf16", "fp16", "fp16-overflow"])
+def test_zero2_training_step_matches_stock(gpu_pool, precision, scale_power):
+    gpu_pool.run(zero2_case, seed=_seed(), precision=precision, scale_power=scale_power)
 
 
 def graph_case(seed):
