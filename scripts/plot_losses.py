@@ -3,6 +3,7 @@
 
     python3 scripts/plot_losses.py plot --out loss_curves.png stock=stock.jsonl comet=comet.jsonl
     python3 scripts/plot_losses.py resume-check --full full.jsonl --resumed resumed.jsonl --from-step 30
+    python3 scripts/plot_losses.py rounds stock/1=s1.jsonl comet/1=c1.jsonl stock/2=s2.jsonl comet/2=c2.jsonl
 
 ``plot`` draws each run's per-step training loss (top) and each run's difference from the first run
 (bottom) into one PNG, prints a table (steady-state tokens/s, ratio to the first run, ms/step, peak
@@ -15,6 +16,12 @@ file is missing or holds no losses.
 ``resume-check`` compares a resumed run with the uninterrupted one: the resumed run must start at
 --from-step, log every later step, use the same learning rate at each step (exactly) and reach the
 same losses (within --first-tol on its first step, --tol on all). Exit status 0 when they agree.
+
+``rounds`` summarises interleaved runs, labelled ARM/ROUND. On the GPU machine a job's throughput
+drifts by a few % from one run to the next, so an A/B is trusted only when its arms alternate.
+Each arm's tokens/s is divided by the first arm's in the same round. It prints, per arm, those
+ratios, their geometric mean and range, and the largest peak memory against the first arm's.
+Exit status 2 when a metrics file is missing or a round lacks the first arm.
 """
 
 import argparse
@@ -278,6 +285,87 @@ def cmd_resume_check(args):
     return 1 if problems else 0
 
 
+# --------------------------------------------------------------------------------------------
+# rounds: interleaved A/B runs
+# --------------------------------------------------------------------------------------------
+
+
+def parse_round_run(text):
+    label, path = parse_run(text)
+    arm, sep, number = label.rpartition("/")
+    if not sep or not arm or not number:
+        raise argparse.ArgumentTypeError(f"expected ARM/ROUND=PATH, got {text!r}")
+    return arm, number, path
+
+
+def summarize_rounds(entries):
+    """Per arm: each round's tokens/s and its ratio to the first arm's in that round, and peak memory."""
+    arms, runs, problems = [], {}, []
+    for arm, number, path in entries:
+        if arm not in arms:
+            arms.append(arm)
+        run = runs[arm, number] = Run(f"{arm}/{number}", path)
+        if run.error or not run.train_end.get("steady_tokens_per_s"):
+            problems.append(f"{run.label}: {path}: {run.error or 'no steady tokens/s'}")
+    base = arms[0]
+    rounds = sorted({number for _, number in runs}, key=lambda n: (len(n), n))
+    summary = dict(base=base, rounds=rounds, arms=[])
+    for number in rounds:
+        if (base, number) not in runs:
+            problems.append(f"round {number} has no {base} run to compare with")
+    for arm in arms:
+        row = dict(arm=arm, tokens_per_s={}, ratio={}, peak_mem_mib=None)
+        for number in rounds:
+            run, ref = runs.get((arm, number)), runs.get((base, number))
+            tokens = run.train_end.get("steady_tokens_per_s") if run else None
+            ref_tokens = ref.train_end.get("steady_tokens_per_s") if ref else None
+            row["tokens_per_s"][number] = tokens
+            if tokens and ref_tokens:
+                row["ratio"][number] = tokens / ref_tokens
+            if run and run.train_end.get("peak_mem_mib") is not None:
+                row["peak_mem_mib"] = max(row["peak_mem_mib"] or 0.0, run.train_end["peak_mem_mib"])
+        ratios = list(row["ratio"].values())
+        row["ratio_geomean"] = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+        row["ratio_min"], row["ratio_max"] = (min(ratios), max(ratios)) if ratios else (None, None)
+        summary["arms"].append(row)
+    base_mem = summary["arms"][0]["peak_mem_mib"]
+    for row in summary["arms"]:
+        row["peak_mem_vs_base_mib"] = (row["peak_mem_mib"] - base_mem if row["peak_mem_mib"] is not None
+                                       and base_mem is not None else None)
+    return summary, problems
+
+
+def rounds_table(summary):
+    head = ["arm"] + [f"round {n} tokens/s" for n in summary["rounds"]] + [
+        f"vs {summary['base']} (geomean, range)", "peak MiB", f"peak vs {summary['base']}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in summary["arms"]:
+        spread = (f"{row['ratio_geomean']:.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})"
+                  if row["ratio_geomean"] is not None else "-")
+        cells = [row["arm"]] + [fmt(row["tokens_per_s"][n], ",.0f") for n in summary["rounds"]] + [
+            spread, fmt(row["peak_mem_mib"], ",.0f"), fmt(row["peak_mem_vs_base_mib"], "+,.0f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("\nratios: each round's tokens/s over the same round's " + summary["base"] + " run; peak MiB: "
+                 "the largest over the arm's rounds and ranks")
+    return "\n".join(lines)
+
+
+def cmd_rounds(args):
+    summary, problems = summarize_rounds(args.runs)
+    text = rounds_table(summary)
+    print(text)
+    for message in problems:
+        print("ROUNDS: " + message, file=sys.stderr)
+    summary["problems"] = problems
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(summary, handle, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(f"# {args.title}\n\n{text}\n" + "".join(f"\nROUNDS: {m}\n" for m in problems))
+    return 2 if problems else 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -301,6 +389,13 @@ def main(argv=None):
     check.add_argument("--first-tol", type=float, default=5e-3, help="largest |loss diff| at the first resumed step")
     check.add_argument("--tol", type=float, default=2e-2, help="largest |loss diff| at any resumed step")
     check.set_defaults(func=cmd_resume_check)
+    rounds = commands.add_parser("rounds", help="interleaved A/B runs: tokens/s ratios per round, peak memory")
+    rounds.add_argument("runs", nargs="+", type=parse_round_run, metavar="ARM/ROUND=METRICS.jsonl",
+                        help="the runs; the first arm named is the baseline of every round's ratios")
+    rounds.add_argument("--json", help="write the summary as JSON here")
+    rounds.add_argument("--markdown", help="write the table as Markdown here")
+    rounds.add_argument("--title", default="examples/train_moe.py: interleaved runs")
+    rounds.set_defaults(func=cmd_rounds)
     args = parser.parse_args(argv)
     return args.func(args)
 

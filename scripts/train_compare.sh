@@ -6,6 +6,11 @@
 #   (b) comet, ZeRO-1: 60 steps saving a checkpoint at step 30, then a run resumed from it, whose
 #       steps 31-60 must reproduce the uninterrupted run's (losses and learning rates)
 #   (c) comet, ZeRO-2, 30 steps under a bare mpirun; its losses must follow (a)'s comet run
+#   (e) only when PARTS has e: AB_ROUNDS (default 2) interleaved rounds of the arms in AB_ARMS
+#       (default "stock comet graph"; graph = comet with "cuda_graph_gate": true), STEPS steps each
+#       without evaluation -> $OUT/rounds.{md,json}: each round's tokens/s over that round's stock
+#       run, and peak memory. A job's throughput drifts a few % from run to run, which (a)'s single
+#       pair cannot tell from a difference.
 #
 # Usage (repository root): bash scripts/train_compare.sh
 # Everything lands in $OUT (default /tmp/train_compare_out): per sub-run NAME.cmd, NAME.log and
@@ -17,7 +22,7 @@
 # TRAIN_COMPARE_CPU=1 runs the same sequence on CPU (gloo, the example's small default model,
 # a few steps) to exercise the script, the checks and the plot on a machine without GPUs.
 # PRESET picks the example's GPU preset (gpu, the default, or gpu-fine); PARTS (default abc) which
-# of (a), (b), (c) run ((a) always does); GRAD_ACCUM overrides the configs' gradient accumulation. Other knobs: STEPS, RESUME_STEPS, RESUME_AT, MPI_STEPS,
+# of (a), (b), (c), (e) run ((a) always does); GRAD_ACCUM overrides the configs' gradient accumulation. Other knobs: STEPS, RESUME_STEPS, RESUME_AT, MPI_STEPS,
 # BUDGET_S, CKPT_DIR, LOSS_MAX_DIFF_TOL, LOSS_TAIL_DIFF_TOL, RESUME_FIRST_TOL, RESUME_TOL, MPI_DIFF_TOL.
 # MPI_DIFF_TOL is 0.1: two launches of the same comet run on 2 x H200 differed by up to 0.06 (step 19), as
 # much as stock and comet differ (attention's backward and NCCL reductions are not bit-reproducible).
@@ -143,6 +148,13 @@ json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$src" "$dst"
     done
 }
 
+PARTS=${PARTS:-abc}
+AB_ROUNDS=${AB_ROUNDS:-2} AB_ARMS=${AB_ARMS:-stock comet graph}
+[[ $AB_ROUNDS =~ ^[1-9][0-9]*$ ]] || { echo "AB_ROUNDS must be a positive integer, got '$AB_ROUNDS'" >&2; exit 2; }
+for arm in $AB_ARMS; do
+    [[ $arm =~ ^(stock|comet|graph)$ ]] || { echo "AB_ARMS takes stock, comet and graph, got '$arm'" >&2; exit 2; }
+done
+
 COMET_ZERO2=$CONFIGS/gpu_zero2_comet.json COMET_ZERO1=$CONFIGS/gpu_zero1_comet.json
 STOCK_ZERO2=$CONFIGS/gpu_zero2_deepspeed.json
 if [ -n "${GRAD_ACCUM:-}" ]; then
@@ -166,8 +178,6 @@ else
         override "c['moe']['overlap'] = 'none'" COMET_ZERO2 COMET_ZERO1
     fi
 fi
-
-PARTS=${PARTS:-abc}
 
 # --- (a) stock vs comet, ZeRO-2, same seed and data.
 train a_stock_zero2 29571 "$STOCK_ZERO2" 200 --steps "$STEPS" --eval-batches "$EVAL_BATCHES" || true
@@ -223,6 +233,35 @@ elif command -v mpirun > /dev/null; then
     fi
 else
     FAILURES+=("c_mpirun_zero2: mpirun is not on PATH")
+fi
+
+# --- (e) interleaved rounds: tokens/s ratios that the host's drift between runs does not decide.
+if [[ $PARTS == *e* ]]; then
+    COMET_GRAPH=$OUT/configs/graph_gate_$(basename "$COMET_ZERO2")
+    mkdir -p "$OUT/configs"
+    python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['moe']['cuda_graph_gate'] = True
+json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$COMET_ZERO2" "$COMET_GRAPH"
+    ROUND_RUNS=()
+    port=29580
+    for round in $(seq 1 "$AB_ROUNDS"); do
+        for arm in $AB_ARMS; do
+            case $arm in
+                stock) arm_config=$STOCK_ZERO2 ;;
+                comet) arm_config=$COMET_ZERO2 ;;
+                graph) arm_config=$COMET_GRAPH ;;
+            esac
+            port=$((port + 1))
+            train "e_${arm}_r$round" "$port" "$arm_config" 200 --steps "$STEPS" --eval-batches 0 || true
+            ROUND_RUNS+=("$arm/$round=$OUT/e_${arm}_r$round.jsonl")
+        done
+    done
+    note "RUN  rounds summary: scripts/plot_losses.py rounds"
+    rc=0
+    python3 scripts/plot_losses.py rounds --json "$OUT/rounds.json" --markdown "$OUT/rounds.md" \
+        --title "train_moe.py, 2 ranks, ZeRO-2, $STEPS steps, $AB_ROUNDS interleaved rounds" "${ROUND_RUNS[@]}" \
+        > "$OUT/rounds.txt" 2>&1 || rc=$?
+    sed 's/^/         /' "$OUT/rounds.txt"
+    (( rc == 0 )) || FAILURES+=("rounds: plot_losses.py exit status $rc (see $OUT/rounds.txt)")
 fi
 
 # --- Status.

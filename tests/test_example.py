@@ -371,3 +371,29 @@ def test_plot_summary_and_png(tmp_path, plot_losses, capsys):
     assert "max |loss diff| 0.0200 at step 7" in output and "1.000x" in output
     assert plot_losses.main(["plot", "--max-diff-tol", "0.01"] + runs) == 1
     assert plot_losses.main(["plot", f"missing={tmp_path / 'none.jsonl'}"] + runs) == 2
+
+
+def test_rounds_ratios_per_round(tmp_path, plot_losses, capsys):
+    def run(name, tokens, memory):
+        path = tmp_path / f"{name}.jsonl"
+        write_metrics(path, {1: 3.0, 2: 2.9})
+        with open(path, "a") as handle:  # the last train_end record wins
+            handle.write(json.dumps({"event": "train_end", "steady_tokens_per_s": tokens, "peak_mem_mib": memory})
+                         + "\n")
+        return f"{name.replace('_', '/')}={path}"
+
+    # The host drifts between rounds: comet is 1.2x and 1.5x of the stock run beside it, not of stock's mean.
+    runs = [run("stock_1", 100.0, 50.0), run("comet_1", 120.0, 40.0), run("stock_2", 80.0, 50.0),
+            run("comet_2", 120.0, 45.0)]
+    json_path = tmp_path / "rounds.json"
+    assert plot_losses.main(["rounds", "--json", str(json_path)] + runs) == 0
+    summary = json.loads(json_path.read_text())
+    comet = summary["arms"][1]
+    assert summary["base"] == "stock" and comet["arm"] == "comet"
+    assert comet["ratio"] == {"1": 1.2, "2": 1.5}
+    assert abs(comet["ratio_geomean"] - (1.2 * 1.5) ** 0.5) < 1e-12
+    assert comet["peak_mem_mib"] == 45.0 and comet["peak_mem_vs_base_mib"] == -5.0
+    assert "1.342x (1.200-1.500)" in capsys.readouterr().out
+    # A round without the baseline arm cannot be compared: said, and exit status 2.
+    assert plot_losses.main(["rounds"] + runs[:3] + [run("comet_3", 90.0, 40.0)]) == 2
+    assert "round 3 has no stock run" in capsys.readouterr().err
