@@ -104,6 +104,16 @@ def fmt(value, spec):
     return "-" if value is None else format(value, spec)
 
 
+def write_summary(args, summary, text, notes):
+    """The summary as JSON to --json, and the table with its notes as Markdown to --markdown."""
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(summary, handle, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(f"# {args.title}\n\n{text}\n" + "".join(f"\n{note}\n" for note in notes))
+
+
 # --------------------------------------------------------------------------------------------
 # plot: summary table and picture
 # --------------------------------------------------------------------------------------------
@@ -217,12 +227,7 @@ def cmd_plot(args):
     if checks and status == 0:
         status = 1
     summary["checks_failed"] = checks
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(summary, handle, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
-            handle.write(f"# {args.title}\n\n{text}\n" + "".join(f"\nCHECK FAILED: {m}\n" for m in checks))
+    write_summary(args, summary, text, [f"CHECK FAILED: {m}" for m in checks])
     if args.out:
         drawable = [run for run in runs if run.losses]
         if not drawable:
@@ -357,12 +362,7 @@ def cmd_rounds(args):
     for message in problems:
         print("ROUNDS: " + message, file=sys.stderr)
     summary["problems"] = problems
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(summary, handle, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
-            handle.write(f"# {args.title}\n\n{text}\n" + "".join(f"\nROUNDS: {m}\n" for m in problems))
+    write_summary(args, summary, text, [f"ROUNDS: {m}" for m in problems])
     return 2 if problems else 0
 
 
