@@ -7,10 +7,11 @@
 #       steps 31-60 must reproduce the uninterrupted run's (losses and learning rates)
 #   (c) comet, ZeRO-2, 30 steps under a bare mpirun; its losses must follow (a)'s comet run
 #   (e) only when PARTS has e: AB_ROUNDS (default 2) interleaved rounds of the arms in AB_ARMS
-#       (default "stock comet graph"; graph = comet with "cuda_graph_gate": true), STEPS steps each
-#       without evaluation -> $OUT/rounds.{md,json}: each round's tokens/s over that round's stock
-#       run, and peak memory. A job's throughput drifts a few % from run to run, which (a)'s single
-#       pair cannot tell from a difference.
+#       (stock first; default "stock comet graph", graph = comet with "cuda_graph_gate": true),
+#       even rounds in reverse order, STEPS steps each without evaluation -> $OUT/rounds.{md,json}:
+#       each round's tokens/s over that round's stock run, and peak memory. A job's throughput
+#       drifts a few % from run to run, which (a)'s single pair cannot tell from a difference.
+#       The default budget is then 560 s.
 #
 # Usage (repository root): bash scripts/train_compare.sh
 # Everything lands in $OUT (default /tmp/train_compare_out): per sub-run NAME.cmd, NAME.log and
@@ -52,7 +53,8 @@ if [ "$CPU" = 1 ]; then
 else
     MODEL=(--preset "${PRESET:-gpu}" --seed 1234 --log-level info)  # info: the logs say which pipeline ran
     STEPS=${STEPS:-200} RESUME_STEPS=${RESUME_STEPS:-60} RESUME_AT=${RESUME_AT:-30} MPI_STEPS=${MPI_STEPS:-30}
-    EVAL_BATCHES=4 BUDGET_S=${BUDGET_S:-440} MIN_STEP_S=30
+    # Part (e)'s six more runs need about two more minutes.
+    EVAL_BATCHES=4 BUDGET_S=${BUDGET_S:-$([[ ${PARTS:-abc} == *e* ]] && echo 560 || echo 440)} MIN_STEP_S=30
 fi
 RESERVE_S=20  # kept back for the summary at the end
 CKPT_DIR=${CKPT_DIR:-/tmp/train_compare_ckpt}
@@ -65,10 +67,13 @@ elapsed() { echo $(( $(date +%s) - START_S )); }
 note() { echo "[$(printf '%4d' "$(elapsed)") s] $*"; }
 
 # run_step NAME LIMIT_S COMMAND...: run with a time limit (cut to what the budget has left), its
-# output in $OUT/NAME.log; returns the command's status and records a failure.
+# output in $OUT/NAME.log; returns the command's status and records a failure. A metrics file
+# $OUT/NAME.jsonl left by an earlier invocation is removed first, so that a skipped or failed run
+# cannot be summarised from it.
 run_step() {
     local name=$1 limit=$2 left rc=0 began took why
     shift 2
+    rm -f "$OUT/$name.jsonl"
     left=$(( BUDGET_S - $(elapsed) - RESERVE_S ))
     if (( left < MIN_STEP_S )); then
         FAILURES+=("$name: skipped, $(elapsed) s of the $BUDGET_S s budget used")
@@ -151,9 +156,14 @@ json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$src" "$dst"
 PARTS=${PARTS:-abc}
 AB_ROUNDS=${AB_ROUNDS:-2} AB_ARMS=${AB_ARMS:-stock comet graph}
 [[ $AB_ROUNDS =~ ^[1-9][0-9]*$ ]] || { echo "AB_ROUNDS must be a positive integer, got '$AB_ROUNDS'" >&2; exit 2; }
-for arm in $AB_ARMS; do
+read -ra ARMS <<< "$AB_ARMS"
+# Every round's ratios are to its stock run, which therefore comes first in AB_ARMS.
+[[ ${ARMS[0]:-} == stock ]] || { echo "AB_ARMS must start with stock, got '$AB_ARMS'" >&2; exit 2; }
+for arm in "${ARMS[@]}"; do
     [[ $arm =~ ^(stock|comet|graph)$ ]] || { echo "AB_ARMS takes stock, comet and graph, got '$arm'" >&2; exit 2; }
 done
+(( $(printf '%s\n' "${ARMS[@]}" | sort -u | wc -l) == ${#ARMS[@]} )) || {
+    echo "AB_ARMS names an arm twice: '$AB_ARMS'" >&2; exit 2; }
 
 COMET_ZERO2=$CONFIGS/gpu_zero2_comet.json COMET_ZERO1=$CONFIGS/gpu_zero1_comet.json
 STOCK_ZERO2=$CONFIGS/gpu_zero2_deepspeed.json
@@ -244,7 +254,10 @@ json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$COMET_ZERO2" "$COMET_GRAPH"
     ROUND_RUNS=()
     port=29580
     for round in $(seq 1 "$AB_ROUNDS"); do
-        for arm in $AB_ARMS; do
+        order=("${ARMS[@]}")
+        # Even rounds run the arms in reverse, so that no arm always runs in the same place.
+        (( round % 2 )) || order=($(printf '%s\n' "${ARMS[@]}" | tac))
+        for arm in "${order[@]}"; do
             case $arm in
                 stock) arm_config=$STOCK_ZERO2 ;;
                 comet) arm_config=$COMET_ZERO2 ;;

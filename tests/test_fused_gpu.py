@@ -416,8 +416,9 @@ def zero2_case(seed, hidden=256, ffn=512, steps=2, precision="bf16", scale_power
     """One ZeRO-2 job per backend (SGD, two micro-batches per step) from the same weights and data.
 
     fp16 runs DeepSpeed's loss scaler: both backends' gradients pass its overflow check and unscaling.
-    With a loss scale of 2**32 every output gradient overflows fp16: the fused backward must take
-    the infinities without failing or hanging, and both backends skip every step.
+    With a loss scale of 2**32 the output gradients overflow fp16: the fused backward must take
+    the infinities without failing or hanging, and both backends skip every step. The scale halves
+    after each overflow (hysteresis 1), so this holds for a few steps only.
     """
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     device = torch.device("cuda", torch.cuda.current_device())
