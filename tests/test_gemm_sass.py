@@ -36,7 +36,7 @@ tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 nvdisasm, cuobjdump = os.path.join(tools, "nvdisasm"), os.path.join(tools, "cuobjdump")
 if not os.path.exists(nvdisasm) or not os.path.exists(cuobjdump):
     print("SKIP no nvdisasm or cuobjdump in", tools); sys.exit(0)
-bf, i64, i32 = (MockTensor(t) for t in (torch.bfloat16, torch.int64, torch.int32))
+bf, fp, i64, i32 = (MockTensor(t) for t in (torch.bfloat16, torch.float16, torch.int64, torch.int32))
 COLLECTIVE = re.compile(r"@!?U?P\d+ (REDUX|SHFL|VOTE|MATCH)")
 
 STACK_LIMIT = 256  # bytes a thread; the split epilogue's backward with the activations stored needs 192 here
@@ -52,20 +52,22 @@ def predicated(kernel, path):
 
 path = sys.argv[1]
 found = {}
-for num_local, backward, gated in ((16, False, False), (16, True, False), (16, False, True), (4, False, False),
-                                   (32, True, True)):
+# The fp16 cases compile the same source with the other element type (the fused path takes both).
+for num_local, backward, gated, t in ((16, False, False, bf), (16, True, False, bf), (16, False, True, bf),
+                                      (4, False, False, bf), (32, True, True, bf), (16, False, False, fp),
+                                      (32, True, True, fp)):
     l_pow2 = 1 << num_local.bit_length()
-    k = gemm1_kernel.warmup(bf, bf, bf, bf, i64, i64, i64, i64, i32, i32, 2**40, 2**40, 0, 7168, 2048, num_local, 0, 8,
+    k = gemm1_kernel.warmup(t, t, t, t, i64, i64, i64, i64, i32, i32, 2**40, 2**40, 0, 7168, 2048, num_local, 0, 8,
                             16, 24, 32, L_POW2=l_pow2, BM=128, BN=128 if gated else 256, BK=64, GROUP_M=8,
                             NUM_PROGS=116, HAS_BIAS=not gated, GATED=gated, ACTIVATION=0, BACKWARD=backward,
                             STORE_PRE=not backward, STORE_ACT=backward, WAIT=True, INTERPRET=False, grid=(1, ),
                             num_warps=8, num_stages=3)
-    found[("gemm1", num_local, backward, gated)] = predicated(k, path)
-    k = gemm2_kernel.warmup(bf, 2048, i64, i64, i64, i64, bf, i64, i32, 2048, 7168, num_local, 0, 8, 16, EP_SIZE=2,
+    found[("gemm1", num_local, backward, gated, str(t.dtype))] = predicated(k, path)
+    k = gemm2_kernel.warmup(t, 2048, i64, i64, i64, i64, t, i64, i32, 2048, 7168, num_local, 0, 8, 16, EP_SIZE=2,
                             L_POW2=l_pow2, BM=128, BN=256, BK=64, GROUP_M=8, CHUNK_TILES=4, NUM_PROGS=116,
                             HAS_BIAS=not backward, SECOND=backward and gated, W_NK=not backward, grid=(1, ),
                             num_warps=8, num_stages=3)
-    found[("gemm2", num_local, backward, gated)] = predicated(k, path)
+    found[("gemm2", num_local, backward, gated, str(t.dtype))] = predicated(k, path)
 for has_bias in (True, False):
     k = wgrad_kernel.warmup(bf, 4096, bf, 14336, bf, bf, i32, 0, 4096, 14336, 4, BM=128, BN=256, BK=64, GROUP_M=8,
                             NUM_PROGS=132, HAS_BIAS=has_bias, grid=(1, ), num_warps=8, num_stages=3)
@@ -85,4 +87,4 @@ def test_no_predicated_collective_and_little_spilling(tmp_path):
     if result.stdout.startswith("SKIP"):
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "checked 12 kernels" in result.stdout
+    assert "checked 16 kernels" in result.stdout
