@@ -15,9 +15,10 @@ python3 -c "from op_builder import CometBuilder; CometBuilder().load(verbose=Fal
     > "$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
 echo "op build: $(( $(date +%s) - start )) s"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    # test_gate.py runs its bitwise comparisons with stock's gate on CUDA as well when a GPU is there.
-    timeout 420 python3 -m pytest tests/test_fused_gpu.py tests/test_gate.py -x -q -p no:cacheprovider 2>&1 \
-        | tee "$out/gpu_tests.log" | tail -40
+    # test_gate.py runs its bitwise comparisons with stock's gate on CUDA as well when a GPU is there;
+    # test_compile.py compiles the layer (inductor on the GPU), test_triton_gemm.py checks the GEMMs alone.
+    timeout 420 python3 -m pytest tests/test_fused_gpu.py tests/test_gate.py tests/test_compile.py \
+        tests/test_triton_gemm.py -x -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 420 torchrun --nproc_per_node "$(python3 -c 'import torch; print(torch.cuda.device_count())')" \
