@@ -366,6 +366,13 @@ def cmd_rounds(args):
     return 2 if problems else 0
 
 
+def add_summary_outputs(command, title):
+    """The options write_summary reads."""
+    command.add_argument("--json", help="write the summary as JSON here")
+    command.add_argument("--markdown", help="write the table as Markdown here")
+    command.add_argument("--title", default=title)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -373,9 +380,7 @@ def main(argv=None):
     plot.add_argument("runs", nargs="+", type=parse_run, metavar="LABEL=METRICS.jsonl",
                       help="runs to compare; the first is the baseline of the ratios and differences")
     plot.add_argument("--out", help="PNG to write")
-    plot.add_argument("--json", help="write the summary as JSON here")
-    plot.add_argument("--markdown", help="write the table as Markdown here")
-    plot.add_argument("--title", default="examples/train_moe.py: training loss")
+    add_summary_outputs(plot, "examples/train_moe.py: training loss")
     plot.add_argument("--tail", type=int, default=20, help="last common steps whose mean losses are compared")
     plot.add_argument("--max-diff-tol", type=float, default=None,
                       help="fail (exit 1) when a run's per-step loss differs from the first run's by more")
@@ -392,9 +397,7 @@ def main(argv=None):
     rounds = commands.add_parser("rounds", help="interleaved A/B runs: tokens/s ratios per round, peak memory")
     rounds.add_argument("runs", nargs="+", type=parse_round_run, metavar="ARM/ROUND=METRICS.jsonl",
                         help="the runs; the first arm named is the baseline of every round's ratios")
-    rounds.add_argument("--json", help="write the summary as JSON here")
-    rounds.add_argument("--markdown", help="write the table as Markdown here")
-    rounds.add_argument("--title", default="examples/train_moe.py: interleaved runs")
+    add_summary_outputs(rounds, "examples/train_moe.py: interleaved runs")
     rounds.set_defaults(func=cmd_rounds)
     args = parser.parse_args(argv)
     return args.func(args)
