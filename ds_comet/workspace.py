@@ -5,6 +5,11 @@ and GEMM1 reads, the expert-output buffer GEMM2 writes and the source ranks' com
 origins, and the int32 meta array of exchanged counts, flags and arrival counters. All of it is one allocation of
 torch symmetric memory (peer pointers through CUDA IPC), made once from the largest token count
 the layers will see and reused every call; the kernels reset the counters they use each call.
+
+Ranks that share a GPU (a test machine with one GPU, say) get the same workspace through legacy
+CUDA IPC handles instead, since torch's symmetric memory refuses them. The GPU then time-slices
+between the ranks' processes, and a kernel waiting for a peer proceeds only in the peer's slices:
+correct, but far slower than one rank a GPU.
 """
 
 import math
@@ -14,6 +19,7 @@ from typing import Dict, Tuple
 
 import torch
 import torch.distributed as torch_dist
+from deepspeed.utils import logger
 
 from . import layout
 from .ops import CometWaitTimeout, describe_error_record, load_op
@@ -53,6 +59,26 @@ def _peer_pointers(handle, local: torch.Tensor, ep_size: int):
     return [int(p) for p in pointers]
 
 
+def _ranks_share_a_device(group, device: torch.device) -> bool:
+    ids = [None] * torch_dist.get_world_size(group)
+    torch_dist.all_gather_object(ids, str(torch.cuda.get_device_properties(device).uuid), group=group)
+    return len(set(ids)) < len(ids)
+
+
+def _ipc_peer_pointers(local: torch.Tensor, group, rank: int, ep_size: int):
+    """Every rank's base pointer of ``local``, opened from CUDA IPC handles, and the opened tensors.
+
+    The opened tensors must outlive the kernels that use the pointers; ``local`` must come from
+    torch's caching allocator.
+    """
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+    _, handle = reduce_tensor(local)
+    handles = [None] * ep_size
+    torch_dist.all_gather_object(handles, handle, group=group)
+    opened = [local if peer == rank else rebuild_cuda_tensor(*handles[peer]) for peer in range(ep_size)]
+    return [t.data_ptr() for t in opened], opened
+
+
 class CometBuffer:
     """The symmetric workspace of one group; build it on every rank of the group at once."""
 
@@ -78,13 +104,20 @@ class CometBuffer:
         for name, nbytes in parts:
             self._byte_offset[name] = total
             total += _align(nbytes)
-        self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            with warnings.catch_warnings():  # deprecated (and unneeded) on newer torch
-                warnings.simplefilter("ignore", FutureWarning)
-                symm_mem.enable_symm_mem_for_group(group.group_name)
-        handle = symm_mem.rendezvous(self._storage, group)
-        bases = _peer_pointers(handle, self._storage, P)
+        if P > 1 and _ranks_share_a_device(group, self.device):
+            logger.warning(f"ds_comet: rank {self.rank} shares its GPU with another rank of its expert-parallel "
+                           "group; the fused kernels will run time-sliced between them, far slower than with "
+                           "one rank a GPU")
+            self._storage = torch.empty(total, dtype=torch.uint8, device=self.device)
+            bases, self._peer_storage = _ipc_peer_pointers(self._storage, group, self.rank, P)
+        else:
+            self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                with warnings.catch_warnings():  # deprecated (and unneeded) on newer torch
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm_mem.enable_symm_mem_for_group(group.group_name)
+            handle = symm_mem.rendezvous(self._storage, group)
+            bases = _peer_pointers(handle, self._storage, P)
 
         self.recv = self._part("recv", shape.dtype, (shape.max_recv_rows, H))
         self.expert_out = self._part("expert_out", shape.dtype, (shape.max_recv_rows, H))

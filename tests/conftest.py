@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from dist_pool import WORLD_SIZE_VAR, DistPool, cpu_world_size, gpu_world_size
+from dist_pool import WORLD_SIZE_VAR, DistPool, cpu_world_size, gpu_world_size, ranks_per_gpu
 
 
 def pytest_report_header(config):
@@ -30,9 +30,14 @@ def dist2(cpu_pool):
 
 @pytest.fixture(scope="session")
 def gpu_pool():
-    """One NCCL rank per visible GPU, at most DS_COMET_TEST_WORLD_SIZE, for the fused kernels; skips without CUDA."""
+    """One NCCL rank per visible GPU, at most DS_COMET_TEST_WORLD_SIZE, for the fused kernels; skips without CUDA.
+
+    With DS_COMET_TEST_RANKS_PER_GPU > 1, that many gloo ranks per GPU instead (dist_pool.py).
+    """
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA: the fused kernels run on GPUs")
-    pool = DistPool(gpu_world_size(torch.cuda.device_count()), backend="nccl")
+    gpu_ranks = ranks_per_gpu()
+    pool = DistPool(gpu_world_size(torch.cuda.device_count()), backend="nccl" if gpu_ranks == 1 else "gloo",
+                    gpu_ranks=gpu_ranks)
     yield pool
     pool.stop()

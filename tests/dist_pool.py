@@ -8,6 +8,11 @@ time fails the test instead of hanging it, and the pool is started afresh for th
 How many ranks: DS_COMET_TEST_WORLD_SIZE, so that the suite runs unchanged at 2, 4 or 8 ranks.
 The gloo (CPU) pool has that many ranks (at least 2; 2 when it is unset); the NCCL pool has one
 rank per visible GPU, at most that many. The tests take the expert-parallel size from the pool.
+
+DS_COMET_TEST_RANKS_PER_GPU=N puts N ranks on each visible GPU instead, over gloo (NCCL refuses
+two ranks on one GPU). The GPU time-slices between the ranks' processes, so a kernel that waits
+for a peer makes progress only when the peer's slice comes: slow, but the two-rank paths (remote
+rows, peer counters, the exchange) run on a one-GPU machine. Correctness only; time nothing there.
 """
 
 import glob
@@ -22,6 +27,7 @@ from datetime import timedelta
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WORLD_SIZE_VAR = "DS_COMET_TEST_WORLD_SIZE"
+RANKS_PER_GPU_VAR = "DS_COMET_TEST_RANKS_PER_GPU"
 CPU_DEFAULT_WORLD_SIZE = 2
 
 
@@ -46,10 +52,19 @@ def cpu_world_size() -> int:
     return requested
 
 
+def ranks_per_gpu() -> int:
+    """DS_COMET_TEST_RANKS_PER_GPU, 1 when it is unset."""
+    value = os.environ.get(RANKS_PER_GPU_VAR, "").strip() or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{RANKS_PER_GPU_VAR} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def gpu_world_size(device_count: int) -> int:
-    """Ranks of the NCCL pool: every visible GPU, capped by DS_COMET_TEST_WORLD_SIZE when it is set."""
+    """Ranks of the GPU pool: ranks_per_gpu() on every visible GPU, capped by DS_COMET_TEST_WORLD_SIZE."""
     requested = requested_world_size()
-    return device_count if requested is None else min(device_count, requested)
+    ranks = device_count * ranks_per_gpu()
+    return ranks if requested is None else min(ranks, requested)
 
 
 def _build_cpu_comm_op():
@@ -82,19 +97,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, backend, tasks, results):
+def _rank_main(rank, world_size, port, backend, gpu_ranks, tasks, results):
+    # LOCAL_RANK is the device: DeepSpeed's engine places its model on cuda:LOCAL_RANK.
     os.environ.update(MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port),
                       RANK=str(rank),
-                      LOCAL_RANK=str(rank),
+                      LOCAL_RANK=str(rank // gpu_ranks),
                       WORLD_SIZE=str(world_size),
                       LOCAL_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     sys.path.insert(0, TESTS_DIR)
     import torch
     torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
+    if backend == "nccl" or gpu_ranks > 1:
+        torch.cuda.set_device(rank // gpu_ranks)
     import deepspeed
     if backend == "gloo":
         # DeepSpeed binds the rank's CUDA device whenever one is visible, whatever the backend, and
@@ -117,21 +133,26 @@ def _rank_main(rank, world_size, port, backend, tasks, results):
 
 class DistPool:
 
-    def __init__(self, world_size: int, backend: str = "gloo", start_timeout: float = 600.0):
+    def __init__(self, world_size: int, backend: str = "gloo", start_timeout: float = 600.0, gpu_ranks: int = 1):
+        """gpu_ranks > 1: that many gloo ranks share each GPU (see the module's docstring)."""
+        if gpu_ranks > 1 and backend != "gloo":
+            raise ValueError(f"{gpu_ranks} ranks a GPU need the gloo backend: NCCL refuses two ranks on one GPU")
         self.world_size = world_size
         self.backend = backend
+        self.gpu_ranks = gpu_ranks
         self.start_timeout = start_timeout
         self.procs = []
 
     def _start(self):
-        if self.backend == "gloo":
+        if self.backend == "gloo" and self.gpu_ranks == 1:
             _build_cpu_comm_op()
         ctx = mp.get_context("spawn")
         port = self.port = free_port()
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.procs = [
-            ctx.Process(target=_rank_main, args=(rank, self.world_size, port, self.backend, self.tasks[rank], self.results),
+            ctx.Process(target=_rank_main, args=(rank, self.world_size, port, self.backend, self.gpu_ranks, self.tasks[rank],
+                              self.results),
                         daemon=True) for rank in range(self.world_size)
         ]
         for proc in self.procs:
