@@ -66,6 +66,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1,
                         help="set by the deepspeed launcher; the script reads LOCAL_RANK from the environment")
+    parser.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
+                        help="torch.distributed backend (default: DeepSpeed's for the accelerator); gloo lets "
+                             "ranks share a GPU (each rank's LOCAL_RANK names its GPU)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a set of defaults: " + "; ".join(
                             f"{name}: " + ", ".join(f"{key}={value}" for key, value in values.items())
@@ -405,7 +408,14 @@ def main(argv=None):
     from_mpi = adopt_mpi_launcher_env()
     if torch.cuda.is_available() and os.environ.get("LOCAL_RANK"):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per rank before NCCL comes up
-    deepspeed.init_distributed(distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
+    if args.dist_backend == "gloo" and torch.cuda.is_available() and os.environ.get("WORLD_SIZE"):
+        # DeepSpeed would bind the rank's GPU to the default group, and torch then makes every new
+        # group (the expert groups) by splitting it, which gloo cannot do; a group made here is kept.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        torch.distributed.init_process_group("gloo")
+    deepspeed.init_distributed(dist_backend=args.dist_backend,
+                               distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():

@@ -22,6 +22,10 @@
 #
 # TRAIN_COMPARE_CPU=1 runs the same sequence on CPU (gloo, the example's small default model,
 # a few steps) to exercise the script, the checks and the plot on a machine without GPUs.
+# TRAIN_COMPARE_SHARED_GPU=1 puts both ranks on GPU 0 over gloo (scripts/shared_gpu_ranks.sh) for a
+# one-GPU machine, and skips (c). Losses, resume and peak memory per rank are checked as on two
+# GPUs; tokens/s are not comparable (the GPU time-slices between the ranks; gloo stages through
+# the host).
 # PRESET picks the example's GPU preset (gpu, the default, or gpu-fine); PARTS (default abc) which
 # of (a), (b), (c), (e) run ((a) always does); GRAD_ACCUM overrides the configs' gradient accumulation. Other knobs: STEPS, RESUME_STEPS, RESUME_AT, MPI_STEPS,
 # BUDGET_S, CKPT_DIR, LOSS_MAX_DIFF_TOL, LOSS_TAIL_DIFF_TOL, RESUME_FIRST_TOL, RESUME_TOL, MPI_DIFF_TOL.
@@ -35,6 +39,8 @@ OUT=${OUT:-/tmp/train_compare_out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 CPU=${TRAIN_COMPARE_CPU:-0}
+SHARED=${TRAIN_COMPARE_SHARED_GPU:-0}
+RANKS="2 ranks$([ "$SHARED" = 1 ] && echo " on one GPU")"
 START_S=$(date +%s)
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -102,15 +108,22 @@ run_step() {
     return "$rc"
 }
 
-# train NAME PORT CONFIG ARGS...: the example on 2 ranks under the deepspeed launcher.
+# train NAME PORT CONFIG ARGS...: the example on 2 ranks under the deepspeed launcher (both on GPU 0
+# over gloo when SHARED).
 train() {
     local name=$1 port=$2 config=$3 limit=$4
     shift 4
-    run_step "$name" "$limit" deepspeed --num_gpus 2 --master_port "$port" examples/train_moe.py \
-        --deepspeed_config "$config" "${MODEL[@]}" --metrics-file "$OUT/$name.jsonl" "$@"
+    local example=(examples/train_moe.py --deepspeed_config "$config" "${MODEL[@]}" --metrics-file "$OUT/$name.jsonl"
+                   "$@")
+    if [ "$SHARED" = 1 ]; then
+        run_step "$name" "$limit" bash scripts/shared_gpu_ranks.sh 2 "$port" python3 "${example[@]}" --dist-backend gloo
+    else
+        run_step "$name" "$limit" deepspeed --num_gpus 2 --master_port "$port" "${example[@]}"
+    fi
 }
 
-note "train_compare: OUT=$OUT, budget $BUDGET_S s, $([ "$CPU" = 1 ] && echo "CPU mode" || echo GPU)"
+note "train_compare: OUT=$OUT, budget $BUDGET_S s, $([ "$CPU" = 1 ] && echo "CPU mode" || echo GPU)$(
+    [ "$SHARED" = 1 ] && echo ", both ranks on GPU 0 (tokens/s not comparable)")"
 {
     command -v nvidia-smi > /dev/null && nvidia-smi -L
     python3 - << 'EOF'
@@ -198,7 +211,7 @@ note "RUN  summary: scripts/plot_losses.py"
 rc=0
 timeout 120 python3 scripts/plot_losses.py plot --out "$OUT/loss_curves.png" --json "$OUT/summary.json" \
     --markdown "$OUT/summary.md" --max-diff-tol "$LOSS_MAX_DIFF_TOL" --tail-diff-tol "$LOSS_TAIL_DIFF_TOL" \
-    --title "train_moe.py, 2 ranks, ZeRO-2, $STEPS steps: stock DeepSpeed MoE vs comet" \
+    --title "train_moe.py, $RANKS, ZeRO-2, $STEPS steps: stock DeepSpeed MoE vs comet" \
     "stock=$OUT/a_stock_zero2.jsonl" "comet=$OUT/a_comet_zero2.jsonl" > "$OUT/summary.txt" 2>&1 || rc=$?
 sed 's/^/         /' "$OUT/summary.txt"
 (( rc == 0 )) || FAILURES+=("summary: plot_losses.py exit status $rc (see $OUT/summary.txt)")
@@ -223,6 +236,8 @@ rm -rf "$CKPT_DIR"
 # --- (c) a bare mpirun: ranks from the MPI launcher's environment, same losses as (a)'s comet run.
 if [[ $PARTS != *c* ]]; then
     note "SKIP c_mpirun_zero2: PARTS=$PARTS"
+elif [ "$SHARED" = 1 ]; then
+    note "SKIP c_mpirun_zero2: both ranks on one GPU"
 elif command -v mpirun > /dev/null; then
     MPIRUN=(mpirun -np 2)
     if mpirun --version 2>&1 | grep -qiE 'open mpi|openrte|open-rte'; then
@@ -271,7 +286,7 @@ json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$COMET_ZERO2" "$COMET_GRAPH"
     note "RUN  rounds summary: scripts/plot_losses.py rounds"
     rc=0
     python3 scripts/plot_losses.py rounds --json "$OUT/rounds.json" --markdown "$OUT/rounds.md" \
-        --title "train_moe.py, 2 ranks, ZeRO-2, $STEPS steps, $AB_ROUNDS interleaved rounds" "${ROUND_RUNS[@]}" \
+        --title "train_moe.py, $RANKS, ZeRO-2, $STEPS steps, $AB_ROUNDS interleaved rounds" "${ROUND_RUNS[@]}" \
         > "$OUT/rounds.txt" 2>&1 || rc=$?
     sed 's/^/         /' "$OUT/rounds.txt"
     (( rc == 0 )) || FAILURES+=("rounds: plot_losses.py exit status $rc (see $OUT/rounds.txt)")

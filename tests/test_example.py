@@ -397,3 +397,34 @@ def test_rounds_ratios_per_round(tmp_path, plot_losses, capsys):
     # A round without the baseline arm cannot be compared: said, and exit status 2.
     assert plot_losses.main(["rounds"] + runs[:3] + [run("comet_3", 90.0, 40.0)]) == 2
     assert "round 3 has no stock run" in capsys.readouterr().err
+
+
+SHARED_RANKS = os.path.join(REPO, "scripts", "shared_gpu_ranks.sh")
+
+
+def test_shared_gpu_ranks_environment():
+    report = "import os; print(*(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_PORT')))"
+    done = subprocess.run(["bash", SHARED_RANKS, "3", "29599", sys.executable, "-c", report], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split("\n")[:-1]) == [f"{rank} 3 0 29599" for rank in range(3)], done.stdout
+
+
+def test_shared_gpu_ranks_failure_stops_the_others():
+    # Rank 1 fails at once while rank 0 would wait for it for a minute: the launcher must stop rank 0
+    # (and what it started) and exit with rank 1's status.
+    waiter = "import os, subprocess, sys, time; subprocess.Popen(['sleep', '61']); time.sleep(60)"
+    command = f"import os, sys; sys.exit(7) if os.environ['RANK'] == '1' else exec({waiter!r})"
+    began = time.monotonic()
+    done = subprocess.run(["bash", SHARED_RANKS, "2", "29598", sys.executable, "-c", command], capture_output=True,
+                          text=True, timeout=50)
+    assert done.returncode == 7, (done.returncode, done.stderr)
+    assert time.monotonic() - began < 30
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", "sleep 61"], capture_output=True, text=True).stdout.split()
+    assert not left, f"the stopped rank's child survived: {left}"
+
+
+def test_shared_gpu_ranks_rejects_bad_arguments():
+    done = subprocess.run(["bash", SHARED_RANKS, "two", "29597", "true"], capture_output=True, text=True, timeout=20)
+    assert done.returncode == 2 and "usage" in done.stderr
