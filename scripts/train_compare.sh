@@ -40,7 +40,8 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 CPU=${TRAIN_COMPARE_CPU:-0}
 SHARED=${TRAIN_COMPARE_SHARED_GPU:-0}
-RANKS="2 ranks$([ "$SHARED" = 1 ] && echo " on one GPU")"
+RANKS="2 ranks"
+if [ "$SHARED" = 1 ]; then RANKS+=" on one GPU"; fi
 START_S=$(date +%s)
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -410,21 +410,77 @@ def test_shared_gpu_ranks_environment():
     assert sorted(done.stdout.split("\n")[:-1]) == [f"{rank} 3 0 29599" for rank in range(3)], done.stdout
 
 
-def test_shared_gpu_ranks_failure_stops_the_others():
-    # Rank 1 fails at once while rank 0 would wait for it for a minute: the launcher must stop rank 0
-    # (and what it started) and exit with rank 1's status.
-    waiter = "import os, subprocess, sys, time; subprocess.Popen(['sleep', '61']); time.sleep(60)"
-    command = f"import os, sys; sys.exit(7) if os.environ['RANK'] == '1' else exec({waiter!r})"
+# Rank 0 starts a child that would run for ten minutes and writes the child's pid; the other ranks
+# wait for that file, then rank 1 fails (or, with keep_going, every rank waits too).
+SHARED_RANKS_CASE = """
+import os, subprocess, sys, time
+pid_file, keep_going = sys.argv[1], sys.argv[2] == "1"
+if os.environ["RANK"] == "0":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(pid_file + ".tmp", "w") as handle:
+        handle.write(str(child.pid))
+    os.rename(pid_file + ".tmp", pid_file)
+    time.sleep(600)
+while not os.path.exists(pid_file):
+    time.sleep(0.05)
+if os.environ["RANK"] == "1" and not keep_going:
+    sys.exit(7)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _gone(pid)
+
+
+def test_shared_gpu_ranks_failure_stops_the_others(tmp_path):
+    # Rank 1 fails while rank 0 (and its child) would wait for it for ten minutes: the launcher must
+    # stop both and exit with rank 1's status.
+    pid_file = str(tmp_path / "child.pid")
     began = time.monotonic()
-    done = subprocess.run(["bash", SHARED_RANKS, "2", "29598", sys.executable, "-c", command], capture_output=True,
-                          text=True, timeout=50)
+    done = subprocess.run(["bash", SHARED_RANKS, "3", "29598", sys.executable, "-c", SHARED_RANKS_CASE, pid_file, "0"],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 7, (done.returncode, done.stderr)
-    assert time.monotonic() - began < 30
-    time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", "sleep 61"], capture_output=True, text=True).stdout.split()
-    assert not left, f"the stopped rank's child survived: {left}"
+    assert time.monotonic() - began < 60
+    assert _wait_gone(int(open(pid_file).read()), 10), "rank 0's child outlived the launcher"
+
+
+def test_shared_gpu_ranks_stops_every_rank_on_term(tmp_path):
+    pid_file = str(tmp_path / "child.pid")
+    launcher = subprocess.Popen(["bash", SHARED_RANKS, "2", "29596", sys.executable, "-c", SHARED_RANKS_CASE, pid_file,
+                                 "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(pid_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(pid_file), "rank 0 never started its child"
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 143
+    assert _wait_gone(int(open(pid_file).read()), 10), "rank 0's child outlived the launcher"
 
 
 def test_shared_gpu_ranks_rejects_bad_arguments():
     done = subprocess.run(["bash", SHARED_RANKS, "two", "29597", "true"], capture_output=True, text=True, timeout=20)
     assert done.returncode == 2 and "usage" in done.stderr
+
+
+@pytest.mark.parametrize("shared", ["0", "1"])
+def test_train_compare_checks_its_knobs(tmp_path, shared):
+    # A bad knob stops the script with its own message, after the setup every mode runs (a failing
+    # statement there would stop it earlier, silently, under set -e).
+    env = dict(os.environ, TRAIN_COMPARE_CPU="1", TRAIN_COMPARE_SHARED_GPU=shared, AB_ROUNDS="0",
+               OUT=str(tmp_path / "out"))
+    done = subprocess.run(["bash", os.path.join(REPO, "scripts", "train_compare.sh")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    assert "AB_ROUNDS must be a positive integer" in done.stderr
