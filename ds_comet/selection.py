@@ -26,7 +26,7 @@ from .fused import ExpertTables, FusedCall, FusedParameters, expert_parameters, 
 from .gate import _GLOBAL_HOOKS, _MODULE_HOOKS
 from .layout import MAX_COMBINE_TOP_K
 from .routing import plan_routes_cuda
-from .workspace import BufferShape, get_buffer
+from .workspace import BufferShape, expandable_segments, get_buffer
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 # Rates for the split rule (2 x H200, see shared/device/README.md and docs/performance.md).
@@ -190,19 +190,26 @@ class PipelineSelector:
     # objects, the op's build, the symmetric-memory rendezvous and new CUDA streams, once per layer.
     @torch._disable_dynamo
     def _agree_static(self, tokens: torch.Tensor) -> Optional[str]:
-        """One collective: every rank's local reason, host and token count; then the workspace."""
+        """One collective: every rank's local reason, host, GPU and token count; then the workspace."""
         group = self.moe.ep_group
-        local = (self._local_static_reason(tokens), socket.gethostname(), tokens.shape[0])
+        reason = self._local_static_reason(tokens)
+        gpu = None if reason is not None else str(torch.cuda.get_device_properties(tokens.device).uuid)
+        local = (reason, socket.gethostname(), gpu, tokens.shape[0])
         everyone = [None] * torch_dist.get_world_size(group)
         torch_dist.all_gather_object(everyone, local, group=group)
-        for rank, (reason, _, _) in enumerate(everyone):
+        for rank, (reason, _, _, _) in enumerate(everyone):
             if reason is not None:
                 return reason if len(everyone) == 1 else f"rank {rank}: {reason}"
-        if len({host for _, host, _ in everyone}) > 1:
+        if len({host for _, host, _, _ in everyone}) > 1:
             return ("the expert-parallel group spans nodes; the fused kernels need peer memory access inside one "
                     "node")
+        shared_device = len({gpu for _, _, gpu, _ in everyone}) < len(everyone)
+        if shared_device and expandable_segments():
+            return ("ranks of the expert-parallel group share a GPU, so the fused workspace would go through CUDA "
+                    "IPC, which cannot share the allocator's expandable segments (unset expandable_segments in "
+                    "PYTORCH_CUDA_ALLOC_CONF)")
         gate = self.moe.gate
-        max_tokens = self.config.max_tokens_per_rank or max(count for _, _, count in everyone)
+        max_tokens = self.config.max_tokens_per_rank or max(count for _, _, _, count in everyone)
         ffn, gated = self._experts[0].first.out_features, self._experts[0].gate is not None
         elem = tokens.element_size()
         num_sms = torch.cuda.get_device_properties(tokens.device).multi_processor_count
@@ -223,7 +230,7 @@ class PipelineSelector:
         shape = BufferShape(ep_size=self.moe.ep_size, num_experts=self.moe.num_local_experts * self.moe.ep_size,
                             hidden=tokens.shape[-1], dtype=tokens.dtype, max_tokens=max_tokens, max_recv_rows=rows,
                             top_k=gate.k, tile_m=self._params.tile_m)
-        self._buffer = get_buffer(group, shape, self.config.wait_timeout_s)
+        self._buffer = get_buffer(group, shape, self.config.wait_timeout_s, shared_device)
         log_dist(f"ds_comet: MoE layer runs the fused pipeline ({self._params}, workspace for {max_tokens} tokens "
                  f"per rank)", ranks=[0])
         return None

@@ -13,6 +13,7 @@ correct, but far slower than one rank a GPU.
 """
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Dict, Tuple
@@ -59,30 +60,35 @@ def _peer_pointers(handle, local: torch.Tensor, ep_size: int):
     return [int(p) for p in pointers]
 
 
-def _ranks_share_a_device(group, device: torch.device) -> bool:
-    ids = [None] * torch_dist.get_world_size(group)
-    torch_dist.all_gather_object(ids, str(torch.cuda.get_device_properties(device).uuid), group=group)
-    return len(set(ids)) < len(ids)
-
-
 def _ipc_peer_pointers(local: torch.Tensor, group, rank: int, ep_size: int):
     """Every rank's base pointer of ``local``, opened from CUDA IPC handles, and the opened tensors.
 
     The opened tensors must outlive the kernels that use the pointers; ``local`` must come from
-    torch's caching allocator.
+    torch's caching allocator. Each peer gets its own share, whose reference count it releases.
     """
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
-    _, handle = reduce_tensor(local)
-    handles = [None] * ep_size
-    torch_dist.all_gather_object(handles, handle, group=group)
-    opened = [local if peer == rank else rebuild_cuda_tensor(*handles[peer]) for peer in range(ep_size)]
+    shares = [None if peer == rank else reduce_tensor(local)[1] for peer in range(ep_size)]
+    everyone = [None] * ep_size
+    torch_dist.all_gather_object(everyone, shares, group=group)
+    opened = [local if peer == rank else rebuild_cuda_tensor(*everyone[peer][rank]) for peer in range(ep_size)]
     return [t.data_ptr() for t in opened], opened
+
+
+def expandable_segments() -> bool:
+    """Whether the caching allocator is set to expandable segments, which CUDA IPC cannot share here.
+
+    Such blocks travel as file descriptors taken with pidfd_getfd, which containers and
+    ptrace_scope usually refuse between sibling processes.
+    """
+    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
 class CometBuffer:
     """The symmetric workspace of one group; build it on every rank of the group at once."""
 
-    def __init__(self, group, shape: BufferShape, timeout_s: float):
+    def __init__(self, group, shape: BufferShape, timeout_s: float, shared_device: bool = False):
+        """shared_device: some ranks of the group share a GPU (the workspace then goes through CUDA IPC)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         self.shape = shape
@@ -104,10 +110,11 @@ class CometBuffer:
         for name, nbytes in parts:
             self._byte_offset[name] = total
             total += _align(nbytes)
-        if P > 1 and _ranks_share_a_device(group, self.device):
+        if shared_device:
             logger.warning(f"ds_comet: rank {self.rank} shares its GPU with another rank of its expert-parallel "
                            "group; the fused kernels will run time-sliced between them, far slower than with "
-                           "one rank a GPU")
+                           "one rank a GPU (under MPS, which runs their kernels side by side, a rank's waiting "
+                           "kernels can hold the SMs its peer needs until the wait times out)")
             self._storage = torch.empty(total, dtype=torch.uint8, device=self.device)
             bases, self._peer_storage = _ipc_peer_pointers(self._storage, group, self.rank, P)
         else:
@@ -185,9 +192,9 @@ class CometBuffer:
 _BUFFERS: Dict[tuple, CometBuffer] = {}
 
 
-def get_buffer(group, shape: BufferShape, timeout_s: float) -> CometBuffer:
+def get_buffer(group, shape: BufferShape, timeout_s: float, shared_device: bool = False) -> CometBuffer:
     """The group's buffer for this shape, built (collectively) the first time it is asked for."""
     key = (group.group_name if group is not None else None, shape, timeout_s)
     if key not in _BUFFERS:
-        _BUFFERS[key] = CometBuffer(group, shape, timeout_s)
+        _BUFFERS[key] = CometBuffer(group, shape, timeout_s, shared_device)
     return _BUFFERS[key]

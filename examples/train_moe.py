@@ -36,6 +36,7 @@ import time
 import deepspeed
 import torch
 from deepspeed import comm as dist
+from deepspeed.constants import default_pg_timeout
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 from torch.nn import functional as F
@@ -68,7 +69,8 @@ def parse_args(argv=None):
                         help="set by the deepspeed launcher; the script reads LOCAL_RANK from the environment")
     parser.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
                         help="torch.distributed backend (default: DeepSpeed's for the accelerator); gloo lets "
-                             "ranks share a GPU (each rank's LOCAL_RANK names its GPU)")
+                             "ranks share a GPU (each rank's LOCAL_RANK names its GPU; scripts/shared_gpu_ranks.sh); "
+                             "with GPUs it needs the ranks in the environment (a launcher, or a one-node mpirun)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a set of defaults: " + "; ".join(
                             f"{name}: " + ", ".join(f"{key}={value}" for key, value in values.items())
@@ -413,7 +415,7 @@ def main(argv=None):
         # group (the expert groups) by splitting it, which gloo cannot do; a group made here is kept.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        torch.distributed.init_process_group("gloo")
+        torch.distributed.init_process_group("gloo", timeout=default_pg_timeout)
     deepspeed.init_distributed(dist_backend=args.dist_backend,
                                distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -91,6 +91,19 @@ def remove_shm_buffers(port: int):
             pass
 
 
+def remove_ipc_counters(pids):
+    """Unlink the /dev/shm reference counters of CUDA tensors these killed ranks shared (CUDA IPC).
+
+    torch names them after the sharing process, which unlinks them on a clean exit only.
+    """
+    for pid in pids:
+        for path in glob.glob(f"/dev/shm/torch_{pid}_*"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -151,8 +164,8 @@ class DistPool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.procs = [
-            ctx.Process(target=_rank_main, args=(rank, self.world_size, port, self.backend, self.gpu_ranks, self.tasks[rank],
-                              self.results),
+            ctx.Process(target=_rank_main,
+                        args=(rank, self.world_size, port, self.backend, self.gpu_ranks, self.tasks[rank], self.results),
                         daemon=True) for rank in range(self.world_size)
         ]
         for proc in self.procs:
@@ -166,6 +179,7 @@ class DistPool:
             proc.join(timeout=10)
         if self.procs:
             remove_shm_buffers(self.port)
+            remove_ipc_counters([proc.pid for proc in self.procs])
         self.procs = []
 
     def _collect(self, timeout: float, what: str):

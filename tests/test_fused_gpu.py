@@ -7,6 +7,7 @@ The workspace is poisoned with NaN before each fused call and the output buffer 
 nobody wrote cannot pass.
 """
 
+import os
 import re
 
 import deepspeed
@@ -20,6 +21,7 @@ from ds_comet.experts import reset_expert_
 from ds_comet.fused import fused_forward
 from ds_comet.ops import CometWaitTimeout
 from ds_comet.routing import plan_routes
+from dist_pool import RANKS_PER_GPU_VAR, ranks_per_gpu
 from layout_reference import reference_layout
 from moe_helpers import make_expert, reset_experts_
 
@@ -544,6 +546,31 @@ def graph_case(seed):
 
 def test_fused_forward_in_cuda_graph(gpu_pool):
     gpu_pool.run(graph_case, seed=_seed())
+
+
+def shared_expandable_case(seed):
+    """Ranks on one GPU with expandable segments asked for: "fused" must fail naming the setting."""
+    ep_size = dist.get_world_size()
+    previous = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    # Read by the layer's choice only: the allocator took its settings when CUDA started.
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    try:
+        layers = _layers(seed, 128, 256, "gelu", moe={"overlap": "fused"}, num_experts=2 * ep_size, ep_size=ep_size,
+                         k=1)
+        tokens = torch.randn(1, 32, 128, device=torch.device("cuda", torch.cuda.current_device())).to(torch.bfloat16)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="expandable segments"):
+            layers["fused"](tokens)
+    finally:
+        if previous is None:
+            del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+        else:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = previous
+
+
+def test_shared_gpu_refuses_expandable_segments(gpu_pool):
+    if ranks_per_gpu() < 2:
+        pytest.skip(f"needs ranks that share a GPU ({RANKS_PER_GPU_VAR}=2)")
+    gpu_pool.run(shared_expandable_case, seed=_seed())
 
 
 def timeout_case(seed):
