@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): build the op, run the GPU tests, then the benchmark.
-# Usage: bash scripts/gpu_check.sh [tests|bench|all|sweep] [extra bench args...]; logs go to $OUT (or ./gpu_out).
+# Usage: bash scripts/gpu_check.sh [tests|bench|all|sweep|shared] [extra bench args...]; logs go to $OUT (or ./gpu_out).
+# shared: the fused tests with two ranks on each GPU (DS_COMET_TEST_RANKS_PER_GPU=2), for a one-GPU
+# machine: the two-rank paths, time-sliced (results only, about 3 minutes on one H200).
 # sweep: the fused layer alone on the default shapes (idle-device, back-to-back and device-alone times,
 # graphed gate), and shape 2 at 2, 4 and the rule's column chunks.
 set -uo pipefail
@@ -23,6 +25,10 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 420 torchrun --nproc_per_node "$(python3 -c 'import torch; print(torch.cuda.device_count())')" \
         --master_port 29631 -m ds_comet.bench --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v "^\[" | tail -30
+fi
+if [ "$what" = shared ]; then
+    DS_COMET_TEST_RANKS_PER_GPU=2 timeout 420 python3 -m pytest tests/test_fused_gpu.py tests/test_compile.py -k \
+        "fused" -x -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests_shared.log" | tail -20
 fi
 if [ "$what" = sweep ]; then
     gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
