@@ -349,3 +349,20 @@ def test_expert_tables_refuse_weights_converted_after_the_choice():
     modules[1].fc1.weight = torch.nn.Parameter(modules[1].fc1.weight.detach().double())
     with pytest.raises(ValueError, match=r"cannot read the experts' weights: expert 1's weight is torch.float64"):
         tables.get(experts, tokens)
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments: true"}, True),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+])
+def test_expandable_segments_read_from_both_variables(monkeypatch, settings, expected):
+    # Ranks that share a GPU cannot pass such blocks through CUDA IPC; the choice refuses them by name.
+    from ds_comet.workspace import expandable_segments
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    assert expandable_segments() is expected
