@@ -153,14 +153,16 @@ build_op() {
     return 1
 }
 
-# override PYTHON_STATEMENT VAR...: each VAR's config, with the statement applied to it (as c),
-# written to $OUT/configs; VAR then names the copy.
+# override [--prefix=P] PYTHON_STATEMENT VAR...: each VAR's config, with the statement applied to it
+# (as c), written to $OUT/configs under its own name (after P); VAR then names the copy.
 override() {
-    local statement=$1 var src dst
+    local prefix="" statement var src dst
+    if [[ $1 == --prefix=* ]]; then prefix=${1#--prefix=}; shift; fi
+    statement=$1
     shift
     mkdir -p "$OUT/configs"
     for var in "$@"; do
-        src=${!var} dst="$OUT/configs/$(basename "${!var}")"
+        src=${!var} dst="$OUT/configs/$prefix$(basename "${!var}")"
         python3 -c "import json, sys; c = json.load(open(sys.argv[1])); $statement
 json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$src" "$dst"
         printf -v "$var" '%s' "$dst"
@@ -263,10 +265,8 @@ fi
 
 # --- (e) interleaved rounds: tokens/s ratios that the host's drift between runs does not decide.
 if [[ $PARTS == *e* ]]; then
-    COMET_GRAPH=$OUT/configs/graph_gate_$(basename "$COMET_ZERO2")
-    mkdir -p "$OUT/configs"
-    python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['moe']['cuda_graph_gate'] = True
-json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$COMET_ZERO2" "$COMET_GRAPH"
+    COMET_GRAPH=$COMET_ZERO2
+    override --prefix=graph_gate_ "c['moe']['cuda_graph_gate'] = True" COMET_GRAPH
     ROUND_RUNS=()
     port=29580
     for round in $(seq 1 "$AB_ROUNDS"); do
