@@ -26,7 +26,7 @@ from .fused import ExpertTables, FusedCall, FusedParameters, expert_parameters, 
 from .gate import _GLOBAL_HOOKS, _MODULE_HOOKS
 from .layout import MAX_COMBINE_TOP_K
 from .routing import plan_routes_cuda
-from .workspace import BufferShape, expandable_segments, get_buffer
+from .workspace import BufferShape, allocator_ipc_refusal, get_buffer
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 # Rates for the split rule (2 x H200, see shared/device/README.md and docs/performance.md).
@@ -204,10 +204,11 @@ class PipelineSelector:
             return ("the expert-parallel group spans nodes; the fused kernels need peer memory access inside one "
                     "node")
         shared_device = len({gpu for _, _, gpu, _ in everyone}) < len(everyone)
-        if shared_device and expandable_segments():
-            return ("ranks of the expert-parallel group share a GPU, so the fused workspace would go through CUDA "
-                    "IPC, which cannot share the allocator's expandable segments (unset expandable_segments in "
-                    "PYTORCH_CUDA_ALLOC_CONF)")
+        refusal = allocator_ipc_refusal() if shared_device else None
+        if refusal is not None:
+            return (f"ranks of the expert-parallel group share a GPU, so the fused workspace would go through CUDA "
+                    f"IPC, which cannot share the caching allocator's blocks with {refusal} (change "
+                    "PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF)")
         gate = self.moe.gate
         max_tokens = self.config.max_tokens_per_rank or max(count for _, _, _, count in everyone)
         ffn, gated = self._experts[0].first.out_features, self._experts[0].gate is not None

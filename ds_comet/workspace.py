@@ -16,7 +16,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as torch_dist
@@ -74,14 +74,24 @@ def _ipc_peer_pointers(local: torch.Tensor, group, rank: int, ep_size: int):
     return [t.data_ptr() for t in opened], opened
 
 
-def expandable_segments() -> bool:
-    """Whether the caching allocator is set to expandable segments, which CUDA IPC cannot share here.
+def allocator_ipc_refusal() -> Optional[str]:
+    """What in the caching allocator's settings CUDA IPC cannot share between ranks on one GPU, or None.
 
-    Such blocks travel as file descriptors taken with pidfd_getfd, which containers and
-    ptrace_scope usually refuse between sibling processes.
+    Read as torch reads them: PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF; the last value of a
+    key wins.
     """
-    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    settings = {}
+    for entry in conf.split(","):
+        key, _, value = entry.partition(":")
+        settings[key.strip()] = value.strip()
+    if settings.get("backend") == "cudaMallocAsync":
+        return "the cudaMallocAsync backend, which cannot share IPC handles"
+    if settings.get("expandable_segments", "").lower() == "true":
+        # Such blocks travel as file descriptors taken with pidfd_getfd, which containers and
+        # ptrace_scope usually refuse between sibling processes.
+        return "expandable segments"
+    return None
 
 
 class CometBuffer:

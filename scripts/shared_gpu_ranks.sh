@@ -16,8 +16,12 @@ ranks=$1 port=$2 grace=${GRACE_S:-10}
 shift 2
 pids=()
 
-# Each rank leads its own process group, so that stopping it stops whatever it started too.
-signal_all() { local pid; for pid in "${pids[@]}"; do kill "-$1" -- "-$pid" 2> /dev/null; done; }
+# Each rank leads its own process group, so that stopping it stops whatever it started too; the
+# rank itself is signalled as well, in case it has not reached setsid yet.
+signal_all() {
+    local pid
+    for pid in "${pids[@]}"; do kill "-$1" -- "-$pid" 2> /dev/null; kill "-$1" "$pid" 2> /dev/null; done
+}
 alive() { local pid; for pid in "${pids[@]}"; do kill -0 -- "-$pid" 2> /dev/null && return 0; done; return 1; }
 stop_all() {
     local waited=0
@@ -25,15 +29,21 @@ stop_all() {
     while alive && (( waited < grace * 10 )); do sleep 0.1; waited=$((waited + 1)); done
     signal_all KILL
 }
-trap 'stop_all; exit 143' TERM
-trap 'stop_all; exit 130' INT
-trap 'stop_all; exit 129' HUP
-
+# A signal while the ranks start is acted on once every started rank is in pids.
+pending=0
+trap 'pending=143' TERM
+trap 'pending=130' INT
+trap 'pending=129' HUP
 for rank in $(seq 0 $((ranks - 1))); do
     RANK=$rank WORLD_SIZE=$ranks LOCAL_RANK=0 LOCAL_WORLD_SIZE=$ranks MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
         setsid "$@" &
     pids+=($!)
+    (( pending )) && break
 done
+trap 'stop_all; exit 143' TERM
+trap 'stop_all; exit 130' INT
+trap 'stop_all; exit 129' HUP
+(( pending )) && { stop_all; exit "$pending"; }
 rc=0
 for _ in "${pids[@]}"; do
     # A rank that failed leaves its peers waiting on it: stop them, and report the first failure.

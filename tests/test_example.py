@@ -413,12 +413,14 @@ def test_shared_gpu_ranks_environment():
 # Rank 0 starts a child that would run for ten minutes and writes the child's pid; the other ranks
 # wait for that file, then rank 1 fails (or, with keep_going, every rank waits too).
 SHARED_RANKS_CASE = """
-import os, subprocess, sys, time
+import os, signal, subprocess, sys, time
 pid_file, keep_going = sys.argv[1], sys.argv[2] == "1"
 if os.environ["RANK"] == "0":
+    if len(sys.argv) > 3:  # a rank that ignores TERM, and so does its child
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(pid_file + ".tmp", "w") as handle:
-        handle.write(str(child.pid))
+        handle.write(f"{os.getpid()} {child.pid}")
     os.rename(pid_file + ".tmp", pid_file)
     time.sleep(600)
 while not os.path.exists(pid_file):
@@ -453,20 +455,22 @@ def test_shared_gpu_ranks_failure_stops_the_others(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 7, (done.returncode, done.stderr)
     assert time.monotonic() - began < 60
-    assert _wait_gone(int(open(pid_file).read()), 10), "rank 0's child outlived the launcher"
+    assert all(_wait_gone(int(pid), 10) for pid in open(pid_file).read().split()), "rank 0 outlived the launcher"
 
 
-def test_shared_gpu_ranks_stops_every_rank_on_term(tmp_path):
+@pytest.mark.parametrize("ignore_term", [False, True], ids=["term", "kill-after-grace"])
+def test_shared_gpu_ranks_stops_every_rank_on_term(tmp_path, ignore_term):
     pid_file = str(tmp_path / "child.pid")
-    launcher = subprocess.Popen(["bash", SHARED_RANKS, "2", "29596", sys.executable, "-c", SHARED_RANKS_CASE, pid_file,
-                                 "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = ["bash", SHARED_RANKS, "2", "29596", sys.executable, "-c", SHARED_RANKS_CASE, pid_file, "1"]
+    launcher = subprocess.Popen(command + (["ignore-term"] if ignore_term else []), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=dict(os.environ, GRACE_S="1"))
     deadline = time.monotonic() + 60
     while not os.path.exists(pid_file) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert os.path.exists(pid_file), "rank 0 never started its child"
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=30) == 143
-    assert _wait_gone(int(open(pid_file).read()), 10), "rank 0's child outlived the launcher"
+    assert all(_wait_gone(int(pid), 10) for pid in open(pid_file).read().split()), "rank 0 outlived the launcher"
 
 
 def test_shared_gpu_ranks_rejects_bad_arguments():

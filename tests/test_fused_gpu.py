@@ -551,7 +551,7 @@ def test_fused_forward_in_cuda_graph(gpu_pool):
 def shared_expandable_case(seed):
     """Ranks on one GPU with expandable segments asked for: "fused" must fail naming the setting."""
     ep_size = dist.get_world_size()
-    previous = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    previous = {name: os.environ.pop(name, None) for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     # Read by the layer's choice only: the allocator took its settings when CUDA started.
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     try:
@@ -561,10 +561,10 @@ def shared_expandable_case(seed):
         with torch.no_grad(), pytest.raises(RuntimeError, match="expandable segments"):
             layers["fused"](tokens)
     finally:
-        if previous is None:
-            del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
-        else:
-            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = previous
+        for name, value in previous.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 def test_shared_gpu_refuses_expandable_segments(gpu_pool):

@@ -352,17 +352,23 @@ def test_expert_tables_refuse_weights_converted_after_the_choice():
 
 
 @pytest.mark.parametrize("settings, expected", [
-    ({}, False),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments: true"}, True),
-    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+    ({}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "expandable segments"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"}, "expandable segments"),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "expandable segments"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None),
+    # torch reads PYTORCH_ALLOC_CONF alone when it is set, and the last value of a key
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "cudaMallocAsync"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:native,max_split_size_mb:128"}, None),
 ])
-def test_expandable_segments_read_from_both_variables(monkeypatch, settings, expected):
-    # Ranks that share a GPU cannot pass such blocks through CUDA IPC; the choice refuses them by name.
-    from ds_comet.workspace import expandable_segments
+def test_allocator_settings_that_cuda_ipc_cannot_share(monkeypatch, settings, expected):
+    # Ranks that share a GPU pass their workspace through CUDA IPC; the choice refuses these by name.
+    from ds_comet.workspace import allocator_ipc_refusal
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
-    assert expandable_segments() is expected
+    refusal = allocator_ipc_refusal()
+    assert (refusal is None) if expected is None else (expected in refusal), refusal
