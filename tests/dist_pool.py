@@ -78,17 +78,21 @@ def _build_cpu_comm_op():
     build_shm_op()
 
 
+def _unlink_matching(pattern: str):
+    for path in glob.glob(pattern):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def remove_shm_buffers(port: int):
     """Unlink the /dev/shm all-reduce buffers DeepSpeed's CPU comm op made for a job on this port.
 
     The op never unlinks them, and killed ranks cannot: every pool start would otherwise leave
     2 x 66 MiB behind in memory-backed /dev/shm (21 GB after a day of test runs on this machine).
     """
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    _unlink_matching(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*")
 
 
 def remove_ipc_counters(pids):
@@ -97,11 +101,7 @@ def remove_ipc_counters(pids):
     torch names them after the sharing process, which unlinks them on a clean exit only.
     """
     for pid in pids:
-        for path in glob.glob(f"/dev/shm/torch_{pid}_*"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        _unlink_matching(f"/dev/shm/torch_{pid}_*")
 
 
 def free_port() -> int:
