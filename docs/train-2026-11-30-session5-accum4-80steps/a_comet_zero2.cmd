@@ -1,1 +1,0 @@
-deepspeed --num_gpus 2 --master_port 29572 examples/train_moe.py --deepspeed_config /root/out/tc/configs/gpu_zero2_comet.json --preset gpu-fine --seed 1234 --log-level info --metrics-file /root/out/tc/a_comet_zero2.jsonl --steps 80 --eval-batches 4 

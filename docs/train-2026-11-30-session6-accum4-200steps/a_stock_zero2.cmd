@@ -1,1 +1,0 @@
-deepspeed --num_gpus 2 --master_port 29571 examples/train_moe.py --deepspeed_config /root/out/tc/configs/gpu_zero2_deepspeed.json --preset gpu-fine --seed 1234 --log-level info --metrics-file /root/out/tc/a_stock_zero2.jsonl --steps 200 --eval-batches 4 
