@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from tests.support.dist_pool import cpu_world_size, free_port, remove_shm_buffers
+from dist_pool import cpu_world_size, free_port, remove_shm_buffers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "examples", "train_moe.py")
