@@ -20,23 +20,39 @@
 
 namespace ds_comet {
 
-// What a bounded wait was waiting for; the error record names it.
-enum WaitKind : int64_t {
-    kWaitExchangeFlag = 1,   // a peer's expert counts for this call
-    kWaitDispatchTile = 2,   // rows of a GEMM1 row tile (waited on in the Triton GEMM)
-    kWaitCombineChunk = 3,   // expert outputs of a column chunk finished for this rank
-    kWorkspaceOverflow = 4,  // more rows than the workspace holds
-};
+// Every constant that the Python side needs too, stated once: DS_COMET_CONSTANTS(X) calls
+// X(name, value) for each. Below it declares ds_comet::k<name>; ds_comet/kernels/constants.py reads
+// these lines from this file, and the binding's codes() exports the compiled values, which the op
+// loader checks against them (a build older than this header is refused).
+#define DS_COMET_CONSTANTS(X)                                                                           \
+    /* What a bounded wait waited for (the error record's kind word). */                                \
+    X(WaitExchangeFlag, 1)   /* a peer's expert counts for this call */                                 \
+    X(WaitDispatchTile, 2)   /* the rows of a GEMM1 row tile (waited on in the Triton GEMM) */          \
+    X(WaitCombineChunk, 3)   /* expert outputs of a column chunk finished for this rank */              \
+    X(WorkspaceOverflow, 4)  /* more rows or tiles than the workspace holds */                          \
+    /* The int64 error record in host memory the device can write (pinned, mapped through UVA): */      \
+    /* [0] set flag, [1] rank, [2] kind, [3] index, [4] target, [5] observed, [6] waited ns. */         \
+    X(ErrorRecordWords, 8)                                                                              \
+    /* Longest a wait that gave up waits for another one to finish filling the error record. */         \
+    X(ErrorRecordWaitNs, 1000000000)                                                                    \
+    /* The combine stages each unit's routes in shared memory (16 bytes a route, within the 48 KB */    \
+    /* a launch takes without opting in to more): a token can have at most this many. */                \
+    X(MaxCombineTopK, 3000)                                                                             \
+    /* Words of layout[totals:], and what each holds. */                                                \
+    X(TotalsWords, 8)                                                                                   \
+    X(TotalTiles, 0)         /* GEMM1 row tiles on this rank */                                         \
+    X(TotalKept, 1)          /* routes this rank sends (kept by the gate) */                            \
+    X(TotalRecvRows, 2)      /* rows this rank receives */                                              \
+    X(TotalPieces, 3)        /* dispatch pieces this rank sends */                                      \
+    X(TotalGeneration, 4)    /* the call generation */                                                  \
+    X(TotalCombineClaim, 5)  /* combine work units claimed so far (zeroed by the exchange) */           \
+    /* 1 once a wait that gave up owns the error record (never reset: its trap ends the process's */    \
+    /* CUDA context). */                                                                                \
+    X(TotalErrorClaim, 6)
 
-// int64 error record in host memory the device can write (pinned, mapped through UVA):
-// [0] set flag, [1] rank, [2] kind, [3] index, [4] target, [5] observed, [6] waited ns.
-constexpr int kErrorRecordWords = 8;
-// Longest a wait that gave up waits for another one to finish filling the error record.
-constexpr uint64_t kErrorRecordWaitNs = 1000000000ull;
-
-// The combine stages each unit's routes in shared memory (16 bytes a route, within the 48 KB a
-// launch takes without opting in to more): a token can have at most this many.
-constexpr int64_t kMaxCombineTopK = 3000;
+#define DS_COMET_DECLARE_CONSTANT(name, value) constexpr int64_t k##name = value;
+DS_COMET_CONSTANTS(DS_COMET_DECLARE_CONSTANT)
+#undef DS_COMET_DECLARE_CONSTANT
 
 // Offsets (in int32 words) of the parts of the symmetric meta buffer. ds_comet/layout.py computes
 // them (the one statement of the layout) and the binding passes them in.
@@ -62,18 +78,7 @@ struct LayoutOffsets {
     int64_t dest_tile;       // [E] the destination's first row tile of e's region
     int64_t send_order;      // [E] experts in sending order: own rank first, then the next ranks
     int64_t piece_start;     // [E+1] prefix of dispatch pieces (one per destination tile touched)
-    int64_t totals;          // [8] indexed by Total
-};
-
-enum Total : int64_t {
-    kTotalTiles = 0,      // GEMM1 row tiles on this rank
-    kTotalKept = 1,       // routes this rank sends (kept by the gate)
-    kTotalRecvRows = 2,   // rows this rank receives
-    kTotalPieces = 3,     // dispatch pieces this rank sends
-    kTotalGeneration = 4, // the call generation
-    kTotalCombineClaim = 5, // combine work units claimed so far (zeroed by the exchange)
-    kTotalErrorClaim = 6,   // 1 once a wait that gave up owns the error record (never reset: its trap
-                            // ends the process's CUDA context)
+    int64_t totals;          // [kTotalsWords] indexed by kTotal*
 };
 
 struct GroupShape {

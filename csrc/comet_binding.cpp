@@ -272,20 +272,12 @@ void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, cons
                  "combine");
 }
 
+// The constants of comet.h as compiled, by name, for the op loader to check against the header.
 py::dict codes() {
     py::dict d;
-    d["total_tiles"] = static_cast<int64_t>(ds_comet::kTotalTiles);
-    d["total_kept"] = static_cast<int64_t>(ds_comet::kTotalKept);
-    d["total_recv_rows"] = static_cast<int64_t>(ds_comet::kTotalRecvRows);
-    d["total_pieces"] = static_cast<int64_t>(ds_comet::kTotalPieces);
-    d["total_generation"] = static_cast<int64_t>(ds_comet::kTotalGeneration);
-    d["total_combine_claim"] = static_cast<int64_t>(ds_comet::kTotalCombineClaim);
-    d["total_error_claim"] = static_cast<int64_t>(ds_comet::kTotalErrorClaim);
-    d["wait_exchange_flag"] = static_cast<int64_t>(ds_comet::kWaitExchangeFlag);
-    d["wait_dispatch_tile"] = static_cast<int64_t>(ds_comet::kWaitDispatchTile);
-    d["wait_combine_chunk"] = static_cast<int64_t>(ds_comet::kWaitCombineChunk);
-    d["workspace_overflow"] = static_cast<int64_t>(ds_comet::kWorkspaceOverflow);
-    d["error_record_words"] = static_cast<int64_t>(ds_comet::kErrorRecordWords);
+#define DS_COMET_EXPORT_CONSTANT(name, value) d[#name] = ds_comet::k##name;
+    DS_COMET_CONSTANTS(DS_COMET_EXPORT_CONSTANT)
+#undef DS_COMET_EXPORT_CONSTANT
     return d;
 }
 
@@ -324,7 +316,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("send_order", &ds_comet::LayoutOffsets::send_order)
         .def_readwrite("piece_start", &ds_comet::LayoutOffsets::piece_start)
         .def_readwrite("totals", &ds_comet::LayoutOffsets::totals);
-    m.def("codes", &codes, "The enum values the kernels use, for ds_comet.layout to check against");
+    m.def("codes", &codes, "The constants of comet.h as compiled, by name");
     m.def("plan", &plan, "The routing plan (route order by expert, its inverse, kept routes per expert) of the "
           "gate's indices");
     m.def("top2_routes", &top2_routes, "The top-2 gate's choices, capacity drop, one-hot masks and expert counts");

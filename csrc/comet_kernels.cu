@@ -25,15 +25,6 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     return now;
 }
 
-__device__ const char* wait_name(int64_t kind) {
-    switch (kind) {
-        case kWaitExchangeFlag: return "the expert counts of peer rank";
-        case kWaitDispatchTile: return "the rows of GEMM1 row tile";
-        case kWaitCombineChunk: return "the expert outputs of column chunk";
-        default: return "workspace capacity";
-    }
-}
-
 // Writes the error record the host turns into an exception, prints it, and stops the kernel:
 // a wait that never completes must not leave wrong numbers behind or hang the job. When a peer
 // stops, every waiting block gives up at about the same time; the claim in device memory lets
@@ -55,11 +46,13 @@ __device__ void fail(const GroupShape& shape, int32_t* layout, int64_t* error_re
         __threadfence_system();
     } else {
         const uint64_t start = global_timer_ns();
-        while (record[0] == 0 && global_timer_ns() - start < kErrorRecordWaitNs) __nanosleep(1000);
+        while (record[0] == 0 && global_timer_ns() - start < static_cast<uint64_t>(kErrorRecordWaitNs)) __nanosleep(1000);
     }
-    printf("ds_comet: rank %d gave up after %.1f s waiting for %s %lld to reach %lld (saw %lld)\n", shape.rank,
-           waited_ns * 1e-9, wait_name(kind), static_cast<long long>(index), static_cast<long long>(target),
-           static_cast<long long>(observed));
+    // The Python exception (ds_comet/kernels/ops.py) names what the wait was for; this line is for
+    // a process that dies before it can raise it.
+    printf("ds_comet: rank %d gave up after %.1f s on wait kind %lld, index %lld: target %lld, saw %lld\n", shape.rank,
+           waited_ns * 1e-9, static_cast<long long>(kind), static_cast<long long>(index),
+           static_cast<long long>(target), static_cast<long long>(observed));
     __trap();
 }
 

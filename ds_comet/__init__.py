@@ -1,9 +1,24 @@
-"""ds_comet: a DeepSpeed MoE backend that overlaps the expert-parallel all-to-all with the experts."""
+"""ds_comet: a DeepSpeed MoE backend that overlaps the expert-parallel all-to-all with the experts.
+
+The package in layers, each using only those below it:
+
+- ``ds_comet.integrations``: where DeepSpeed's MoE layers meet the pipelines: stock
+  ``deepspeed.moe.layer.MoE`` (``ds_comet.MoE``, ``build_moe``) and AutoEP's layer; and
+  ``ds_comet.initialize``, which converts a model's MoE layers as the ds_config's ``"moe"`` section says;
+- ``ds_comet.pipelines``: the reference pipeline (plain torch) and the fused COMET pipeline, and
+  the per-layer choice between them;
+- ``ds_comet.kernels``: the CUDA op and the Triton GEMMs the fused pipeline launches;
+- ``ds_comet.config`` (the ``"moe"`` section) and ``ds_comet.experts`` (expert modules, and
+  ``register_expert`` to tell the kernels where a class keeps its weights).
+"""
 
 from . import experts
 from .config import CometMoEConfig, moe_config_from
-from .layer import CometMOELayer, MoE, build_moe
+from .experts import register_expert
+from .initialize import convert_moe_layers, initialize
+from .integrations.legacy.layer import CometMOELayer, MoE, build_moe
 
 __version__ = "0.1.0"
 
-__all__ = ["experts", "CometMoEConfig", "CometMOELayer", "MoE", "build_moe", "moe_config_from", "__version__"]
+__all__ = ["experts", "CometMoEConfig", "CometMOELayer", "MoE", "build_moe", "convert_moe_layers", "initialize",
+           "moe_config_from", "register_expert", "__version__"]

@@ -1,12 +1,25 @@
-"""Expert modules whose structure the fused pipeline understands.
+"""Expert modules, and where the fused kernels find an expert's weights.
 
-Any row-wise module works as an expert on the reference pipeline. The fused kernels run two
-grouped GEMMs with an activation between them, so they need to know where the weights are:
-these two modules (and ``nn.Sequential(Linear, activation, Linear)``) say it.
+Any row-wise module works as an expert on the reference pipeline, which calls it. The fused
+kernels compute every local expert from its weights without calling it:
+
+    act(x W1^T + b1) [* (x W3^T + b3)] W2^T + b2
+
+so they need to know which ``nn.Linear`` holds W1 (the activation's input), which holds W3 (the
+factor of a gated expert, often called "up"), which holds W2 (the down projection), and which
+activation sits between them. ``FeedForward``, ``GatedFeedForward`` and ``nn.Sequential(Linear,
+GELU|ReLU|SiLU, Linear)`` are known; any other class says it with ``register_expert``, keeping its
+own parameter names (and so its checkpoints)::
+
+    ds_comet.register_expert(MixtralBlockSparseTop2MLP, first="w1", up="w3", second="w2", activation="silu")
+
+A registered class's own ``forward`` is then compared with that formula on a few random rows when
+a layer first chooses the fused pipeline: an expert that computes something else (another
+activation, a scale, a dropout) runs the reference pipeline, with the difference as the reason.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -70,12 +83,54 @@ def reset_expert_(expert: nn.Module, seed: int) -> None:
 
 
 @dataclass(frozen=True)
+class ExpertLayout:
+    """Where an expert class keeps its weights, as attribute paths of ``nn.Linear`` submodules.
+
+    ``activation`` is a name in ``ACTIVATIONS`` or a function of the module that returns one (for
+    classes that keep it per instance). ``checked``: whether the class's ``forward`` is compared
+    with the formula before the fused kernels replace it (every class registered by a user is).
+    """
+    first: str
+    second: str
+    up: Optional[str] = None
+    activation: Union[str, Callable[[nn.Module], str]] = "gelu"
+    checked: bool = True
+
+
+_LAYOUTS: Dict[type, ExpertLayout] = {}
+
+
+def register_expert(cls: type, *, first: str, second: str, up: Optional[str] = None,
+                    activation: Union[str, Callable[[nn.Module], str]]) -> None:
+    """Tell the fused kernels where instances of ``cls`` keep their weights.
+
+    ``first``, ``up`` and ``second`` name the ``nn.Linear`` submodules holding W1, W3 (gated experts
+    only) and W2, by attribute path ("mlp.w1" is fine); ``activation`` is one of ``ACTIVATIONS``
+    (or a function of the module returning one). Only instances of exactly ``cls`` are covered: a
+    subclass may compute something else. Registering a class again replaces its layout.
+    """
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"register_expert takes an nn.Module class, got {cls!r}")
+    if isinstance(activation, str):
+        _activation(activation)
+    elif not callable(activation):
+        raise TypeError(f"activation must be a name in {list(ACTIVATIONS)} or a function of the module, got "
+                        f"{activation!r}")
+    _LAYOUTS[cls] = ExpertLayout(first=first, second=second, up=up, activation=activation)
+
+
+_LAYOUTS[FeedForward] = ExpertLayout("fc1", "fc2", None, lambda m: m.activation, checked=False)
+_LAYOUTS[GatedFeedForward] = ExpertLayout("gate_proj", "down_proj", "up_proj", lambda m: m.activation, checked=False)
+
+
+@dataclass(frozen=True)
 class FusedExpert:
-    """Where the fused kernels find one expert's weights: act(x W1^T + b1) [* (x W3^T + b3)] W2^T + b2."""
+    """One expert's weights as the fused kernels read them: act(x W1^T + b1) [* (x W3^T + b3)] W2^T + b2."""
     first: nn.Linear
     gate: Optional[nn.Linear]  # the multiplying projection of a gated expert (its "up" projection)
     second: nn.Linear
     activation: str
+    module: Optional[nn.Module] = None  # the expert itself, when its forward is to be checked
 
     def tensors(self) -> tuple:
         """``(w1, b1, w3, b3, w2, b2)``, None where the expert has none.
@@ -91,38 +146,92 @@ class FusedExpert:
     def linears(self) -> List[nn.Linear]:
         return [self.first, self.second] + ([self.gate] if self.gate is not None else [])
 
+    def compute(self, x: Tensor) -> Tensor:
+        """What the fused kernels compute for rows ``x``, in plain torch (the formula above)."""
+        h = ACTIVATIONS[self.activation](F.linear(x, self.first.weight, self.first.bias))
+        if self.gate is not None:
+            h = h * F.linear(x, self.gate.weight, self.gate.bias)
+        return F.linear(h, self.second.weight, self.second.bias)
+
 
 _SEQUENTIAL_ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu"}
-_SUPPORTED = ("ds_comet.experts.FeedForward, GatedFeedForward, or nn.Sequential(Linear, GELU|ReLU|SiLU, Linear), "
-              "as they are (not subclasses, not parametrized)")
+_SUPPORTED = ("ds_comet.experts.FeedForward, GatedFeedForward, nn.Sequential(Linear, GELU|ReLU|SiLU, Linear), or a "
+              "class registered with ds_comet.register_expert, as they are (not subclasses, not parametrized)")
 
 
 def fused_expert(expert: nn.Module) -> Union[FusedExpert, str]:
     """The expert's weights for the fused kernels, or why the fused kernels cannot run it.
 
     The kernels compute what these modules compute without calling them, so the types must be exactly
-    these: a subclass may override ``forward``, and a parametrized Linear computes its weight.
+    the known or registered ones: a subclass may override ``forward``, and a parametrized Linear
+    computes its weight.
     """
     spec = _spec(expert)
-    if spec is None:
-        return f"the expert is a {type(expert).__name__}; the fused kernels run {_SUPPORTED}"
+    if isinstance(spec, str):
+        return spec
     for linear in spec.linears():
         if type(linear) is not nn.Linear:  # a parametrized Linear is of a subclass too
             return f"the expert's layer is a {type(linear).__name__}; the fused kernels run {_SUPPORTED}"
     return spec
 
 
-def _spec(expert: nn.Module) -> Optional[FusedExpert]:
-    if type(expert) is FeedForward:
-        return FusedExpert(expert.fc1, None, expert.fc2, expert.activation)
-    if type(expert) is GatedFeedForward:
-        return FusedExpert(expert.gate_proj, expert.up_proj, expert.down_proj, expert.activation)
+def _spec(expert: nn.Module) -> Union[FusedExpert, str]:
+    layout = _LAYOUTS.get(type(expert))
+    if layout is not None:
+        return _from_layout(expert, layout)
     if type(expert) is nn.Sequential and len(expert) == 3:
         first, act, second = expert
         if type(act) is nn.GELU:
             return FusedExpert(first, None, second, "gelu" if act.approximate == "none" else "gelu_tanh")
         if type(act) in _SEQUENTIAL_ACTIVATIONS:
             return FusedExpert(first, None, second, _SEQUENTIAL_ACTIVATIONS[type(act)])
+    return f"the expert is a {type(expert).__name__}; the fused kernels run {_SUPPORTED}"
+
+
+def _from_layout(expert: nn.Module, layout: ExpertLayout) -> Union[FusedExpert, str]:
+    name = type(expert).__name__
+    linears = {}
+    for role in ("first", "up", "second"):
+        path = getattr(layout, role)
+        if path is None:
+            continue
+        try:
+            linears[role] = expert.get_submodule(path)
+        except AttributeError:
+            return f"the expert {name} has no submodule {path!r}, which register_expert named as its {role} layer"
+        if not isinstance(linears[role], nn.Linear):
+            return (f"the expert {name}'s {path!r} is a {type(linears[role]).__name__}, not the nn.Linear that "
+                    "register_expert needs")
+    activation = layout.activation(expert) if callable(layout.activation) else layout.activation
+    if activation not in ACTIVATIONS:
+        return f"the expert {name}'s activation {activation!r} is not one of {', '.join(ACTIVATIONS)}"
+    return FusedExpert(linears["first"], linears.get("up"), linears["second"], activation,
+                       expert if layout.checked else None)
+
+
+def forward_mismatch(spec: FusedExpert, hidden: int, rows: int = 16, tolerance: float = 2e-2) -> Optional[str]:
+    """Why a registered expert's own ``forward`` is not the formula the fused kernels compute, or None.
+
+    Both run on the same random rows in the weights' dtype; a relative difference past
+    ``tolerance`` (a few bf16 roundings) is a different computation, not rounding.
+    """
+    if spec.module is None:
+        return None
+    weight = spec.first.weight
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(rows, hidden, generator=generator, device=weight.device).to(weight.dtype)
+    with torch.no_grad():
+        got = spec.module(x)
+        got = got[0] if isinstance(got, tuple) else got
+        want = spec.compute(x)
+    if got.shape != want.shape:
+        return (f"the expert {type(spec.module).__name__}'s forward returns {tuple(got.shape)} for {tuple(x.shape)} "
+                f"rows, the registered layout gives {tuple(want.shape)}")
+    error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+    if not error <= tolerance:
+        return (f"the expert {type(spec.module).__name__}'s forward differs from its registered layout by "
+                f"{error:.3g} (relative) on random rows: the fused kernels would compute something else; check "
+                "register_expert's first/up/second/activation")
     return None
 
 
@@ -152,9 +261,16 @@ def expert_tensors_reason(experts: List[FusedExpert], hidden: int, dtype: torch.
             for name, tensor in linear._parameters.items():
                 if tensor is None:
                     continue
-                if tensor.dtype != dtype or tensor.device != device:
-                    return (f"expert {index}'s {name} is {tensor.dtype} on {tensor.device}, the tokens "
-                            f"{dtype} on {device}")
-                if not tensor.is_contiguous():
-                    return f"expert {index}'s {name} is not contiguous; the fused kernels read dense rows"
+                reason = tensor_reason(f"expert {index}'s {name}", tensor, dtype, device)
+                if reason is not None:
+                    return reason
+    return None
+
+
+def tensor_reason(what: str, tensor: Tensor, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why the kernels cannot read ``tensor`` as dense rows of ``dtype`` on ``device``, or None."""
+    if tensor.dtype != dtype or tensor.device != device:
+        return f"{what} is {tensor.dtype} on {tensor.device}, the tokens {dtype} on {device}"
+    if not tensor.is_contiguous():
+        return f"{what} is not contiguous; the fused kernels read dense rows"
     return None

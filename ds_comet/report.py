@@ -21,7 +21,7 @@ def _version(module_name):
 def pipeline_verdict(config) -> str:
     """Which pipeline a bf16 Comet layer on this machine's GPU would run, before any layer exists."""
     from ds_comet.config import moe_config_from
-    from ds_comet.ops import op_unavailable_reason
+    from ds_comet.kernels.ops import op_unavailable_reason
     section = moe_config_from(config)
     if section.backend == "deepspeed":
         return "stock DeepSpeed MoE (\"moe\": {\"backend\": \"deepspeed\"})"
@@ -43,8 +43,9 @@ def pipeline_verdict(config) -> str:
 
 
 def report(config=None) -> str:
-    from op_builder import CometBuilder
     import deepspeed
+
+    from ds_comet.op_builder import CometBuilder
 
     lines = ["ds_comet report", "-" * 60]
     lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}, "

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from dist_pool import WORLD_SIZE_VAR, DistPool, cpu_world_size, gpu_world_size, ranks_per_gpu
+from tests.support.dist_pool import WORLD_SIZE_VAR, DistPool, cpu_world_size, gpu_world_size, ranks_per_gpu
 
 
 def pytest_report_header(config):

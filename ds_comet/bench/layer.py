@@ -1,0 +1,323 @@
+"""Benchmark one MoE layer, forward and forward+backward: stock DeepSpeed, the reference and the fused pipeline.
+
+    torchrun --nproc_per_node 2 -m ds_comet.bench [--shape NAME ...] [--custom H,F,E,K,T ...] [--out DIR]
+                                                  [--no-backward] [--cuda-graph-gate]
+
+Every number comes from one run on the same GPUs and inputs: the three layers (same weights), the
+gate alone (stock's call and the comet layer's ``gate_routes``), the routing plan, the fused
+pipeline's GEMM1, GEMM2, combine and dispatch relaunched alone (the last two on every SM, and
+"_comm" on the communication blocks only), the expert GEMMs alone on the rows each rank actually
+receives (cuBLAS: the compute bound) and the two all-to-alls alone with the same splits (NCCL: the
+communication bound). Each time is the median of CUDA-event timings of many calls, the ranks lined
+up before each call.
+
+On the SwiGLU shapes (and every shape with --gated) it also times DeepSpeed AutoEP's layer on a
+Hugging Face block of the same sizes (``torch._grouped_mm`` experts, its NCCL ``comm`` exchange)
+beside that same block on ds_comet ("autoep_comet"), with the same weights; --no-autoep skips them.
+
+Unless --no-backward, each pipeline also runs training steps (forward, then backward of the output
+against a fixed random gradient plus the aux loss; grads set to None at the start of each step),
+timed the same way, with the peak memory one step allocates above what was allocated before it.
+The fused layer runs them on the fused backward. Their bounds: the expert FFNs
+alone, forward and backward (cuBLAS, autograd), and four all-to-alls (two forward, two backward).
+Rank 0 prints the tables of times and ratios and writes bench.json and bench.png under --out.
+"""
+
+import argparse
+import json
+import os
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+
+from ds_comet.bench import autoep
+from ds_comet.bench.common import build, expert_ffn, grouped_ffn, peak_mib, timed, train_step
+from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
+from ds_comet.integrations.legacy.gate import gate_routes
+from ds_comet.pipelines.fused import FusedPipeline, no_rows, no_scale
+from ds_comet.pipelines.routing import RoutingPlan, plan_routes_cuda
+
+PIPELINES = ("stock", "reference", "fused")
+AUTOEP_PIPELINES = ("autoep", "autoep_comet")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="a default shape (repeatable)")
+    parser.add_argument("--custom", action="append", default=[], help="H,F,E,K,T (T = tokens per rank)")
+    parser.add_argument("--gated", action="store_true", help="SwiGLU experts instead of GELU FFNs")
+    parser.add_argument("--capacity-factor", type=float, default=1.0)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--comm-blocks", type=int, default=None)
+    parser.add_argument("--combine-blocks", type=int, default=None)
+    parser.add_argument("--n-chunks", type=int, default=None)
+    parser.add_argument("--cuda-graph-gate", action="store_true", help="the comet layers replay the gate from CUDA graphs")
+    parser.add_argument("--no-autoep", dest="autoep", action="store_false",
+                        help="skip DeepSpeed AutoEP's layer and ds_comet on it")
+    parser.add_argument("--no-backward", dest="backward", action="store_false",
+                        help="time the forward only (skip the training steps and their bounds)")
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
+    return parser.parse_args()
+
+
+def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
+    """Callables that relaunch the fused forward's GEMM1, GEMM2, combine and dispatch alone (the last
+    two on every SM, and "_comm" on the communication blocks only), after one whole forward.
+
+    Tiles and chunks stay counted from that forward, so each part relaunched alone measures its
+    own rate. Every rank's relaunches must be done before any rank's next exchange zeroes its
+    counters (a late dispatch would count rows of the old call): ``timed`` lines the ranks up.
+    """
+    rows = pipeline.row_bounds[False]
+    out = pipeline.run_forward(tokens, plan, gates, rows)
+    kernels = pipeline.kernels(tokens)
+    workspace, params = pipeline.workspace, pipeline.params
+    h = torch.empty((min(rows, workspace.shape.max_recv_rows), kernels.ffn), dtype=tokens.dtype,
+                    device=tokens.device)
+    kernels.gemm1(workspace.recv, h, h, backward=False, store_pre=False)
+
+    def combine(blocks):
+        kernels.reset_combine_claims()
+        kernels.reduce(plan, gates, out, no_rows(tokens), blocks)
+
+    def dispatch(blocks):  # the same rows to the same places; the tile counts only grow
+        kernels.send(tokens, plan, no_scale(tokens.device), blocks)
+
+    return dict(gemm1=lambda: kernels.gemm1(workspace.recv, h, h, backward=False, store_pre=False),
+                gemm2=lambda: kernels.gemm2(h, backward=False), combine=lambda: combine(workspace.num_sms),
+                combine_comm=lambda: combine(params.combine_blocks), dispatch=lambda: dispatch(workspace.num_sms),
+                dispatch_comm=lambda: dispatch(params.comm_blocks))
+
+
+def autoep_step(layer, x, dy):
+    """One training step of an AutoEP block: grads set to None, forward, backward of its output."""
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    out = layer(x)
+    torch.autograd.backward([out[0] if isinstance(out, tuple) else out], [dy])
+
+
+def bench_fwd_bwd(layers, x, modules, inputs, args):
+    """Training-step times and peak MiB of every pipeline, and the expert FFNs alone, fwd+bwd."""
+    results = {}
+    x = x.detach().clone().requires_grad_()
+    dy = torch.randn_like(x)
+    for pipeline in layers:
+        layer = layers[pipeline].train()
+        step_of = autoep_step if pipeline in AUTOEP_PIPELINES else train_step
+        step = lambda: step_of(layer, x, dy)
+        results[f"{pipeline}_fwd_bwd"] = timed(step, args.iters, args.warmup)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        results[f"{pipeline}_peak_mib"] = peak_mib(step)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer.eval()
+
+    rows = [r.detach().clone().requires_grad_() for r in inputs]
+    dys = [torch.randn_like(r) for r in rows]
+
+    def experts_step():
+        for module, r in zip(modules, rows):
+            module.zero_grad(set_to_none=True)
+            r.grad = None
+        torch.autograd.backward([expert_ffn(m, r) for m, r in zip(modules, rows)], dys)
+
+    results["experts_loop_fwd_bwd"] = timed(experts_step, args.iters, args.warmup)
+    results["experts_fwd_bwd"] = results["experts_loop_fwd_bwd"]
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    grouped = grouped_ffn(modules, inputs, train=True)
+    if grouped is not None:
+        results["experts_grouped_fwd_bwd"] = timed(grouped, args.iters, args.warmup)
+        results["experts_fwd_bwd"] = min(results["experts_fwd_bwd"], results["experts_grouped_fwd_bwd"])
+    return results
+
+
+def bench_shape(name, hidden, ffn, experts, k, tokens, args):
+    ep_size = dist.get_world_size()
+    overrides = {key: value for key, value in (("comm_blocks", args.comm_blocks),
+                                               ("combine_blocks", args.combine_blocks), ("n_chunks", args.n_chunks),
+                                               ("cuda_graph_gate", args.cuda_graph_gate or None))
+                 if value is not None}
+    gated = args.gated or name in SWIGLU
+    layers = build(hidden, ffn, experts, k, ep_size, gated, args.capacity_factor, overrides)
+    device = torch.device("cuda", torch.cuda.current_device())
+    if args.autoep and gated:
+        reason = autoep.unavailable_reason()
+        if reason is None:
+            family = SWIGLU.get(name, "mixtral")
+            section = {"backend": "comet", "overlap": "fused", **overrides}
+            layers["autoep"] = autoep.autoep_layer(family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16, 0)
+            layers["autoep_comet"] = autoep.autoep_layer(family, hidden, ffn, experts, k, ep_size, device,
+                                                         torch.bfloat16, 0, section)
+        elif dist.get_rank() == 0:
+            print(f"{name}: no AutoEP rows: {reason}", flush=True)
+    for layer in layers.values():
+        layer.eval()
+    x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16)
+    results = {}
+    with torch.no_grad():
+        for pipeline in layers:
+            results[pipeline] = timed(lambda: layers[pipeline](x), args.iters, args.warmup)
+        gate = layers["fused"].deepspeed_moe.gate
+        results["stock_gate"] = timed(lambda: gate(x[0], None, True), args.iters, args.warmup)
+        pipeline = layers["fused"].deepspeed_moe.pipelines.fused
+        op = pipeline.workspace.op
+        results["gate_routes"] = timed(lambda: gate_routes(gate, x[0], op=op), args.iters, args.warmup)
+        graphs = layers["fused"].deepspeed_moe.gate_graphs
+        if graphs is not None:
+            results["gate_routes_graphed"] = timed(lambda: graphs.routes(gate, x[0], None, op), args.iters, args.warmup)
+        _, _, indices, gates, _ = gate_routes(gate, x[0], op=op)
+        results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts), args.iters, args.warmup)
+        plan = plan_routes_cuda(op, indices, experts)
+        results["comm_blocks"] = pipeline.params.comm_blocks
+        results["combine_blocks"] = pipeline.params.combine_blocks
+        for part, launch in fused_phases(pipeline, x[0], plan, gates.float()).items():
+            results[f"fused_{part}"] = timed(launch, args.iters, args.warmup)
+
+        # What this rank receives, per local expert, and what it sends to / receives from each rank.
+        local = experts // ep_size
+        received = torch.empty_like(plan.expert_counts)
+        dist.all_to_all_single(received, plan.expert_counts)
+        received = received.view(ep_size, local)
+        per_expert = received.sum(0).tolist()
+        send_splits = plan.rank_counts(ep_size).tolist()
+        recv_splits = received.sum(1).tolist()
+        modules = layers["fused"].deepspeed_moe.experts.deepspeed_experts
+        inputs = [torch.randn(rows, hidden, device=device).to(torch.bfloat16) for rows in per_expert]
+        results["experts_loop"] = timed(lambda: [expert_ffn(m, r) for m, r in zip(modules, inputs)], args.iters,
+                                        args.warmup)
+        results["experts"] = results["experts_loop"]
+        grouped = grouped_ffn(modules, inputs)
+        if grouped is not None:
+            results["experts_grouped"] = timed(grouped, args.iters, args.warmup)
+            results["experts"] = min(results["experts"], results["experts_grouped"])
+        send = torch.randn(sum(send_splits), hidden, device=device).to(torch.bfloat16)
+        recv = torch.empty(sum(recv_splits), hidden, device=device, dtype=torch.bfloat16)
+        a2a = lambda: dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+        results["all_to_all"] = timed(a2a, args.iters, args.warmup)
+    results["comm_bound"] = 2 * results["all_to_all"]
+    results["bound"] = max(results["experts"], results["comm_bound"])
+    if args.backward:
+        results.update(bench_fwd_bwd(layers, x, modules, inputs, args))
+        results["comm_bound_fwd_bwd"] = 4 * results["all_to_all"]
+        results["bound_fwd_bwd"] = max(results["experts_fwd_bwd"], results["comm_bound_fwd_bwd"])
+    # The slowest rank sets every step: report the maximum over ranks.
+    values = torch.tensor([results[key] for key in sorted(results)], device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    results = dict(zip(sorted(results), values.tolist()))
+    results.update(comm_blocks=int(results["comm_blocks"]), combine_blocks=int(results["combine_blocks"]))
+    results.update(stock_over_fused=results["stock"] / results["fused"], fused_over_bound=results["fused"] /
+                   results["bound"], reference_over_fused=results["reference"] / results["fused"])
+    if args.backward:
+        results.update(stock_over_fused_fwd_bwd=results["stock_fwd_bwd"] / results["fused_fwd_bwd"],
+                       fused_over_bound_fwd_bwd=results["fused_fwd_bwd"] / results["bound_fwd_bwd"],
+                       reference_over_fused_fwd_bwd=results["reference_fwd_bwd"] / results["fused_fwd_bwd"])
+    if "autoep" in results:
+        results.update(autoep_over_comet=results["autoep"] / results["autoep_comet"],
+                       autoep_comet_over_bound=results["autoep_comet"] / results["bound"])
+        if args.backward:
+            results.update(autoep_over_comet_fwd_bwd=results["autoep_fwd_bwd"] / results["autoep_comet_fwd_bwd"],
+                           autoep_comet_over_bound_fwd_bwd=results["autoep_comet_fwd_bwd"] / results["bound_fwd_bwd"])
+    return results
+
+
+TRAIN_COLUMNS = (("stock", "stock_fwd_bwd"), ("reference", "reference_fwd_bwd"), ("fused", "fused_fwd_bwd"),
+                 ("experts", "experts_fwd_bwd"), ("a2a x4", "comm_bound_fwd_bwd"), ("bound", "bound_fwd_bwd"),
+                 ("stock/fused", "stock_over_fused_fwd_bwd"), ("fused/bound", "fused_over_bound_fwd_bwd"),
+                 ("stock MiB", "stock_peak_mib"), ("ref MiB", "reference_peak_mib"), ("fused MiB", "fused_peak_mib"))
+
+
+def draw(ax, all_results, bars, ratios, ylabel):
+    """Grouped bars per shape, with the two ratios written above each group."""
+    names = list(all_results)
+    width = 0.8 / len(bars)
+    for i, bar in enumerate(bars):
+        ax.bar([n + i * width for n in range(len(names))], [all_results[n][bar] for n in names], width, label=bar)
+    for n, name in enumerate(names):
+        top = max(all_results[name][bar] for bar in bars)
+        text = "\n".join(f"{label} {all_results[name][key]:.2f}" for label, key in ratios)
+        ax.text(n + 0.4 - width / 2, top, text, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([n + 0.4 - width / 2 for n in range(len(names))], names, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.margins(y=0.25)
+    ax.legend(fontsize=7)
+
+
+def report(all_results, out_dir):
+    columns = ("stock", "reference", "fused", "stock_gate", "gate_routes", "plan", "fused_gemm1", "fused_gemm2",
+               "fused_combine", "experts", "all_to_all", "bound", "stock_over_fused", "fused_over_bound")
+    lines = ["shape".ljust(28) + "".join(c[:11].rjust(12) for c in columns)]
+    for name, results in all_results.items():
+        lines.append(name.ljust(28) + "".join(f"{results[c]:12.3f}" for c in columns))
+    print("forward: times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
+    autoep_rows = {name: results for name, results in all_results.items() if "autoep" in results}
+    if autoep_rows:
+        columns = (("AutoEP", "autoep"), ("AutoEP+comet", "autoep_comet"), ("AutoEP/comet", "autoep_over_comet"),
+                   ("comet/bound", "autoep_comet_over_bound"))
+        if all("autoep_fwd_bwd" in results for results in autoep_rows.values()):
+            columns += (("AutoEP fb", "autoep_fwd_bwd"), ("comet fb", "autoep_comet_fwd_bwd"),
+                        ("AutoEP/comet fb", "autoep_over_comet_fwd_bwd"),
+                        ("comet/bound fb", "autoep_comet_over_bound_fwd_bwd"), ("AutoEP MiB", "autoep_peak_mib"),
+                        ("comet MiB", "autoep_comet_peak_mib"))
+        lines = ["shape".ljust(40) + "".join(h.rjust(16) for h, _ in columns)]
+        for name, results in autoep_rows.items():
+            lines.append(name.ljust(40) + "".join(f"{results[key]:16.3f}" for _, key in columns))
+        print("DeepSpeed AutoEP against the same block on ds_comet: ms (fb: forward+backward), ratios, peak MiB\n"
+              + "\n".join(lines), flush=True)
+    backward = all("fused_fwd_bwd" in results for results in all_results.values())
+    if backward:
+        lines = ["shape".ljust(28) + "".join(h.rjust(12) for h, _ in TRAIN_COLUMNS)]
+        for name, results in all_results.items():
+            lines.append(name.ljust(28) + "".join(f"{results[key]:12.3f}" for _, key in TRAIN_COLUMNS))
+        print("forward+backward (one training step): times in ms, peak MiB above the step's start (max over ranks)\n"
+              + "\n".join(lines), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench.json"), "w") as handle:
+        json.dump(all_results, handle, indent=2)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no bench.png", flush=True)
+        return
+    rows = 2 if backward else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(3 + 2.5 * len(all_results), 4.5 * rows), squeeze=False)
+    draw(axes[0][0], all_results, ("stock", "reference", "fused", "experts", "comm_bound"),
+         (("stock/fused", "stock_over_fused"), ("fused/bound", "fused_over_bound")), "forward time per layer (ms)")
+    axes[0][0].set_title(f"one MoE layer, EP={dist.get_world_size()}, bf16: forward")
+    if backward:
+        draw(axes[1][0], all_results, ("stock_fwd_bwd", "reference_fwd_bwd", "fused_fwd_bwd", "experts_fwd_bwd",
+                                       "comm_bound_fwd_bwd"),
+             (("stock/fused", "stock_over_fused_fwd_bwd"), ("fused/bound", "fused_over_bound_fwd_bwd")),
+             "forward+backward time per layer (ms)")
+        axes[1][0].set_title("forward+backward (one training step)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "bench.png"), dpi=120)
+
+
+def main():
+    args = parse_args()
+    deepspeed.init_distributed()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    shapes = selected_shapes(args.shape, args.custom)
+    all_results = {}
+    for name, shape in shapes.items():
+        all_results[name] = bench_shape(name, *shape, args)
+        torch.cuda.empty_cache()  # the shape's layers are gone; give the next shape room
+        if dist.get_rank() == 0:
+            rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in all_results[name].items()}
+            print(name, json.dumps(rounded), flush=True)
+    if dist.get_rank() == 0:
+        report(all_results, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""ds_comet under DeepSpeed AutoEP: ``CometAutoEPMoELayer``."""

@@ -1,0 +1,83 @@
+"""ds_comet under DeepSpeed AutoEP (``"expert_parallel"`` in the ds_config).
+
+AutoEP replaces a Hugging Face model's MoE blocks with ``AutoEPMoELayer`` inside
+``deepspeed.initialize``: its own router, ``GroupedExperts`` (stacked ``w1``, ``w3``, ``w2``) and a
+blocking all-to-all. ``CometAutoEPMoELayer`` is that layer with the dispatch, the experts'
+computation and the combine on ds_comet's pipelines. It keeps everything else of AutoEP's: the
+router and what it computes (scores, group-limited top-k, route normalisation and scaling, score
+correction bias, the expert bias), the parameters with their names, 3-D storage, ZeRO and expert
+attributes, the checkpoint format, shared experts and the router-logits outputs. ``ds_comet.initialize``
+turns every ``AutoEPMoELayer`` of the model into one when the ``"moe"`` section says ``"comet"``.
+"""
+
+import torch
+from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer, RouterOutput
+from torch import Tensor
+
+from ...config import CometMoEConfig
+from ...pipelines.expert_weights import StackedExperts
+from ...pipelines.selection import LayerSpec, PipelineSelection
+
+
+def _layer_spec(layer: AutoEPMoELayer) -> LayerSpec:
+    ep_size, num_local, top_k = layer.ep_size, layer.num_local_experts, layer.top_k
+
+    def row_bound(max_tokens: int, train: bool) -> int:
+        # Dropless: every rank's tokens may all come here, each once per local expert it picks.
+        return max(ep_size * min(top_k, num_local) * max_tokens, 1)
+
+    settings = (("integration", "AutoEP"), ("model family", layer.model_family), ("score_apply", layer.score_apply))
+    return LayerSpec(num_experts=layer.num_experts, ep_size=ep_size, top_k=top_k, row_bound=row_bound,
+                     settings=settings, scale_before=layer.score_apply == "pre")
+
+
+class CometAutoEPMoELayer(AutoEPMoELayer):
+    """AutoEP's MoE layer with the exchange and the experts on ds_comet's pipelines.
+
+    Made from an ``AutoEPMoELayer`` in place with ``adopt`` (``ds_comet.initialize`` does it), so the
+    module, its children and its parameters stay the objects DeepSpeed's engine and optimizer hold.
+    Its forward reads as the named steps: AutoEP's router, the pipeline this call runs
+    (``pipelines.pipeline_for``), that pipeline's forward on the routes, and AutoEP's output tail
+    (shared experts, router logits).
+    """
+
+    @classmethod
+    def adopt(cls, layer: AutoEPMoELayer, config: CometMoEConfig) -> "CometAutoEPMoELayer":
+        """Turn ``layer`` (exactly an ``AutoEPMoELayer``) into this class, in place, and return it."""
+        if type(layer) is not AutoEPMoELayer:
+            raise TypeError(f"adopt takes an AutoEPMoELayer, got {type(layer).__name__}")
+        if layer.comm_backend == "deepep":
+            raise ValueError("\"expert_parallel\": {\"comm_backend\": \"deepep\"} and \"moe\": {\"backend\": "
+                             "\"comet\"} both replace AutoEP's exchange; keep one of them")
+        if layer.folding_group_handles is not None and layer.folding_group_handles.spec.tp_size > 1:
+            raise NotImplementedError("the comet MoE backend does not run AutoEP's folded tensor parallelism "
+                                      "(tensor_parallel.autotp_size > 1); use \"moe\": {\"backend\": \"deepspeed\"}")
+        layer.__class__ = cls
+        layer.pipelines = PipelineSelection(_layer_spec(layer), StackedExperts(layer.experts), config)
+        layer.pipelines.check_structure(layer.hidden_size)
+        if layer.ep_group is not None:
+            layer.pipelines.set_group(layer.ep_group)
+        return layer
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
+                                  folding_group_handles=None) -> None:
+        if folding_group_handles is not None and folding_group_handles.spec.tp_size > 1:
+            raise NotImplementedError("the comet MoE backend does not run AutoEP's folded tensor parallelism "
+                                      "(tensor_parallel.autotp_size > 1); use \"moe\": {\"backend\": \"deepspeed\"}")
+        super().set_deepspeed_parallelism(use_data_before_expert_parallel_, folding_group_handles)
+        self.pipelines.set_group(self.ep_group)
+
+    def _forward(self, hidden_states: Tensor):
+        bsz, seqlen, hdim = hidden_states.shape
+        x = hidden_states.reshape(-1, hdim)  # [T, H]
+        routes = RouterOutput(*self.router(x, self.expert_bias))
+        with torch.no_grad():
+            self.tokens_per_expert.add_(routes.num_tokens_per_expert)
+        pipeline = self.pipelines.pipeline_for(x)
+        # The pipelines take routes as [k, T]: route j of token t is entry (j, t).
+        indices, weights = routes.selected_experts.t(), routes.top_scores.t()
+        if pipeline is self.pipelines.fused:
+            output = pipeline.forward(x, indices, weights)
+        else:
+            output = pipeline.forward(x, indices, weights, scale_before=self.score_apply == "pre")
+        return self._finalize_output(output.reshape(bsz, seqlen, hdim), x, hidden_states, hdim)

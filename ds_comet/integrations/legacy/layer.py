@@ -1,0 +1,159 @@
+"""ds_comet under stock DeepSpeed's MoE layer (``deepspeed.moe.layer.MoE``).
+
+``ds_comet.MoE`` is stock ``MoE`` whose inner ``MOELayer`` is replaced by ``CometMOELayer``: the
+gate (``TopKGate``) and the experts (``Experts``, one module per expert) stay stock DeepSpeed's own
+modules, so routing, capacity, the aux loss, parameter names, expert attributes and checkpoints are
+exactly stock's; the dispatch, the experts' computation and the combine run on ds_comet's pipelines.
+"""
+
+from typing import Optional
+
+import deepspeed.moe.layer
+from deepspeed.moe.sharded_moe import MOELayer
+from deepspeed.utils import groups, log_dist
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+from torch import Tensor
+
+from ...config import CometMoEConfig, moe_config_from
+from ...pipelines.expert_weights import ModuleExperts
+from ...pipelines.parameters import max_received_rows
+from ...pipelines.selection import LayerSpec, PipelineSelection
+from .gate import gate_routes
+from .gate_graph import GateGraphs
+
+
+def _layer_spec(moe: MOELayer) -> LayerSpec:
+    gate, num_experts = moe.gate, moe.num_local_experts * moe.ep_size
+
+    def row_bound(max_tokens: int, train: bool) -> int:
+        # The gate's capacity in the mode's factor; read at the choice, as the gate holds it.
+        factor = gate.capacity_factor if train else gate.eval_capacity_factor
+        return max_received_rows(max_tokens, gate.k, num_experts, moe.ep_size, gate.drop_tokens, factor, factor,
+                                 gate.min_capacity)
+
+    settings = (("integration", "deepspeed.moe.layer.MoE"), ("capacity_factor", gate.capacity_factor),
+                ("eval_capacity_factor", gate.eval_capacity_factor), ("min_capacity", gate.min_capacity),
+                ("drop_tokens", gate.drop_tokens), ("use_rts", gate.use_rts),
+                ("noisy_gate_policy", gate.noisy_gate_policy))
+    return LayerSpec(num_experts=num_experts, ep_size=moe.ep_size, top_k=gate.k, row_bound=row_bound,
+                     settings=settings)
+
+
+class CometMOELayer(MOELayer):
+    """Stock ``MOELayer`` with the dispatch, experts and combine replaced (see the module's docstring).
+
+    Its forward reads as the named steps: the gate's routes (``gate_routes``: stock's routing
+    without the buffer locations only stock's dispatch reads), the pipeline this call runs
+    (``pipelines.pipeline_for``), and that pipeline's forward on the routes.
+    """
+
+    @classmethod
+    def adopt(cls, layer: MOELayer, config: CometMoEConfig) -> "CometMOELayer":
+        """Turn stock's ``layer`` (exactly a ``MOELayer``) into this class, in place, and return it: the
+        module, its gate, experts, parameters and expert-parallel group stay the same objects."""
+        if type(layer) is not MOELayer:
+            raise TypeError(f"adopt takes a deepspeed.moe.sharded_moe.MOELayer, got {type(layer).__name__}")
+        if layer.ep_group is not None:
+            _refuse_tensor_parallel()
+        layer.__class__ = cls
+        layer.pipelines = PipelineSelection(_layer_spec(layer),
+                                            ModuleExperts(layer.experts, layer.experts.deepspeed_experts), config)
+        layer.gate_graphs = GateGraphs() if config.cuda_graph_gate else None
+        layer.pipelines.check_structure(layer.gate.wg.weight.shape[1])
+        if layer.ep_group is not None:
+            layer.pipelines.set_group(layer.ep_group)
+        return layer
+
+    def _set_ep_group(self, ep_group):
+        _refuse_tensor_parallel()
+        super()._set_ep_group(ep_group)
+        self.pipelines.set_group(ep_group)
+
+    def forward(self, hidden_states: Tensor, used_token: Optional[Tensor] = None) -> Tensor:
+        if self.ep_size > 1 and self.ep_group is None:
+            raise RuntimeError(f"the MoE layer has ep_size={self.ep_size} but no expert-parallel group: call "
+                               "deepspeed.initialize(...) or the layer's set_deepspeed_parallelism() first")
+        hidden = hidden_states.shape[-1]
+        tokens = hidden_states.reshape(-1, hidden)
+        pipeline = self.pipelines.pipeline_for(tokens)
+        fused = pipeline is self.pipelines.fused
+        # On the fused path the op's gate kernels do the gate's integer bookkeeping.
+        op = pipeline.workspace.op if fused else None
+        routes = self.gate_graphs.routes if fused and self.gate_graphs is not None else gate_routes
+        self.l_aux, _, indices, weights, self.exp_counts = routes(self.gate, tokens, used_token, op)
+        if fused:
+            output = pipeline.forward(tokens, indices, weights, train=self.gate.training)
+        else:
+            output = pipeline.forward(tokens, indices, weights)
+        return output.reshape(hidden_states.shape)
+
+
+class MoE(deepspeed.moe.layer.MoE):
+    """``deepspeed.moe.layer.MoE`` with the Comet backend; same arguments plus ``config``.
+
+    ``config`` is the job's ds_config (a dict, a JSON path, a ``DeepSpeedConfig``, an engine) or a
+    ``CometMoEConfig``; its ``"moe"`` section picks the backend. With ``"backend": "deepspeed"``
+    the layer is stock DeepSpeed's, unchanged. Without a config the layer uses the comet backend.
+    """
+
+    def __init__(self,
+                 hidden_size: int,
+                 expert,
+                 num_experts: int = 1,
+                 ep_size: int = 1,
+                 k: int = 1,
+                 capacity_factor: float = 1.0,
+                 eval_capacity_factor: float = 1.0,
+                 min_capacity: int = 4,
+                 use_residual: bool = False,
+                 noisy_gate_policy: Optional[str] = None,
+                 drop_tokens: bool = True,
+                 use_rts: bool = True,
+                 use_tutel: bool = False,
+                 enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True,
+                 config=None) -> None:
+        moe_config = CometMoEConfig(backend="comet") if config is None else moe_config_from(config)
+        if moe_config.backend == "comet":
+            _refuse_unsupported(num_experts, ep_size, k, use_tutel, enable_expert_tensor_parallelism)
+        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
+                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
+                         enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
+        self.moe_config = moe_config
+        if moe_config.backend == "comet":
+            CometMOELayer.adopt(self.deepspeed_moe, moe_config)
+        log_dist(f"MoE backend: {moe_config.backend} (overlap: {moe_config.overlap})", [0])
+
+
+def _refuse_tensor_parallel():
+    if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
+        raise NotImplementedError("the comet MoE backend does not support tensor-parallel non-expert layers "
+                                  "(mpu tensor parallel size > 1); use \"moe\": {\"backend\": \"deepspeed\"}")
+
+
+def _refuse_unsupported(num_experts, ep_size, k, use_tutel, enable_expert_tensor_parallelism):
+    if ep_size < 1 or num_experts < 1 or num_experts % ep_size:
+        raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of ep_size ({ep_size})")
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
+    if use_tutel:
+        raise ValueError("use_tutel=True replaces stock DeepSpeed's dispatch; the comet backend has its own. "
+                         "Drop use_tutel, or use \"moe\": {\"backend\": \"deepspeed\"}")
+    if enable_expert_tensor_parallelism:
+        raise NotImplementedError("the comet MoE backend does not support expert tensor parallelism; "
+                                  "set enable_expert_tensor_parallelism=False or use \"moe\": {\"backend\": \"deepspeed\"}")
+
+
+def build_moe(ds_config=None, **moe_kwargs) -> deepspeed.moe.layer.MoE:
+    """The MoE layer the ds_config's ``"moe"`` section asks for.
+
+    ``moe_kwargs`` are ``deepspeed.moe.layer.MoE``'s arguments. Returns stock
+    ``deepspeed.moe.layer.MoE`` for ``"backend": "deepspeed"`` (the default) and ``ds_comet.MoE``
+    for ``"backend": "comet"``.
+    """
+    if "config" in moe_kwargs:
+        raise TypeError("build_moe takes the ds_config as its first argument, not as config=")
+    moe_config = moe_config_from(ds_config)
+    if moe_config.backend == "deepspeed":
+        return deepspeed.moe.layer.MoE(**moe_kwargs)
+    return MoE(config=moe_config, **moe_kwargs)

@@ -1,0 +1,57 @@
+"""Where things sit in the fused pipeline's int32 metadata arrays (the one statement of it).
+
+``meta`` is a symmetric buffer every rank of the group can address; ``layout`` is a local array
+the exchange kernel fills each call. The CUDA kernels take these offsets as arguments and the
+Triton GEMMs read the layout through them.
+"""
+
+from dataclasses import dataclass
+
+from .constants import TOTALS_WORDS
+
+
+@dataclass(frozen=True)
+class MetaOffsets:
+    counts: int
+    exchange_flag: int
+    tile_counter: int
+    chunk_counter: int
+    generation: int
+    total: int
+
+
+@dataclass(frozen=True)
+class LayoutOffsets:
+    expert_start: int
+    tile_start: int
+    local_tiles: int
+    remote_tiles: int
+    send_offset: int
+    dest_row: int
+    dest_rel: int
+    dest_tile: int
+    send_order: int
+    piece_start: int
+    totals: int
+    total: int
+
+
+def meta_offsets(ep_size: int, num_experts: int, max_tiles: int, max_chunks: int) -> MetaOffsets:
+    counts = 0
+    exchange_flag = counts + 2 * ep_size * num_experts
+    tile_counter = exchange_flag + ep_size
+    chunk_counter = tile_counter + max_tiles
+    generation = chunk_counter + max_chunks
+    return MetaOffsets(counts, exchange_flag, tile_counter, chunk_counter, generation, generation + 1)
+
+
+def layout_offsets(num_local: int, num_experts: int) -> LayoutOffsets:
+    sizes = [("expert_start", num_local + 1), ("tile_start", num_local + 1), ("local_tiles", num_local + 1),
+             ("remote_tiles", num_local + 1), ("send_offset", num_experts + 1), ("dest_row", num_experts),
+             ("dest_rel", num_experts), ("dest_tile", num_experts), ("send_order", num_experts),
+             ("piece_start", num_experts + 1), ("totals", TOTALS_WORDS)]
+    offsets, position = {}, 0
+    for name, size in sizes:
+        offsets[name] = position
+        position += size
+    return LayoutOffsets(total=position, **offsets)

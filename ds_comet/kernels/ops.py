@@ -1,0 +1,84 @@
+"""Loading the CUDA op, and turning a failed bounded wait into a Python exception."""
+
+import functools
+import importlib
+import os
+import time
+from typing import Optional
+
+import torch
+from deepspeed.utils import logger
+
+from . import constants
+from ..op_builder import CometBuilder
+
+
+class CometWaitTimeout(RuntimeError):
+    """A fused kernel waited past ``wait_timeout_s`` for data or a signal from a rank of its group."""
+
+
+def _jit_build_directory(name: str) -> str:
+    from torch.utils.cpp_extension import _get_build_directory
+    return _get_build_directory(name, verbose=False)
+
+
+@functools.lru_cache(maxsize=None)
+def load_op():
+    """The compiled ds_comet op: the ahead-of-time build if there is one, else a JIT build, made once
+    into $TORCH_EXTENSIONS_DIR (a minute or two) and loaded from there afterwards."""
+    builder = CometBuilder()
+    try:
+        op = importlib.import_module(builder.absolute_name())
+    except ImportError:
+        directory = _jit_build_directory(builder.NAME)
+        cached = os.path.exists(os.path.join(directory, f"{builder.NAME}.so"))
+        if not cached:
+            logger.warning(f"ds_comet: building the CUDA op {builder.NAME} into {directory} (once; about a "
+                           "minute, cached afterwards)")
+        started = time.perf_counter()
+        op = builder.jit_load(verbose=False)
+        if not cached:
+            logger.warning(f"ds_comet: built the CUDA op {builder.NAME} in {time.perf_counter() - started:.0f} s")
+    compiled = dict(op.codes())
+    if compiled != constants.CONSTANTS:
+        raise RuntimeError(f"the compiled ds_comet op disagrees with csrc/{constants.HEADER}: {compiled} vs "
+                           f"{constants.CONSTANTS}; rebuild it (remove {_jit_build_directory(builder.NAME)}, or "
+                           "reinstall with DS_BUILD_COMET=1)")
+    return op
+
+
+@functools.lru_cache(maxsize=None)
+def op_unavailable_reason() -> Optional[str]:
+    """Why the op cannot be used here, or None once it is loaded."""
+    reason = CometBuilder().incompatibility()
+    if reason is not None:
+        return reason
+    try:
+        load_op()
+    except Exception as error:  # a build failure is a reason: an error under "fused", a warning under "auto"
+        return f"building the ds_comet CUDA op failed: {type(error).__name__}: {error}"
+    return None
+
+
+_WHAT = {
+    constants.WAIT_EXCHANGE_FLAG: "the expert counts of peer rank {index}",
+    constants.WAIT_DISPATCH_TILE: "the rows of GEMM1 row tile {index}",
+    constants.WAIT_COMBINE_CHUNK: "the expert outputs of column chunk {index}",
+}
+
+
+def describe_error_record(record: torch.Tensor) -> Optional[str]:
+    """The message of a filled error record (pinned host memory the kernels write), or None."""
+    words = record.tolist()
+    if words[0] == 0:
+        return None
+    _, rank, kind, index, target, observed, waited_ns, _ = words
+    if kind == constants.WORKSPACE_OVERFLOW:
+        what = "receive rows" if index == 0 else "GEMM1 row tiles"
+        return (f"ds_comet: rank {rank} needed {observed} {what} but the call allows {target} (the workspace, or "
+                "the gate's capacity in its current mode, for the most tokens per rank); raise \"moe\": "
+                "{\"max_tokens_per_rank\"} in the ds_config if a rank got more tokens than the first call")
+    what = _WHAT.get(kind, "signal {index}").format(index=index)
+    return (f"ds_comet: rank {rank} waited {waited_ns / 1e9:.1f} s for {what} to reach {target} but saw {observed}; "
+            "a rank of the expert-parallel group stopped or fell behind (raise \"moe\": {\"wait_timeout_s\"} if it "
+            "is only slow)")

@@ -1,0 +1,218 @@
+"""A rank's local experts as the pipelines see them, whichever integration holds them.
+
+Two storages exist: one module per expert (stock DeepSpeed's ``Experts`` list, which its
+checkpoints require) and AutoEP's ``GroupedExperts``, three stacked parameters ``w1``, ``w3``
+``[L, F, H]`` and ``w2`` ``[L, H, F]`` with a gated activation. Both give the reference pipeline
+a way to run the experts on rows grouped by local expert, and the fused pipeline a view of their
+weights (``FusedExperts``): sizes, one pointer per weight and expert for the kernels' tables, the
+parameters autograd accumulates into, and how the grouped weight gradients map onto them.
+"""
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..experts import FusedExpert, expert_tensors_reason, forward_mismatch, fused_expert, tensor_reason
+
+POINTER_NAMES = ("w1", "b1", "w3", "b3", "w2", "b2")  # each expert's row of the pointer tables
+
+
+class FusedExperts:
+    """What the fused kernels need to know about the local experts.
+
+    ``hidden``, ``ffn``, ``gated``, ``has_bias``, ``activation`` describe them all (they are alike);
+    ``pointers()`` gives one row of ``POINTER_NAMES`` data pointers per expert (0 where absent);
+    ``parameters()`` the tensors whose gradients the fused backward returns, in its order;
+    ``gradients(dw1, db1, dw2, db2)`` those gradients from the grouped results (``dw1`` ``[L, F or 2F, H]``,
+    the first projection's rows then the up projection's; ``dw2`` ``[L, H, F]``; biases likewise).
+    """
+
+    num_local: int
+    ffn: int
+    gated: bool
+    has_bias: bool
+    activation: str
+
+    def pointers(self) -> List[Tuple[int, ...]]:
+        raise NotImplementedError
+
+    def tensors_reason(self, hidden: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+        """Why the kernels cannot read these weights for [S, hidden] tokens of dtype on device, or None."""
+        raise NotImplementedError
+
+    def parameters(self) -> List[Tensor]:
+        raise NotImplementedError
+
+    def gradients(self, dw1: Tensor, db1: Optional[Tensor], dw2: Tensor, db2: Optional[Tensor]) -> List[Tensor]:
+        raise NotImplementedError
+
+
+class ModuleFusedExperts(FusedExperts):
+    """One module per expert, each read through its ``FusedExpert`` spec."""
+
+    def __init__(self, specs: List[FusedExpert]):
+        first = specs[0]
+        self.specs = specs
+        self.num_local = len(specs)
+        self.ffn = first.first.out_features
+        self.gated = first.gate is not None
+        self.has_bias = first.first.bias is not None
+        self.activation = first.activation
+
+    def pointers(self) -> List[Tuple[int, ...]]:
+        return [tuple(0 if t is None else t.data_ptr() for t in spec.tensors()) for spec in self.specs]
+
+    def tensors_reason(self, hidden, dtype, device):
+        return expert_tensors_reason(self.specs, hidden, dtype, device)
+
+    def parameters(self) -> List[Tensor]:
+        return [t for spec in self.specs for t in spec.tensors() if t is not None]
+
+    def gradients(self, dw1, db1, dw2, db2) -> List[Tensor]:
+        def per_expert(grads):  # one view per local expert, unbound in one call (indexing costs ~3 us a view)
+            return [None] * self.num_local if grads is None else grads.unbind(0)
+
+        ffn = self.ffn
+        first_w, up_w = (dw1[:, :ffn], dw1[:, ffn:]) if self.gated else (dw1, None)
+        first_b, up_b = (db1[:, :ffn], db1[:, ffn:]) if self.gated and db1 is not None else (db1, None)
+        columns = [per_expert(g) for g in (first_w, first_b, up_w, up_b, dw2, db2)]  # FusedExpert.tensors() order
+        grads = []
+        for spec, candidates in zip(self.specs, zip(*columns)):
+            grads += [grad for param, grad in zip(spec.tensors(), candidates) if param is not None]
+        return grads
+
+
+class StackedFusedExperts(FusedExperts):
+    """AutoEP's stacked weights: ``w1``, ``w3`` ``[L, F, H]`` and ``w2`` ``[L, H, F]``, no biases."""
+
+    def __init__(self, grouped: nn.Module, activation: str):
+        self.grouped = grouped
+        self.num_local, self.ffn, _ = grouped.w1.shape
+        self.gated, self.has_bias, self.activation = True, False, activation
+
+    def _weights(self) -> Tuple[Tensor, Tensor, Tensor]:
+        params = self.grouped._parameters
+        return params["w1"], params["w3"], params["w2"]
+
+    def pointers(self) -> List[Tuple[int, ...]]:
+        w1, w3, w2 = self._weights()
+        rows = []
+        for expert in range(self.num_local):
+            starts = [t.data_ptr() + expert * t.stride(0) * t.element_size() for t in (w1, w3, w2)]
+            rows.append((starts[0], 0, starts[1], 0, starts[2], 0))
+        return rows
+
+    def tensors_reason(self, hidden, dtype, device):
+        w1, w3, w2 = self._weights()
+        for name, tensor, shape in (("w1", w1, (self.num_local, self.ffn, hidden)),
+                                    ("w3", w3, (self.num_local, self.ffn, hidden)),
+                                    ("w2", w2, (self.num_local, hidden, self.ffn))):
+            if tuple(tensor.shape) != shape:
+                return f"the grouped experts' {name} is {tuple(tensor.shape)}, the tokens need {shape}"
+            reason = tensor_reason(f"the grouped experts' {name}", tensor, dtype, device)
+            if reason is not None:
+                return reason
+        return None
+
+    def parameters(self) -> List[Tensor]:
+        return list(self._weights())
+
+    def gradients(self, dw1, db1, dw2, db2) -> List[Tensor]:
+        return [dw1[:, :self.ffn], dw1[:, self.ffn:], dw2]
+
+
+class LocalExperts:
+    """The experts a rank holds: run on rows (the reference pipeline) or read by the kernels (fused)."""
+
+    num_local: int
+
+    def run(self, rows: Tensor, counts: Sequence[int]) -> Tensor:
+        """The experts' outputs for ``rows`` ([R, H], grouped by local expert, ``counts[l]`` rows each)."""
+        raise NotImplementedError
+
+    def fused(self, hidden: int) -> Union[FusedExperts, str]:
+        """The weights as the fused kernels read them, or why they cannot compute these experts."""
+        raise NotImplementedError
+
+    def hookable_modules(self) -> List[nn.Module]:
+        """The modules whose hooks the reference pipeline runs and the fused kernels would skip."""
+        raise NotImplementedError
+
+    def structure(self) -> tuple:
+        """What must be alike on every rank of the group for the exchange to line up (checked by the
+        group's agreement): the kind and sizes of the experts."""
+        raise NotImplementedError
+
+
+def _run_module(expert: nn.Module, rows: Tensor) -> Tensor:
+    out = expert(rows)
+    # DeepSpeed's Experts drops a returned bias term the same way.
+    return out[0] if isinstance(out, tuple) else out
+
+
+class ModuleExperts(LocalExperts):
+    """Stock DeepSpeed's ``Experts``: one module per local expert."""
+
+    def __init__(self, container: nn.Module, modules: Sequence[nn.Module]):
+        self.container = container
+        self.modules = list(modules)
+        self.num_local = len(self.modules)
+
+    def run(self, rows, counts):
+        # Every expert runs, on no rows if it got none, so every expert parameter gets a (zero)
+        # gradient as it does in stock DeepSpeed; ZeRO expects gradients for all of them.
+        outputs = [_run_module(expert, part) for expert, part in zip(self.modules, rows.split(list(counts)))]
+        widths = {out.shape[-1] for out in outputs}
+        if widths != {rows.shape[-1]} or any(out.shape[:-1] != part.shape[:-1]
+                                             for out, part in zip(outputs, rows.split(list(counts)))):
+            raise ValueError(f"an expert maps rows of {rows.shape[-1]} features to {sorted(widths)}; MoE experts "
+                             "must return one row of the hidden size per input row")
+        return torch.cat(outputs)
+
+    def fused(self, hidden):
+        specs = []
+        for module in self.modules:
+            spec = fused_expert(module)
+            if isinstance(spec, str):
+                return spec
+            specs.append(spec)
+        reason = forward_mismatch(specs[0], hidden)
+        return reason if reason is not None else ModuleFusedExperts(specs)
+
+    def hookable_modules(self):
+        return [self.container] + [m for expert in self.modules for m in expert.modules()]
+
+    def structure(self):
+        first = self.modules[0]
+        return ("modules", type(first).__qualname__, self.num_local,
+                tuple((name, tuple(p.shape), str(p.dtype)) for name, p in first.named_parameters()))
+
+
+class StackedExperts(LocalExperts):
+    """AutoEP's ``GroupedExperts``: ``w1``, ``w3`` ``[L, F, H]`` and ``w2`` ``[L, H, F]``."""
+
+    # AutoEP's activations that the kernels compute, by the names ds_comet.experts uses.
+    KERNEL_ACTIVATIONS = {"swiglu": "silu", "geglu_tanh": "gelu_tanh"}
+
+    def __init__(self, grouped: nn.Module):
+        self.grouped = grouped
+        self.num_local = grouped.w1.shape[0]
+
+    def run(self, rows, counts):
+        counts = torch.tensor(list(counts), dtype=torch.int64, device=rows.device)
+        return self.grouped(rows, counts)
+
+    def fused(self, hidden):
+        activation = self.KERNEL_ACTIVATIONS.get(self.grouped.activation)
+        if activation is None:
+            return (f"the experts' activation {self.grouped.activation!r} is not one the fused kernels compute "
+                    f"({', '.join(self.KERNEL_ACTIVATIONS)})")
+        return StackedFusedExperts(self.grouped, activation)
+
+    def hookable_modules(self):
+        return [self.grouped]
+
+    def structure(self):
+        return ("stacked", self.grouped.activation, tuple(self.grouped.w1.shape), tuple(self.grouped.w2.shape),
+                str(self.grouped.w1.dtype))

@@ -1,0 +1,272 @@
+"""The fused COMET pipeline: layer0 = dispatch + GEMM1, layer1 = GEMM2 + combine, both ways.
+
+Forward: the dispatch sends token rows, GEMM1 (with the activation) runs per row tile as rows
+arrive, GEMM2 stores its output rows locally chunk by chunk and counts each finished chunk on the
+rows' source ranks, and each source's combine reads its routes' rows from the expert ranks over
+NVLink and sums them, weighted, as chunks finish.
+
+Backward, through the same two primitives: the gradient of the combine is a dispatch (each route's
+gate-scaled output gradient travels to its expert's rank), overlapped with the GEMM for the
+gradient of the activation input (dY @ W2, times act'); the gradient of the dispatch is a combine
+(the rows' input gradients dA @ W1, stored chunk by chunk on the expert ranks, are read by the
+source ranks and summed per token). The weight gradients are grouped GEMMs that run while the
+combine moves data.
+
+Reuse across calls: a rank's next call writes ``recv`` and ``expert_out`` only after its next
+exchange, which waits until every rank has published that call's counts, which each rank does only
+after its previous call joined its combine; so no rank overwrites what a peer still reads.
+
+Streams: the exchange and the GEMMs run on the caller's stream; the dispatch and then the combine
+run on the buffer's communication stream, the dispatch on ``comm_blocks`` thread blocks beside GEMM1
+and the combine on ``combine_blocks`` beside GEMM2, and the GEMMs take every other multiprocessor.
+In the forward the combine is launched a second time on the caller's stream, after GEMM2, with
+GEMM2's grid; both launches claim the same work units, so every SM reduces what is left once GEMM2
+is done. No step reads anything back to the host.
+
+Progress: the dispatch waits for nothing; GEMM1 tiles wait only for dispatches, GEMM2 waits for
+nothing, and the combine waits only for GEMM2s. Every rank launches in the order exchange,
+dispatch, GEMM1, GEMM2, combine, so each spinning kernel's producers are launched on every rank
+before anything that could block a host behind it. GEMM1's grid leaves ``comm_blocks``
+multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled. The
+communication stream's combine starts only after the dispatch and holds at most ``combine_blocks``
+<= ``comm_blocks`` SMs (parameters.py), so it and GEMM1 fit on the GPU together. The forward's
+second combine starts only after this rank's GEMM2, when the only work peers may still need from
+this GPU is its dispatch; it takes ``num_sms - combine_blocks`` SMs, and the SMs of the other
+combine, which cannot start before the dispatch ends, stay for the dispatch. A unit is claimed only
+by a running block, so no unit waits on a block that is not scheduled.
+"""
+
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .expert_weights import FusedExperts
+from .fused_kernels import FusedKernels, PointerTables, next_power_of_2
+from .parameters import FusedParameters
+from .routing import RoutingPlan, plan_routes_cuda
+from .workspace import CometBuffer
+
+
+class FusedPipeline:
+    """The fused COMET pipeline of one MoE layer on one rank, in the spirit of DeepEP's ``Buffer``.
+
+    It owns what a call needs beyond its tokens: the expert-parallel group's workspace
+    (``CometBuffer``: symmetric receive and expert-output buffers, flags and counters; shared by the
+    group's layers of one shape), the kernel parameters (``FusedParameters``), the local experts'
+    weights as the kernels read them (``FusedExperts``) and their device pointer tables. Build it on
+    every rank of the group at once (``pipelines.selection`` does); call ``forward`` on every rank
+    for every call, in the same order, as with any collective.
+
+    ``num_experts``: the layer's experts over the group; ``row_bounds``: the most rows this rank can
+    receive in one call, by capacity mode (True: the gate's training capacity, False: its eval
+    capacity): activations are sized by it and the exchange kernel stops with an error rather than
+    let a call exceed it.
+    """
+
+    name = "fused"
+
+    def __init__(self, workspace: CometBuffer, experts: FusedExperts, params: FusedParameters, num_experts: int,
+                 row_bounds: Dict[bool, int]):
+        self.workspace = workspace
+        self.experts = experts
+        self.params = params
+        self.num_experts = num_experts
+        self.row_bounds = row_bounds
+        self.tables = PointerTables()
+
+    # Under torch.compile the fused call runs as written, behind one graph break. Dynamo would otherwise
+    # trace into the fused autograd function around the op's calls and could put its Triton launches
+    # in graphs; a functionalized launch (aot_autograd, inductor) runs on copies of the tensors it
+    # writes, while the kernels hand data to peers through raw pointers into the symmetric workspace,
+    # which no graph sees. torch._disable_dynamo, not torch.compiler.disable: it imports torch._dynamo
+    # at the first call, not at `import ds_comet` (seconds; DeepSpeed's lazy_disable does the same).
+    @torch._disable_dynamo
+    def forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, train: bool = True,
+                out: Optional[Tensor] = None) -> Tensor:
+        """The experts' combined output for ``tokens`` ([S, H], bf16 or fp16, on this rank's GPU).
+
+        ``indices`` ([k, S], integer): each route's global expert, -1 where the gate dropped it.
+        ``weights`` ([k, S]): each route's gate value (taken in fp32); the output is the weighted
+        sum of the routes' expert outputs, a zero row for a token with no kept route. ``train``
+        picks the capacity bound (``row_bounds``). Under autograd, with gradients wanted for the
+        tokens, the weights or the experts' parameters, the fused backward runs when they flow.
+        ``out`` ([S, H]) receives the output if given (no autograd then). No host sync.
+        """
+        # The kernels weight routes in fp32; autocast makes the top-2 gate's weights bf16 (exact in fp32).
+        weights = weights.float()
+        try:
+            plan = plan_routes_cuda(self.workspace.op, indices, self.num_experts)
+            max_rows = self.row_bounds[train]
+            if out is None and torch.is_grad_enabled():
+                params = self.experts.parameters()
+                if tokens.requires_grad or weights.requires_grad or any(p.requires_grad for p in params):
+                    return FusedMoEFunction.apply(self, plan, max_rows, tokens, weights, *params)
+            return self.run_forward(tokens, plan, weights, max_rows, out=out)
+        except RuntimeError:
+            # A kernel that gave up on a wait stops the device; name what it waited for if it said so.
+            self.workspace.raise_if_failed()
+            raise
+
+    def kernels(self, tokens: Tensor) -> FusedKernels:
+        """The kernel launches of one call on ``tokens`` ([S, H]), with the experts' current weights."""
+        return FusedKernels(self.workspace, self.experts, self.params, self.tables.get(self.experts, tokens),
+                            tokens.shape[1])
+
+    def run_forward(self, tokens: Tensor, plan: RoutingPlan, weights: Tensor, max_rows: int,
+                    out: Optional[Tensor] = None, saved: Optional[dict] = None) -> Tensor:
+        """The forward's kernels: exchange, dispatch, GEMM1, GEMM2, combine (see the module's docstring).
+
+        ``saved``, if given, receives what ``run_backward`` needs: a copy of the received rows (the
+        workspace is reused by the next call), each route's expert output (the combine writes them) and
+        the products before the activation. Not the activations: the backward's GEMM1 recomputes them
+        from those products as it reads them: a layer holds half the FFN-wide memory it would (a third
+        less for gated experts, whose products are twice as wide).
+        """
+        buffer = self.workspace
+        num_tokens, hidden = tokens.shape
+        buffer.check_tokens(num_tokens)
+        buffer.raise_if_failed()
+        kernels = self.kernels(tokens)
+        tokens, weights = rows_for_kernels(tokens), weights.contiguous()
+        rows = min(max_rows, buffer.shape.max_recv_rows)
+        h = torch.empty((rows, kernels.ffn), dtype=tokens.dtype, device=tokens.device)
+        pre = h
+        if saved is not None:
+            pre = torch.empty((rows, kernels.ffn * (2 if kernels.gated else 1)), dtype=tokens.dtype,
+                              device=tokens.device)
+        if out is None:
+            out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
+        # Allocated before the dispatch orders the communication stream after the main one, as
+        # everything the combine writes there must be: memory freed on the main stream before that
+        # point may still be read by kernels queued before it.
+        returned = no_rows(tokens)
+        if saved is not None:
+            returned = saved["returned"] = torch.empty((plan.route_order.numel(), hidden), dtype=tokens.dtype,
+                                                       device=tokens.device)
+
+        kernels.exchange(plan, rows)
+        kernels.dispatch(tokens, plan, no_scale(tokens.device))
+        kernels.gemm1(buffer.recv, h, pre, backward=False, store_pre=saved is not None)
+        kernels.gemm2(h, backward=False)
+        if saved is not None:
+            # GEMM1 waited for every received row; keep them before the next call overwrites them.
+            saved.update(rows=buffer.recv[:rows].clone(), pre=pre)
+        # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
+        # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
+        # whose producers this rank has not launched yet.
+        kernels.combine(plan, weights, out, returned, finish_on_main=True)
+        kernels.join(tokens.device, tokens, plan.route_order, plan.route_position, weights, out, returned)
+        return out
+
+    def run_backward(self, grad_out: Tensor, plan: RoutingPlan, weights: Tensor, saved: dict, need_tokens: bool,
+                     need_weights: bool,
+                     need_params: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[List[Tensor]]]:
+        """Gradients of ``run_forward``'s output with respect to the tokens, the route weights ([k, S],
+        fp32) and ``experts.parameters()``, from the output gradient ``grad_out`` ([S, H])."""
+        from ..kernels.triton_gemm import route_dot_kernel
+        buffer = self.workspace
+        buffer.raise_if_failed()
+        num_tokens, hidden = grad_out.shape
+        grad_out = rows_for_kernels(grad_out)
+        kernels = self.kernels(grad_out)
+        device, dtype = grad_out.device, grad_out.dtype
+        grad_tokens = grad_weights = param_grads = None
+
+        # The collective part runs whatever this rank needs, so that every rank of the group launches the
+        # same kernels (a rank whose tokens need no gradient must still return its peers' rows).
+        weights = weights.detach().contiguous()
+        width = kernels.ffn * (2 if kernels.gated else 1)
+        rows = saved["pre"].shape[0]
+        grad_pre = torch.empty((rows, width), dtype=dtype, device=device)
+        h = torch.empty((rows, kernels.ffn), dtype=dtype, device=device) if need_params else None
+        # Allocated before the dispatch, which orders the communication stream after everything queued
+        # so far: the combine writes it there, and a block freed later (``pre``) may still be read by
+        # GEMM1 when the combine runs.
+        grad_tokens = torch.empty_like(grad_out)
+        kernels.exchange(plan, rows)
+        # The combine weighted each route by its gate, so each route's output gradient is the gate
+        # times the token's gradient (rounded like stock's fp32 combine rounds it).
+        kernels.dispatch(grad_out, plan, weights)
+        # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
+        # reuses its memory only for work queued after it on this stream, so the peak stays low.
+        kernels.gemm1(buffer.recv, grad_pre, saved.pop("pre"), backward=True, store_pre=False, act=h)
+        kernels.gemm2(grad_pre, backward=True)
+        # Not finished on the main stream: the weight gradients queued there next hide its tail.
+        kernels.combine(plan, no_scale(device), grad_tokens, no_rows(grad_out), finish_on_main=False)
+        if need_params:
+            # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
+            dw2, db2 = kernels.wgrad(buffer.recv, h, hidden, kernels.ffn, dtype)
+            del h
+            dw1, db1 = kernels.wgrad(grad_pre, saved.pop("rows"), width, hidden, dtype)
+            param_grads = self.experts.gradients(dw1, db1, dw2, db2)
+        del grad_pre
+        kernels.join(device, grad_out, weights, plan.route_order, plan.route_position, grad_tokens)
+        if not need_tokens:
+            grad_tokens = None
+        if need_weights:
+            top_k = plan.top_k
+            grad_weights = torch.empty((top_k * num_tokens, ), dtype=torch.float32, device=device)
+            num_experts = plan.expert_counts.numel()
+            route_dot_kernel[(top_k * num_tokens, )](saved["returned"], grad_out, plan.route_position,
+                                                     plan.expert_counts, grad_weights, num_tokens, num_experts,
+                                                     hidden, E_POW2=next_power_of_2(num_experts),
+                                                     BLOCK=min(1024, next_power_of_2(hidden)), num_warps=4)
+            grad_weights = grad_weights.view(top_k, num_tokens)
+        saved.clear()
+        return grad_tokens, grad_weights, param_grads
+
+
+def rows_for_kernels(rows: Tensor) -> Tensor:
+    """``rows`` contiguous and 16-byte aligned (the kernels move rows as 16-byte vectors): as it is
+    when it already is, else a copy (a view starting mid-vector would fault on the device)."""
+    rows = rows.contiguous()
+    return rows if rows.data_ptr() % 16 == 0 else rows.clone()
+
+
+def no_rows(like: Tensor) -> Tensor:
+    """An empty tensor: 'do not keep the routes' outputs' for the combine."""
+    return like.new_empty((0, like.shape[1]))
+
+
+def no_scale(device) -> Tensor:
+    """An empty fp32 tensor: 'no per-route scale' for the dispatch and the combine."""
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+class FusedMoEFunction(torch.autograd.Function):
+    """The fused forward with the fused backward:
+    (pipeline, plan, max_rows, tokens, weights, *expert parameters) -> output.
+
+    The expert parameters are inputs so that autograd accumulates their gradients into the experts'
+    own ``.grad`` and DeepSpeed's hooks see them as they would with stock.
+    """
+
+    @staticmethod
+    def forward(ctx, pipeline: FusedPipeline, plan: RoutingPlan, max_rows: int, tokens: Tensor, weights: Tensor,
+                *expert_params: Tensor) -> Tensor:
+        saved = {}
+        out = pipeline.run_forward(tokens, plan, weights, max_rows, saved=saved)
+        ctx.pipeline, ctx.plan, ctx.saved = pipeline, plan, saved
+        ctx.save_for_backward(weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        if ctx.saved is None:
+            raise RuntimeError("the fused MoE backward runs once per forward: its saved activations are freed as "
+                               "it goes (retain_graph=True needs \"moe\": {\"overlap\": \"none\"})")
+        (weights, ) = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        try:
+            grad_tokens, grad_weights, param_grads = ctx.pipeline.run_backward(
+                grad_out, ctx.plan, weights, ctx.saved, need_tokens=need[3], need_weights=need[4],
+                need_params=any(need[5:]))
+        except RuntimeError:
+            ctx.pipeline.workspace.raise_if_failed()
+            raise
+        ctx.saved = None
+        if param_grads is None:
+            param_grads = [None] * (len(need) - 5)
+        return (None, None, None, grad_tokens, grad_weights, *param_grads)

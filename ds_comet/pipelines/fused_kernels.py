@@ -1,0 +1,236 @@
+"""The fused pipeline's kernel launches for one call, and the experts' pointer tables.
+
+``FusedKernels`` binds what every launch of one call shares (the workspace, the experts' pointer
+tables, the kernel parameters, the sizes) and launches each kernel on the stream it belongs to.
+``pipelines.fused`` strings them into the forward and the backward; benchmarks relaunch them
+one at a time (``ds_comet.bench``).
+"""
+
+import contextvars
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..kernels.constants import TOTAL_COMBINE_CLAIM, TOTAL_TILES
+from .expert_weights import POINTER_NAMES, FusedExperts
+from .parameters import FusedParameters
+from .routing import RoutingPlan
+from .workspace import CometBuffer
+
+TILE_K = 64
+GROUP_M = 8
+
+
+class PointerTables:
+    """Device tables of the local experts' weight pointers, rebuilt only when a pointer moves.
+
+    ZeRO may move parameters into flat buffers and users may replace them, so the pointers are
+    read on every call (cheaply) and the device tables rebuilt when any changed.
+    """
+
+    def __init__(self):
+        self._key: Optional[Tuple[int, ...]] = None
+        self._tables = None
+
+    def get(self, experts: FusedExperts, tokens: Tensor) -> Dict[str, Tensor]:
+        rows = experts.pointers()
+        key = tuple(pointer for row in rows for pointer in row)
+        if key != self._key:
+            # New storage: a parameter was replaced or converted since the layer chose the fused path.
+            reason = experts.tensors_reason(tokens.shape[-1], tokens.dtype, tokens.device)
+            if reason is not None:
+                raise ValueError(f"the fused MoE kernels cannot read the experts' weights: {reason} "
+                                 "(use \"overlap\": \"none\")")
+            misaligned = sorted({POINTER_NAMES[i] for row in rows for i, p in enumerate(row) if p % 16})
+            if misaligned:
+                raise ValueError(f"expert weights {misaligned} are not 16-byte aligned; the fused "
+                                 "kernels need aligned weights (use \"overlap\": \"none\")")
+            pointers = torch.tensor(key, dtype=torch.int64).view(len(rows), len(POINTER_NAMES)).t().contiguous()
+            stacked = pointers.to(tokens.device)
+            self._tables = {name: stacked[i] for i, name in enumerate(POINTER_NAMES)}
+            self._key = key
+        return self._tables
+
+
+@dataclass
+class FusedKernels:
+    """What every kernel launch of one call shares, and the launches.
+
+    Each method queues one kernel (or, for ``dispatch`` and ``combine``, the launches of one
+    step on the streams it runs on); none waits for the device.
+    """
+    buffer: CometBuffer
+    experts: FusedExperts
+    params: FusedParameters
+    tables: Dict[str, Tensor]
+    hidden: int
+
+    @property
+    def ffn(self) -> int:
+        return self.experts.ffn
+
+    @property
+    def gated(self) -> bool:
+        return self.experts.gated
+
+    @property
+    def has_bias(self) -> bool:
+        return self.experts.has_bias
+
+    @property
+    def activation(self) -> str:
+        return self.experts.activation
+
+    @property
+    def num_local(self) -> int:
+        return self.experts.num_local
+
+    @property
+    def grid(self) -> int:
+        """Programs of GEMM1 (beside the dispatch) and of the weight gradients."""
+        return max(1, self.buffer.num_sms - self.params.comm_blocks)
+
+    @property
+    def gemm2_grid(self) -> int:
+        """Programs of GEMM2, beside the combine."""
+        return max(1, self.buffer.num_sms - self.params.combine_blocks)
+
+    @property
+    def l_pow2(self) -> int:
+        return next_power_of_2(self.num_local + 1)
+
+    @property
+    def chunking(self) -> Tuple[int, int]:
+        """(column tiles per chunk, number of chunks) of the hidden dimension."""
+        n_col_tiles = -(-self.hidden // self.params.tile_n)
+        chunk_tiles = -(-n_col_tiles // self.params.n_chunks)
+        return chunk_tiles, -(-n_col_tiles // chunk_tiles)
+
+    def exchange(self, plan: RoutingPlan, row_limit: int):
+        """Shares the counts and lays out the call; more than row_limit received rows stops the kernel."""
+        b = self.buffer
+        b.kernel_shape.max_recv_rows = row_limit  # what the exchange checks; the other kernels ignore it
+        b.op.exchange(b.kernel_shape, plan.expert_counts, b.meta, b.peer_meta, b.layout, b.error_address)
+
+    def dispatch(self, rows: Tensor, plan: RoutingPlan, scale: Tensor):
+        """Sends rows[route token] (times scale[route], if scale is not empty) for every kept route."""
+        main = torch.cuda.current_stream(rows.device)
+        self.buffer.comm_stream.wait_stream(main)
+        with torch.cuda.stream(self.buffer.comm_stream):
+            self.send(rows, plan, scale, self.params.comm_blocks)
+
+    def send(self, rows: Tensor, plan: RoutingPlan, scale: Tensor, blocks: int):
+        """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks."""
+        b = self.buffer
+        b.op.dispatch(b.kernel_shape, rows, plan.route_order, b.layout, b.peer_recv, b.peer_origin, b.peer_meta,
+                      b.route_row, scale, blocks)
+
+    def combine(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor, finish_on_main: bool):
+        """out[token] = sum over its kept routes of gate (1 if gates is empty) x the route's expert output;
+        each route's output row also goes to returned[send position] unless returned is empty.
+
+        With ``finish_on_main`` a second launch on the current stream, queued after GEMM2, shares the
+        work with the communication blocks: what they have not reduced when GEMM2 ends is reduced by
+        every SM instead of by them alone.
+        """
+        with torch.cuda.stream(self.buffer.comm_stream):
+            self.reduce(plan, gates, out, returned, self.params.combine_blocks)
+        if finish_on_main:
+            self.reduce(plan, gates, out, returned, self.gemm2_grid)
+
+    def reduce(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor, blocks: int):
+        """One launch of the combine kernel, on the current stream, over ``blocks`` thread blocks."""
+        b = self.buffer
+        chunk_tiles, num_chunks = self.chunking
+        b.op.combine(b.kernel_shape, b.peer_expert_out, b.route_row, plan.route_position, gates, out, returned,
+                     chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.meta, b.layout,
+                     b.error_address, blocks)
+
+    def reset_combine_claims(self):
+        """Let the next ``reduce`` launches claim every work unit again (the exchange zeroes the claim
+        counter once a call; benchmarks that relaunch the combine alone reset it themselves)."""
+        claim = self.buffer.layout_offsets.totals + TOTAL_COMBINE_CLAIM
+        self.buffer.layout[claim:claim + 1].zero_()
+
+    def join(self, device, *used_on_comm: Tensor):
+        main = torch.cuda.current_stream(device)
+        if not torch.cuda.is_current_stream_capturing():  # a graph's private pool outlives its streams anyway
+            for tensor in used_on_comm:
+                tensor.record_stream(self.buffer.comm_stream)
+        main.wait_stream(self.buffer.comm_stream)
+
+    def gemm1(self, rows: Tensor, out: Tensor, pre: Tensor, backward: bool, store_pre: bool,
+              act: Optional[Tensor] = None):
+        from ..kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
+        b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
+        with_descriptor_scratch(lambda: gemm1_kernel[(self.grid, )](
+            rows, out, pre, out if act is None else act, t["w2"] if backward else t["w1"], t["w3"], t["b1"],
+            t["b3"], b.layout, b.tile_counters, b.error_address, b.kernel_shape.timeout_ns, b.rank, self.hidden,
+            self.ffn, self.num_local, lo.expert_start, lo.tile_start, lo.local_tiles, lo.remote_tiles,
+            lo.totals + TOTAL_TILES, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.gemm1_tile_n,
+            BK=TILE_K, GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, GATED=self.gated,
+            ACTIVATION=ACTIVATION_CODES[self.activation], BACKWARD=backward, STORE_PRE=store_pre,
+            STORE_ACT=act is not None, WAIT=True, INTERPRET=_interpreting(), num_warps=8, num_stages=3))
+
+    def gemm2(self, rows: Tensor, backward: bool):
+        from ..kernels.triton_gemm import gemm2_kernel
+        b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
+        chunk_tiles, _ = self.chunking
+        if backward:  # rows = dA ([R, F] or [R, 2F]) @ W1 (+ up part @ W3); W1 is [F, H], i.e. [K, N]
+            w, w3, bias, lda, second = t["w1"], t["w3"], t["b2"], rows.shape[1], self.gated
+        else:  # rows = h @ W2^T; W2 is [H, F], i.e. [N, K]
+            w, w3, bias, lda, second = t["w2"], t["w2"], t["b2"], self.ffn, False
+        with_descriptor_scratch(lambda: gemm2_kernel[(self.gemm2_grid, )](
+            rows, lda, w, w3, bias, b.origin, b.expert_out, b.peer_chunk_counters, b.layout, self.ffn, self.hidden,
+            self.num_local, lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
+            EP_SIZE=b.shape.ep_size, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K,
+            GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.gemm2_grid,
+            HAS_BIAS=self.has_bias and not backward, SECOND=second, W_NK=not backward,
+            num_warps=8 if self.params.tile_n >= 256 else 4, num_stages=3))
+
+    def wgrad(self, a: Tensor, b: Tensor, M: int, N: int, dtype) -> Tuple[Tensor, Optional[Tensor]]:
+        """Per local expert l: a[rows of l, :M]^T @ b[rows of l, :N] and a's column sums (bias)."""
+        from ..kernels.triton_gemm import wgrad_kernel
+        num_local = self.num_local
+        out = torch.empty((num_local, M, N), dtype=dtype, device=a.device)
+        bias = torch.empty((num_local, M), dtype=dtype, device=a.device) if self.has_bias else out
+        # GEMM1's grid, not GEMM2's: beside the combine's tail either would do, but in shape 1's
+        # training step dW1 took 8.4 ms on GEMM2's 128 programs against 3.3 on 123 (docs/decisions.md).
+        wgrad_kernel[(self.grid, )](a, a.shape[1], b, b.shape[1], out, bias, self.buffer.layout,
+                                    self.buffer.layout_offsets.expert_start, M, N, num_local, BM=128, BN=256, BK=64,
+                                    GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, num_warps=8,
+                                    num_stages=3)  # within 4-10 % of torch._grouped_mm (docs/decisions.md)
+        return out, (bias if self.has_bias else None)
+
+
+def with_descriptor_scratch(launch):
+    """``launch()`` with Triton's allocator set for the GEMMs' device-side TMA descriptors.
+
+    Triton keeps its allocator in a context variable, which autograd's backward threads do not
+    inherit; setting it in a copy of the caller's context gives every launch one and leaves the
+    caller's own allocator (if any) as it was.
+    """
+    import triton  # an extra: imported where the fused path runs
+
+    def run():
+        triton.set_allocator(_scratch)
+        return launch()
+
+    return contextvars.copy_context().run(run)
+
+
+def _scratch(size: int, alignment: int, stream: Optional[int]) -> Tensor:
+    # On the device and stream Triton launches on: the launch uses it before anything queued after
+    # it can reuse it. The caching allocator's blocks are 512-byte aligned, more than TMA asks.
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -1,0 +1,105 @@
+"""Whether the fused pipeline can run a layer's call, and if not, why (with the fix).
+
+Each check returns None when it passes and otherwise a sentence that names what stands in the way
+and what to do about it; ``pipelines.selection`` logs it (or, under ``"overlap": "fused"``,
+raises it). The checks come in three kinds: per rank, before the group agrees (``local_reason``);
+over the group's gathered facts (``group_reason``); and per call, for what can change between
+calls (``hooks_reason``).
+"""
+
+import importlib.util
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from ..kernels.constants import MAX_COMBINE_TOP_K
+from .expert_weights import FusedExperts, LocalExperts
+from .workspace import allocator_ipc_refusal
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+# Module-level hooks make nn.Module.__call__ take its slow path; a direct call would skip them.
+GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                "_global_backward_pre_hooks")
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def tokens_reason(tokens: torch.Tensor) -> Optional[str]:
+    """Why the fused kernels cannot take these tokens, or None."""
+    if tokens.device.type != "cuda":
+        return f"the tokens are on {tokens.device.type}; the fused kernels need CUDA"
+    if tokens.dtype not in FUSED_DTYPES:
+        return (f"the tokens are {tokens.dtype}; the fused kernels run bf16 and fp16 (enable \"bf16\" or \"fp16\" "
+                "in the ds_config)")
+    return None
+
+
+def runtime_reason() -> Optional[str]:
+    """Why this machine's software cannot run the fused kernels (Triton, the CUDA op), or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'ds_comet[triton]')"
+    import triton
+    if not hasattr(triton.language, "make_tensor_descriptor"):  # the GEMMs' TMA weight tiles
+        return f"triton {triton.__version__} is older than 3.4 (pip install 'triton>=3.4')"
+    from ..kernels.ops import op_unavailable_reason
+    return op_unavailable_reason()
+
+
+def structure_reason(experts: LocalExperts, hidden: int, top_k: int,
+                     scale_before: bool = False) -> Union[FusedExperts, str]:
+    """The experts as the kernels read them, or why the kernels cannot compute this layer (no device needed)."""
+    fused = experts.fused(hidden)
+    if isinstance(fused, str):
+        return fused
+    if hidden % 8 or fused.ffn % 8:
+        return f"hidden ({hidden}) and FFN ({fused.ffn}) sizes must be multiples of 8 for the fused kernels"
+    if top_k > MAX_COMBINE_TOP_K:
+        return f"k = {top_k}: the fused combine takes at most {MAX_COMBINE_TOP_K} routes per token"
+    if scale_before:
+        return ("the router's scores are applied before the experts (\"score_apply\": \"pre\"), which the fused "
+                "kernels do not do; use \"post\" (every AutoEP preset's default)")
+    return fused
+
+
+def local_reason(experts: LocalExperts, tokens: torch.Tensor, top_k: int,
+                 scale_before: bool = False) -> Union[FusedExperts, str]:
+    """This rank's answer for these tokens: the experts as the kernels read them, or why not."""
+    reason = tokens_reason(tokens)
+    if reason is not None:
+        return reason
+    fused = structure_reason(experts, tokens.shape[-1], top_k, scale_before)
+    if isinstance(fused, str):
+        return fused
+    reason = fused.tensors_reason(tokens.shape[-1], tokens.dtype, tokens.device)
+    if reason is not None:
+        return reason
+    return runtime_reason() or fused
+
+
+def group_reason(hosts: Sequence[str], gpus: Sequence[Optional[str]]) -> Optional[str]:
+    """Why the group's ranks, by host and GPU, cannot share a fused workspace, or None."""
+    if len(set(hosts)) > 1:
+        return ("the expert-parallel group spans nodes; the fused kernels need peer memory access inside one node "
+                "(the layer runs the reference pipeline's NCCL all-to-alls)")
+    if len(set(gpus)) < len(gpus):
+        refusal = allocator_ipc_refusal()
+        if refusal is not None:
+            return (f"ranks of the expert-parallel group share a GPU, so the fused workspace would go through CUDA "
+                    f"IPC, which cannot share the caching allocator's blocks with {refusal} (change "
+                    "PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF)")
+    return None
+
+
+def hooks_reason(modules: List[torch.nn.Module]) -> Optional[str]:
+    """Why hooks on the experts (or every module's global hooks) rule out the fused kernels, which
+    compute the experts without calling them; checked on every call, as hooks come and go."""
+    for name in GLOBAL_HOOKS:
+        if getattr(torch.nn.modules.module, name, None):
+            return (f"a global module hook is registered ({name[8:]}); the fused kernels do not call the experts, "
+                    "so it would not run")
+    for module in modules:
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or \
+                module._backward_pre_hooks:
+            hooked = [name[1:] for name in MODULE_HOOKS if getattr(module, name)]
+            return (f"an expert's {type(module).__name__} has {' and '.join(hooked)}, which the fused kernels would "
+                    "not run: they compute the experts without calling them")
+    return None

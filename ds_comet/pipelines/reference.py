@@ -1,0 +1,126 @@
+"""The reference pipeline: dispatch, local experts and combine in plain torch.
+
+It runs on any torch.distributed backend (gloo on CPU, NCCL on GPU) and is the numerical ground
+truth for the fused kernels. Unlike stock DeepSpeed it sends only the routes the gate kept, with
+uneven all-to-all splits, instead of a zero-padded ``[E, C, M]`` capacity buffer; the arithmetic
+per token is the same, so outputs and gradients match stock's (and AutoEP's).
+"""
+
+from typing import List, Optional
+
+import torch
+from deepspeed import comm as dist
+from torch import Tensor
+
+from .expert_weights import LocalExperts
+from .routing import RoutingPlan, expert_major_order, plan_routes
+
+
+class _AllToAllV(torch.autograd.Function):
+    """all_to_all_single with uneven splits; its gradient is the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, send_splits: List[int], recv_splits: List[int], group) -> Tensor:
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        received = rows.new_empty((sum(recv_splits), ) + tuple(rows.shape[1:]))
+        dist.all_to_all_single(received,
+                               rows.contiguous(),
+                               output_split_sizes=recv_splits,
+                               input_split_sizes=send_splits,
+                               group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad_received: Tensor):
+        grad_rows = _AllToAllV.apply(grad_received, ctx.recv_splits, ctx.send_splits, ctx.group)
+        return grad_rows, None, None, None
+
+
+# Run eagerly under torch.compile, behind a graph break. Traced, this autograd.Function (a collective
+# with its process group kept for the backward, the pattern of pytorch#129942) compiled on torch
+# 2.11 to a backward that exchanged the wrong rows: gradients off by as much as themselves, or a
+# gloo size mismatch. Stock DeepSpeed's _AllToAll compiles to the same wrong gradients there.
+@torch.compiler.disable
+def exchange(rows: Tensor, send_splits: List[int], recv_splits: List[int], group, ep_size: int) -> Tensor:
+    if ep_size == 1:
+        return rows
+    return _AllToAllV.apply(rows, send_splits, recv_splits, group)
+
+
+def inverse_permutation(permutation: Tensor) -> Tensor:
+    inverse = torch.empty_like(permutation)
+    inverse.scatter_(0, permutation, torch.arange(permutation.numel(), device=permutation.device))
+    return inverse
+
+
+def combine_routes(route_outputs: Tensor, plan: RoutingPlan, weights: Optional[Tensor]) -> Tensor:
+    """Weighted top-k sum of each token's expert outputs (a plain sum when ``weights`` is None).
+
+    ``route_outputs`` holds one row per entry of ``plan.route_order`` (rows of dropped routes are
+    zero). The product with the fp32 weights and the sum over routes run in fp32, as in stock
+    DeepSpeed and AutoEP, and the result is cast back to the experts' dtype.
+    """
+    hidden = route_outputs.shape[-1]
+    routed = route_outputs.index_select(0, plan.route_position).view(plan.top_k, plan.num_tokens, hidden)
+    if weights is None:
+        return routed.float().sum(dim=0).to(route_outputs.dtype)
+    return (routed * weights.unsqueeze(-1)).sum(dim=0).to(route_outputs.dtype)
+
+
+class ReferencePipeline:
+    """Dispatch, experts and combine of one MoE layer in plain torch, over any process group.
+
+    ``experts``: this rank's local experts; ``num_experts``: the layer's experts over the group
+    (``ep_size`` ranks, ``num_experts / ep_size`` each); ``group``: the expert-parallel process group
+    (None when ``ep_size`` is 1).
+    """
+
+    name = "reference"
+
+    def __init__(self, experts: LocalExperts, num_experts: int, ep_size: int, group=None):
+        self.experts = experts
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.group = group
+
+    def forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool = False) -> Tensor:
+        """The experts' combined output for ``tokens`` ([S, H]).
+
+        ``indices`` ([k, S], int): each route's global expert, -1 where the gate dropped it.
+        ``weights`` ([k, S], fp32): each route's gate value. The output is the weighted sum of the
+        routes' expert outputs; with ``scale_before`` each route's row is scaled by its weight
+        before its expert (AutoEP's ``score_apply: "pre"``) and the outputs are summed unweighted.
+        """
+        return self.run(tokens, plan_routes(indices, self.num_experts), weights, scale_before)
+
+    def run(self, tokens: Tensor, plan: RoutingPlan, weights: Tensor, scale_before: bool = False) -> Tensor:
+        """``forward`` from a routing plan already made."""
+        ep_size, num_local = self.ep_size, self.experts.num_local
+        send_counts = plan.expert_counts
+        if ep_size > 1:
+            received_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(received_counts, send_counts, group=self.group)
+        else:
+            received_counts = send_counts
+        received_counts = received_counts.view(ep_size, num_local)
+        # The uneven splits must be host integers for all_to_all_single: one small copy for all three.
+        host = torch.cat([send_counts.view(ep_size, num_local).sum(1),
+                          received_counts.sum(1),
+                          received_counts.sum(0)]).tolist()
+        send_splits, recv_splits, rows_per_expert = host[:ep_size], host[ep_size:2 * ep_size], host[2 * ep_size:]
+
+        num_sent = sum(send_splits)
+        sent = tokens.index_select(0, plan.source_token[:num_sent])
+        if scale_before:
+            scale = weights.reshape(-1).index_select(0, plan.route_order[:num_sent])
+            sent = (sent.float() * scale.unsqueeze(-1)).to(sent.dtype)
+        received = exchange(sent, send_splits, recv_splits, self.group, ep_size)
+
+        by_expert = expert_major_order(received_counts)
+        expert_outputs = self.experts.run(received.index_select(0, by_expert), rows_per_expert)
+        returned = expert_outputs.index_select(0, inverse_permutation(by_expert))
+
+        outputs = exchange(returned, recv_splits, send_splits, self.group, ep_size)
+        dropped = plan.route_order.numel() - num_sent
+        outputs = torch.cat([outputs, outputs.new_zeros((dropped, outputs.shape[-1]))])
+        return combine_routes(outputs, plan, None if scale_before else weights)

@@ -1,0 +1,195 @@
+"""Per layer: which pipeline each call runs, and why not the fused one.
+
+The fused pipeline runs when the CUDA op builds, the expert-parallel group lies inside one node,
+the kernels know the experts' structure, and the tokens are bf16/fp16 on the GPU; otherwise the
+layer runs the reference pipeline and says once why, with the fix, naming the layer (a WARNING on
+a GPU, where the user expects the fused one; INFO on CPU). With ``"overlap": "fused"`` a reason is an
+error instead, and the experts' structure is checked when the layer is built.
+
+The ranks of the group agree in one collective at the first call, and again whenever the tokens'
+dtype, width or device changes: on the layer's settings (a difference is an error on every rank
+naming the field, the values and the ranks, before any exchange could misread rows), on every rank's
+answer to the local checks, and on the hosts and GPUs; the fused workspace is then built by all of
+them at once, so every rank takes the same path. Hooks on the experts are checked on every call,
+since they come and go; they depend only on what every rank of an SPMD job has alike.
+"""
+
+import itertools
+import socket
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as torch_dist
+from deepspeed.utils import log_dist, logger
+
+from ..config import CometMoEConfig
+from .expert_weights import LocalExperts
+from .fused import FusedPipeline
+from .parameters import choose_parameters, offsets_overflow
+from .policy import group_reason, hooks_reason, local_reason, structure_reason
+from .reference import ReferencePipeline
+from .workspace import BufferShape, get_buffer
+
+_LAYER_NUMBERS = itertools.count()
+
+
+@dataclass
+class LayerSpec:
+    """What the pipelines need to know of a layer besides its experts.
+
+    ``row_bound(max_tokens, train)``: the most rows one rank can receive when every rank feeds at
+    most ``max_tokens`` tokens, in training (True) or eval capacity. ``settings``: (name, value) pairs
+    every rank of the group must share (k, capacity, ...), checked by the group's agreement.
+    ``scale_before``: the routes' weights scale the rows before the experts (AutoEP's "pre").
+    """
+    num_experts: int
+    ep_size: int
+    top_k: int
+    row_bound: Callable[[int, bool], int]
+    settings: Tuple[Tuple[str, object], ...] = ()
+    scale_before: bool = False
+
+
+class GroupDisagreement(RuntimeError):
+    """The ranks of an expert-parallel group called a layer with settings that do not line up."""
+
+
+Pipeline = Union[ReferencePipeline, FusedPipeline]
+
+
+class PipelineSelection:
+    """The pipelines of one layer and the choice between them, call by call.
+
+    ``name`` names the layer in messages (``ds_comet.initialize`` sets it to the module's path).
+    ``pipeline_for(tokens)`` returns the pipeline that runs this call: ``reference`` or ``fused``;
+    ``reason`` says why the last call did not run the fused one (None when it did).
+    """
+
+    def __init__(self, spec: LayerSpec, experts: LocalExperts, config: CometMoEConfig, name: Optional[str] = None):
+        self.spec = spec
+        self.experts = experts
+        self.config = config
+        self.name = name or f"MoE layer {next(_LAYER_NUMBERS)}"
+        self.group = None
+        self.reference = ReferencePipeline(experts, spec.num_experts, spec.ep_size)
+        self.fused: Optional[FusedPipeline] = None
+        self.reason: Optional[str] = None
+        self._agreed_key = None  # what the agreement was made for: the tokens' dtype, width and device
+        self._agreed_reason: Optional[str] = None
+        self._hooked: Optional[List[torch.nn.Module]] = None
+        self._said = set()
+
+    def set_group(self, group) -> None:
+        """The expert-parallel process group (None for a layer with ep_size 1 and no group)."""
+        self.group = group
+        self.reference.group = group
+        self._agreed_key = None
+
+    def check_structure(self, hidden: int) -> None:
+        """Under ``"overlap": "fused"``: raise now if the kernels cannot compute these experts."""
+        if self.config.overlap != "fused":
+            return
+        fused = structure_reason(self.experts, hidden, self.spec.top_k, self.spec.scale_before)
+        if isinstance(fused, str):
+            raise ValueError(f"\"overlap\": \"fused\" was asked for, but {fused}")
+
+    def pipeline_for(self, tokens: torch.Tensor) -> Pipeline:
+        """The pipeline for a call on ``tokens`` ([S, H]); the first call (and one on tokens of another
+        dtype, width or device) makes the group agree, collectively."""
+        key = (tokens.dtype, tokens.shape[-1], tokens.device)
+        if key != self._agreed_key:
+            self._agreed_reason = self._agree(tokens)
+            self._agreed_key = key
+        reason = self._agreed_reason
+        if reason is None:
+            if self._hooked is None:  # walked once: it costs more than checking the hooks on every call
+                self._hooked = self.experts.hookable_modules()
+            reason = hooks_reason(self._hooked)
+        self.reason = reason
+        if reason is None:
+            return self.fused
+        if self.config.overlap == "fused":
+            raise RuntimeError(f"ds_comet: {self.name}: \"overlap\": \"fused\" was asked for, but {reason}")
+        self._say_once(reason, tokens)
+        return self.reference
+
+    def _say_once(self, reason: str, tokens: torch.Tensor) -> None:
+        if reason in self._said:
+            return
+        self._said.add(reason)
+        message = f"ds_comet: {self.name} runs the reference pipeline: {reason}"
+        if tokens.device.type == "cuda" and self.config.overlap != "none":
+            if torch_dist.is_initialized() and torch_dist.get_rank() != 0:
+                return
+            logger.warning(message)
+        else:
+            log_dist(message, ranks=[0])
+
+    def _settings(self, tokens: torch.Tensor) -> Tuple[Tuple[str, object], ...]:
+        return (("overlap", self.config.overlap), ("num_experts", self.spec.num_experts),
+                ("ep_size", self.spec.ep_size), ("k", self.spec.top_k)) + tuple(self.spec.settings) + (
+                    ("hidden size", tokens.shape[-1]), ("dtype", str(tokens.dtype)),
+                    ("experts", self.experts.structure()))
+
+    # Under torch.compile this runs as written, not traced: a collective on Python objects, the op's
+    # build, the symmetric-memory rendezvous and new CUDA streams, once per layer.
+    @torch._disable_dynamo
+    def _agree(self, tokens: torch.Tensor) -> Optional[str]:
+        """One collective: every rank's settings, local answer, host, GPU and token count; then, if every
+        rank can run the fused pipeline, its workspace. Returns why not fused, or None."""
+        if self.config.overlap == "none":
+            fused = "\"overlap\" is \"none\""
+        else:
+            fused = local_reason(self.experts, tokens, self.spec.top_k, self.spec.scale_before)
+            if not isinstance(fused, str) and self.group is None:
+                fused = "the layer has no expert-parallel group yet (deepspeed.initialize or set_deepspeed_parallelism)"
+        reason = fused if isinstance(fused, str) else None
+        gpu = None if reason is not None else str(torch.cuda.get_device_properties(tokens.device).uuid)
+        local = (self._settings(tokens), reason, socket.gethostname(), gpu, tokens.shape[0])
+        if self.group is None and self.spec.ep_size == 1:
+            everyone = [local]
+        else:
+            everyone = [None] * torch_dist.get_world_size(self.group)
+            torch_dist.all_gather_object(everyone, local, group=self.group)
+        self._check_settings([entry[0] for entry in everyone])
+        for rank, (_, rank_reason, _, _, _) in enumerate(everyone):
+            if rank_reason is not None:
+                return rank_reason if len(everyone) == 1 else f"rank {rank}: {rank_reason}"
+        reason = group_reason([entry[2] for entry in everyone], [entry[3] for entry in everyone])
+        if reason is not None:
+            return reason
+        return self._build_fused(tokens, fused, max(entry[4] for entry in everyone),
+                                 shared_device=len({entry[3] for entry in everyone}) < len(everyone))
+
+    def _check_settings(self, settings: List[Tuple[Tuple[str, object], ...]]) -> None:
+        for index, (field, value) in enumerate(settings[0]):
+            values = [dict(rank_settings).get(field) for rank_settings in settings]
+            if any(v != value for v in values):
+                by_value = {}
+                for rank, v in enumerate(values):
+                    by_value.setdefault(repr(v), []).append(rank)
+                described = "; ".join(f"ranks {ranks}: {v}" for v, ranks in by_value.items())
+                raise GroupDisagreement(f"ds_comet: {self.name}: the ranks of the expert-parallel group disagree on "
+                                        f"{field} ({described}); every rank must build and call the layer alike")
+
+    def _build_fused(self, tokens: torch.Tensor, experts, most_tokens: int, shared_device: bool) -> Optional[str]:
+        spec, config = self.spec, self.config
+        max_tokens = config.max_tokens_per_rank or most_tokens
+        hidden = tokens.shape[-1]
+        num_sms = torch.cuda.get_device_properties(tokens.device).multi_processor_count
+        params = choose_parameters(config, hidden, experts.ffn, experts.gated, spec.top_k, spec.ep_size,
+                                   max_tokens, tokens.element_size(), num_sms)
+        # Per mode, as the gate's capacity follows it; the workspace holds the larger.
+        row_bounds = {train: spec.row_bound(max_tokens, train) for train in (True, False)}
+        rows = max(row_bounds.values())
+        reason = offsets_overflow(rows, max_tokens * spec.top_k, hidden, experts.ffn, experts.gated)
+        if reason is not None:
+            return reason
+        shape = BufferShape(ep_size=spec.ep_size, num_experts=spec.num_experts, hidden=hidden, dtype=tokens.dtype,
+                            max_tokens=max_tokens, max_recv_rows=rows, top_k=spec.top_k, tile_m=params.tile_m)
+        workspace = get_buffer(self.group, shape, config.wait_timeout_s, shared_device)
+        self.fused = FusedPipeline(workspace, experts, params, spec.num_experts, row_bounds)
+        log_dist(f"ds_comet: {self.name} runs the fused pipeline ({params}, workspace for {max_tokens} tokens per "
+                 "rank)", ranks=[0])
+        return None

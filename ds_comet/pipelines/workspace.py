@@ -1,0 +1,211 @@
+"""CometBuffer: the fused pipeline's workspace for one expert-parallel group inside one node.
+
+One object owns everything the kernels share across ranks: the receive buffer the dispatch writes
+and GEMM1 reads, the expert-output buffer GEMM2 writes and the source ranks' combines read, the row
+origins, and the int32 meta array of exchanged counts, flags and arrival counters. All of it is one allocation of
+torch symmetric memory (peer pointers through CUDA IPC), made once from the largest token count
+the layers will see and reused every call; the kernels reset the counters they use each call.
+
+Ranks that share a GPU (a test machine with one GPU, say) get the same workspace through legacy
+CUDA IPC handles instead, since torch's symmetric memory refuses them. The GPU then time-slices
+between the ranks' processes, and a kernel waiting for a peer proceeds only in the peer's slices:
+correct, but far slower than one rank a GPU.
+"""
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as torch_dist
+from deepspeed.utils import logger
+
+from ..kernels import layout
+from ..kernels.constants import ERROR_RECORD_WORDS
+from ..kernels.ops import CometWaitTimeout, describe_error_record, load_op
+
+ALIGN = 256  # bytes; keeps every part 16-byte aligned for vector copies
+
+
+@dataclass(frozen=True)
+class BufferShape:
+    ep_size: int
+    num_experts: int
+    hidden: int
+    dtype: torch.dtype
+    max_tokens: int
+    max_recv_rows: int
+    top_k: int
+    tile_m: int
+    max_chunks: int = 64
+
+    @property
+    def max_routes(self) -> int:
+        return self.top_k * self.max_tokens
+
+    @property
+    def max_tiles(self) -> int:
+        return math.ceil(self.max_recv_rows / self.tile_m) + self.num_experts // self.ep_size
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _peer_pointers(handle, local: torch.Tensor, ep_size: int):
+    pointers = getattr(handle, "buffer_ptrs", None)
+    if pointers is None:
+        pointers = [handle.get_buffer(p, local.shape, local.dtype).data_ptr() for p in range(ep_size)]
+    return [int(p) for p in pointers]
+
+
+def _ipc_peer_pointers(local: torch.Tensor, group, rank: int, ep_size: int):
+    """Every rank's base pointer of ``local``, opened from CUDA IPC handles, and the opened tensors.
+
+    The opened tensors must outlive the kernels that use the pointers; ``local`` must come from
+    torch's caching allocator. Each peer gets its own share, whose reference count it releases.
+    """
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+    shares = [None if peer == rank else reduce_tensor(local)[1] for peer in range(ep_size)]
+    everyone = [None] * ep_size
+    torch_dist.all_gather_object(everyone, shares, group=group)
+    opened = [local if peer == rank else rebuild_cuda_tensor(*everyone[peer][rank]) for peer in range(ep_size)]
+    return [t.data_ptr() for t in opened], opened
+
+
+def allocator_ipc_refusal() -> Optional[str]:
+    """What in the caching allocator's settings CUDA IPC cannot share between ranks on one GPU, or None.
+
+    Read as torch reads them: PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF; the last value of a
+    key wins.
+    """
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    settings = {}
+    for entry in conf.split(","):
+        key, _, value = entry.partition(":")
+        settings[key.strip()] = value.strip()
+    if settings.get("backend") == "cudaMallocAsync":
+        return "the cudaMallocAsync backend, which cannot share IPC handles"
+    if settings.get("expandable_segments", "").lower() == "true":
+        # Such blocks travel as file descriptors taken with pidfd_getfd, which containers and
+        # ptrace_scope usually refuse between sibling processes.
+        return "expandable segments"
+    return None
+
+
+class CometBuffer:
+    """The symmetric workspace of one group; build it on every rank of the group at once."""
+
+    def __init__(self, group, shape: BufferShape, timeout_s: float, shared_device: bool = False):
+        """shared_device: some ranks of the group share a GPU (the workspace then goes through CUDA IPC)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.shape = shape
+        self.group = group
+        self.op = load_op()
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.rank = torch_dist.get_rank(group) if group is not None else 0
+        P, E, H = shape.ep_size, shape.num_experts, shape.hidden
+        elem = torch.empty((), dtype=shape.dtype).element_size()
+        self.meta_offsets = layout.meta_offsets(P, E, shape.max_tiles, shape.max_chunks)
+        self.layout_offsets = layout.layout_offsets(E // P, E)
+
+        # expert_out is as large as recv (GEMM2 writes one row per received row), so the pull-model
+        # combine doubles the receiving side: up to ep_size x top_k x max_tokens rows each without
+        # token dropping. It cannot share recv: the backward's weight gradients read recv after GEMM2.
+        parts = [("recv", shape.max_recv_rows * H * elem), ("expert_out", shape.max_recv_rows * H * elem),
+                 ("origin", shape.max_recv_rows * 8), ("meta", self.meta_offsets.total * 4)]
+        self._byte_offset, total = {}, 0
+        for name, nbytes in parts:
+            self._byte_offset[name] = total
+            total += _align(nbytes)
+        if shared_device:
+            logger.warning(f"ds_comet: rank {self.rank} shares its GPU with another rank of its expert-parallel "
+                           "group; the fused kernels will run time-sliced between them, far slower than with "
+                           "one rank a GPU (under MPS, which runs their kernels side by side, a rank's waiting "
+                           "kernels can hold the SMs its peer needs until the wait times out)")
+            self._storage = torch.empty(total, dtype=torch.uint8, device=self.device)
+            bases, self._peer_storage = _ipc_peer_pointers(self._storage, group, self.rank, P)
+        else:
+            self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                with warnings.catch_warnings():  # deprecated (and unneeded) on newer torch
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm_mem.enable_symm_mem_for_group(group.group_name)
+            handle = symm_mem.rendezvous(self._storage, group)
+            bases = _peer_pointers(handle, self._storage, P)
+
+        self.recv = self._part("recv", shape.dtype, (shape.max_recv_rows, H))
+        self.expert_out = self._part("expert_out", shape.dtype, (shape.max_recv_rows, H))
+        self.origin = self._part("origin", torch.int64, (shape.max_recv_rows, ))
+        self.meta = self._part("meta", torch.int32, (self.meta_offsets.total, ))
+        self.meta.zero_()
+
+        def table(name, extra_bytes=0):
+            return torch.tensor([b + self._byte_offset[name] + extra_bytes for b in bases], dtype=torch.int64,
+                                device=self.device)
+
+        self.peer_recv = table("recv")
+        self.peer_expert_out = table("expert_out")
+        self.peer_origin = table("origin")
+        self.peer_meta = table("meta")
+        self.peer_chunk_counters = table("meta", 4 * self.meta_offsets.chunk_counter)
+        self.tile_counters = self.meta[self.meta_offsets.tile_counter:]
+        self.layout = torch.zeros(self.layout_offsets.total, dtype=torch.int32, device=self.device)
+        self.route_row = torch.zeros(shape.max_routes, dtype=torch.int64, device=self.device)
+        self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+        self.kernel_shape = self._kernel_shape(timeout_s)
+        self.comm_stream = torch.cuda.Stream(self.device, priority=-1)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # Every rank's meta must be zero before any rank publishes into it.
+        torch.cuda.synchronize(self.device)
+        torch_dist.barrier(group=group)
+
+    def _part(self, name, dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+        start = self._byte_offset[name]
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self._storage[start:start + nbytes].view(dtype).view(shape)
+
+    def _kernel_shape(self, timeout_s: float):
+        ks = self.op.GroupShape()
+        ks.rank, ks.ep_size, ks.num_experts = self.rank, self.shape.ep_size, self.shape.num_experts
+        ks.tile_m, ks.max_recv_rows = self.shape.tile_m, self.shape.max_recv_rows
+        ks.max_tiles, ks.max_chunks = self.shape.max_tiles, self.shape.max_chunks
+        ks.timeout_ns = int(timeout_s * 1e9)
+        meta = self.op.MetaOffsets()
+        for field in ("counts", "exchange_flag", "tile_counter", "chunk_counter", "generation"):
+            setattr(meta, field, getattr(self.meta_offsets, field))
+        offsets = self.op.LayoutOffsets()
+        for field in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row",
+                      "dest_rel", "dest_tile", "send_order", "piece_start", "totals"):
+            setattr(offsets, field, getattr(self.layout_offsets, field))
+        ks.meta, ks.layout = meta, offsets
+        return ks
+
+    @property
+    def error_address(self) -> int:
+        return self.error_record.data_ptr()
+
+    def raise_if_failed(self):
+        message = describe_error_record(self.error_record)
+        if message is not None:
+            raise CometWaitTimeout(message)
+
+    def check_tokens(self, num_tokens: int):
+        if num_tokens > self.shape.max_tokens:
+            raise ValueError(f"this MoE layer got {num_tokens} tokens on one rank but the fused workspace was "
+                             f"sized for {self.shape.max_tokens}; set \"moe\": {{\"max_tokens_per_rank\": "
+                             f"{num_tokens}}} (or more) in the ds_config")
+
+
+_BUFFERS: Dict[tuple, CometBuffer] = {}
+
+
+def get_buffer(group, shape: BufferShape, timeout_s: float, shared_device: bool = False) -> CometBuffer:
+    """The group's buffer for this shape, built (collectively) the first time it is asked for."""
+    key = (group.group_name if group is not None else None, shape, timeout_s)
+    if key not in _BUFFERS:
+        _BUFFERS[key] = CometBuffer(group, shape, timeout_s, shared_device)
+    return _BUFFERS[key]

@@ -1,0 +1,142 @@
+"""The CUDA op's builder and sources, checked without a GPU."""
+
+import glob
+import os
+import shutil
+import subprocess
+import sysconfig
+
+import pytest
+import torch
+from deepspeed.ops.op_builder.all_ops import ALL_OPS
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+import ds_comet.op_builder as op_builder
+from ds_comet.kernels import constants, layout
+from ds_comet.report import report
+from ds_comet.op_builder import CometBuilder
+from ds_comet.op_builder.comet import plain_arch_list
+from torch.utils.cpp_extension import include_paths
+
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(os.path.dirname(TESTS_DIR), "csrc")
+CUDA_INCLUDE = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+
+
+def test_builder_names_absolute_existing_sources():
+    builder = CometBuilder()
+    assert builder.NAME not in ALL_OPS, "the op name must not clash with a DeepSpeed op"
+    for path in builder.sources() + builder.include_paths():
+        assert os.path.isabs(path) and os.path.exists(path), path
+
+
+def test_op_builder_package_does_not_claim_to_be_deepspeeds():
+    # DeepSpeed's accelerator takes an importable op_builder with __deepspeed__ for its own.
+    assert not hasattr(op_builder, "__deepspeed__")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
+def test_incompatible_without_cuda_says_why():
+    builder = CometBuilder()
+    assert builder.is_compatible() is False
+    assert "without CUDA" in builder.error_log or "no CUDA device" in builder.error_log
+    with pytest.raises(RuntimeError, match="not being compatible"):
+        builder.jit_load(verbose=False)
+
+
+@pytest.mark.parametrize("given,expected", [("9.0a", "9.0"), ("9.0a;8.0 10.0f+PTX", "9.0;8.0;10.0+PTX"),
+                                            ("8.0 8.0", "8.0"), ("9.0+PTX", "9.0+PTX")])
+def test_plain_arch_list(given, expected):
+    assert plain_arch_list(given) == expected
+
+
+def test_filter_keeps_ampere_and_newer():
+    assert CometBuilder().filter_ccs(["7.0", "8.0", "9.0+PTX"]) == [["8", "0"], ["9", "0+PTX"]]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("source", sorted(glob.glob(os.path.join(CSRC, "*.cu"))), ids=os.path.basename)
+def test_cuda_sources_compile_for_hopper(source, tmp_path):
+    # The .cu files include no torch headers, so a toolkit without cuBLAS or torch's CUDA headers
+    # (CI's) still catches a build break.
+    result = subprocess.run(["nvcc", "-std=c++17", "-c", "-o", str(tmp_path / "out.o"), "-gencode",
+                             "arch=compute_90a,code=sm_90a", "-I", CSRC, source], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_gate_kernels_round_as_torch_under_the_builders_flags(monkeypatch, tmp_path):
+    # DeepSpeed's CUDAOpBuilder adds --use_fast_math, under which logf is an approximation and
+    # compares flush denormals to zero: the gate kernels would then round and order unlike torch.
+    monkeypatch.setattr(CUDAOpBuilder, "nvcc_args", lambda self: ["-O3", "--use_fast_math", "-std=c++17"])
+    args = [arg for arg in CometBuilder().nvcc_args() if arg]
+    assert "--use_fast_math" not in args and "-O3" in args
+    ptx = tmp_path / "gate_kernels.ptx"
+    result = subprocess.run(["nvcc", *args, "-ptx", "-arch=sm_90a", "-I", CSRC, "-o", str(ptx),
+                             os.path.join(CSRC, "gate_kernels.cu")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    text = ptx.read_text()
+    assert "lg2.approx" not in text and ".ftz" not in text
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or not os.path.exists(os.path.join(CUDA_INCLUDE, "cuda_runtime.h")),
+                    reason="needs g++ and the CUDA runtime headers")
+def test_torch_binding_compiles():
+    # CPU torch has no CUDA headers: a stand-in for the one the binding includes (tests/stubs).
+    includes = [os.path.join(TESTS_DIR, "stubs"), *include_paths(), sysconfig.get_paths()["include"], CUDA_INCLUDE,
+                CSRC]
+    result = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=ds_comet_ops",
+                             *[f"-I{path}" for path in includes], os.path.join(CSRC, "comet_binding.cpp")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_constants_match_the_compiled_header(tmp_path):
+    # Python reads csrc/comet.h's DS_COMET_CONSTANTS lines; compiled, the same list must give the same
+    # values (the binding's codes() exports them with this very macro, checked again at load).
+    source = tmp_path / "constants.cpp"
+    source.write_text("#include <cstdio>\n#include \"comet.h\"\n"
+                      "#define PRINT(name, value) std::printf(\"%s %lld\\n\", #name, (long long)ds_comet::k##name);\n"
+                      "int main() { DS_COMET_CONSTANTS(PRINT) return 0; }\n")
+    binary = tmp_path / "constants"
+    built = subprocess.run(["g++", "-std=c++17", f"-I{CSRC}", f"-I{CUDA_INCLUDE}", str(source), "-o", str(binary)],
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-4000:]
+    printed = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.split("\n")
+    compiled = {name: int(value) for name, value in (line.split() for line in printed if line)}
+    assert compiled == constants.CONSTANTS
+    assert (constants.TOTAL_ERROR_CLAIM, constants.WAIT_DISPATCH_TILE, constants.MAX_COMBINE_TOP_K) == (
+        compiled["TotalErrorClaim"], compiled["WaitDispatchTile"], compiled["MaxCombineTopK"])
+
+
+def test_layout_parts_do_not_overlap():
+    offsets = layout.layout_offsets(num_local=3, num_experts=6)
+    starts = sorted((v, k) for k, v in vars(offsets).items() if k != "total")
+    assert starts[0][0] == 0 and offsets.total > starts[-1][0]
+    meta = layout.meta_offsets(ep_size=2, num_experts=6, max_tiles=10, max_chunks=4)
+    assert meta.exchange_flag - meta.counts == 2 * 2 * 6 and meta.chunk_counter - meta.tile_counter == 10
+
+
+def test_report_runs_and_names_the_pipeline():
+    text = report({"moe": {"backend": "comet"}})
+    assert "op ds_comet_ops" in text and "pipeline:" in text
+    if not torch.cuda.is_available():
+        assert "reference pipeline" in text
+
+
+def test_report_verdict_where_the_fused_pipeline_can_run(monkeypatch):
+    """The verdict on a machine where everything is there (faked here): the fused pipeline, which
+    runs training steps too since its backward landed, and an error only under "fused"."""
+    import ds_comet.kernels.ops
+    import ds_comet.report as report_module
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(report_module, "_version", lambda name: "3.6.0")
+    monkeypatch.setattr(ds_comet.kernels.ops, "op_unavailable_reason", lambda: None)
+    verdict = report_module.pipeline_verdict({"moe": {"backend": "comet"}})
+    assert verdict.startswith("fused pipeline (forward and backward)"), verdict
+    assert "reference pipeline" not in verdict
+    assert report_module.pipeline_verdict({"moe": {"backend": "comet", "overlap": "none"}}).startswith("reference")
+    monkeypatch.setattr(ds_comet.kernels.ops, "op_unavailable_reason", lambda: "nvcc not found")
+    assert report_module.pipeline_verdict({"moe": {"backend": "comet", "overlap": "fused"}}) == (
+        "error: \"overlap\": \"fused\" was asked for, but nvcc not found")

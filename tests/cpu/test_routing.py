@@ -1,0 +1,74 @@
+"""The routing plan against a brute-force reading of the gate's sparse routes."""
+
+import pytest
+import torch
+
+from ds_comet.pipelines.routing import expert_major_order, plan_routes
+
+
+def random_routes(generator, top_k, num_tokens, num_experts, drop_fraction):
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    indices = scores.topk(top_k, dim=1).indices.t().contiguous().int()
+    dropped = torch.rand(indices.shape, generator=generator) < drop_fraction
+    return torch.where(dropped, torch.full_like(indices, -1), indices)
+
+
+@pytest.mark.parametrize("top_k,num_tokens,num_experts,drop_fraction", [(1, 37, 4, 0.0), (2, 64, 8, 0.3),
+                                                                         (4, 19, 6, 0.5), (3, 5, 3, 1.0)])
+def test_plan_matches_brute_force(top_k, num_tokens, num_experts, drop_fraction):
+    generator = torch.Generator().manual_seed(top_k * 100 + num_tokens)
+    indices = random_routes(generator, top_k, num_tokens, num_experts, drop_fraction)
+    plan = plan_routes(indices, num_experts)
+
+    routes = [(j * num_tokens + s, int(indices[j, s])) for j in range(top_k) for s in range(num_tokens)]
+    kept = sorted((e, r) for r, e in routes if e >= 0)
+    num_kept = len(kept)
+    assert plan.route_order[:num_kept].tolist() == [r for _, r in kept]
+    assert sorted(plan.route_order[num_kept:].tolist()) == sorted(r for r, e in routes if e < 0)
+    assert plan.expert_counts.tolist() == [sum(1 for e, _ in kept if e == x) for x in range(num_experts)]
+    assert torch.equal(plan.route_order[plan.route_position], torch.arange(top_k * num_tokens))
+    assert plan.source_token[:num_kept].tolist() == [r % num_tokens for _, r in kept]
+    # Every expert-parallel size the experts split evenly over: rank r gets experts [r * L, (r + 1) * L).
+    for ep_size in (p for p in range(2, num_experts + 1) if num_experts % p == 0):
+        num_local = num_experts // ep_size
+        assert plan.rank_counts(ep_size).tolist() == [
+            sum(plan.expert_counts[r * num_local:(r + 1) * num_local].tolist()) for r in range(ep_size)
+        ], ep_size
+
+
+def test_expert_major_order():
+    # Two source ranks, three local experts; rows arrive rank-major.
+    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])
+    arrival = [(0, 0), (0, 0), (0, 2), (1, 0), (1, 1), (1, 1), (1, 1)]
+    order = expert_major_order(counts)
+    assert [arrival[i] for i in order.tolist()] == sorted(arrival, key=lambda row: row[1])
+    assert order.tolist() == [0, 1, 3, 4, 5, 6, 2]
+
+
+@pytest.mark.parametrize("ep_size,num_local", [(2, 3), (4, 1), (4, 2), (8, 3)])
+def test_expert_major_order_brute_force(ep_size, num_local):
+    generator = torch.Generator().manual_seed(ep_size * 10 + num_local)
+    counts = torch.randint(0, 4, (ep_size, num_local), generator=generator)
+    counts[0, 0] = 0  # an empty run, also at the very start
+    arrival = [(source, expert) for source in range(ep_size) for expert in range(num_local)
+               for _ in range(counts[source, expert])]
+    # Grouped by local expert; within an expert the rows keep their arrival order (by source rank).
+    assert expert_major_order(counts).tolist() == sorted(range(len(arrival)), key=lambda i: (arrival[i][1], i))
+
+
+def test_plan_rejects_flat_indices():
+    with pytest.raises(ValueError, match=r"\[k, tokens\]"):
+        plan_routes(torch.zeros(8, dtype=torch.int32), 4)
+
+
+@pytest.mark.parametrize("past_the_end", [0, 1, 7])
+def test_plan_drops_ids_past_the_last_expert(past_the_end):
+    # The plan kernel counts any id >= E as dropped (csrc/comet.h); the torch plan must agree.
+    generator = torch.Generator().manual_seed(past_the_end)
+    num_experts = 6
+    indices = random_routes(generator, 2, 50, num_experts, 0.2)
+    bad = torch.rand(indices.shape, generator=generator) < 0.3
+    as_dropped = plan_routes(torch.where(bad, torch.full_like(indices, -1), indices), num_experts)
+    got = plan_routes(torch.where(bad, torch.full_like(indices, num_experts + past_the_end), indices), num_experts)
+    for field in ("route_order", "route_position", "expert_counts"):
+        assert torch.equal(getattr(got, field), getattr(as_dropped, field)), field

@@ -1,0 +1,393 @@
+"""Pipeline selection, the fused parameter rule and the workspace bound, without a GPU."""
+
+import pytest
+import torch
+from deepspeed.moe.sharded_moe import TopKGate
+
+import ds_comet
+import ds_comet.pipelines.selection as selection_module
+from ds_comet.config import CometMoEConfig
+from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
+from ds_comet.kernels import constants
+from ds_comet.kernels.ops import describe_error_record
+from ds_comet.pipelines.expert_weights import ModuleExperts, ModuleFusedExperts
+from ds_comet.pipelines.fused_kernels import PointerTables
+from ds_comet.pipelines.parameters import choose_parameters, max_received_rows, offsets_overflow
+from ds_comet.pipelines.policy import runtime_reason, structure_reason
+from ds_comet.pipelines.routing import plan_routes
+
+
+def layer(overlap):
+    return ds_comet.MoE(16, FeedForward(16, 32), num_experts=4, k=2,
+                        config={"moe": {"backend": "comet", "overlap": overlap}})
+
+
+class _Said:
+    """What the selection logs, by level."""
+
+    def __init__(self, monkeypatch):
+        self.lines = []
+        monkeypatch.setattr(selection_module, "log_dist", lambda message, ranks=None: self.lines.append(message))
+        monkeypatch.setattr(selection_module.logger, "warning", lambda message: self.lines.append(message))
+
+
+def test_auto_falls_back_and_says_why_once(monkeypatch):
+    said = _Said(monkeypatch)
+    moe = layer("auto").deepspeed_moe
+    tokens = torch.randn(8, 16)
+    assert moe.pipelines.pipeline_for(tokens) is moe.pipelines.reference
+    assert moe.pipelines.pipeline_for(tokens) is moe.pipelines.reference
+    assert "tokens are on cpu" in moe.pipelines.reason
+    assert len(said.lines) == 1 and "runs the reference pipeline: the tokens are on cpu" in said.lines[0]
+    assert said.lines[0].startswith(f"ds_comet: {moe.pipelines.name} ")
+
+
+def test_fused_asked_for_but_unavailable_is_an_error():
+    moe = layer("fused").deepspeed_moe
+    with pytest.raises(RuntimeError, match=r'"overlap": "fused" was asked for, but the tokens are on cpu'):
+        moe.pipelines.pipeline_for(torch.randn(8, 16))
+
+
+def test_none_runs_the_reference():
+    moe = layer("none").deepspeed_moe
+    assert moe.pipelines.pipeline_for(torch.randn(8, 16)) is moe.pipelines.reference
+    assert moe.pipelines.reason == "\"overlap\" is \"none\""
+
+
+def test_expert_recognition():
+    assert fused_expert(FeedForward(8, 16, "gelu_tanh")).activation == "gelu_tanh"
+    gated = fused_expert(GatedFeedForward(8, 16))
+    assert gated.gate is not None and gated.activation == "silu"
+    sequential = fused_expert(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU("tanh"),
+                                                  torch.nn.Linear(16, 8)))
+    assert sequential.activation == "gelu_tanh"
+    assert isinstance(fused_expert(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                                       torch.nn.Linear(16, 8))), str)
+    assert isinstance(fused_expert(torch.nn.Linear(8, 8)), str)
+
+
+def _local_experts(*modules):
+    return ModuleExperts(torch.nn.ModuleList(modules), modules)
+
+
+def test_experts_whose_layers_differ_in_bias_are_refused():
+    expert = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16, bias=False))
+    fused = structure_reason(_local_experts(expert), 16, 2)
+    assert "differ in having a bias" in fused.tensors_reason(16, torch.float32, torch.device("cpu"))
+
+
+def test_more_routes_per_token_than_the_combine_stages_is_refused():
+    too_many = constants.MAX_COMBINE_TOP_K + 1
+    reason = structure_reason(_local_experts(FeedForward(16, 32)), 16, too_many)
+    assert reason == f"k = {too_many}: the fused combine takes at most 3000 routes per token"
+
+
+def test_triton_without_tensor_descriptors_is_refused(monkeypatch):
+    triton = pytest.importorskip("triton")
+    monkeypatch.delattr(triton.language, "make_tensor_descriptor")
+    reason = runtime_reason()
+    assert "older than 3.4" in reason and "triton>=3.4" in reason
+
+
+def test_workspaces_past_32_bit_offsets_are_refused():
+    assert offsets_overflow(65536, 16384, 4096, 14336, gated=False) is None
+    assert "32-bit" in offsets_overflow(80000, 16384, 4096, 14336, gated=True)  # 80000 x 28672 >= 2^31
+    assert "32-bit" in offsets_overflow(1000, 300000, 8192, 1024, gated=False)
+
+
+@pytest.mark.parametrize("ep_size", [2, 4, 8])
+@pytest.mark.parametrize("k,drop_tokens,capacity_factor,skew", [(1, True, 1.0, 0.0), (2, True, 1.25, 3.0),
+                                                                (4, True, 0.5, 0.0), (2, False, 1.0, 4.0),
+                                                                (8, False, 1.0, 0.0)])
+def test_workspace_bound_holds_for_real_routes(ep_size, k, drop_tokens, capacity_factor, skew):
+    num_experts, hidden = 4 * ep_size, 12
+    torch.manual_seed(k)
+    gate = TopKGate(hidden, num_experts, k, capacity_factor, capacity_factor, 4, None, drop_tokens, True)
+    sources = []
+    for rank in range(ep_size):
+        tokens = (64, 50, 64, 17)[rank % 4]  # uneven token counts, at most 64
+        x = torch.randn(tokens, hidden) + skew * gate.wg.weight[0].detach()
+        sources.append(plan_routes(gate(x, None, True)[3], num_experts).expert_counts)
+    received = torch.stack(sources).view(ep_size, ep_size, num_experts // ep_size).sum(dim=(0, 2))
+    bound = max_received_rows(64, k, num_experts, ep_size, drop_tokens, capacity_factor, capacity_factor, 4)
+    assert received.max().item() <= bound, (received.tolist(), bound)
+
+
+def test_parameter_rule():
+    config = CometMoEConfig(backend="comet")
+    small = choose_parameters(config, 4096, 14336, False, 2, 2, 8192, 2, 132)
+    heavy = choose_parameters(config, 7168, 2048, False, 8, 2, 4096, 2, 132)
+    assert 8 <= small.comm_blocks <= heavy.comm_blocks <= 132 // 6
+    assert small.n_chunks == 4 and heavy.n_chunks == 8
+    # The rule keeps two column tiles a chunk (H2048: 8 tiles, 4 chunks; H256: 1 chunk); a pinned
+    # count is only capped at one tile a chunk.
+    assert [choose_parameters(config, hidden, 1408, True, 4, 2, 8192, 2, 132).n_chunks
+            for hidden in (256, 512, 1000, 2048, 7168)] == [1, 1, 2, 4, 8]
+    assert choose_parameters(CometMoEConfig(n_chunks=8), 2048, 1408, True, 4, 2, 8192, 2, 132).n_chunks == 8
+    # More ranks send a larger share of the routes over the links: never fewer communication blocks.
+    for shape in ((4096, 14336, False, 2), (7168, 2048, False, 8), (2048, 1408, True, 4)):
+        blocks = [choose_parameters(config, *shape, ep_size, 8192, 2, 132).comm_blocks for ep_size in (1, 2, 4, 8)]
+        assert blocks == sorted(blocks) and 8 <= blocks[0] and blocks[-1] <= 132 // 6, (shape, blocks)
+    pinned = choose_parameters(CometMoEConfig(comm_blocks=20, n_chunks=64, tile_n=256), 512, 1024, True, 2, 2,
+                               100, 2, 132)
+    assert pinned.comm_blocks == 20 and pinned.n_chunks == 2 and pinned.tile_n == 256
+    # A gated GEMM1's two 256-column accumulators need more shared memory than an SM has.
+    assert pinned.gemm1_tile_n == 128
+    ungated = choose_parameters(CometMoEConfig(tile_n=256), 512, 1024, False, 2, 2, 100, 2, 132)
+    assert ungated.tile_n == ungated.gemm1_tile_n == 256
+    narrow = choose_parameters(CometMoEConfig(tile_n=64), 512, 1024, True, 2, 2, 100, 2, 132)
+    assert narrow.tile_n == narrow.gemm1_tile_n == 64
+    ruled = choose_parameters(CometMoEConfig(), 4096, 14336, False, 2, 2, 8192, 2, 132)
+    assert (ruled.gemm1_tile_n, ruled.tile_n) == (256, 256)
+    # The combine's blocks: enough to keep pace with GEMM2 (more where GEMM2 is short against the
+    # bytes to combine), never more than the dispatch's, and as pinned when pinned.
+    combine = [choose_parameters(config, hidden, ffn, False, k, 2, 4096, 2, 132).combine_blocks
+               for hidden, ffn, k in ((4096, 14336, 2), (7168, 4096, 8), (7168, 2048, 8), (7168, 1024, 8))]
+    assert combine == sorted(combine) and combine[0] < combine[-1], combine
+    for shape in ((4096, 14336, False, 2), (7168, 2048, False, 8), (2048, 1408, True, 4), (64, 64, False, 1)):
+        params = choose_parameters(config, *shape, 2, 8192, 2, 132)
+        assert 1 <= params.combine_blocks <= params.comm_blocks, (shape, params)
+    assert choose_parameters(CometMoEConfig(combine_blocks=5), 4096, 14336, False, 2, 2, 8192, 2,
+                             132).combine_blocks == 5
+    # More than the dispatch's blocks is lowered to them (they could otherwise starve GEMM1).
+    lowered = choose_parameters(CometMoEConfig(combine_blocks=30), 4096, 14336, False, 2, 2, 8192, 2, 132)
+    assert lowered.combine_blocks == lowered.comm_blocks < 30
+    pinned = choose_parameters(CometMoEConfig(comm_blocks=500, combine_blocks=500), 4096, 14336, False, 2, 2, 8192,
+                               2, 132)
+    assert pinned.comm_blocks == pinned.combine_blocks == 131
+    # A group whose first call had no tokens still gets a valid split.
+    empty = choose_parameters(CometMoEConfig(), 4096, 14336, False, 2, 2, 0, 2, 132)
+    assert 1 <= empty.combine_blocks <= empty.comm_blocks <= 132 // 6
+    assert choose_parameters(CometMoEConfig(), 4096, 14336, True, 2, 2, 8192, 2, 132).gemm1_tile_n == 128
+
+
+def test_error_record_messages():
+    record = torch.zeros(constants.ERROR_RECORD_WORDS, dtype=torch.int64)
+    assert describe_error_record(record) is None
+    record[:7] = torch.tensor([1, 1, constants.WAIT_COMBINE_CHUNK, 3, 975, 0, 20 * 10**9])
+    message = describe_error_record(record)
+    assert "rank 1 waited 20.0 s for the expert outputs of column chunk 3 to reach 975" in message
+    record[2], record[3], record[4], record[5] = constants.WORKSPACE_OVERFLOW, 0, 100, 130
+    assert "max_tokens_per_rank" in describe_error_record(record)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_grouped_weight_gradients_map_to_their_parameters(gated):
+    # The fused backward's grouped results ([L, F or 2F, H], [L, H, F] and biases) become each
+    # expert parameter's gradient, in the order the autograd function takes the parameters.
+    experts = [fused_expert(GatedFeedForward(8, 12, bias=True) if gated else FeedForward(8, 12)) for _ in range(3)]
+    width = 24 if gated else 12
+    dw1, db1, dw2, db2 = torch.randn(3, width, 8), torch.randn(3, width), torch.randn(3, 8, 12), torch.randn(3, 8)
+    fused = ModuleFusedExperts(experts)
+    grads = fused.gradients(dw1, db1, dw2, db2)
+    expected = {}
+    for l, e in enumerate(experts):
+        expected.update({e.first.weight: dw1[l, :12], e.first.bias: db1[l, :12], e.second.weight: dw2[l],
+                         e.second.bias: db2[l]})
+        if gated:
+            expected.update({e.gate.weight: dw1[l, 12:], e.gate.bias: db1[l, 12:]})
+    params = fused.parameters()
+    assert len(grads) == len(params) == len(expected)
+    for param, grad in zip(params, grads):
+        assert torch.equal(grad, expected[param])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_expert_tables_follow_the_modules(gated):
+    # The pointer tables hold every expert's weights by name, see a parameter the user replaced
+    # (they are read from the modules on every call), and refuse misaligned weights.
+    modules = [GatedFeedForward(8, 16) if gated else FeedForward(8, 16) for _ in range(3)]
+    experts = [fused_expert(m) for m in modules]
+    fused = ModuleFusedExperts(experts)
+    tables, tokens = PointerTables(), torch.empty(0, 8)
+
+    def expected():
+        names = {"w1": "first", "w3": "gate", "w2": "second"}
+        want = {}
+        for name, attr in names.items():
+            linears = [getattr(e, attr) for e in experts]
+            want[name] = [0 if lin is None else lin.weight.data_ptr() for lin in linears]
+            want["b" + name[1]] = [0 if lin is None or lin.bias is None else lin.bias.data_ptr() for lin in linears]
+        return want
+
+    got = tables.get(fused, tokens)
+    assert {name: t.tolist() for name, t in got.items()} == expected()
+    replaced = modules[1].down_proj if gated else modules[1].fc2
+    replaced.weight = torch.nn.Parameter(torch.randn(8, 16))
+    got = tables.get(fused, tokens)
+    assert got["w2"].tolist()[1] == replaced.weight.data_ptr()
+    assert {name: t.tolist() for name, t in got.items()} == expected()
+    ordered, registered = fused.parameters(), [p for m in modules for p in m.parameters()]
+    assert len(ordered) == len(registered) and all(a is b for a, b in zip(ordered, registered))
+    replaced.weight = torch.nn.Parameter(torch.randn(8 * 16 + 1)[1:].view(8, 16))  # 4 bytes past alignment
+    with pytest.raises(ValueError, match=r"\['w2'\] are not 16-byte aligned"):
+        tables.get(fused, tokens)
+
+
+def test_rows_for_kernels_aligns_views():
+    from ds_comet.pipelines.fused import rows_for_kernels
+    base = torch.randn(5 * 16 + 3, dtype=torch.bfloat16)
+    aligned = base[:80].view(5, 16)
+    assert aligned.data_ptr() % 16 == 0
+    assert rows_for_kernels(aligned).data_ptr() == aligned.data_ptr()  # no copy when none is needed
+    shifted = base[3:].view(5, 16)  # starts 6 bytes into a 16-byte vector
+    fixed = rows_for_kernels(shifted)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, shifted)
+    strided = torch.randn(16, 5, dtype=torch.bfloat16).t()
+    assert rows_for_kernels(strided).is_contiguous() and torch.equal(rows_for_kernels(strided), strided)
+
+
+class _Scaled(FeedForward):
+    def forward(self, x):
+        return 0.5 * super().forward(x)
+
+
+class _QuickGELU(torch.nn.GELU):
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)
+
+
+class _LoRALinear(torch.nn.Linear):
+    def __init__(self, fan_in, fan_out):
+        super().__init__(fan_in, fan_out)
+        self.down = torch.nn.Parameter(torch.randn(2, fan_in))
+        self.up = torch.nn.Parameter(torch.randn(fan_out, 2))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.down.t() @ self.up.t()
+
+
+def test_experts_that_compute_something_else_are_not_fused():
+    # The kernels compute an expert from its weights without calling it: a subclass's forward, a
+    # replaced layer or a parametrized weight would be skipped, so each is refused by name.
+    weight_normed = FeedForward(8, 16)
+    torch.nn.utils.parametrizations.weight_norm(weight_normed.fc1)
+    replaced = FeedForward(8, 16)
+    replaced.fc2 = _LoRALinear(16, 8)
+    cases = {
+        "the expert is a _Scaled": _Scaled(8, 16),
+        "the expert is a Sequential": torch.nn.Sequential(torch.nn.Linear(8, 16), _QuickGELU(), torch.nn.Linear(16, 8)),
+        "the expert's layer is a _LoRALinear": replaced,
+        "the expert's layer is a ParametrizedLinear": weight_normed,
+    }
+    for start, expert in cases.items():
+        reason = fused_expert(expert)
+        assert isinstance(reason, str) and reason.startswith(start) and "not subclasses" in reason, (start, reason)
+    assert not isinstance(fused_expert(FeedForward(8, 16)), str)
+
+
+def test_expert_weights_the_kernels_would_misread_are_refused():
+    from ds_comet.experts import expert_tensors_reason
+
+    def specs(*modules):
+        return [fused_expert(m) for m in modules]
+
+    ok = specs(FeedForward(8, 16), FeedForward(8, 16))
+    assert expert_tensors_reason(ok, 8, torch.float32, torch.device("cpu")) is None
+    assert "maps 8 -> 8 features, the tokens have 12" in expert_tensors_reason(ok, 12, torch.float32,
+                                                                                torch.device("cpu"))
+    assert "FFN width differs" in expert_tensors_reason(specs(FeedForward(8, 16), FeedForward(8, 24)), 8,
+                                                        torch.float32, torch.device("cpu"))
+    mixed = FeedForward(8, 16).bfloat16()
+    mixed.fc1.bias.data = mixed.fc1.bias.data.float()
+    assert "expert 0's bias is torch.float32 on cpu, the tokens torch.bfloat16" in expert_tensors_reason(
+        specs(mixed), 8, torch.bfloat16, torch.device("cpu"))
+    transposed = FeedForward(8, 16)
+    transposed.fc2.weight = torch.nn.Parameter(torch.randn(16, 8).t())
+    assert "expert 0's weight is not contiguous" in expert_tensors_reason(specs(transposed), 8, torch.float32,
+                                                                        torch.device("cpu"))
+    assert "on cpu, the tokens torch.float32 on meta" in expert_tensors_reason(ok, 8, torch.float32,
+                                                                               torch.device("meta"))
+    gated_wide = GatedFeedForward(8, 16)
+    gated_wide.up_proj = torch.nn.Linear(8, 24, bias=False)
+    assert "FFN width differs" in expert_tensors_reason(specs(gated_wide), 8, torch.float32, torch.device("cpu"))
+
+
+class _FusedStandIn:
+    """Stands for the fused pipeline, which needs a GPU: the selection hands it out or not."""
+
+
+def _fusable(pipelines, monkeypatch):
+    """The selection as it stands once the group agreed on the fused pipeline (which needs a GPU):
+    only the per-call hook check is left to decide."""
+    monkeypatch.setattr(pipelines, "_agree", lambda tokens: None)
+    pipelines.fused = _FusedStandIn()
+
+
+def test_hooks_on_the_experts_rule_out_the_fused_kernels_on_every_call(monkeypatch):
+    moe = layer("auto").deepspeed_moe
+    pipelines, tokens = moe.pipelines, torch.randn(8, 16)
+    _fusable(pipelines, monkeypatch)
+    assert pipelines.pipeline_for(tokens) is pipelines.fused
+    handle = moe.experts.deepspeed_experts[1].fc1.register_forward_hook(lambda module, args, out: out * 2)
+    assert pipelines.pipeline_for(tokens) is pipelines.reference
+    assert "an expert's Linear has forward_hooks" in pipelines.reason
+    handle.remove()
+    assert pipelines.pipeline_for(tokens) is pipelines.fused
+    handle = moe.experts.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    assert pipelines.pipeline_for(tokens) is pipelines.reference
+    assert "an expert's Experts has backward_hooks" in pipelines.reason
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        assert pipelines.pipeline_for(tokens) is pipelines.reference
+        assert "a global module hook is registered (forward_pre_hooks)" in pipelines.reason
+    finally:
+        handle.remove()
+    assert pipelines.pipeline_for(tokens) is pipelines.fused
+
+
+def test_hooked_experts_with_fused_asked_for_is_an_error(monkeypatch):
+    moe = layer("fused").deepspeed_moe
+    tokens = torch.randn(8, 16)
+    _fusable(moe.pipelines, monkeypatch)
+    moe.experts.deepspeed_experts[0].register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(RuntimeError, match=r"\"fused\" was asked for, but an expert's FeedForward has "
+                                           r"forward_pre_hooks"):
+        moe.pipelines.pipeline_for(tokens)
+
+
+def test_static_checks_run_again_for_new_dtype_or_width(monkeypatch):
+    # The workspace and the weight checks were made for the first call's tokens: other tokens
+    # (say after model.half()) are checked again, by the whole group, before the kernels run.
+    moe = layer("auto").deepspeed_moe
+    pipelines = moe.pipelines
+    agreed = []
+    monkeypatch.setattr(pipelines, "_agree", lambda t: agreed.append((t.dtype, t.shape[-1])) or "stub")
+    for tokens in (torch.randn(8, 16), torch.randn(5, 16), torch.randn(8, 16).half(), torch.randn(8, 16).half(),
+                   torch.randn(8, 16)):
+        assert pipelines.pipeline_for(tokens) is pipelines.reference
+    assert agreed == [(torch.float32, 16), (torch.float16, 16), (torch.float32, 16)]
+
+
+def test_expert_tables_refuse_weights_converted_after_the_choice():
+    modules = [FeedForward(8, 16) for _ in range(2)]
+    fused = ModuleFusedExperts([fused_expert(m) for m in modules])
+    tables, tokens = PointerTables(), torch.empty(0, 8)
+    tables.get(fused, tokens)
+    modules[1].fc1.weight = torch.nn.Parameter(modules[1].fc1.weight.detach().double())
+    with pytest.raises(ValueError, match=r"cannot read the experts' weights: expert 1's weight is torch.float64"):
+        tables.get(fused, tokens)
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "expandable segments"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"}, "expandable segments"),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "expandable segments"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None),
+    # torch reads PYTORCH_ALLOC_CONF alone when it is set, and the last value of a key
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"}, None),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "cudaMallocAsync"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:native,max_split_size_mb:128"}, None),
+])
+def test_allocator_settings_that_cuda_ipc_cannot_share(monkeypatch, settings, expected):
+    # Ranks that share a GPU pass their workspace through CUDA IPC; the choice refuses these by name.
+    from ds_comet.pipelines.workspace import allocator_ipc_refusal
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    refusal = allocator_ipc_refusal()
+    assert (refusal is None) if expected is None else (expected in refusal), refusal

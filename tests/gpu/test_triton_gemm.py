@@ -1,0 +1,270 @@
+"""The fused pipeline's Triton GEMMs under Triton's CPU interpreter, against plain torch.
+
+One rank (P=1): the test lays out the receive buffer as the exchange and dispatch kernels would
+(tests/layout_reference.py), marks every row tile as arrived, runs GEMM1 then GEMM2, and checks
+every kept route's output row (GEMM2 stores it by receive row) and every chunk counter. This covers
+the tile schedule (own-row tiles first, then the rest), the expert search, the swizzle and the
+column chunks without a GPU; with one rank every row's source is 0, so the per-source counting and
+the combine's reads (route_row, the kept rows for the gate gradient) are left to the GPU tests.
+Then the backward kernels run on random output gradients laid out the same way (GEMM1 backward
+with act', GEMM2 backward with the gated second operand, the grouped weight and bias gradients,
+the gate-value dot products) and are checked against float64 autograd
+of each expert. Skipped where triton is not installed (it is an extra).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import sys
+import torch
+import triton.runtime.interpreter as interpreter
+
+# Triton 3.6's interpreter turns a loaded scalar into a Python int with int(array), which NumPy 2
+# refuses for 1-element arrays; give it the element instead.
+_patch_tensor = interpreter._patch_lang_tensor
+def _patch_lang_tensor(tensor, scope):
+    _patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = _patch_lang_tensor
+sys.path.insert(0, sys.argv[1])
+from tests.support.layout_reference import reference_layout, layout_array
+from ds_comet.kernels import constants as C, layout as L
+from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
+from ds_comet.pipelines.expert_weights import ModuleFusedExperts
+from ds_comet.pipelines.fused_kernels import PointerTables, next_power_of_2
+from ds_comet.pipelines.routing import plan_routes
+from ds_comet.kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel, gemm2_kernel, route_dot_kernel, wgrad_kernel
+
+def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_tiles, gated, activation, seed,
+          with_bias=True):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(num_tokens, hidden, generator=g)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    scores[:, 0] += 0.5  # skew: expert 0 gets many rows, others few or none
+    indices = scores.topk(top_k, dim=1).indices.t().contiguous().int()
+    indices[torch.rand(indices.shape, generator=g) < 0.2] = -1
+    plan = plan_routes(indices, num_experts)
+    counts = [plan.expert_counts.tolist()]
+    lay = reference_layout(counts, 0, tile_m)
+    offsets = L.layout_offsets(num_experts, num_experts)
+    layout = layout_array(lay, {**offsets.__dict__, "layout_total": offsets.total, "total_tiles": C.TOTAL_TILES,
+                                "total_kept": C.TOTAL_KEPT, "total_recv_rows": C.TOTAL_RECV_ROWS,
+                                "total_pieces": C.TOTAL_PIECES})
+    rows, kept = lay["totals"]["recv_rows"], lay["totals"]["kept"]
+    recv = torch.full((rows + tile_m, hidden), float("nan"))
+    origin = torch.zeros(rows + tile_m, dtype=torch.int64)
+    for e in range(num_experts):
+        for i in range(counts[0][e]):
+            pos = lay["send_offset"][e] + i
+            recv[lay["dest_row"][e] + i] = tokens[plan.route_order[pos] % num_tokens]
+            origin[lay["dest_row"][e] + i] = pos
+    counters = torch.zeros(lay["totals"]["tiles"] + 1, dtype=torch.int32)
+    for l in range(num_experts):
+        region = lay["expert_start"][l + 1] - lay["expert_start"][l]
+        for t in range(lay["tile_start"][l + 1] - lay["tile_start"][l]):
+            counters[lay["tile_start"][l] + t] = min(tile_m, region - t * tile_m)
+
+    torch.manual_seed(seed)
+    experts = [(GatedFeedForward(hidden, ffn, activation, bias=with_bias) if gated
+                else FeedForward(hidden, ffn, activation, bias=with_bias)) for _ in range(num_experts)]
+    specs = [fused_expert(e) for e in experts]
+    tables = PointerTables().get(ModuleFusedExperts(specs), torch.empty(0, hidden))
+    h = torch.full((rows + tile_m, ffn), float("nan"))
+    expert_out = torch.full((rows + tile_m, hidden), float("nan"))  # GEMM2's rows, by recv row
+    chunk_counters = torch.zeros(64, dtype=torch.int32)
+    chunk_table = torch.tensor([chunk_counters.data_ptr()], dtype=torch.int64)
+    error = torch.zeros(8, dtype=torch.int64)
+    l_pow2 = next_power_of_2(num_experts + 1)
+    width = ffn * (2 if gated else 1)
+    pre = torch.full((rows + tile_m, width), float("nan"))
+    common = dict(L_POW2=l_pow2, BM=tile_m, BN=tile_n, BK=16, GROUP_M=2, NUM_PROGS=3)
+    lo = (offsets.expert_start, offsets.tile_start)
+    first_args = (layout, counters, error.data_ptr(), 10**9, 0, hidden, ffn)
+    first_offsets = (num_experts, *lo, offsets.local_tiles, offsets.remote_tiles, offsets.totals + C.TOTAL_TILES)
+    gemm1_kernel[(3, )](recv, h, pre, h, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args,
+                        *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated,
+                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=False, STORE_PRE=True, STORE_ACT=False, WAIT=True, INTERPRET=True)
+    gemm2_kernel[(3, )](h, ffn, tables["w2"], tables["w2"], tables["b2"], origin, expert_out, chunk_table, layout, ffn,
+                        hidden, num_experts, *lo, offsets.totals + C.TOTAL_TILES, EP_SIZE=1, **common,
+                        CHUNK_TILES=chunk_tiles, HAS_BIAS=with_bias, SECOND=False, W_NK=True)
+    with torch.no_grad():
+        for e in range(num_experts):
+            for i in range(counts[0][e]):
+                pos = lay["send_offset"][e] + i
+                expected = experts[e](tokens[plan.route_order[pos] % num_tokens].double().float())
+                torch.testing.assert_close(expert_out[lay["dest_row"][e] + i], expected, rtol=2e-4, atol=2e-4)
+    n_tiles = -(-hidden // tile_n)
+    for c in range(-(-n_tiles // chunk_tiles)):
+        tiles = min(chunk_tiles, n_tiles - c * chunk_tiles)
+        assert chunk_counters[c].item() == kept * tiles, (c, chunk_counters[c].item(), kept * tiles)
+    assert error[0].item() == 0
+
+    # Backward: a random gradient per kept route, laid out like the forward's rows.
+    grad_routes = torch.randn(kept, hidden, generator=g)
+    grad_recv = torch.full_like(recv, float("nan"))
+    for e in range(num_experts):
+        for i in range(counts[0][e]):
+            grad_recv[lay["dest_row"][e] + i] = grad_routes[lay["send_offset"][e] + i]
+    grad_pre = torch.full((rows + tile_m, width), float("nan"))
+    h_again = torch.full_like(h, float("nan"))  # the activations, recomputed from pre for W2's gradient
+    gemm1_kernel[(3, )](grad_recv, grad_pre, pre, h_again, tables["w2"], tables["w3"], tables["b1"], tables["b3"],
+                        *first_args, *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated,
+                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, STORE_ACT=True,
+                        WAIT=True, INTERPRET=True)
+    # fp32 here, so pre holds GEMM1's products exactly and the recomputed rows are the forward's.
+    torch.testing.assert_close(h_again[:rows], h[:rows], rtol=1e-6, atol=1e-6)
+    grad_rows = torch.full_like(expert_out, float("nan"))
+    chunk_counters.zero_()
+    gemm2_kernel[(3, )](grad_pre, width, tables["w1"], tables["w3"], tables["b2"], origin, grad_rows, chunk_table,
+                        layout, ffn, hidden, num_experts, *lo, offsets.totals + C.TOTAL_TILES, EP_SIZE=1, **common,
+                        CHUNK_TILES=chunk_tiles, HAS_BIAS=False, SECOND=gated, W_NK=False)
+    grads = {}
+    for name, a, b, m, n in (("w2", grad_recv, h_again, hidden, ffn), ("w1", grad_pre, recv, width, hidden)):
+        out = torch.full((num_experts, m, n), float("nan"))
+        bias = torch.full((num_experts, m), float("nan"))
+        wgrad_kernel[(3, )](a, a.shape[1], b, b.shape[1], out, bias, layout, offsets.expert_start, m, n, num_experts,
+                            BM=16, BN=16, BK=16, GROUP_M=2, NUM_PROGS=3, HAS_BIAS=with_bias)
+        grads[name] = (out, bias)
+    grad_tokens = torch.randn(num_tokens, hidden, generator=g)
+    returned = torch.zeros(top_k * num_tokens, hidden)  # what the combine keeps: outputs by send position
+    for e in range(num_experts):
+        for i in range(counts[0][e]):
+            returned[lay["send_offset"][e] + i] = expert_out[lay["dest_row"][e] + i]
+    gate_grads = torch.full((top_k * num_tokens, ), float("nan"))
+    route_dot_kernel[(top_k * num_tokens, )](returned, grad_tokens, plan.route_position, plan.expert_counts,
+                                             gate_grads, num_tokens, num_experts, hidden,
+                                             E_POW2=next_power_of_2(num_experts), BLOCK=16)
+
+    for e in range(num_experts):
+        expert = experts[e].double()
+        positions = list(range(lay["send_offset"][e], lay["send_offset"][e] + counts[0][e]))
+        inputs = tokens[plan.route_order[positions] % num_tokens].double().requires_grad_()
+        expert.zero_grad(set_to_none=False)
+        expert(inputs).backward(grad_routes[positions].double())
+        recv_rows = [lay["dest_row"][e] + i for i in range(counts[0][e])]
+        torch.testing.assert_close(grad_rows[recv_rows].double(), inputs.grad, rtol=2e-4, atol=2e-4)
+        spec = fused_expert(expert)
+        first_rows = slice(0, ffn)
+        checks = [(grads["w1"][0][e][first_rows], spec.first.weight), (grads["w2"][0][e], spec.second.weight)]
+        if with_bias:
+            checks += [(grads["w1"][1][e][first_rows], spec.first.bias), (grads["w2"][1][e], spec.second.bias)]
+        if gated:
+            checks += [(grads["w1"][0][e][ffn:], spec.gate.weight)]
+            if with_bias:
+                checks += [(grads["w1"][1][e][ffn:], spec.gate.bias)]
+        for got, param in checks:
+            torch.testing.assert_close(got.double(), param.grad, rtol=2e-4, atol=2e-4)
+        assert len(ModuleFusedExperts([spec]).parameters()) == (3 if gated else 2) * (2 if with_bias else 1)
+    for route in range(top_k * num_tokens):
+        pos = plan.route_position[route].item()
+        want = float(returned[pos] @ grad_tokens[route % num_tokens]) if pos < kept else 0.0
+        assert abs(gate_grads[route].item() - want) <= 1e-4 * (1 + abs(want)), (route, gate_grads[route], want)
+    print("ok", num_tokens, hidden, ffn, num_experts, top_k, gated, activation, with_bias, "rows", rows, "kept", kept)
+
+check(37, 48, 40, 4, 2, 16, 16, 2, False, "gelu", 1)
+check(50, 40, 24, 3, 1, 16, 16, 1, True, "silu", 2)
+check(29, 32, 32, 5, 3, 32, 16, 3, False, "gelu_tanh", 3)
+check(64, 24, 48, 2, 2, 16, 32, 1, True, "relu", 4)
+# GEMM1's epilogue runs on column halves: FFN 40 at 32-column tiles leaves its last tile's left half
+# partly valid and its right half empty, FFN 56 the right half partly valid; and experts without biases.
+check(37, 48, 40, 4, 2, 16, 32, 2, False, "gelu", 5)
+check(45, 40, 56, 3, 2, 16, 32, 1, True, "silu", 6, with_bias=False)
+check(30, 32, 24, 2, 1, 16, 16, 1, False, "relu", 7, with_bias=False)
+"""
+
+
+def test_triton_gemms_in_interpreter():
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", SCRIPT, repo_root], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert result.stdout.count("ok ") == 7
+
+
+GIVE_UP_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from tests.support.layout_reference import reference_layout, layout_array
+from ds_comet.kernels import constants as C, layout as L
+from ds_comet.experts import FeedForward, fused_expert
+from ds_comet.pipelines.expert_weights import ModuleFusedExperts
+from ds_comet.pipelines.fused_kernels import PointerTables, next_power_of_2, with_descriptor_scratch
+from ds_comet.kernels.ops import describe_error_record
+from ds_comet.kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
+
+hidden, ffn, tile_m, tile_n, num_experts, timeout_ns = 64, 512, 64, 64, 8, 200_000_000
+rows_of = [5 + 7 * e for e in range(num_experts)]  # one tile per expert, each waiting for a different count
+lay = reference_layout([rows_of], 0, tile_m)
+offsets = L.layout_offsets(num_experts, num_experts)
+layout = layout_array(lay, {**offsets.__dict__, "layout_total": offsets.total, "total_tiles": C.TOTAL_TILES,
+                            "total_kept": C.TOTAL_KEPT, "total_recv_rows": C.TOTAL_RECV_ROWS,
+                            "total_pieces": C.TOTAL_PIECES}).cuda()
+tiles = lay["totals"]["tiles"]
+wanted = {}
+for e in range(num_experts):
+    for t in range(lay["tile_start"][e + 1] - lay["tile_start"][e]):
+        wanted[lay["tile_start"][e] + t] = min(tile_m, rows_of[e] - t * tile_m)
+experts = [fused_expert(FeedForward(hidden, ffn).cuda().bfloat16()) for _ in range(num_experts)]
+tables = PointerTables().get(ModuleFusedExperts(experts), torch.empty(0, hidden, dtype=torch.bfloat16, device="cuda"))
+rows = lay["totals"]["recv_rows"]
+recv = torch.zeros((rows + tile_m, hidden), dtype=torch.bfloat16, device="cuda")
+h = torch.empty((rows + tile_m, ffn), dtype=torch.bfloat16, device="cuda")
+counters = torch.zeros(tiles + 1, dtype=torch.int32, device="cuda")  # no row ever arrives
+record = torch.zeros(C.ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+programs = tiles * (ffn // tile_n)  # every program waits on its first tile, and all give up together
+try:
+    with_descriptor_scratch(lambda: gemm1_kernel[(programs, )](
+        recv, h, h, h, tables["w1"], tables["w3"], tables["b1"], tables["b3"], layout, counters, record.data_ptr(),
+        timeout_ns, 3, hidden, ffn, num_experts, offsets.expert_start, offsets.tile_start, offsets.local_tiles,
+        offsets.remote_tiles, offsets.totals + C.TOTAL_TILES, L_POW2=next_power_of_2(num_experts + 1), BM=tile_m,
+        BN=tile_n, BK=64, GROUP_M=8, NUM_PROGS=programs, HAS_BIAS=True, GATED=False,
+        ACTIVATION=ACTIVATION_CODES["gelu"], BACKWARD=False, STORE_PRE=False, STORE_ACT=False, WAIT=True,
+        INTERPRET=False,
+        num_warps=4, num_stages=3))
+    torch.cuda.synchronize()
+    trapped = False
+except RuntimeError:
+    trapped = True
+print(json.dumps(dict(trapped=trapped, record=record.tolist(), wanted=wanted, tiles=tiles, timeout_ns=timeout_ns,
+                      message=describe_error_record(record))))
+"""
+
+
+def test_a_gemm1_wait_that_gives_up_fills_the_error_record_from_one_wait(tmp_path):
+    """Every GEMM1 program waits for rows that never come and gives up at about the same time: the
+    record must describe one of those waits (its tile and that tile's row count), not a mix."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import json
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton_cache"))
+    env.pop("TRITON_INTERPRET", None)
+    # The kernel traps, which ends the CUDA context: its own process.
+    result = subprocess.run([sys.executable, "-c", GIVE_UP_SCRIPT, repo_root], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    flag, rank, kind, index, target, seen, waited, _ = out["record"]
+    assert out["trapped"] and flag == 1, out
+    assert (rank, kind, seen) == (3, 2, 0), out  # rank as launched, WAIT_DISPATCH_TILE, nothing arrived
+    assert 0 <= index < out["tiles"] and target == out["wanted"][str(index)], out
+    assert waited >= out["timeout_ns"], out
+    assert f"GEMM1 row tile {index} to reach {target} but saw 0" in out["message"], out
+
+
+def test_the_gemm_error_claim_is_the_layouts():
+    from ds_comet.kernels import constants
+    from ds_comet.kernels.triton_gemm import ERROR_CLAIM_AFTER_TILES, ERROR_RECORD_WAIT_NS, WAIT_DISPATCH_TILE
+    assert ERROR_CLAIM_AFTER_TILES == constants.TOTAL_ERROR_CLAIM - constants.TOTAL_TILES
+    assert constants.TOTAL_ERROR_CLAIM < constants.TOTALS_WORDS
+    assert ERROR_RECORD_WAIT_NS.value == constants.ERROR_RECORD_WAIT_NS
+    assert WAIT_DISPATCH_TILE.value == constants.WAIT_DISPATCH_TILE
