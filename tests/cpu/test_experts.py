@@ -1,0 +1,113 @@
+"""Users' own expert classes: register_expert, the check of their forward, and the refusals."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import ds_comet
+from ds_comet.experts import forward_mismatch, fused_expert, register_expert
+from ds_comet.pipelines.expert_weights import ModuleExperts
+from ds_comet.pipelines.policy import structure_reason
+
+
+class MixtralStyleMLP(nn.Module):
+    """Mixtral's and Megatron-DeepSpeed's SwiGLU expert: w2(silu(w1(x)) * w3(x)), its own names."""
+
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class NestedMLP(nn.Module):
+    """fc_out(relu(proj.fc_in(x))): the Linears one level down, with biases."""
+
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.proj = nn.Module()
+        self.proj.fc_in = nn.Linear(hidden, ffn)
+        self.fc_out = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.fc_out(F.relu(self.proj.fc_in(x)))
+
+
+class ScaledMLP(MixtralStyleMLP):
+    """Computes something the layout does not say: half the SwiGLU."""
+
+    def forward(self, x):
+        return 0.5 * super().forward(x)
+
+
+@pytest.fixture(autouse=True)
+def _registry(monkeypatch):
+    # Each test registers what it needs; the registry is left as it was.
+    import ds_comet.experts as experts
+    monkeypatch.setattr(experts, "_LAYOUTS", dict(experts._LAYOUTS))
+
+
+def test_a_registered_class_runs_on_its_own_parameter_names():
+    register_expert(MixtralStyleMLP, first="w1", up="w3", second="w2", activation="silu")
+    expert = MixtralStyleMLP(16, 24)
+    spec = fused_expert(expert)
+    assert (spec.first, spec.gate, spec.second, spec.activation) == (expert.w1, expert.w3, expert.w2, "silu")
+    assert forward_mismatch(spec, 16) is None
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(spec.compute(x), expert(x), rtol=0, atol=0)
+    register_expert(NestedMLP, first="proj.fc_in", second="fc_out", activation="relu")
+    nested = fused_expert(NestedMLP(16, 24))
+    assert nested.gate is None and forward_mismatch(nested, 16) is None
+
+
+def test_a_registered_class_whose_forward_computes_something_else_is_refused():
+    register_expert(ScaledMLP, first="w1", up="w3", second="w2", activation="silu")
+    reason = forward_mismatch(fused_expert(ScaledMLP(16, 24)), 16)
+    assert reason is not None and "ScaledMLP's forward differs from its registered layout" in reason
+    register_expert(MixtralStyleMLP, first="w1", up="w3", second="w2", activation="gelu")  # the wrong activation
+    reason = structure_reason(ModuleExperts(nn.ModuleList(), [MixtralStyleMLP(16, 24)]), 16, 2)
+    assert isinstance(reason, str) and "differs from its registered layout" in reason
+
+
+def test_layouts_that_do_not_fit_the_class_are_refused():
+    register_expert(MixtralStyleMLP, first="w1", up="w4", second="w2", activation="silu")
+    assert "has no submodule 'w4'" in fused_expert(MixtralStyleMLP(8, 8))
+    register_expert(NestedMLP, first="proj", second="fc_out", activation="relu")
+    assert "'proj' is a Module, not the nn.Linear" in fused_expert(NestedMLP(8, 8))
+    with pytest.raises(ValueError, match="activation 'swish' is not supported"):
+        register_expert(MixtralStyleMLP, first="w1", second="w2", activation="swish")
+    with pytest.raises(TypeError, match="takes an nn.Module class"):
+        register_expert(MixtralStyleMLP(8, 8), first="w1", second="w2", activation="silu")
+    # A subclass of a registered class is not covered: it may compute something else.
+    register_expert(MixtralStyleMLP, first="w1", up="w3", second="w2", activation="silu")
+    assert "the expert is a ScaledMLP" in fused_expert(ScaledMLP(8, 8))
+
+
+def test_fused_asked_for_checks_the_experts_when_the_layer_is_built():
+    fused = {"moe": {"backend": "comet", "overlap": "fused"}}
+    with pytest.raises(ValueError, match=r"\"fused\" was asked for, but the expert is a MixtralStyleMLP.*register_expert"):
+        ds_comet.MoE(16, MixtralStyleMLP(16, 24), num_experts=4, k=2, config=fused)
+    register_expert(MixtralStyleMLP, first="w1", up="w3", second="w2", activation="silu")
+    layer = ds_comet.MoE(16, MixtralStyleMLP(16, 24), num_experts=4, k=2, config=fused)
+    assert isinstance(layer.deepspeed_moe.pipelines.experts, ModuleExperts)
+    # "auto" builds it and says why at the first call instead.
+    ds_comet.MoE(16, ScaledMLP(16, 24), num_experts=4, k=2, config={"moe": {"backend": "comet"}})
+
+
+class WrongWidth(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden - 3)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_an_expert_whose_output_width_is_wrong_is_named():
+    layer = ds_comet.MoE(16, WrongWidth(16), num_experts=2, k=1, config={"moe": {"backend": "comet"}})
+    with pytest.raises(ValueError, match="an expert maps rows of 16 features to \\[13\\]"):
+        layer(torch.randn(1, 8, 16))

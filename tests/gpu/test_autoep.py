@@ -1,0 +1,88 @@
+"""DeepSpeed AutoEP on ds_comet's fused pipeline against AutoEP itself, and users' own expert classes
+on the fused pipeline, on GPUs (skipped without CUDA or without transformers for the AutoEP cases)."""
+
+import pytest
+import torch
+from deepspeed import comm as dist
+from torch import nn
+from torch.nn import functional as F
+
+import ds_comet
+from tests.support.autoep_models import PRESETS, gradients_case, training_case
+
+BF16_REL = 2e-2
+
+
+def _seed():
+    return torch.randint(1, 10**6, ()).item()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fused_outputs_and_gradients_match_autoep(gpu_pool, preset):
+    pytest.importorskip("transformers")
+    for (worst_name, worst), loss_diff, ran_fused in gpu_pool.run(gradients_case, preset=preset, seed=_seed(),
+                                                                  dtype_name="bf16", overlap="fused"):
+        assert ran_fused == {True}, "the comet layers did not run the fused pipeline"
+        assert worst < BF16_REL, (worst_name, worst)
+        assert loss_diff < 2e-2, loss_diff
+
+
+def test_fused_zero2_training_matches_autoep(gpu_pool):
+    pytest.importorskip("transformers")
+    for losses, comet_losses, worst in gpu_pool.run(training_case, preset="mixtral", seed=_seed(), steps=4,
+                                                     dtype_name="bf16"):
+        assert comet_losses == pytest.approx(losses, rel=2e-2), (losses, comet_losses)
+        assert worst < BF16_REL, worst
+
+
+class MixtralStyleMLP(nn.Module):
+    """A user's SwiGLU expert under its own parameter names."""
+
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def user_expert_case(seed):
+    """The registered class on the fused pipeline: output and every gradient as its own forward gives
+    them on the reference pipeline (same weights, routes and tokens)."""
+    ds_comet.register_expert(MixtralStyleMLP, first="w1", up="w3", second="w2", activation="silu")
+    ep_size, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    layers = {}
+    for overlap in ("none", "fused"):
+        torch.manual_seed(seed)
+        layer = ds_comet.MoE(512, MixtralStyleMLP(512, 768), num_experts=4 * ep_size, ep_size=ep_size, k=2,
+                             config={"moe": {"backend": "comet", "overlap": overlap}})
+        layer.set_deepspeed_parallelism()
+        for i, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            ds_comet.experts.reset_expert_(expert, seed * 100 + rank * 4 + i)
+        layers[overlap] = layer.to(device=device, dtype=torch.bfloat16).train()
+    generator = torch.Generator(device=device).manual_seed(seed + rank)
+    tokens = torch.randn(1, 300, 512, generator=generator, device=device).to(torch.bfloat16)
+    grad_out = torch.randn(1, 300, 512, generator=generator, device=device).to(torch.bfloat16)
+    results = {}
+    for overlap, layer in layers.items():
+        x = tokens.clone().requires_grad_()
+        torch.manual_seed(seed)
+        out, l_aux, _ = layer(x)
+        torch.autograd.backward([out, l_aux], [grad_out, torch.ones_like(l_aux)])
+        results[overlap] = (out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()})
+    assert layers["fused"].deepspeed_moe.pipelines.reason is None, layers["fused"].deepspeed_moe.pipelines.reason
+    (out, grad, grads), (want, want_grad, want_grads) = results["fused"], results["none"]
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+    worst = max([rel(out, want), rel(grad, want_grad)] + [rel(grads[n], g) for n, g in want_grads.items()])
+    assert worst < 2 * BF16_REL, worst
+    return worst
+
+
+def test_user_expert_class_runs_fused_with_its_own_numbers(gpu_pool):
+    gpu_pool.run(user_expert_case, seed=_seed())

@@ -1,0 +1,136 @@
+"""Tiny Hugging Face MoE models for the AutoEP tests (random weights from a config, no download),
+and the cases the CPU and GPU tests share: AutoEP against AutoEP on ds_comet, same seed and data."""
+
+from typing import Dict
+
+import pytest
+import torch
+from deepspeed import comm as dist
+
+import ds_comet
+
+PRESETS = ("mixtral", "qwen3_moe", "deepseek_v3")
+VOCAB = 64
+
+
+def tiny_model(preset: str, hidden: int = 64, ffn: int = 96, experts_per_rank: int = 2):
+    """A two-layer model of ``preset``'s family whose MoE blocks AutoEP converts."""
+    transformers = pytest.importorskip("transformers")
+    experts = experts_per_rank * dist.get_world_size()
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64)
+    if preset == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            intermediate_size=ffn, num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2, **common))
+    if preset == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            intermediate_size=2 * ffn, moe_intermediate_size=ffn, num_key_value_heads=2, num_experts=experts,
+            num_experts_per_tok=3, norm_topk_prob=True, head_dim=16, **common))
+    if preset == "deepseek_v3":  # sigmoid scores, group-limited top-k, score correction bias, a shared expert
+        return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            intermediate_size=2 * ffn, moe_intermediate_size=ffn, num_key_value_heads=4, n_routed_experts=experts,
+            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, **common))
+    raise ValueError(preset)
+
+
+def ds_config(preset: str, backend: str, zero_stage: int, dtype: torch.dtype, overlap: str = "auto") -> Dict:
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": zero_stage},
+              "expert_parallel": {"enabled": True, "autoep_size": dist.get_world_size(), "preset_model": preset,
+                                  "use_grouped_mm": torch.cuda.is_available()},
+              "moe": {"backend": backend, "overlap": overlap} if backend == "comet" else {"backend": backend}}
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+    return config
+
+
+def engine_for(preset: str, backend: str, seed: int, zero_stage: int, dtype: torch.dtype, overlap: str = "auto"):
+    torch.manual_seed(seed)
+    model = tiny_model(preset)
+    config = ds_config(preset, backend, zero_stage, dtype, overlap)
+    engine, *_ = ds_comet.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def batch(seed: int, step: int, device):
+    generator = torch.Generator().manual_seed(seed * 1000 + step * 10 + dist.get_rank())
+    ids = torch.randint(0, VOCAB, (2, 24), generator=generator)
+    return ids.to(device)
+
+
+def comet_layers(engine):
+    return [m for m in engine.module.modules() if type(m).__name__ == "CometAutoEPMoELayer"]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def gradients_case(preset: str, seed: int, dtype_name: str = "fp32", overlap: str = "auto"):
+    """One forward and backward (no ZeRO: every gradient stays whole in .grad): logits and every
+    parameter's gradient, by name, of AutoEP against AutoEP on ds_comet. Returns the worst relative difference and which
+    pipeline the comet layers ran."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    results = {}
+    for backend in ("deepspeed", "comet"):
+        engine = engine_for(preset, backend, seed, 0, dtype, overlap)
+        ids = batch(seed, 0, engine.device)
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        grads = {name: p.grad.detach().clone() for name, p in engine.module.named_parameters() if p.grad is not None}
+        results[backend] = (out.logits.detach().float(), out.loss.item(), grads)
+        if backend == "comet":
+            layers = comet_layers(engine)
+            assert layers, "ds_comet.initialize converted no AutoEP layer"
+            ran = {layer.pipelines.reason is None for layer in layers}
+    (logits, loss, grads), (c_logits, c_loss, c_grads) = results["deepspeed"], results["comet"]
+    assert grads.keys() == c_grads.keys() and len(grads) > 10, sorted(set(grads) ^ set(c_grads))
+    worst = {"logits": rel(c_logits, logits)}
+    for name, grad in grads.items():
+        worst[name] = rel(c_grads[name], grad)
+    return max(worst.items(), key=lambda item: item[1]), abs(c_loss - loss), ran
+
+
+def training_case(preset: str, seed: int, steps: int = 3, dtype_name: str = "fp32"):
+    """ZeRO-2 AdamW steps of both: the losses and the final weights."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    runs = {}
+    for backend in ("deepspeed", "comet"):
+        engine = engine_for(preset, backend, seed, 2, dtype)
+        losses = []
+        for step in range(steps):
+            ids = batch(seed, step, engine.device)
+            out = engine(input_ids=ids, labels=ids)
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(out.loss.item())
+        runs[backend] = (losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()})
+    (losses, state), (c_losses, c_state) = runs["deepspeed"], runs["comet"]
+    assert state.keys() == c_state.keys()
+    return losses, c_losses, max(rel(c_state[k], v) for k, v in state.items() if v.numel())
+
+
+def checkpoint_case(preset: str, seed: int, save_dir: str, first: str, second: str):
+    """Train under ``first`` and save; load the checkpoint under ``second``: the weights and the next
+    step's loss must be what ``first`` gets when it goes on."""
+    engine = engine_for(preset, first, seed, 2, torch.float32)
+    for step in range(2):
+        ids = batch(seed, step, engine.device)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(save_dir, tag="two")
+    ids = batch(seed, 2, engine.device)
+    want = engine(input_ids=ids, labels=ids).loss.item()
+    want_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    other = engine_for(preset, second, seed + 1, 2, torch.float32)  # other initial weights: the load must set them
+    path, _ = other.load_checkpoint(save_dir, tag="two")
+    assert path is not None, f"{second} found no checkpoint in {save_dir}"
+    got_state = other.module.state_dict()
+    assert got_state.keys() == want_state.keys()
+    for key, value in want_state.items():
+        assert torch.equal(got_state[key], value), key
+    got = other(input_ids=ids, labels=ids).loss.item()
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    return got
