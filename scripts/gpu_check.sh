@@ -13,29 +13,29 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 start=$(date +%s)
-python3 -c "from op_builder import CometBuilder; CometBuilder().load(verbose=False); print('ds_comet op ready')" \
+python3 -c "from ds_comet.kernels.ops import load_op; load_op(); print('ds_comet op ready')" \
     > "$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
 echo "op build: $(( $(date +%s) - start )) s"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    # test_gate.py runs its bitwise comparisons with stock's gate on CUDA as well when a GPU is there;
-    # test_compile.py compiles the layer (inductor on the GPU), test_triton_gemm.py checks the GEMMs alone.
-    timeout 420 python3 -m pytest tests/test_fused_gpu.py tests/test_gate.py tests/test_compile.py \
-        tests/test_triton_gemm.py -x -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40
+    # tests/gpu needs a GPU; tests/cpu/test_gate.py runs its bitwise comparisons with stock's gate on CUDA
+    # as well when a GPU is there, and test_compile.py compiles the layer (inductor on the GPU).
+    timeout 480 python3 -m pytest tests/gpu tests/cpu/test_gate.py tests/cpu/test_compile.py \
+        -x -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 420 torchrun --nproc_per_node "$(python3 -c 'import torch; print(torch.cuda.device_count())')" \
         --master_port 29631 -m ds_comet.bench --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v "^\[" | tail -30
 fi
 if [ "$what" = shared ]; then
-    DS_COMET_TEST_RANKS_PER_GPU=2 timeout 420 python3 -m pytest tests/test_fused_gpu.py tests/test_compile.py -k \
-        "fused" -x -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests_shared.log" | tail -20
+    DS_COMET_TEST_RANKS_PER_GPU=2 timeout 420 python3 -m pytest tests/gpu/test_fused.py tests/gpu/test_autoep.py \
+        tests/cpu/test_compile.py -k "fused" -x -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests_shared.log" | tail -20
 fi
 if [ "$what" = sweep ]; then
     gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-    timeout 300 torchrun --nproc_per_node "$gpus" --master_port 29632 scripts/sweep_fused.py --gate-ops graph \
+    timeout 300 torchrun --nproc_per_node "$gpus" --master_port 29632 -m ds_comet.bench.sweep --gate-ops graph \
         --shape H4096-F14336-E8-k2-T8192 --shape H7168-F2048-E32-k8-T4096 --out "$out/sweep" 2>&1 \
         | tee "$out/sweep.log" | grep -v "^\[" | tail -12
-    timeout 300 torchrun --nproc_per_node "$gpus" --master_port 29633 scripts/sweep_fused.py --gate-ops graph \
+    timeout 300 torchrun --nproc_per_node "$gpus" --master_port 29633 -m ds_comet.bench.sweep --gate-ops graph \
         --shape H2048-F1408-E64-k4-T8192 --n-chunks auto,2,4 --out "$out/sweep-chunks" 2>&1 \
         | tee "$out/sweep-chunks.log" | grep -v "^\[" | tail -12
 fi

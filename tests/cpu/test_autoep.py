@@ -20,8 +20,9 @@ def _seed():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_outputs_and_every_gradient_match_autoep(cpu_pool, preset):
-    for (worst_name, worst), loss_diff, ran_fused in cpu_pool.run(gradients_case, preset=preset, seed=_seed()):
-        assert worst < FP32_REL, (worst_name, worst)
+    for errors, loss_diff, ran_fused in cpu_pool.run(gradients_case, preset=preset, seed=_seed()):
+        worst = max(errors.items(), key=lambda item: item[1]["comet_vs_autoep"])
+        assert worst[1]["comet_vs_autoep"] < FP32_REL, worst
         assert loss_diff < 1e-5, loss_diff
         assert ran_fused == {False}, "on CPU the comet layers run the reference pipeline"
 

@@ -17,13 +17,18 @@ def _seed():
     return torch.randint(1, 10**6, ()).item()
 
 
+@pytest.mark.parametrize("trial", range(2))
 @pytest.mark.parametrize("preset", PRESETS)
-def test_fused_outputs_and_gradients_match_autoep(gpu_pool, preset):
+def test_fused_outputs_and_gradients_match_autoep(gpu_pool, preset, trial):
     pytest.importorskip("transformers")
-    for (worst_name, worst), loss_diff, ran_fused in gpu_pool.run(gradients_case, preset=preset, seed=_seed(),
-                                                                  dtype_name="bf16", overlap="fused"):
+    for errors, loss_diff, ran_fused in gpu_pool.run(gradients_case, preset=preset, seed=_seed(), dtype_name="bf16",
+                                                     overlap="fused"):
         assert ran_fused == {True}, "the comet layers did not run the fused pipeline"
-        assert worst < BF16_REL, (worst_name, worst)
+        # Both round the same fp32 computation to bf16: comet may not stray further from it than
+        # AutoEP does (twice, or a bf16 rounding's worth, whichever is larger).
+        worse = {name: e for name, e in errors.items()
+                 if e["comet_vs_exact"] > max(2 * e["autoep_vs_exact"], BF16_REL)}
+        assert not worse, sorted(worse.items(), key=lambda item: -item[1]["comet_vs_exact"])[:6]
         assert loss_diff < 2e-2, loss_diff
 
 

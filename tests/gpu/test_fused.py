@@ -192,11 +192,14 @@ FORWARD_CASES = [
          dtype="fp16"),
     dict(hidden=1408, ffn=704, experts_per_rank=4, k=4, tokens_per_rank=(333, 1000), expert_kind="swiglu",
          dtype="fp16"),
+    # A small gated layer, an FFN narrower than one column tile, three of four experts a token.
+    dict(hidden=64, ffn=96, experts_per_rank=4, k=3, tokens_per_rank=(48, 60), expert_kind="swiglu",
+         drop_tokens=False),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
                "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units",
                "extreme-sm-splits", "graphed-gate", "graphed-gate-k3-skewed", "fp16-skewed-drops",
-               "fp16-swiglu-odd-sizes"]
+               "fp16-swiglu-odd-sizes", "swiglu-narrow-k3"]
 
 
 def _experts_or_skip(gpu_pool, case) -> int:

@@ -13,12 +13,18 @@ PRESETS = ("mixtral", "qwen3_moe", "deepseek_v3")
 VOCAB = 64
 
 
-def tiny_model(preset: str, hidden: int = 64, ffn: int = 96, experts_per_rank: int = 2):
-    """A two-layer model of ``preset``'s family whose MoE blocks AutoEP converts."""
+def tiny_model(preset: str, hidden: int = 64, ffn: int = 96, experts_per_rank: int = 4):
+    """A model of ``preset``'s family with one MoE block, which AutoEP converts.
+
+    One: the input of a second MoE block would carry the first one's bf16 rounding, which differs
+    between backends (other GEMM kernels), and a top-k choice near a tie that flips on it moves a
+    token's whole gradient to another expert: a tiny model's expert gradients then differ by ~10 %
+    for a reason that is not the backend's. (DeepSeek-V3's first layer is dense, as in the model.)
+    """
     transformers = pytest.importorskip("transformers")
     experts = experts_per_rank * dist.get_world_size()
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=64)
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=2 if preset == "deepseek_v3" else 1,
+                  num_attention_heads=4, max_position_embeddings=64)
     if preset == "mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
             intermediate_size=ffn, num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2, **common))
@@ -68,29 +74,40 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def _forward_backward(preset: str, backend: str, seed: int, dtype: torch.dtype, overlap: str):
+    engine = engine_for(preset, backend, seed, 0, dtype, overlap)
+    ids = batch(seed, 0, engine.device)
+    # The converted model called directly and torch.autograd.grad, not the engine's forward and
+    # backward: the gradients as autograd computes them, before any optimizer hook (DeepSpeed's bf16
+    # optimizer moves them into its own buffers as they arrive).
+    out = engine.module(input_ids=ids, labels=ids)
+    named = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.loss, [p for _, p in named], allow_unused=True)
+    grads = {name: grad.detach().float() for (name, _), grad in zip(named, grads) if grad is not None}
+    return engine, {"logits": out.logits.detach().float(), **grads}, out.loss.item()
+
+
 def gradients_case(preset: str, seed: int, dtype_name: str = "fp32", overlap: str = "auto"):
-    """One forward and backward (no ZeRO: every gradient stays whole in .grad): logits and every
-    parameter's gradient, by name, of AutoEP against AutoEP on ds_comet. Returns the worst relative difference and which
-    pipeline the comet layers ran."""
+    """One forward and backward of AutoEP and of AutoEP on ds_comet: the logits and every parameter's
+    gradient, by name.
+
+    Returns, per tensor, comet's relative difference from AutoEP and, in bf16, both backends'
+    differences from AutoEP in fp32 (the same weights: the ground truth both round away from);
+    the loss difference; and whether the comet layers ran the fused pipeline.
+    """
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    results = {}
-    for backend in ("deepspeed", "comet"):
-        engine = engine_for(preset, backend, seed, 0, dtype, overlap)
-        ids = batch(seed, 0, engine.device)
-        out = engine(input_ids=ids, labels=ids)
-        engine.backward(out.loss)
-        grads = {name: p.grad.detach().clone() for name, p in engine.module.named_parameters() if p.grad is not None}
-        results[backend] = (out.logits.detach().float(), out.loss.item(), grads)
-        if backend == "comet":
-            layers = comet_layers(engine)
-            assert layers, "ds_comet.initialize converted no AutoEP layer"
-            ran = {layer.pipelines.reason is None for layer in layers}
-    (logits, loss, grads), (c_logits, c_loss, c_grads) = results["deepspeed"], results["comet"]
-    assert grads.keys() == c_grads.keys() and len(grads) > 10, sorted(set(grads) ^ set(c_grads))
-    worst = {"logits": rel(c_logits, logits)}
-    for name, grad in grads.items():
-        worst[name] = rel(c_grads[name], grad)
-    return max(worst.items(), key=lambda item: item[1]), abs(c_loss - loss), ran
+    _, stock, loss = _forward_backward(preset, "deepspeed", seed, dtype, overlap)
+    engine, comet, comet_loss = _forward_backward(preset, "comet", seed, dtype, overlap)
+    layers = comet_layers(engine)
+    assert layers, "ds_comet.initialize converted no AutoEP layer"
+    ran = {layer.pipelines.reason is None for layer in layers}
+    assert stock.keys() == comet.keys() and len(stock) > 10, sorted(set(stock) ^ set(comet))
+    errors = {name: {"comet_vs_autoep": rel(comet[name], value)} for name, value in stock.items()}
+    if dtype != torch.float32:
+        _, exact, _ = _forward_backward(preset, "deepspeed", seed, torch.float32, overlap)
+        for name, value in exact.items():
+            errors[name].update(comet_vs_exact=rel(comet[name], value), autoep_vs_exact=rel(stock[name], value))
+    return errors, abs(comet_loss - loss), ran
 
 
 def training_case(preset: str, seed: int, steps: int = 3, dtype_name: str = "fp32"):
