@@ -18,26 +18,54 @@ experts (hidden 2048, 64 experts of 1408, top-4); explicit options still overrid
 
     deepspeed --num_gpus 2 examples/train_moe.py --preset gpu --deepspeed_config configs/gpu_zero2_comet.json
 
-``--metrics-file`` gets JSON lines: a ``start`` record (backend, ZeRO stage, dtype, sizes), one
-record per step (loss and aux averaged over the ranks), a ``train_end`` record (final loss,
-steady-state tokens/s after ``--timing-warmup`` steps, peak memory) and an ``eval`` record.
+Metrics go through DeepSpeed's monitor: whichever of the ds_config's ``csv_monitor``,
+``tensorboard``, ``wandb`` and ``comet`` sections is enabled (``--monitor-dir DIR`` enables
+csv_monitor with its files directly in DIR). Rank 0 writes these events, the optimizer step as x:
+
+- every step: ``Train/Steps/loss`` and ``Train/Steps/aux_loss`` (means over the ranks) and ``Train/Steps/lr``;
+- at the end of each log window: ``Train/Steps/tokens_per_s`` and, per MoE block L and expert E,
+  ``Train/Steps/expert_tokens/layer{L}_expert{E}``: the tokens the block's gate routed to the expert
+  during the window, all ranks together, counted before capacity drops any (the gate's
+  ``exp_counts``), so that each layer's counts sum to tokens x k;
+- at the start step: ``Run/start_step``, ``Run/world_size``, ``Run/zero_stage``, ``Run/tokens_per_step``,
+  ``Run/params_rank0``;
+- at the last step: ``Summary/final_loss``, ``Summary/steady_tokens_per_s`` (steps after
+  ``--timing-warmup``, checkpoint saves left out), ``Summary/step_ms``, ``Summary/timed_steps``,
+  ``Summary/train_seconds``, ``Summary/peak_memory_mib`` (on an accelerator: the allocator's peak, the
+  largest rank), ``Summary/eval_loss`` and ``Summary/eval_aux_loss``.
+
+The engine adds its own ``Train/Samples/...`` events (x: samples).
+
+Checkpoints (``--save-dir``) are directories ``step{N}``, each with a ``SHA256SUMS`` manifest of its
+files (``sha256sum -c SHA256SUMS`` reads it). ``latest`` names a checkpoint only after every rank has
+written its files and the manifest exists. ``--resume`` continues from ``latest`` and
+``--resume-tag TAG`` from TAG, after checking the files against the manifest: a damaged checkpoint is
+refused with the damaged files named and the newest intact checkpoint to resume from instead.
 """
 
 import argparse
+import base64
+import binascii
+import contextlib
+import errno
 import hashlib
-import json
-import logging
 import math
 import os
+import re
+import shutil
 import sys
 import sysconfig
 import time
 
 import deepspeed
+import hjson
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import default_pg_timeout
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+from deepspeed.utils import set_log_level_from_string
 from torch import nn
 from torch.nn import functional as F
 from tqdm import tqdm
@@ -47,6 +75,14 @@ import ds_comet.experts
 
 VOCAB = 256
 EVAL_FRACTION = 0.05
+# Checkpoint files: the manifest in each checkpoint directory, and the file naming the newest
+# whole checkpoint (DeepSpeed's name, which its loader and zero_to_fp32.py read).
+MANIFEST = "SHA256SUMS"
+LATEST = "latest"
+# Steps after a resume whose losses every rank checks together: a checkpoint with non-finite model
+# weights fails at the first, one with non-finite optimizer state (fp32 master weights, moments)
+# from the second on.
+RESUME_FINITE_CHECK_STEPS = 5
 # Defaults that --preset replaces; options given on the command line still win.
 PRESETS = {
     # MoE-dominated: with 8 x 1024 windows per rank (configs/gpu_*.json) every MoE layer call gets
@@ -104,16 +140,21 @@ def parse_args(argv=None):
                        help="held-out batches per rank for the eval loss (0: no evaluation)")
     train.add_argument("--log-interval", type=int, default=10, help="print (and time) a window of N steps")
     train.add_argument("--timing-warmup", type=int, default=5,
-                       help="steps left out of the steady-state tokens/s of the train_end record")
-    train.add_argument("--metrics-file", default=None,
-                       help="rank 0 writes JSON lines here: one per step and a summary (appended to when resuming)")
+                       help="steps left out of the steady-state tokens/s (Summary/steady_tokens_per_s)")
+    train.add_argument("--monitor-dir", default=None, metavar="DIR",
+                       help="enable DeepSpeed's csv_monitor with its files in DIR (one CSV per tag; a resumed "
+                       "run appends)")
     train.add_argument("--save-dir", default=None, help="checkpoint directory")
     train.add_argument("--save-interval", type=int, default=0, help="save every N steps (0: only at the end)")
     train.add_argument("--save-at", type=int, nargs="+", default=[], metavar="STEP", help="also save after these steps")
     train.add_argument("--no-final-save", action="store_true",
                        help="do not save at the end, only at --save-interval / --save-at steps")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
-    train.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the checkpoint that --save-dir's 'latest' names (an error when there "
+                       "is none)")
+    train.add_argument("--resume-tag", default=None, metavar="TAG",
+                       help="continue from checkpoint TAG in --save-dir (e.g. step20) instead of the latest")
+    train.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"), default=None,
                        help="level of DeepSpeed's logger (its default: warning); info also shows which pipeline "
                        "the comet layers run and why")
     deepspeed.add_config_arguments(parser)
@@ -123,20 +164,53 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if not args.deepspeed_config:
         parser.error("--deepspeed_config is required")
+    if args.resume_tag:
+        args.resume = True
     if args.resume and not args.save_dir:
-        parser.error("--resume needs --save-dir")
+        parser.error("--resume and --resume-tag need --save-dir")
     if args.hidden % args.heads:
         parser.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
     return args
 
 
-def load_ds_config(path):
-    with open(path) as handle:
-        config = json.load(handle)
-    if torch.cuda.is_available():
+def read_ds_config(source):
+    """The ds_config ``source`` names, read as DeepSpeed reads it: a path to an HJSON (or JSON) file,
+    else a base64-encoded config; a key given twice in one object is an error. Exits with a message
+    naming the source when it cannot be read."""
+    try:
+        if os.path.exists(source):
+            with open(source) as handle:
+                config = hjson.load(handle, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+        else:
+            try:
+                text = base64.urlsafe_b64decode(source).decode("utf-8")
+            except (binascii.Error, UnicodeDecodeError):
+                raise SystemExit(f"--deepspeed_config {source}: no such file, and not a base64-encoded "
+                                 "config") from None
+            config = hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+    except (OSError, ValueError) as error:  # hjson's syntax errors and a duplicate key are ValueErrors
+        raise SystemExit(f"--deepspeed_config {source}: {error}") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"--deepspeed_config {source}: holds a {type(config).__name__}, not a config object")
+    return config
+
+
+def load_ds_config(source, monitor_dir=None):
+    """The ds_config (read_ds_config) as this example trains with it.
+
+    On an accelerator it turns bf16 on unless the config enables bf16 or fp16 already; on CPU it
+    trains in the config's precision. ``monitor_dir`` enables csv_monitor with its files directly
+    in that directory (DeepSpeed writes them to output_path/job_name).
+    """
+    config = read_ds_config(source)
+    if get_accelerator().device_name() != "cpu":
         enabled = lambda key: bool(config.get(key, {}).get("enabled", False))  # noqa: E731
         if not (enabled("bf16") or enabled("bfloat16") or enabled("fp16")):
             config["bf16"] = {"enabled": True}
+    if monitor_dir:
+        path = os.path.abspath(monitor_dir)
+        config["csv_monitor"] = dict(config.get("csv_monitor") or {}, enabled=True,
+                                     output_path=os.path.dirname(path), job_name=os.path.basename(path))
     return config
 
 
@@ -178,15 +252,6 @@ def adopt_mpi_launcher_env(environ=os.environ):
         environ.update(found)
         return found
     return {}
-
-
-def set_deepspeed_log_level(name):
-    """DeepSpeed's logger, which ds_comet logs through too, and its handlers at ``name``."""
-    level = getattr(logging, name.upper())
-    ds_logger = logging.getLogger("DeepSpeed")
-    ds_logger.setLevel(level)
-    for handler in ds_logger.handlers:
-        handler.setLevel(level)
 
 
 def usable_cpus():
@@ -281,12 +346,13 @@ class Block(nn.Module):
         self.is_moe = isinstance(ffn, deepspeed.moe.layer.MoE)
 
     def forward(self, x):
+        """(output, aux loss, per-expert token counts); the last two are None in a dense block."""
         x = x + self.attn(self.ln1(x))
         if self.is_moe:
-            out, l_aux, _exp_counts = self.ffn(self.ln2(x))
+            out, l_aux, exp_counts = self.ffn(self.ln2(x))
         else:
-            out, l_aux = self.ffn(self.ln2(x)), None
-        return x + out, l_aux
+            out, l_aux, exp_counts = self.ffn(self.ln2(x)), None, None
+        return x + out, l_aux, exp_counts
 
 
 class ByteMoELM(nn.Module):
@@ -312,20 +378,25 @@ class ByteMoELM(nn.Module):
                 ffn = expert_cls(args.hidden, args.ffn)
             blocks.append(Block(args.hidden, args.heads, ffn))
         self.blocks = nn.ModuleList(blocks)
+        self.moe_blocks = [index for index, block in enumerate(blocks) if block.is_moe]
+        self.num_experts = num_experts
         self.ln_f = nn.LayerNorm(args.hidden)
         self.head = nn.Linear(args.hidden, VOCAB)
 
     def forward(self, ids, targets):
+        """(LM loss, summed aux loss, int64 [MoE blocks, experts] tokens each gate routed to each expert)."""
         positions = torch.arange(ids.shape[1], device=ids.device)
         x = self.tok(ids) + self.pos(positions)
         aux = torch.zeros((), device=ids.device, dtype=torch.float32)
+        counts = []
         for block in self.blocks:
-            x, l_aux = block(x)
+            x, l_aux, exp_counts = block(x)
             if l_aux is not None:
                 aux = aux + l_aux.float()
+                counts.append(exp_counts.to(device=ids.device, dtype=torch.int64))
         logits = self.head(self.ln_f(x))
         lm_loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-        return lm_loss, aux
+        return lm_loss, aux, torch.stack(counts)
 
 
 def init_experts_(model, seed, rank, ep_size):
@@ -351,36 +422,271 @@ def init_experts_(model, seed, rank, ep_size):
 
 
 # --------------------------------------------------------------------------------------------
+# Checkpoints: whole before `latest` names them, checked against their manifest before a resume
+# --------------------------------------------------------------------------------------------
+
+
+class DiskFullError(OSError):
+    """A checkpoint write that ran out of space; the message names the directory and its free space."""
+
+
+def free_space(directory):
+    """Free space of the filesystem that holds ``directory`` (or its nearest existing parent), as text."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    free = shutil.disk_usage(path).free
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if free < 1024 or unit == "GiB":
+            return f"{free:.1f} {unit}" if unit != "B" else f"{free} B"
+        free /= 1024
+
+
+@contextlib.contextmanager
+def explain_disk_full(directory, what):
+    """Re-raises a write that failed for want of space as DiskFullError naming ``what`` was written,
+    ``directory`` and the free space there.
+
+    Recognised: OSError with ENOSPC or EDQUOT, and the RuntimeError "unexpected pos" of torch's zip
+    writer, which is how torch.save reports a write that came up short. Other errors pass unchanged.
+    """
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except (OSError, RuntimeError) as error:
+        space = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+        short_write = isinstance(error, RuntimeError) and "unexpected pos" in str(error)
+        if not (space or short_write):
+            raise
+        raise DiskFullError(errno.ENOSPC, f"{what}: the disk is full: {free_space(directory)} free under "
+                            f"{directory} ({type(error).__name__}: {error})") from error
+
+
+def file_sha256(path, flush_to_disk=False):
+    """Hex sha256 of the file; with ``flush_to_disk``, also waits until its data is on the disk."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+        if flush_to_disk:
+            os.fsync(handle.fileno())
+    return digest.hexdigest()
+
+
+def write_atomically(path, text):
+    """Writes ``text`` to ``path`` so that a reader finds the old content or the new, never part of it."""
+    temporary = path + ".tmp"
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself
+    finally:
+        os.close(directory)
+
+
+def from_rank0(value):
+    """Rank 0's ``value`` on every rank (collective)."""
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def checkpoint_files(checkpoint_dir):
+    """The files under ``checkpoint_dir``, as sorted paths relative to it, less the manifest and its temporary."""
+    found = []
+    for directory, _, files in os.walk(checkpoint_dir):
+        for name in files:
+            relative = os.path.relpath(os.path.join(directory, name), checkpoint_dir)
+            if relative not in (MANIFEST, MANIFEST + ".tmp"):
+                found.append(relative)
+    return sorted(found)
+
+
+def shared_sha256(checkpoint_dir, names, flush_to_disk=False):
+    """({name: sha256}, {name: why it could not be read}) of ``names`` under ``checkpoint_dir``.
+
+    Collective: each rank hashes every world-size-th file and every rank gets all results. Like
+    DeepSpeed's loader, it assumes that every rank sees the whole checkpoint directory.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    digests, errors = {}, {}
+    for name in names[rank::world_size]:
+        try:
+            digests[name] = file_sha256(os.path.join(checkpoint_dir, name), flush_to_disk)
+        except FileNotFoundError:
+            errors[name] = "missing"
+        except OSError as error:
+            errors[name] = f"cannot be read ({error})"
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (digests, errors))
+    return ({k: v for part, _ in gathered for k, v in part.items()},
+            {k: v for _, part in gathered for k, v in part.items()})
+
+
+def save_checkpoint(engine, save_dir, tag, client_state):
+    """Saves checkpoint ``tag`` with its manifest, and points ``latest`` at it once it is whole (collective).
+
+    DeepSpeed's own ``latest`` (save_latest=True) is written by rank 0 as soon as rank 0 has written
+    its files, while the other ranks may still be writing theirs; a rank that dies then leaves
+    ``latest`` naming a checkpoint with a truncated file. Here DeepSpeed writes no ``latest``; the
+    barrier that ends engine.save_checkpoint means every rank has written its files; the ranks then
+    hash them (and wait until they are on the disk), and rank 0 writes the manifest, then ``latest``.
+    A full disk raises DiskFullError. Returns (files, bytes) of the checkpoint.
+    """
+    rank = dist.get_rank()
+    checkpoint_dir = os.path.join(save_dir, tag)
+    manifest = os.path.join(checkpoint_dir, MANIFEST)
+    with explain_disk_full(save_dir, f"saving checkpoint {tag}"):
+        if rank == 0 and os.path.exists(manifest):
+            # A save over an existing tag: its old manifest must not vouch for half-rewritten files.
+            os.remove(manifest)
+        dist.barrier()
+        engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+        names = from_rank0(checkpoint_files(checkpoint_dir) if rank == 0 else None)
+        digests, errors = shared_sha256(checkpoint_dir, names, flush_to_disk=True)
+        if errors:
+            raise RuntimeError(f"checkpoint {tag} in {save_dir}: saved files cannot be hashed: " +
+                               "; ".join(f"{name} {why}" for name, why in sorted(errors.items())))
+        size = 0
+        if rank == 0:
+            write_atomically(manifest, "".join(f"{digests[name]}  {name}\n" for name in names))
+            write_atomically(os.path.join(save_dir, LATEST), tag)
+            size = sum(os.path.getsize(os.path.join(checkpoint_dir, name)) for name in names)
+    dist.barrier()
+    return len(names), size
+
+
+def read_latest(save_dir):
+    """The tag that ``save_dir``'s ``latest`` names, or None when there is no such file (or it is empty)."""
+    try:
+        with open(os.path.join(save_dir, LATEST)) as handle:
+            return handle.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def read_manifest(checkpoint_dir):
+    """{relative path: sha256} from the checkpoint's manifest; None when it has none.
+
+    A malformed line raises ValueError.
+    """
+    try:
+        with open(os.path.join(checkpoint_dir, MANIFEST)) as handle:
+            lines = handle.read().splitlines()
+    except FileNotFoundError:
+        return None
+    entries = {}
+    for number, line in enumerate(lines, 1):
+        match = re.fullmatch(r"([0-9a-f]{64}) [ *](.+)", line)
+        if not match:
+            raise ValueError(f"line {number} is not '<sha256>  <file>': {line[:80]!r}")
+        entries[match.group(2)] = match.group(1)
+    return entries
+
+
+def checkpoint_to_resume(args):
+    """The checkpoint tag that --resume / --resume-tag asks for; exits with the reason when there is none."""
+    if not os.path.isdir(args.save_dir):
+        raise SystemExit(f"error: cannot resume: no checkpoint in {args.save_dir}: the directory does not exist")
+    tag = args.resume_tag or read_latest(args.save_dir)
+    if tag is None:
+        raise SystemExit(f"error: --resume: no checkpoint in {args.save_dir}: it has no '{LATEST}' file, which a "
+                         "save writes once the checkpoint is whole; start without --resume, or name a checkpoint "
+                         "with --resume-tag")
+    if not os.path.isdir(os.path.join(args.save_dir, tag)):
+        present = sorted(name for name in os.listdir(args.save_dir) if os.path.isdir(os.path.join(args.save_dir, name)))
+        raise SystemExit(f"error: cannot resume: no checkpoint {tag} in {args.save_dir} (there: "
+                         f"{', '.join(present) or 'none'})")
+    return tag
+
+
+def checkpoint_problems(save_dir, tag):
+    """What is wrong with checkpoint ``tag``: one message per damaged or missing file, or for a missing
+    or unreadable manifest; empty when every file matches its sha256. Collective: every rank gets the list."""
+    checkpoint_dir = os.path.join(save_dir, tag)
+    found = None
+    if dist.get_rank() == 0:
+        try:
+            manifest = read_manifest(checkpoint_dir)
+            found = (manifest, None if manifest is not None else
+                     f"{tag} has no {MANIFEST}: its save did not finish, or another program wrote it")
+        except (OSError, ValueError) as error:
+            found = (None, f"{tag}/{MANIFEST} cannot be read: {error}")
+    manifest, problem = from_rank0(found)
+    if problem:
+        return [problem]
+    names = sorted(manifest)
+    digests, errors = shared_sha256(checkpoint_dir, names)
+    problems = []
+    for name in names:
+        if name in errors:
+            problems.append(f"{tag}/{name}: {errors[name]}")
+        elif digests[name] != manifest[name]:
+            problems.append(f"{tag}/{name}: damaged (its sha256 is not the one {tag}/{MANIFEST} recorded at the save)")
+    return problems
+
+
+def newest_intact_checkpoint(save_dir, skip):
+    """The newest checkpoint in ``save_dir`` other than ``skip`` whose files all match its manifest, or
+    None. Newest: the largest N of a ``step{N}`` tag, then the latest manifest. Collective."""
+    candidates = None
+    if dist.get_rank() == 0:
+        ranked = []
+        for name in os.listdir(save_dir):
+            manifest = os.path.join(save_dir, name, MANIFEST)
+            if name != skip and os.path.isfile(manifest):
+                match = re.fullmatch(r"step(\d+)", name)
+                ranked.append((int(match.group(1)) if match else -1, os.path.getmtime(manifest), name))
+        candidates = [name for *_, name in sorted(ranked, reverse=True)]
+    for tag in from_rank0(candidates):
+        if not checkpoint_problems(save_dir, tag):
+            return tag
+    return None
+
+
+def stop_all_ranks(message):
+    """Ends the run on every rank, which all call it with the same message: rank 0 prints it, then all
+    exit with status 1 together (a rank that left first could have a launcher kill rank 0 before it
+    printed)."""
+    if dist.get_rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    raise SystemExit(1)
+
+
+# --------------------------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------------------------
 
 
-def all_ranks_mean(values, device):
-    """Mean over ranks of a list of floats (one all_reduce)."""
+def all_ranks_sum(values, device):
+    """Sums over ranks of a list of floats (one all_reduce)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return (tensor / dist.get_world_size()).tolist()
-
-
-def all_ranks_values(value, device):
-    """[rank 0's value, rank 1's value, ...] of one float per rank (one all_reduce)."""
-    tensor = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    tensor[dist.get_rank()] = value
     dist.all_reduce(tensor)
     return tensor.tolist()
 
 
-def synchronize(device):
-    """Wait for the work queued on the device, so that a clock read afterwards covers it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def all_ranks_values(values, device):
+    """[rank 0's values, rank 1's values, ...] of a list of floats per rank (one all_reduce)."""
+    tensor = torch.zeros(dist.get_world_size(), len(values), dtype=torch.float64, device=device)
+    tensor[dist.get_rank()] = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
 
 
-def peak_memory_mib(device):
-    """Most memory torch's allocator held for tensors on this rank's GPU so far, in MiB; None on CPU."""
-    if device.type != "cuda":
+def peak_memory_mib():
+    """Most memory the accelerator's allocator held for tensors on this rank so far, in MiB; None on CPU
+    (where DeepSpeed's accelerator reports the process's resident size at the moments it is asked)."""
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
         return None
-    return torch.cuda.max_memory_allocated(device) / 2**20
+    return accelerator.max_memory_allocated() / 2**20
 
 
 def evaluate(engine, windows, batches, batch_size, device):
@@ -390,28 +696,37 @@ def evaluate(engine, windows, batches, batch_size, device):
         for index in range(batches):
             ids, targets = windows.batch(batch_size, "eval", index)
             torch.manual_seed(derived_seed("eval-noise", windows.seed, windows.rank, index))
-            lm_loss, aux = engine(ids.to(device), targets.to(device))
+            lm_loss, aux, _ = engine(ids.to(device), targets.to(device))
             total_lm += lm_loss.item()
             total_aux += aux.item()
     engine.train()
-    lm, aux = all_ranks_mean([total_lm / batches, total_aux / batches], device)
-    return lm, aux
+    lm, aux = all_ranks_sum([total_lm / batches, total_aux / batches], device)
+    return lm / dist.get_world_size(), aux / dist.get_world_size()
+
+
+def write_events(engine, events):
+    """Hands [(tag, value, step)] (Python numbers) to DeepSpeed's monitor, on rank 0, when the ds_config enables one."""
+    if engine.monitor.enabled and dist.get_rank() == 0:
+        engine.monitor.write_events(events)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.log_level:
-        set_deepspeed_log_level(args.log_level)
-    ds_config = load_ds_config(args.deepspeed_config)
+        set_log_level_from_string(args.log_level)
+    ds_config = load_ds_config(args.deepspeed_config, args.monitor_dir)
+    tag_to_resume = checkpoint_to_resume(args) if args.resume else None
+    accelerator = get_accelerator()
+    on_cpu = accelerator.device_name() == "cpu"
 
     # Rank discovery: the launcher's environment (deepspeed, torchrun); under a bare single-node
     # mpirun the MPI launcher's variables (see adopt_mpi_launcher_env), else DeepSpeed's mpi4py
     # discovery. A MASTER_PORT from the environment is honoured (DeepSpeed would otherwise use 29500).
     from_mpi = adopt_mpi_launcher_env()
-    if torch.cuda.is_available() and os.environ.get("LOCAL_RANK"):
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per rank before NCCL comes up
-    if args.dist_backend == "gloo" and torch.cuda.is_available() and os.environ.get("WORLD_SIZE"):
-        # DeepSpeed would bind the rank's GPU to the default group, and torch then makes every new
+    if not on_cpu and os.environ.get("LOCAL_RANK"):
+        accelerator.set_device(int(os.environ["LOCAL_RANK"]))  # one device per rank before NCCL comes up
+    if args.dist_backend == "gloo" and not on_cpu and os.environ.get("WORLD_SIZE"):
+        # DeepSpeed would bind the rank's device to the default group, and torch then makes every new
         # group (the expert groups) by splitting it, which gloo cannot do; a group made here is kept.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -420,10 +735,10 @@ def main(argv=None):
                                distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-    else:
+    if on_cpu:
         torch.set_num_threads(max(1, usable_cpus() // local_world_size(world_size)))
+    else:
+        accelerator.set_device(local_rank)
 
     ep_size = args.ep_size or world_size
     num_experts = args.experts or 4 * world_size
@@ -453,18 +768,31 @@ def main(argv=None):
     grad_accum = engine.gradient_accumulation_steps()
     tokens_per_step = micro_batch * grad_accum * args.seq_len * world_size
 
-    start_step = 0
-    if args.resume:
-        load_path, client_state = engine.load_checkpoint(args.save_dir)
-        if load_path is None:
-            if rank == 0:
-                print(f"no checkpoint in {args.save_dir}; starting from step 0", flush=True)
-        else:
-            start_step = int(client_state["step"])
-            if rank == 0:
-                print(f"resumed from {load_path} at step {start_step}", flush=True)
+    if args.save_dir and engine.checkpoint_engine.is_decoupled():
+        # Such an engine writes after save_checkpoint returns: hashing then, and pointing `latest`
+        # at the checkpoint, would vouch for files still being written.
+        stop_all_ranks("--save-dir: the ds_config's checkpoint engine writes in the background (decoupled); this "
+                       "example marks a checkpoint whole when save_checkpoint has returned on every rank, which "
+                       "needs a synchronous engine")
 
-    saved = {"step": start_step if args.resume else None}
+    start_step = 0
+    if tag_to_resume:
+        problems = checkpoint_problems(args.save_dir, tag_to_resume)
+        if problems:
+            intact = newest_intact_checkpoint(args.save_dir, skip=tag_to_resume)
+            advice = (f"the newest intact checkpoint is {intact}: resume from it with --resume-tag {intact}"
+                      if intact else f"no other checkpoint in {args.save_dir} is intact")
+            stop_all_ranks(f"checkpoint {tag_to_resume} in {args.save_dir} is damaged; not resuming from it:\n  " +
+                           "\n  ".join(problems) + f"\n{advice}")
+        load_path, client_state = engine.load_checkpoint(args.save_dir, tag=tag_to_resume)
+        if load_path is None:
+            stop_all_ranks(f"DeepSpeed did not load checkpoint {tag_to_resume} from {args.save_dir}")
+        start_step = int(client_state["step"])
+        if rank == 0:
+            print(f"resumed from {load_path} at step {start_step} (its files match {tag_to_resume}/{MANIFEST})",
+                  flush=True)
+
+    saved = {"step": start_step if tag_to_resume else None}
     # Steady-state throughput: from the end of step `timing_from` to the end of the last step,
     # less the time spent saving checkpoints; a run too short for the warm-up is timed whole.
     timing_from = start_step + args.timing_warmup if args.steps - start_step > args.timing_warmup else start_step
@@ -473,21 +801,18 @@ def main(argv=None):
 
     def save(step):
         began = time.perf_counter()
-        engine.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
+        tag = f"step{step}"
+        files, size = save_checkpoint(engine, args.save_dir, tag, {"step": step})
         saved["step"] = step
+        if rank == 0:
+            log(f"saved checkpoint {os.path.join(args.save_dir, tag)}: {files} files, {size / 2**20:.1f} MiB, "
+                f"sha256 in {MANIFEST}; {LATEST} -> {tag}")
         return time.perf_counter() - began
 
     backend = ds_comet.moe_config_from(ds_config).backend
     dtype = next(engine.module.parameters()).dtype
-    metrics = None
-
-    def record(**fields):
-        if metrics:
-            metrics.write(json.dumps(fields) + "\n")
-            metrics.flush()
-
+    params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
         if from_mpi:
             print(f"ranks from the MPI launcher's environment (MASTER_ADDR {from_mpi['MASTER_ADDR']}, "
                   f"MASTER_PORT {from_mpi['MASTER_PORT']})", flush=True)
@@ -495,14 +820,11 @@ def main(argv=None):
               f"backend {backend} | params on rank 0 {params} | "
               f"micro batch {micro_batch} | grad accum {grad_accum} | dtype "
               f"{dtype} | device {device}", flush=True)
-        if args.metrics_file:
-            metrics = open(args.metrics_file, "a" if args.resume and start_step else "w")
-        record(event="start", backend=backend, zero_stage=engine.zero_optimization_stage(),
-               dtype=str(dtype).replace("torch.", ""), device=device.type, world_size=world_size, ep_size=ep_size,
-               experts=num_experts, k=args.k, layers=args.layers, hidden=args.hidden, ffn=args.ffn,
-               seq_len=args.seq_len, micro_batch=micro_batch, grad_accum=grad_accum, tokens_per_step=tokens_per_step,
-               params_rank0=params, seed=args.seed, start_step=start_step, steps=args.steps,
-               ds_config=os.path.basename(args.deepspeed_config))
+        if engine.monitor.csv_monitor is not None:
+            print(f"csv_monitor writes to {engine.monitor.csv_monitor.log_dir}", flush=True)
+    write_events(engine, [(f"Run/{name}", value, start_step) for name, value in (
+        ("start_step", start_step), ("world_size", world_size), ("zero_stage", engine.zero_optimization_stage()),
+        ("tokens_per_step", tokens_per_step), ("params_rank0", params))])
     show_bar = rank == 0 and sys.stderr.isatty()
     bar = tqdm(total=args.steps, initial=start_step, disable=not show_bar, dynamic_ncols=True)
 
@@ -513,9 +835,10 @@ def main(argv=None):
             print(line, flush=True)
 
     window = []  # (step, lm loss, aux loss, lr) of this rank since the last log line
+    window_counts = None  # tokens each gate routed to each expert since the last log line
     last_loss = None
     engine.train()
-    synchronize(device)
+    accelerator.synchronize()
     train_start = time.perf_counter()
     if timing_from == start_step:
         clock["start"] = train_start
@@ -528,30 +851,50 @@ def main(argv=None):
             # The gate's random draws (top-2 sampling, random token selection) depend on the step
             # alone, so a resumed run takes the same ones as an uninterrupted run.
             torch.manual_seed(derived_seed("noise", args.seed, rank, step, micro))
-            lm_loss, aux = engine(ids.to(device), targets.to(device))
+            lm_loss, aux, counts = engine(ids.to(device), targets.to(device))
             engine.backward(lm_loss + args.aux_coef * aux)
             engine.step()
             step_lm += lm_loss.item() / grad_accum
             step_aux += aux.item() / grad_accum
+            window_counts = counts if window_counts is None else window_counts + counts
         window.append((step, step_lm, step_aux, lr))
         bar.update(1)
 
+        if tag_to_resume and step <= start_step + RESUME_FINITE_CHECK_STEPS:
+            per_rank = all_ranks_values([step_lm, step_aux], device)
+            bad = [(r, lm, aux) for r, (lm, aux) in enumerate(per_rank)
+                   if not (math.isfinite(lm) and math.isfinite(aux))]
+            if bad:
+                ranks = "; ".join(f"rank {r}: loss {lm}, aux {aux}" for r, lm, aux in bad)
+                stop_all_ranks(f"step {step}: the loss is not finite ({ranks}), {step - start_step} step(s) after "
+                               f"resuming from checkpoint {tag_to_resume} in {args.save_dir}; that checkpoint does "
+                               "not train: resume from an earlier one with --resume-tag, or start afresh")
+
         if step % args.log_interval == 0 or step == args.steps:
-            # One all_reduce for the window: every step's loss and aux, averaged over the ranks.
-            means = all_ranks_mean([value for _, lm, aux, _ in window for value in (lm, aux)], device)
-            synchronize(device)
+            # One all_reduce for the window: every step's loss and aux, and the expert counts.
+            losses = [value for _, lm, aux, _ in window for value in (lm, aux)]
+            sums = all_ranks_sum(losses + window_counts.flatten().tolist(), device)
+            means = [value / world_size for value in sums[:len(losses)]]
+            expert_tokens = [round(value) for value in sums[len(losses):]]
+            accelerator.synchronize()
             tokens_per_s = len(window) * tokens_per_step / (time.perf_counter() - window_start)
             lm, aux = sum(means[0::2]) / len(window), sum(means[1::2]) / len(window)
             last_loss = means[-2]
-            for index, (logged_step, _, _, lr) in enumerate(window):
-                fields = dict(step=logged_step, loss=means[2 * index], aux=means[2 * index + 1], lr=lr)
-                if logged_step == step:
-                    fields["tokens_per_s"] = tokens_per_s
-                record(**fields)
+            events = []
+            for index, (logged_step, _, _, logged_lr) in enumerate(window):
+                events += [("Train/Steps/loss", means[2 * index], logged_step),
+                           ("Train/Steps/aux_loss", means[2 * index + 1], logged_step),
+                           ("Train/Steps/lr", logged_lr, logged_step)]
+            events.append(("Train/Steps/tokens_per_s", tokens_per_s, step))
+            for position, block in enumerate(model.moe_blocks):
+                for expert in range(model.num_experts):
+                    events.append((f"Train/Steps/expert_tokens/layer{block}_expert{expert}",
+                                   expert_tokens[position * model.num_experts + expert], step))
+            write_events(engine, events)
             if rank == 0:
                 log(f"step {step} | loss {lm:.4f} | aux {aux:.4f} | tokens/s {tokens_per_s:.0f}")
                 bar.set_postfix(loss=f"{lm:.3f}")
-            window = []
+            window, window_counts = [], None
             window_start = time.perf_counter()
 
         if args.save_dir and ((args.save_interval and step % args.save_interval == 0) or step in save_steps):
@@ -561,10 +904,10 @@ def main(argv=None):
                 clock["paused"] += seconds
 
         if step == timing_from:
-            synchronize(device)
+            accelerator.synchronize()
             clock["start"], clock["paused"] = time.perf_counter(), 0.0
 
-    synchronize(device)
+    accelerator.synchronize()
     train_seconds = time.perf_counter() - train_start
     timed_steps = args.steps - timing_from
     steady_tokens_per_s = step_ms = None
@@ -572,14 +915,21 @@ def main(argv=None):
         seconds = time.perf_counter() - clock["start"] - clock["paused"]
         steady_tokens_per_s = timed_steps * tokens_per_step / seconds
         step_ms = 1000 * seconds / timed_steps
-    peak = peak_memory_mib(device)
-    peaks = all_ranks_values(peak or 0.0, device) if peak is not None else None
+    peak = peak_memory_mib()
+    peaks = [row[0] for row in all_ranks_values([peak], device)] if peak is not None else None
     bar.close()
 
     final_step = max(start_step, args.steps)
     if args.save_dir and not args.no_final_save and saved["step"] != final_step:
         save(final_step)
 
+    summary = [("train_seconds", train_seconds), ("timed_steps", max(timed_steps, 0))]
+    if last_loss is not None:
+        summary.append(("final_loss", last_loss))
+    if steady_tokens_per_s is not None:
+        summary += [("steady_tokens_per_s", steady_tokens_per_s), ("step_ms", step_ms)]
+    if peaks is not None:
+        summary.append(("peak_memory_mib", max(peaks)))
     if rank == 0:
         if last_loss is not None:
             print(f"final loss {last_loss:.4f}", flush=True)
@@ -589,17 +939,13 @@ def main(argv=None):
         if peaks is not None:
             print(f"peak memory {max(peaks):.0f} MiB (max over ranks; per rank "
                   f"{', '.join(f'{p:.0f}' for p in peaks)})", flush=True)
-        record(event="train_end", step=final_step, final_loss=last_loss, steady_tokens_per_s=steady_tokens_per_s,
-               step_ms=step_ms, timed_steps=max(timed_steps, 0), timing_from=timing_from,
-               peak_mem_mib=max(peaks) if peaks else None, peak_mem_mib_per_rank=peaks, train_seconds=train_seconds)
 
     if args.eval_batches > 0:
         eval_lm, eval_aux = evaluate(engine, eval_windows, args.eval_batches, micro_batch, device)
+        summary += [("eval_loss", eval_lm), ("eval_aux_loss", eval_aux)]
         if rank == 0:
             print(f"eval loss {eval_lm:.4f} (ppl {math.exp(eval_lm):.2f}, aux {eval_aux:.4f})", flush=True)
-            record(event="eval", step=final_step, final_loss=last_loss, eval_loss=eval_lm, eval_aux=eval_aux)
-    if metrics:
-        metrics.close()
+    write_events(engine, [(f"Summary/{name}", value, final_step) for name, value in summary])
     # Leave together: a rank that exits while another still uses the process group (rank 0 hosts
     # its store) makes the other's NCCL heartbeat monitor complain.
     dist.barrier()

@@ -1,90 +1,141 @@
 #!/usr/bin/env python3
-"""Loss curves and a speed/memory summary of examples/train_moe.py runs, read from their metrics files.
+"""Loss curves and a speed/memory summary of examples/train_moe.py runs, read from DeepSpeed's csv_monitor output.
 
-    python3 scripts/plot_losses.py plot --out loss_curves.png stock=stock.jsonl comet=comet.jsonl
-    python3 scripts/plot_losses.py resume-check --full full.jsonl --resumed resumed.jsonl --from-step 30
-    python3 scripts/plot_losses.py rounds stock/1=s1.jsonl comet/1=c1.jsonl stock/2=s2.jsonl comet/2=c2.jsonl
+    python3 scripts/plot_losses.py plot --out loss_curves.png stock=runs/stock comet=runs/comet
+    python3 scripts/plot_losses.py resume-check --full runs/full --resumed runs/resumed --from-step 30
+    python3 scripts/plot_losses.py rounds stock/1=runs/s1 comet/1=runs/c1 stock/2=runs/s2 comet/2=runs/c2
+
+Each run is the directory the csv_monitor wrote (its output_path/job_name; ``--monitor-dir`` of the
+example): one CSV per tag, ``step,<name>`` rows. A run resumed into the same directory appends to
+the same files; the last row of a step wins.
 
 ``plot`` draws each run's per-step training loss (top) and each run's difference from the first run
 (bottom) into one PNG, prints a table (steady-state tokens/s, ratio to the first run, ms/step, peak
-GPU memory, final and eval loss) and the per-step loss differences, and can write the same as JSON
-and Markdown. The PNG needs matplotlib (drawn with the Agg backend, no display); without it the
-table and the checks still run.
-Exit status: 0; 1 when a difference exceeds --max-diff-tol or --tail-diff-tol; 2 when a metrics
-file is missing or holds no losses.
+accelerator memory, final and eval loss, the busiest expert's share) and the per-step loss
+differences, and can write the same as JSON and Markdown. The PNG needs matplotlib (drawn with the
+Agg backend, no display).
+Exit status: 0; 1 when a difference exceeds --max-diff-tol or --tail-diff-tol; 2 when a run directory
+is missing or holds no losses; 3 when --out was asked for and the PNG cannot be drawn (matplotlib
+not importable, nothing to draw). The table and checks are printed in every case.
 
 ``resume-check`` compares a resumed run with the uninterrupted one: the resumed run must start at
 --from-step, log every later step, use the same learning rate at each step (exactly) and reach the
-same losses (within --first-tol on its first step, --tol on all). Exit status 0 when they agree.
+same losses (within --first-tol on its first step, --tol on all). Exit status 0 when they agree, 1
+when they do not or a run cannot be read.
 
 ``rounds`` summarises interleaved runs, labelled ARM/ROUND. On the GPU machine a job's throughput
 drifts by a few % from one run to the next, so an A/B is trusted only when its arms alternate.
 Each arm's tokens/s is divided by the first arm's in the same round. It prints, per arm, those
 ratios, their geometric mean and range, and the largest peak memory against the first arm's.
-Exit status 2 when a metrics file is missing or a round lacks the first arm.
+Exit status 2 when a run directory is missing or a round lacks the first arm.
 """
 
 import argparse
-import importlib.util
+import csv
 import json
 import math
 import os
+import re
 import sys
 
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
+# csv_monitor's file names: the event tag with "/" as "_" (examples/train_moe.py names the tags).
+LOSS_FILE = "Train_Steps_loss.csv"
+LR_FILE = "Train_Steps_lr.csv"
+EXPERT_TOKENS_FILE = re.compile(r"Train_Steps_expert_tokens_layer(\d+)_expert(\d+)\.csv")
 
 
 # --------------------------------------------------------------------------------------------
-# Metrics files
+# Run directories
 # --------------------------------------------------------------------------------------------
+
+
+def read_monitor_csv(path):
+    """[(step, value)] of one csv_monitor file, in file order.
+
+    csv_monitor writes a ``step,<name>`` header each time a process first writes the tag, so a run
+    resumed into the same directory leaves a header in the middle: rows whose step is not a number
+    are skipped.
+    """
+    rows = []
+    with open(path, newline="") as handle:
+        for number, row in enumerate(csv.reader(handle), 1):
+            if len(row) != 2:
+                if row:
+                    print(f"{path}:{number}: not a step,value row, skipped", file=sys.stderr)
+                continue
+            try:
+                step = int(float(row[0]))
+            except ValueError:
+                continue  # a header
+            try:
+                rows.append((step, float(row[1])))
+            except ValueError:
+                print(f"{path}:{number}: value {row[1]!r} is not a number, skipped", file=sys.stderr)
+    return rows
 
 
 class Run:
-    """One metrics file: per-step losses and learning rates, the start, train_end and eval records."""
+    """One run's csv_monitor directory.
+
+    ``losses`` and ``lrs``: {step: value} (the last row of a step wins); ``start_steps``: the
+    Run/start_step of every launch that wrote here, in order; ``info``: the other Run/ values of the
+    first launch; ``summary``: each Summary/ tag's last value (a resumed launch's over the first's);
+    ``expert_tokens``: {layer: {expert: tokens over the whole run}}.
+    """
 
     def __init__(self, label, path):
         self.label, self.path = label, path
-        self.losses, self.lrs, self.starts = {}, {}, []
-        self.train_end, self.eval = {}, {}
-        if not os.path.exists(path):
+        self.losses, self.lrs, self.start_steps = {}, {}, []
+        self.info, self.summary, self.expert_tokens = {}, {}, {}
+        if not os.path.isdir(path):
             self.error = "missing"
             return
-        with open(path) as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    print(f"{path}:{number}: not JSON, skipped", file=sys.stderr)
-                    continue
-                event = record.get("event")
-                if event == "start":
-                    self.starts.append(record)
-                elif event == "train_end":
-                    self.train_end = record
-                elif event == "eval":
-                    self.eval = record
-                elif "loss" in record:
-                    # A resumed run appends: the latest record of a step wins.
-                    self.losses[record["step"]] = record["loss"]
-                    if "lr" in record:
-                        self.lrs[record["step"]] = record["lr"]
-        self.error = None if self.losses else "no losses"
-
-    @property
-    def info(self):
-        return self.starts[0] if self.starts else {}
+        names = sorted(os.listdir(path))
+        for name in names:
+            if not name.endswith(".csv"):
+                continue
+            rows = read_monitor_csv(os.path.join(path, name))
+            if name == LOSS_FILE:
+                self.losses = dict(rows)
+            elif name == LR_FILE:
+                self.lrs = dict(rows)
+            elif name == "Run_start_step.csv":
+                self.start_steps = [int(value) for _, value in rows]
+            elif name.startswith("Run_") and rows:
+                self.info[name[len("Run_"):-len(".csv")]] = rows[0][1]
+            elif name.startswith("Summary_") and rows:
+                self.summary[name[len("Summary_"):-len(".csv")]] = rows[-1][1]
+            elif EXPERT_TOKENS_FILE.fullmatch(name):
+                layer, expert = (int(group) for group in EXPERT_TOKENS_FILE.fullmatch(name).groups())
+                # A resumed run may log a window again: count each logged step once, its last row.
+                self.expert_tokens.setdefault(layer, {})[expert] = sum(dict(rows).values())
+        if self.losses:
+            self.error = None
+        elif any(name.endswith(".csv") for name in names):
+            self.error = f"no {LOSS_FILE}"
+        else:
+            self.error = "no csv_monitor files (the run's directory is the csv_monitor's output_path/job_name)"
 
     @property
     def steps(self):
         return sorted(self.losses)
 
+    def busiest_expert_share(self):
+        """Over the whole run, the largest (tokens of one expert / mean tokens per expert) of any layer;
+        1.0 is a perfectly even load. None without expert counts."""
+        shares = []
+        for experts in self.expert_tokens.values():
+            total = sum(experts.values())
+            if total:
+                shares.append(max(experts.values()) * len(experts) / total)
+        return max(shares) if shares else None
+
 
 def parse_run(text):
     label, sep, path = text.partition("=")
     if not sep or not label or not path:
-        raise argparse.ArgumentTypeError(f"expected LABEL=PATH, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected LABEL=DIR, got {text!r}")
     return label, path
 
 
@@ -123,21 +174,21 @@ def summarize(runs, tail):
     base = runs[0]
     rows = []
     for run in runs:
-        info, end = run.info, run.train_end
-        tokens = end.get("steady_tokens_per_s")
-        base_tokens = base.train_end.get("steady_tokens_per_s")
-        rows.append(dict(label=run.label, path=run.path, error=run.error, backend=info.get("backend"),
-                         zero_stage=info.get("zero_stage"), dtype=info.get("dtype"), steps=len(run.losses),
-                         tokens_per_step=info.get("tokens_per_step"), steady_tokens_per_s=tokens,
+        tokens = run.summary.get("steady_tokens_per_s")
+        base_tokens = base.summary.get("steady_tokens_per_s")
+        zero_stage = run.info.get("zero_stage")
+        rows.append(dict(label=run.label, path=run.path, error=run.error,
+                         zero_stage=int(zero_stage) if zero_stage is not None else None, steps=len(run.losses),
+                         tokens_per_step=run.info.get("tokens_per_step"), steady_tokens_per_s=tokens,
                          ratio_to_first=tokens / base_tokens if tokens and base_tokens else None,
-                         step_ms=end.get("step_ms"), timed_steps=end.get("timed_steps"),
-                         peak_mem_mib=end.get("peak_mem_mib"), final_loss=end.get("final_loss"),
-                         eval_loss=run.eval.get("eval_loss")))
+                         step_ms=run.summary.get("step_ms"), timed_steps=run.summary.get("timed_steps"),
+                         peak_mem_mib=run.summary.get("peak_memory_mib"), final_loss=run.summary.get("final_loss"),
+                         eval_loss=run.summary.get("eval_loss"), busiest_expert_share=run.busiest_expert_share()))
     comparisons = []
     for run in runs[1:]:
         diffs, stats = difference(run, base)
         last = sorted(diffs)[-tail:]
-        mine, theirs = run.train_end.get("steady_tokens_per_s"), base.train_end.get("steady_tokens_per_s")
+        mine, theirs = run.summary.get("steady_tokens_per_s"), base.summary.get("steady_tokens_per_s")
         stats.update(label=run.label, base=base.label, tail_steps=len(last),
                      tail_mean_diff=sum(diffs[s] for s in last) / len(last) if last else None,
                      tokens_per_s_ratio=mine / theirs if mine and theirs else None)
@@ -146,19 +197,21 @@ def summarize(runs, tail):
 
 
 def table(summary):
-    head = ("run", "backend", "ZeRO", "dtype", "steps", "tokens/s", "vs first", "ms/step", "peak MiB", "final loss",
-            "eval loss")
+    head = ("run", "ZeRO", "steps", "tokens/s", "vs first", "ms/step", "peak MiB", "final loss", "eval loss",
+            "busiest expert")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in summary["runs"]:
-        cells = (row["label"] + (f" ({row['error']})" if row["error"] else ""), row["backend"] or "-",
-                 fmt(row["zero_stage"], "d"), row["dtype"] or "-", str(row["steps"]),
-                 fmt(row["steady_tokens_per_s"], ",.0f"),
+        cells = (row["label"] + (f" ({row['error']})" if row["error"] else ""), fmt(row["zero_stage"], "d"),
+                 str(row["steps"]), fmt(row["steady_tokens_per_s"], ",.0f"),
                  fmt(row["ratio_to_first"], ".3f") + ("x" if row["ratio_to_first"] else ""),
                  fmt(row["step_ms"], ".1f"), fmt(row["peak_mem_mib"], ",.0f"), fmt(row["final_loss"], ".4f"),
-                 fmt(row["eval_loss"], ".4f"))
+                 fmt(row["eval_loss"], ".4f"),
+                 fmt(row["busiest_expert_share"], ".2f") + ("x" if row["busiest_expert_share"] else ""))
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("\ntokens/s: all ranks together, steps after the timing warm-up, checkpoint saves left out; "
-                 "peak MiB: torch.cuda.max_memory_allocated, the largest rank")
+                 "peak MiB: the accelerator allocator's peak, the largest rank (none on CPU); busiest expert: the "
+                 "most tokens one expert got over the run against the mean per expert, the worst layer (1.00x: "
+                 "even)")
     for c in summary["comparisons"]:
         if c["tokens_per_s_ratio"] is not None:
             lines.append(f"\n{c['label']} / {c['base']} tokens/s: {c['tokens_per_s_ratio']:.3f}x")
@@ -172,10 +225,15 @@ def table(summary):
     return "\n".join(lines)
 
 
-def plot_matplotlib(runs, out, title):
+def import_pyplot():
+    """matplotlib.pyplot on the Agg backend; raises ImportError when matplotlib cannot be imported."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_matplotlib(plt, runs, out, title):
 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": (3, 1.3)})
     base = runs[0]
@@ -230,13 +288,18 @@ def cmd_plot(args):
     write_summary(args, summary, text, [f"CHECK FAILED: {m}" for m in checks])
     if args.out:
         drawable = [run for run in runs if run.losses]
+        try:
+            plt = import_pyplot()
+        except ImportError as error:
+            plt = None
+            print(f"cannot draw {args.out}: matplotlib cannot be imported ({error}); pip install matplotlib",
+                  file=sys.stderr)
         if not drawable:
-            print(f"no losses to draw; {args.out} not written", file=sys.stderr)
-        elif importlib.util.find_spec("matplotlib") is None:
-            print(f"matplotlib is not installed; {args.out} not written (pip install matplotlib)", file=sys.stderr)
-        else:
-            plot_matplotlib(drawable, args.out, args.title)
-            print(f"wrote {args.out}")
+            print(f"cannot draw {args.out}: no run has losses", file=sys.stderr)
+        if plt is None or not drawable:
+            return status or 3
+        plot_matplotlib(plt, drawable, args.out, args.title)
+        print(f"wrote {args.out}")
     return status
 
 
@@ -252,7 +315,7 @@ def cmd_resume_check(args):
         if run.error:
             problems.append(f"{run.label} run: {run.path}: {run.error}")
     if not problems:
-        starts = [r.get("start_step") for r in resumed.starts]
+        starts = resumed.start_steps
         if args.from_step not in starts:
             problems.append(f"the resumed run started at step(s) {starts}, not at step {args.from_step}: "
                             "it did not load the checkpoint")
@@ -310,7 +373,7 @@ def summarize_rounds(entries):
         if arm not in arms:
             arms.append(arm)
         run = runs[arm, number] = Run(f"{arm}/{number}", path)
-        if run.error or not run.train_end.get("steady_tokens_per_s"):
+        if run.error or not run.summary.get("steady_tokens_per_s"):
             problems.append(f"{run.label}: {path}: {run.error or 'no steady tokens/s'}")
     base = arms[0]
     rounds = sorted({number for _, number in runs}, key=lambda n: (len(n), n))
@@ -322,13 +385,13 @@ def summarize_rounds(entries):
         row = dict(arm=arm, tokens_per_s={}, ratio={}, peak_mem_mib=None)
         for number in rounds:
             run, ref = runs.get((arm, number)), runs.get((base, number))
-            tokens = run.train_end.get("steady_tokens_per_s") if run else None
-            ref_tokens = ref.train_end.get("steady_tokens_per_s") if ref else None
+            tokens = run.summary.get("steady_tokens_per_s") if run else None
+            ref_tokens = ref.summary.get("steady_tokens_per_s") if ref else None
             row["tokens_per_s"][number] = tokens
             if tokens and ref_tokens:
                 row["ratio"][number] = tokens / ref_tokens
-            if run and run.train_end.get("peak_mem_mib") is not None:
-                row["peak_mem_mib"] = max(row["peak_mem_mib"] or 0.0, run.train_end["peak_mem_mib"])
+            if run and run.summary.get("peak_memory_mib") is not None:
+                row["peak_mem_mib"] = max(row["peak_mem_mib"] or 0.0, run.summary["peak_memory_mib"])
         ratios = list(row["ratio"].values())
         row["ratio_geomean"] = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
         row["ratio_min"], row["ratio_max"] = (min(ratios), max(ratios)) if ratios else (None, None)
@@ -377,7 +440,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     plot = commands.add_parser("plot", help="loss curves (PNG) and the summary table")
-    plot.add_argument("runs", nargs="+", type=parse_run, metavar="LABEL=METRICS.jsonl",
+    plot.add_argument("runs", nargs="+", type=parse_run, metavar="LABEL=DIR",
                       help="runs to compare; the first is the baseline of the ratios and differences")
     plot.add_argument("--out", help="PNG to write")
     add_summary_outputs(plot, "examples/train_moe.py: training loss")
@@ -388,14 +451,16 @@ def main(argv=None):
                       help="fail (exit 1) when the mean loss of the last --tail steps differs by more")
     plot.set_defaults(func=cmd_plot)
     check = commands.add_parser("resume-check", help="a resumed run against the uninterrupted run")
-    check.add_argument("--full", required=True, help="metrics of the uninterrupted run")
-    check.add_argument("--resumed", required=True, help="metrics of the run resumed from the checkpoint")
+    check.add_argument("--full", required=True, help="csv_monitor directory of the uninterrupted run")
+    check.add_argument("--resumed", required=True,
+                       help="csv_monitor directory of the run resumed from the checkpoint (its first run's too, "
+                       "when it resumed into the same directory)")
     check.add_argument("--from-step", type=int, required=True, help="the step of the checkpoint it resumed from")
     check.add_argument("--first-tol", type=float, default=5e-3, help="largest |loss diff| at the first resumed step")
     check.add_argument("--tol", type=float, default=2e-2, help="largest |loss diff| at any resumed step")
     check.set_defaults(func=cmd_resume_check)
     rounds = commands.add_parser("rounds", help="interleaved A/B runs: tokens/s ratios per round, peak memory")
-    rounds.add_argument("runs", nargs="+", type=parse_round_run, metavar="ARM/ROUND=METRICS.jsonl",
+    rounds.add_argument("runs", nargs="+", type=parse_round_run, metavar="ARM/ROUND=DIR",
                         help="the runs; the first arm named is the baseline of every round's ratios")
     add_summary_outputs(rounds, "examples/train_moe.py: interleaved runs")
     rounds.set_defaults(func=cmd_rounds)

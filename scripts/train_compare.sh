@@ -15,7 +15,8 @@
 #
 # Usage (repository root): bash scripts/train_compare.sh
 # Everything lands in $OUT (default /tmp/train_compare_out): per sub-run NAME.cmd, NAME.log and
-# NAME.jsonl (metrics), summary.{txt,md,json}, loss_curves.png and status.txt.
+# monitor/NAME/ (its metrics: DeepSpeed's csv_monitor files, through the example's --monitor-dir),
+# summary.{txt,md,json}, loss_curves.png and status.txt.
 # Each sub-run has a time limit, and all of them together stay inside BUDGET_S seconds from the
 # start (a sub-run that would not fit is skipped and counted as a failure). A failed sub-run is
 # reported with the tail of its log and the script goes on; it exits 1 if anything failed.
@@ -68,19 +69,20 @@ CKPT_DIR=${CKPT_DIR:-/tmp/train_compare_ckpt}
 LOSS_MAX_DIFF_TOL=${LOSS_MAX_DIFF_TOL:-0.3} LOSS_TAIL_DIFF_TOL=${LOSS_TAIL_DIFF_TOL:-0.05}
 RESUME_FIRST_TOL=${RESUME_FIRST_TOL:-0.005} RESUME_TOL=${RESUME_TOL:-0.02} MPI_DIFF_TOL=${MPI_DIFF_TOL:-0.1}
 CONFIGS=$REPO/configs
+MONITOR=$OUT/monitor  # one csv_monitor directory per sub-run
 FAILURES=()
 
 elapsed() { echo $(( $(date +%s) - START_S )); }
 note() { echo "[$(printf '%4d' "$(elapsed)") s] $*"; }
 
 # run_step NAME LIMIT_S COMMAND...: run with a time limit (cut to what the budget has left), its
-# output in $OUT/NAME.log; returns the command's status and records a failure. A metrics file
-# $OUT/NAME.jsonl left by an earlier invocation is removed first, so that a skipped or failed run
-# cannot be summarised from it.
+# output in $OUT/NAME.log; returns the command's status and records a failure. Metrics in
+# $MONITOR/NAME left by an earlier invocation are removed first, so that a skipped or failed run
+# cannot be summarised from them (the csv_monitor appends to existing files).
 run_step() {
     local name=$1 limit=$2 left rc=0 began took why
     shift 2
-    rm -f "$OUT/$name.jsonl"
+    rm -rf "${MONITOR:?}/$name"
     left=$(( BUDGET_S - $(elapsed) - RESERVE_S ))
     if (( left < MIN_STEP_S )); then
         FAILURES+=("$name: skipped, $(elapsed) s of the $BUDGET_S s budget used")
@@ -114,7 +116,7 @@ run_step() {
 train() {
     local name=$1 port=$2 config=$3 limit=$4
     shift 4
-    local example=(examples/train_moe.py --deepspeed_config "$config" "${MODEL[@]}" --metrics-file "$OUT/$name.jsonl"
+    local example=(examples/train_moe.py --deepspeed_config "$config" "${MODEL[@]}" --monitor-dir "$MONITOR/$name"
                    "$@")
     if [ "$SHARED" = 1 ]; then
         run_step "$name" "$limit" bash scripts/shared_gpu_ranks.sh 2 "$port" python3 "${example[@]}" --dist-backend gloo
@@ -154,7 +156,8 @@ build_op() {
 }
 
 # override [--prefix=P] PYTHON_STATEMENT VAR...: each VAR's config, with the statement applied to it
-# (as c), written to $OUT/configs under its own name (after P); VAR then names the copy.
+# (as c), written to $OUT/configs under its own name (after P); VAR then names the copy. The config
+# is read as DeepSpeed reads it (HJSON, a key given twice an error) and written as JSON.
 override() {
     local prefix="" statement var src dst
     if [[ $1 == --prefix=* ]]; then prefix=${1#--prefix=}; shift; fi
@@ -163,7 +166,14 @@ override() {
     mkdir -p "$OUT/configs"
     for var in "$@"; do
         src=${!var} dst="$OUT/configs/$prefix$(basename "${!var}")"
-        python3 -c "import json, sys; c = json.load(open(sys.argv[1])); $statement
+        python3 -c "import hjson, json, sys
+def unique(pairs):
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        sys.exit(f'{sys.argv[1]}: keys given twice: {twice}')
+    return dict(pairs)
+c = hjson.load(open(sys.argv[1]), object_pairs_hook=unique); $statement
 json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$src" "$dst"
         printf -v "$var" '%s' "$dst"
     done
@@ -215,7 +225,7 @@ rc=0
 timeout 120 python3 scripts/plot_losses.py plot --out "$OUT/loss_curves.png" --json "$OUT/summary.json" \
     --markdown "$OUT/summary.md" --max-diff-tol "$LOSS_MAX_DIFF_TOL" --tail-diff-tol "$LOSS_TAIL_DIFF_TOL" \
     --title "train_moe.py, $RANKS, ZeRO-2, $STEPS steps: stock DeepSpeed MoE vs comet" \
-    "stock=$OUT/a_stock_zero2.jsonl" "comet=$OUT/a_comet_zero2.jsonl" > "$OUT/summary.txt" 2>&1 || rc=$?
+    "stock=$MONITOR/a_stock_zero2" "comet=$MONITOR/a_comet_zero2" > "$OUT/summary.txt" 2>&1 || rc=$?
 sed 's/^/         /' "$OUT/summary.txt"
 (( rc == 0 )) || FAILURES+=("summary: plot_losses.py exit status $rc (see $OUT/summary.txt)")
 
@@ -227,8 +237,8 @@ if [[ $PARTS == *b* ]] && train b_zero1_full 29573 "$COMET_ZERO1" 150 --steps "$
     if train b_zero1_resumed 29574 "$COMET_ZERO1" 150 --steps "$RESUME_STEPS" --eval-batches 0 \
             --save-dir "$CKPT_DIR" --resume --no-final-save; then
         rc=0
-        python3 scripts/plot_losses.py resume-check --full "$OUT/b_zero1_full.jsonl" \
-            --resumed "$OUT/b_zero1_resumed.jsonl" --from-step "$RESUME_AT" --first-tol "$RESUME_FIRST_TOL" \
+        python3 scripts/plot_losses.py resume-check --full "$MONITOR/b_zero1_full" \
+            --resumed "$MONITOR/b_zero1_resumed" --from-step "$RESUME_AT" --first-tol "$RESUME_FIRST_TOL" \
             --tol "$RESUME_TOL" > "$OUT/b_resume_check.txt" 2>&1 || rc=$?
         sed 's/^/         /' "$OUT/b_resume_check.txt"
         (( rc == 0 )) || FAILURES+=("resume check: the resumed run differs (see $OUT/b_resume_check.txt)")
@@ -251,10 +261,10 @@ elif command -v mpirun > /dev/null; then
         MPIRUN+=(-genv MASTER_ADDR 127.0.0.1 -genv MASTER_PORT 29575)
     fi
     if run_step c_mpirun_zero2 120 "${MPIRUN[@]}" python3 examples/train_moe.py --deepspeed_config "$COMET_ZERO2" \
-            "${MODEL[@]}" --steps "$MPI_STEPS" --eval-batches 1 --metrics-file "$OUT/c_mpirun_zero2.jsonl"; then
+            "${MODEL[@]}" --steps "$MPI_STEPS" --eval-batches 1 --monitor-dir "$MONITOR/c_mpirun_zero2"; then
         rc=0
         python3 scripts/plot_losses.py plot --max-diff-tol "$MPI_DIFF_TOL" \
-            "deepspeed_launcher=$OUT/a_comet_zero2.jsonl" "mpirun=$OUT/c_mpirun_zero2.jsonl" \
+            "deepspeed_launcher=$MONITOR/a_comet_zero2" "mpirun=$MONITOR/c_mpirun_zero2" \
             > "$OUT/c_mpirun_vs_launcher.txt" 2>&1 || rc=$?
         sed 's/^/         /' "$OUT/c_mpirun_vs_launcher.txt"
         (( rc == 0 )) || FAILURES+=("mpirun check: exit status $rc comparing with (a)'s comet run (see $OUT/c_mpirun_vs_launcher.txt)")
@@ -281,7 +291,7 @@ if [[ $PARTS == *e* ]]; then
             esac
             port=$((port + 1))
             train "e_${arm}_r$round" "$port" "$arm_config" 200 --steps "$STEPS" --eval-batches 0 || true
-            ROUND_RUNS+=("$arm/$round=$OUT/e_${arm}_r$round.jsonl")
+            ROUND_RUNS+=("$arm/$round=$MONITOR/e_${arm}_r$round")
         done
     done
     note "RUN  rounds summary: scripts/plot_losses.py rounds"
