@@ -167,3 +167,13 @@ def test_forward_without_group_says_what_to_do():
     layer = ds_comet.MoE(16, expert(), num_experts=4, ep_size=2, k=1)
     with pytest.raises(RuntimeError, match="set_deepspeed_parallelism"):
         layer(torch.randn(1, 8, 16))
+
+
+def test_inputs_the_layer_cannot_take_are_named():
+    layer = ds_comet.MoE(16, expert(), num_experts=4, k=2, config={"moe": {"backend": "comet"}})
+    with pytest.raises(ValueError, match=r"takes hidden states \[\.\.\., 16\].*got a tensor of shape \(\)"):
+        layer(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"takes hidden states \[\.\.\., 16\].*shape \(2, 8, 12\)"):
+        layer(torch.randn(2, 8, 12))
+    with pytest.raises(ValueError, match=r"used_token must hold one entry per token \(16\), got shape \(15,\)"):
+        layer(torch.randn(2, 8, 16), used_token=torch.ones(15))

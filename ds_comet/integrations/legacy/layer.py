@@ -9,6 +9,7 @@ exactly stock's; the dispatch, the experts' computation and the combine run on d
 from typing import Optional
 
 import deepspeed.moe.layer
+from deepspeed import comm as dist
 from deepspeed.moe.sharded_moe import MOELayer
 from deepspeed.utils import groups, log_dist
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
@@ -73,8 +74,14 @@ class CometMOELayer(MOELayer):
         if self.ep_size > 1 and self.ep_group is None:
             raise RuntimeError(f"the MoE layer has ep_size={self.ep_size} but no expert-parallel group: call "
                                "deepspeed.initialize(...) or the layer's set_deepspeed_parallelism() first")
-        hidden = hidden_states.shape[-1]
+        hidden = self.gate.wg.weight.shape[1]
+        if hidden_states.dim() < 2 or hidden_states.shape[-1] != hidden:
+            raise ValueError(f"ds_comet: {self.pipelines.name} takes hidden states [..., {hidden}] (tokens by the "
+                             f"model's hidden size), got a tensor of shape {tuple(hidden_states.shape)}")
         tokens = hidden_states.reshape(-1, hidden)
+        if used_token is not None and used_token.numel() != tokens.shape[0]:
+            raise ValueError(f"ds_comet: {self.pipelines.name}: used_token must hold one entry per token "
+                             f"({tokens.shape[0]}), got shape {tuple(used_token.shape)}")
         pipeline = self.pipelines.pipeline_for(tokens)
         fused = pipeline is self.pipelines.fused
         # On the fused path the op's gate kernels do the gate's integer bookkeeping.
@@ -123,6 +130,14 @@ class MoE(deepspeed.moe.layer.MoE):
         if moe_config.backend == "comet":
             CometMOELayer.adopt(self.deepspeed_moe, moe_config)
         log_dist(f"MoE backend: {moe_config.backend} (overlap: {moe_config.overlap})", [0])
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.ep_size > world or world % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} does not divide the {world} ranks of this job: each "
+                             "expert-parallel group takes ep_size ranks; choose an ep_size that divides the world "
+                             "size (and num_experts)")
+        super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
 
 
 def _refuse_tensor_parallel():
