@@ -359,7 +359,7 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
 // A unit first looks up where each of its routes' rows lies (route position, then the row the
 // dispatch placed it in, then that rank's buffer) into shared memory, once for all its passes: looked
 // up in every pass, that chain of dependent loads came before every read of a row and bounded the
-// kernel by latency (about 10 GB/s per SM, docs/performance.md). Per pass a thread then reads ROUTES
+// kernel by latency (about 10 GB/s per SM, docs/decisions.md). Per pass a thread then reads ROUTES
 // routes of ITEMS (token, 8-column) vectors, issuing all ROUTES x ITEMS loads before using any: a
 // read over NVLink takes microseconds, and k alone (2 on many models) would leave too few in flight.
 template <typename T, int ROUTES, int ITEMS>

@@ -3,11 +3,11 @@ predicate, and no more than a little spilling.
 
 ptxas 12.8 (Triton 3.6's) once if-converted GEMM1's own/remote tile lookup and guarded its two
 warp reductions with the per-thread predicate that stages the TMA descriptor, so warps used the
-wrong expert's weights (docs/performance.md). The kernels now keep such code branch-free; this
+wrong expert's weights (docs/decisions.md). The kernels now keep such code branch-free; this
 test compiles them for H100/H200 with Triton's own ptxas, disassembles them with its nvdisasm, and
 fails if any REDUX, SHFL, VOTE or MATCH runs under a predicate again. GEMM1's epilogue once held
 a whole tile's accumulator with its pre-activations and activations, spilled up to 2.4 KB a thread
-and made a layer's training step 20-45 % slower on the device (fifteenth session); the test also
+and made a layer's training step 20-45 % slower on the device (docs/decisions.md); the test also
 fails if a compiled kernel's stack frame grows past STACK_LIMIT bytes again. Skipped without triton.
 """
 
@@ -81,7 +81,7 @@ sys.exit(1 if bad else 0)
 def test_no_predicated_collective_and_little_spilling(tmp_path):
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton_cache"))
     env.pop("TRITON_INTERPRET", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "kernel.cubin")], cwd=root, env=env,
                             capture_output=True, text=True, timeout=900)
     if result.stdout.startswith("SKIP"):
