@@ -54,7 +54,7 @@ namespace ds_comet {
 DS_COMET_CONSTANTS(DS_COMET_DECLARE_CONSTANT)
 #undef DS_COMET_DECLARE_CONSTANT
 
-// Offsets (in int32 words) of the parts of the symmetric meta buffer. ds_comet/layout.py computes
+// Offsets (in int32 words) of the parts of the symmetric meta buffer. ds_comet/kernels/layout.py computes
 // them (the one statement of the layout) and the binding passes them in.
 struct MetaOffsets {
     int64_t counts;          // [2][P][E] expert counts of every source, double-buffered by call parity
@@ -94,7 +94,7 @@ struct GroupShape {
     LayoutOffsets layout;
 };
 
-// The routing plan of ds_comet/routing.py::plan_routes in one launch (no sort): indices holds k*S
+// The routing plan of ds_comet/pipelines/routing.py::plan_routes in one launch (no sort): indices holds k*S
 // global expert ids (-1: dropped; an id >= E counts as dropped too) by flat route id; route_order
 // lists the route ids by expert, each expert's in route-id order, dropped routes last;
 // route_position is its inverse; expert_counts[E] counts the kept routes per expert.
@@ -131,7 +131,7 @@ cudaError_t launch_combine(const GroupShape& shape, const int64_t* peer_expert_o
                            const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks,
                            cudaStream_t stream);
 
-// The gate's integer bookkeeping (gate_kernels.cu; ds_comet/gate.py says what each replaces).
+// The gate's integer bookkeeping (gate_kernels.cu; ds_comet/integrations/legacy/gate.py says what each replaces).
 // Top-2: gates [S, E] fp32; logits [S, E] of logits_code (0 = bf16, 1 = fp16: dtype_code; 2 =
 // fp32); uniform [S, E] (torch.rand) or null for no second-choice sampling; capacity < 0 for no
 // dropping; choices [2, S] int32 scratch; routes [2, S] int32 (-1: dropped); masks [3 or 2, S, E]

@@ -161,19 +161,19 @@ def timing(spent, *targets):
 
 def host_split(layer, x, dy, steps=20):
     """Host ms per training step of its parts, each step started on an idle device."""
-    import ds_comet.fused as fused
-    import ds_comet.gate_graph as gate_graph
-    import ds_comet.selection as selection
+    import ds_comet.integrations.legacy.gate_graph as gate_graph
+    import ds_comet.pipelines.expert_weights as expert_weights
+    import ds_comet.pipelines.fused as fused
     spent = collections.defaultdict(float)
-    targets = [(ds_comet.layer, "gate_routes", "forward: gate (eager)"),
+    targets = [(legacy_layer, "gate_routes", "forward: gate (eager)"),
                (gate_graph.GateGraphs, "routes", "forward: gate (graphed)"),
-               (selection, "plan_routes_cuda", "forward: plan"),
-               (fused, "fused_forward", "forward: fused_forward"),
+               (fused, "plan_routes_cuda", "forward: plan"),
+               (fused.FusedPipeline, "run_forward", "forward: the fused kernels' launches"),
                (fused.FusedMoEFunction, "forward", "forward: the fused Function's forward"),
-               (selection, "expert_parameters", "forward: expert_parameters"),
+               (expert_weights.ModuleFusedExperts, "parameters", "forward: the experts' parameters"),
                (fused.FusedMoEFunction, "backward", "backward: the fused Function's backward"),
-               (fused, "fused_backward", "backward: fused_backward"),
-               (gate_graph._ReplayRoutes, "backward", "backward: graphed gate")]
+               (fused.FusedPipeline, "run_backward", "backward: the fused kernels' launches"),
+               (gate_graph.ReplayRoutes, "backward", "backward: graphed gate")]
     for _ in range(3):
         train_step(layer, x, dy)
     with timing(spent, *targets):

@@ -8,18 +8,19 @@ The two primitives each run in both directions:
   (``rows @ W1^T``); backward it takes the dispatched output gradients and gives the gradient of
   the activation's input (``dY @ W2``, times act').
 - ``gemm2_kernel`` computes column chunk by column chunk, each across all experts, stores its rows
-  locally (a plain row-major store: the scattering epilogue this replaced spilled registers) and
+  locally (a plain row-major store, which needs no more registers than the tile; docs/decisions.md) and
   tells each rank the tile's rows came from how many of its rows the chunk now holds; that rank's
   combine then reads them over NVLink. Forward it is GEMM2 (``h @ W2^T``); backward it gives the
   rows' input gradients (``dA @ W1``), which the combine sums per token.
 - ``wgrad_kernel`` gives every local expert's weight gradient (``A_l^T @ B_l`` over its rows) and
   ``route_dot_kernel`` the gate values' gradient (a dot product per route).
 
-Expert weights stay in DeepSpeed's per-expert modules: the kernels read them through device tables
-of per-expert pointers (ZeRO may move parameters, so the tables are rebuilt when pointers change).
+Expert weights stay where the integration keeps them (one module per expert, or AutoEP's stacked
+tensors): the kernels read them through device tables of per-expert pointers (ZeRO may move
+parameters, so the tables are rebuilt when pointers change).
 Weight tiles come through device-side TMA descriptors, one per tile's expert, built from those
 pointers; a constexpr says whether a matrix is stored [N, K] (read transposed) or [K, N].
-Launchers give Triton an allocator for the descriptors (``pipelines.fused.with_descriptor_scratch``).
+Launchers give Triton an allocator for the descriptors (``pipelines.fused_kernels.with_descriptor_scratch``).
 """
 
 import triton
@@ -189,8 +190,8 @@ def _weight_tiles(table, expert, dtype, K, N, BK: tl.constexpr, BN: tl.constexpr
 
     TMA zero-fills tiles past the matrix's edges, which is what masked loads did.
     """
-    # What TMA needs: 16-byte aligned weights (ExpertTables checks) and rows of a multiple of 16
-    # bytes (selection.py takes the fused path only for bf16/fp16 with hidden and FFN multiples of 8).
+    # What TMA needs: 16-byte aligned weights (PointerTables checks) and rows of a multiple of 16
+    # bytes (pipelines/policy.py allows the fused path only for bf16/fp16 with hidden and FFN multiples of 8).
     w = tl.multiple_of(tl.load(table + expert).to(tl.pointer_type(dtype)), 16)
     if W_NK:
         return tl.make_tensor_descriptor(w, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])

@@ -51,6 +51,10 @@ class LayerSpec:
     scale_before: bool = False
 
 
+class RankFailure(str):
+    """An exception one rank met while checking the fused pipeline, carried to every rank."""
+
+
 class GroupDisagreement(RuntimeError):
     """The ranks of an expert-parallel group called a layer with settings that do not line up."""
 
@@ -141,7 +145,10 @@ class PipelineSelection:
         if self.config.overlap == "none":
             fused = "\"overlap\" is \"none\""
         else:
-            fused = local_reason(self.experts, tokens, self.spec.top_k, self.spec.scale_before)
+            try:
+                fused = local_reason(self.experts, tokens, self.spec.top_k, self.spec.scale_before)
+            except Exception as error:  # raised on every rank below, after the collective, not here alone
+                fused = RankFailure(f"{type(error).__name__}: {error}")
             if not isinstance(fused, str) and self.group is None:
                 fused = "the layer has no expert-parallel group yet (deepspeed.initialize or set_deepspeed_parallelism)"
         reason = fused if isinstance(fused, str) else None
@@ -153,6 +160,10 @@ class PipelineSelection:
             everyone = [None] * torch_dist.get_world_size(self.group)
             torch_dist.all_gather_object(everyone, local, group=self.group)
         self._check_settings([entry[0] for entry in everyone])
+        failures = [(rank, entry[1]) for rank, entry in enumerate(everyone) if isinstance(entry[1], RankFailure)]
+        if failures:
+            raise RuntimeError(f"ds_comet: {self.name}: checking the fused pipeline failed on "
+                               + "; ".join(f"rank {rank}: {failure}" for rank, failure in failures))
         for rank, (_, rank_reason, _, _, _) in enumerate(everyone):
             if rank_reason is not None:
                 return rank_reason if len(everyone) == 1 else f"rank {rank}: {rank_reason}"

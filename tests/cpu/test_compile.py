@@ -18,7 +18,7 @@ CUDA-graphed gate, and with inductor (its random numbers from torch's generator,
 ``fallback_random`` asks: otherwise the gate's noise differs from the eager call's, stock's too),
 against its eager calls within bf16 tolerance. The gate is traced (the graphed
 gate runs it eagerly while Dynamo traces); the fused call runs eagerly behind a graph break
-(``PipelineSelector._run`` is excluded from tracing).
+(``FusedPipeline.forward`` is excluded from tracing).
 """
 
 import pytest

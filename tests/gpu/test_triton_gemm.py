@@ -1,7 +1,7 @@
 """The fused pipeline's Triton GEMMs under Triton's CPU interpreter, against plain torch.
 
 One rank (P=1): the test lays out the receive buffer as the exchange and dispatch kernels would
-(tests/layout_reference.py), marks every row tile as arrived, runs GEMM1 then GEMM2, and checks
+(tests/support/layout_reference.py), marks every row tile as arrived, runs GEMM1 then GEMM2, and checks
 every kept route's output row (GEMM2 stores it by receive row) and every chunk counter. This covers
 the tile schedule (own-row tiles first, then the rest), the expert search, the swizzle and the
 column chunks without a GPU; with one rank every row's source is 0, so the per-source counting and

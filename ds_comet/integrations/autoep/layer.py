@@ -52,11 +52,13 @@ class CometAutoEPMoELayer(AutoEPMoELayer):
         if layer.folding_group_handles is not None and layer.folding_group_handles.spec.tp_size > 1:
             raise NotImplementedError("the comet MoE backend does not run AutoEP's folded tensor parallelism "
                                       "(tensor_parallel.autotp_size > 1); use \"moe\": {\"backend\": \"deepspeed\"}")
-        layer.__class__ = cls
-        layer.pipelines = PipelineSelection(_layer_spec(layer), StackedExperts(layer.experts), config)
-        layer.pipelines.check_structure(layer.hidden_size)
+        # Everything that can refuse runs before the class changes: a refused layer stays AutoEP's.
+        pipelines = PipelineSelection(_layer_spec(layer), StackedExperts(layer.experts), config)
+        pipelines.check_structure(layer.hidden_size)
         if layer.ep_group is not None:
-            layer.pipelines.set_group(layer.ep_group)
+            pipelines.set_group(layer.ep_group)
+        layer.__class__ = cls
+        layer.pipelines = pipelines
         return layer
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,

@@ -3,7 +3,7 @@
 Each of the gate's twenty-odd kernels finishes in microseconds, so from an idle device the
 routing takes as long as the host needs to launch them. On the H200 host, ``gate_routes`` took
 0.66-0.81 ms eager and 0.28-0.32 ms replayed as one graph. A training step's gate, forward and
-backward, took 1.8-2.4 ms eager and 0.76-1.02 ms replayed (``scripts/gate_graph_probe.py``).
+backward, took 1.8-2.4 ms eager and 0.76-1.02 ms replayed (docs/decisions.md).
 
 ``GateGraphs`` captures ``gate_routes`` once per call signature, with its backward when gradients
 flow, and replays it. The results are bit for bit the eager call's, random draws included: a
@@ -149,7 +149,7 @@ def _own_leaves(gate, params):
             module._parameters[name] = param
 
 
-class _ReplayRoutes(torch.autograd.Function):
+class ReplayRoutes(torch.autograd.Function):
     """(captured, tokens, *gate parameters) -> (l_aux, indices, gates, counts), replayed."""
 
     @staticmethod
@@ -215,7 +215,7 @@ class GateGraphs:
             captured = self._captured[key] = self._capture(gate, tokens, op, params, needs_grad)
         if needs_grad and captured.awaiting_backward():
             return gate_routes(gate, tokens, used_token, op)
-        l_aux, indices, gates, counts = _ReplayRoutes.apply(captured, tokens, *params)
+        l_aux, indices, gates, counts = ReplayRoutes.apply(captured, tokens, *params)
         return l_aux, captured.num_experts, indices, gates, counts
 
     @staticmethod

@@ -56,13 +56,15 @@ class CometMOELayer(MOELayer):
             raise TypeError(f"adopt takes a deepspeed.moe.sharded_moe.MOELayer, got {type(layer).__name__}")
         if layer.ep_group is not None:
             _refuse_tensor_parallel()
-        layer.__class__ = cls
-        layer.pipelines = PipelineSelection(_layer_spec(layer),
-                                            ModuleExperts(layer.experts, layer.experts.deepspeed_experts), config)
-        layer.gate_graphs = GateGraphs() if config.cuda_graph_gate else None
-        layer.pipelines.check_structure(layer.gate.wg.weight.shape[1])
+        # Everything that can refuse runs before the class changes: a refused layer stays stock's.
+        pipelines = PipelineSelection(_layer_spec(layer), ModuleExperts(layer.experts, layer.experts.deepspeed_experts),
+                                      config)
+        pipelines.check_structure(layer.gate.wg.weight.shape[1])
         if layer.ep_group is not None:
-            layer.pipelines.set_group(layer.ep_group)
+            pipelines.set_group(layer.ep_group)
+        layer.__class__ = cls
+        layer.pipelines = pipelines
+        layer.gate_graphs = GateGraphs() if config.cuda_graph_gate else None
         return layer
 
     def _set_ep_group(self, ep_group):

@@ -1,5 +1,5 @@
 // Stand-in for torch's CUDA header, which CPU builds of torch do not ship: just enough for
-// tests/test_op_builder.py to check that csrc/comet_binding.cpp compiles against torch's headers.
+// tests/cpu/test_op_builder.py to check that csrc/comet_binding.cpp compiles against torch's headers.
 #pragma once
 #include <cuda_runtime.h>
 
