@@ -18,15 +18,27 @@ experts (hidden 2048, 64 experts of 1408, top-4); explicit options still overrid
 
     deepspeed --num_gpus 2 examples/train_moe.py --preset gpu --deepspeed_config configs/gpu_zero2_comet.json
 
+``--hf-model mixtral`` (or ``qwen3_moe``) trains a Hugging Face ``MixtralForCausalLM`` (or
+``Qwen3MoeForCausalLM``) instead, built from a config with random weights (no download), of the
+same sizes and on the same bytes, under DeepSpeed AutoEP: the example adds an ``"expert_parallel"``
+section to the ds_config unless it has one, and AutoEP converts the model's MoE blocks inside
+initialization. The ``"moe"`` section then picks AutoEP alone (``"deepspeed"``) or AutoEP on
+ds_comet (``"comet"``), with the same configs::
+
+    deepspeed --num_gpus 2 examples/train_moe.py --hf-model mixtral --deepspeed_config configs/zero2_comet.json
+
 Metrics go through DeepSpeed's monitor: whichever of the ds_config's ``csv_monitor``,
 ``tensorboard``, ``wandb`` and ``comet`` sections is enabled (``--monitor-dir DIR`` enables
 csv_monitor with its files directly in DIR). Rank 0 writes these events, the optimizer step as x:
 
 - every step: ``Train/Steps/loss`` and ``Train/Steps/aux_loss`` (means over the ranks) and ``Train/Steps/lr``;
+  a Hugging Face model's aux loss is 0: with their configs' defaults (``output_router_logits``
+  false) Mixtral and Qwen3-MoE add no load-balancing loss to their loss;
 - at the end of each log window: ``Train/Steps/tokens_per_s`` and, per MoE block L and expert E,
   ``Train/Steps/expert_tokens/layer{L}_expert{E}``: the tokens the block's gate routed to the expert
   during the window, all ranks together, counted before capacity drops any (the gate's
-  ``exp_counts``), so that each layer's counts sum to tokens x k;
+  ``exp_counts``; under AutoEP, which drops none, the layer's ``tokens_per_expert``), so that each
+  layer's counts sum to tokens x k;
 - at the start step: ``Run/start_step``, ``Run/world_size``, ``Run/zero_stage``, ``Run/tokens_per_step``,
   ``Run/params_rank0``;
 - at the last step: ``Summary/final_loss``, ``Summary/steady_tokens_per_s`` (steps after
@@ -94,6 +106,9 @@ PRESETS = {
                      log_interval=10, timing_warmup=10),
 }
 
+# Hugging Face MoE models that --hf-model builds; each name is also the AutoEP preset that converts it.
+HF_MODELS = ("mixtral", "qwen3_moe")
+
 # --------------------------------------------------------------------------------------------
 # Arguments and config
 # --------------------------------------------------------------------------------------------
@@ -120,6 +135,10 @@ def parse_args(argv=None):
     model.add_argument("--moe-every", type=int, default=1,
                        help="every N-th block has an MoE FFN (1: all blocks, 2: every other block), the rest dense")
     model.add_argument("--gated", action="store_true", help="SwiGLU experts (GatedFeedForward) instead of GELU ones")
+    model.add_argument("--hf-model", choices=sorted(HF_MODELS), default=None,
+                       help="train this Hugging Face MoE model (random weights, the sizes above) under DeepSpeed "
+                       "AutoEP instead of the byte-level model; its experts are SwiGLU and drop no tokens, so "
+                       "--gated, --moe-every and the capacity options do not apply")
     moe = parser.add_argument_group("mixture of experts")
     moe.add_argument("--experts", type=int, default=None, help="experts per MoE layer (default: 4 x world size)")
     moe.add_argument("--ep-size", type=int, default=None, help="expert-parallel size (default: world size)")
@@ -168,6 +187,9 @@ def parse_args(argv=None):
         args.resume = True
     if args.resume and not args.save_dir:
         parser.error("--resume and --resume-tag need --save-dir")
+    if args.hf_model and (args.gated or args.moe_every != 1):
+        parser.error("--gated and --moe-every describe the byte-level model; a --hf-model has SwiGLU experts "
+                     "in every block")
     if args.hidden % args.heads:
         parser.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
     return args
@@ -419,6 +441,114 @@ def init_experts_(model, seed, rank, ep_size):
                 for module in expert.modules():
                     if isinstance(module, nn.Linear):
                         module.reset_parameters()
+
+
+def hf_moe_model(args, num_experts):
+    """The --hf-model causal LM over bytes with the example's sizes, its weights drawn from the config
+    (the same on every rank under the same seed; AutoEP keeps each rank's share of the experts)."""
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("--hf-model needs transformers (pip install \"ds_comet[hf]\")") from None
+    common = dict(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+                  num_attention_heads=args.heads, num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
+                  num_experts_per_tok=args.k, use_cache=False)
+    if args.hf_model == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=num_experts, **common))
+    if args.hf_model == "qwen3_moe":
+        # Every block sparse (Qwen3-MoE's defaults: decoder_sparse_step 1, no mlp_only_layers), so
+        # intermediate_size, the width of its dense MLPs, is not used.
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_experts=num_experts, moe_intermediate_size=args.ffn, norm_topk_prob=True,
+            head_dim=args.hidden // args.heads, **common))
+    raise ValueError(f"no Hugging Face model {args.hf_model!r}; known: {', '.join(HF_MODELS)}")
+
+
+def add_expert_parallel_section(ds_config, preset, ep_size, on_cpu):
+    """Turns AutoEP on for a --hf-model: the "expert_parallel" section, unless the config has one
+    (then it is the user's, kept as it is). torch._grouped_mm, AutoEP's grouped expert GEMM, needs
+    a GPU; on CPU AutoEP runs its experts one by one. Returns the section the run uses."""
+    if "expert_parallel" not in ds_config:
+        ds_config["expert_parallel"] = {"enabled": True, "autoep_size": ep_size, "preset_model": preset,
+                                        "use_grouped_mm": not on_cpu}
+    return ds_config["expert_parallel"]
+
+
+def moe_optimizer(lr, weight_decay):
+    """The optimizer DeepSpeed builds, when it calls it, from the model's parameters as they are then.
+
+    Given to deepspeed.initialize as a callable rather than as an optimizer: AutoEP replaces a
+    Hugging Face model's MoE blocks inside initialization, and only then are the expert weights the
+    stacked, per-rank tensors tagged as expert parameters (allreduce False), which ZeRO needs in
+    param groups of their own ("moe": True). An optimizer built before that would hold the
+    discarded weights; DeepSpeed re-points it at the new ones, but into the group their sources
+    were in, the dense one, which ZeRO then refuses. A callable gets the converted parameters and
+    splits them as an optimizer made before initialize would for a model built with MoE layers (the
+    byte-level model), so both models train with the same AdamW and scheduler.
+    """
+
+    def build(parameters):
+        groups = split_params_into_different_moe_groups_for_optimizer({"params": list(parameters), "name": "dense"})
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+
+    return build
+
+
+class ByteLMForward:
+    """The byte-level model's forward as the training loop calls it: ``(ids, targets) -> (LM loss, summed
+    aux loss, int64 [MoE blocks, experts] tokens routed to each expert)``; ``moe_blocks`` names the MoE
+    blocks' indices, ``num_experts`` the experts of each."""
+
+    def __init__(self, engine, model):
+        self.engine, self.moe_blocks, self.num_experts = engine, model.moe_blocks, model.num_experts
+
+    def __call__(self, ids, targets):
+        return self.engine(ids, targets)
+
+
+class AutoEPCausalLMForward:
+    """A Hugging Face causal LM under AutoEP (after initialization) behind ByteLMForward's interface."""
+
+    def __init__(self, engine):
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer  # AutoEP's comet layer derives from it
+        self.engine = engine
+        layers = [(path, layer) for path, layer in engine.module.named_modules() if isinstance(layer, AutoEPMoELayer)]
+        if not layers:
+            raise RuntimeError("AutoEP converted no MoE block of the model: the ds_config's \"expert_parallel\" "
+                               "section must enable it with the model's preset_model")
+        self.layers = [module for _, module in layers]
+        self.moe_blocks = [int(re.search(r"layers\.(\d+)\.", path).group(1)) for path, _ in layers]
+        self.num_experts = self.layers[0].num_experts
+
+    def __call__(self, ids, targets):
+        # The model's loss shifts `labels` itself (position t is scored against labels[t + 1]); the
+        # targets are already each position's next byte, so they go in as `shift_labels`, which it
+        # takes as they are: next-byte prediction at every position, as the byte-level model trains.
+        # (Without `labels` the model computes no loss.)
+        targets = targets.contiguous()  # the model views them flat
+        output = self.engine(input_ids=ids, labels=targets, shift_labels=targets)
+        counts = []
+        with torch.no_grad():
+            for layer in self.layers:
+                # AutoEP adds every forward's routes (this rank's tokens, per global expert, none
+                # dropped) to this float32 buffer, and nothing in DeepSpeed reads or resets it: taken
+                # and zeroed at each call, the counts stay exact (float32 holds integers exactly up
+                # to 2**24 only) however long the run.
+                counts.append(layer.tokens_per_expert.to(torch.int64))
+                layer.tokens_per_expert.zero_()
+        aux = torch.zeros((), device=ids.device, dtype=torch.float32)
+        return output.loss, aux, torch.stack(counts)
+
+
+def moe_layer_classes(module):
+    """{class name: count} of the MoE layers that run in ``module`` (stock's, AutoEP's, ds_comet's)."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    from deepspeed.moe.sharded_moe import MOELayer
+    found = {}
+    for layer in module.modules():
+        if isinstance(layer, (MOELayer, AutoEPMoELayer)):
+            found[type(layer).__name__] = found.get(type(layer).__name__, 0) + 1
+    return found
 
 
 # --------------------------------------------------------------------------------------------
@@ -689,14 +819,14 @@ def peak_memory_mib():
     return accelerator.max_memory_allocated() / 2**20
 
 
-def evaluate(engine, windows, batches, batch_size, device):
+def evaluate(engine, forward, windows, batches, batch_size, device):
     engine.eval()
     total_lm = total_aux = 0.0
     with torch.no_grad():
         for index in range(batches):
             ids, targets = windows.batch(batch_size, "eval", index)
             torch.manual_seed(derived_seed("eval-noise", windows.seed, windows.rank, index))
-            lm_loss, aux, _ = engine(ids.to(device), targets.to(device))
+            lm_loss, aux, _ = forward(ids.to(device), targets.to(device))
             total_lm += lm_loss.item()
             total_aux += aux.item()
     engine.train()
@@ -751,18 +881,23 @@ def main(argv=None):
     eval_windows = Windows(corpus[split:], args.seq_len, args.seed, rank)
 
     torch.manual_seed(args.seed)  # dense weights: the same on every rank
-    model = ByteMoELM(args, ds_config, num_experts, ep_size)
-    init_experts_(model, args.seed, rank, ep_size)
+    if args.hf_model:
+        model = hf_moe_model(args, num_experts)
+        ep_size = add_expert_parallel_section(ds_config, args.hf_model, ep_size, on_cpu).get("autoep_size", 1)
+    else:
+        model = ByteMoELM(args, ds_config, num_experts, ep_size)
+        init_experts_(model, args.seed, rank, ep_size)
 
-    param_groups = split_params_into_different_moe_groups_for_optimizer({
-        "params": list(model.parameters()),
-        "name": "dense",
-    })
-    optimizer = torch.optim.AdamW(param_groups, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     warmup = max(1, args.warmup)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config)
+    # The scheduler, like the optimizer (moe_optimizer says why), is built by DeepSpeed once the
+    # optimizer exists.
+    scheduler = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
+        optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    # ds_comet.initialize: deepspeed.initialize (with AutoEP's conversion under "expert_parallel"), then
+    # the MoE layers on the backend the config's "moe" section names.
+    engine, _, _, _ = ds_comet.initialize(model=model, optimizer=moe_optimizer(args.lr, args.weight_decay),
+                                          lr_scheduler=scheduler, config=ds_config)
+    forward = AutoEPCausalLMForward(engine) if args.hf_model else ByteLMForward(engine, model)
     device = torch.device(engine.device)
     micro_batch = engine.train_micro_batch_size_per_gpu()
     grad_accum = engine.gradient_accumulation_steps()
@@ -811,14 +946,15 @@ def main(argv=None):
 
     backend = ds_comet.moe_config_from(ds_config).backend
     dtype = next(engine.module.parameters()).dtype
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in engine.module.parameters())
+    layer_classes = ", ".join(f"{count} x {name}" for name, count in moe_layer_classes(engine.module).items())
     if rank == 0:
         if from_mpi:
             print(f"ranks from the MPI launcher's environment (MASTER_ADDR {from_mpi['MASTER_ADDR']}, "
                   f"MASTER_PORT {from_mpi['MASTER_PORT']})", flush=True)
-        print(f"world size {world_size} | ep size {ep_size} | experts {num_experts} | k {args.k} | "
-              f"backend {backend} | params on rank 0 {params} | "
-              f"micro batch {micro_batch} | grad accum {grad_accum} | dtype "
+        print(f"model {args.hf_model or 'byte-level'} | world size {world_size} | ep size {ep_size} | "
+              f"experts {num_experts} | k {args.k} | backend {backend} | moe layers {layer_classes or 'none'} | "
+              f"params on rank 0 {params} | micro batch {micro_batch} | grad accum {grad_accum} | dtype "
               f"{dtype} | device {device}", flush=True)
         if engine.monitor.csv_monitor is not None:
             print(f"csv_monitor writes to {engine.monitor.csv_monitor.log_dir}", flush=True)
@@ -851,7 +987,7 @@ def main(argv=None):
             # The gate's random draws (top-2 sampling, random token selection) depend on the step
             # alone, so a resumed run takes the same ones as an uninterrupted run.
             torch.manual_seed(derived_seed("noise", args.seed, rank, step, micro))
-            lm_loss, aux, counts = engine(ids.to(device), targets.to(device))
+            lm_loss, aux, counts = forward(ids.to(device), targets.to(device))
             engine.backward(lm_loss + args.aux_coef * aux)
             engine.step()
             step_lm += lm_loss.item() / grad_accum
@@ -886,10 +1022,10 @@ def main(argv=None):
                            ("Train/Steps/aux_loss", means[2 * index + 1], logged_step),
                            ("Train/Steps/lr", logged_lr, logged_step)]
             events.append(("Train/Steps/tokens_per_s", tokens_per_s, step))
-            for position, block in enumerate(model.moe_blocks):
-                for expert in range(model.num_experts):
+            for position, block in enumerate(forward.moe_blocks):
+                for expert in range(forward.num_experts):
                     events.append((f"Train/Steps/expert_tokens/layer{block}_expert{expert}",
-                                   expert_tokens[position * model.num_experts + expert], step))
+                                   expert_tokens[position * forward.num_experts + expert], step))
             write_events(engine, events)
             if rank == 0:
                 log(f"step {step} | loss {lm:.4f} | aux {aux:.4f} | tokens/s {tokens_per_s:.0f}")
@@ -941,7 +1077,7 @@ def main(argv=None):
                   f"{', '.join(f'{p:.0f}' for p in peaks)})", flush=True)
 
     if args.eval_batches > 0:
-        eval_lm, eval_aux = evaluate(engine, eval_windows, args.eval_batches, micro_batch, device)
+        eval_lm, eval_aux = evaluate(engine, forward, eval_windows, args.eval_batches, micro_batch, device)
         summary += [("eval_loss", eval_lm), ("eval_aux_loss", eval_aux)]
         if rank == 0:
             print(f"eval loss {eval_lm:.4f} (ppl {math.exp(eval_lm):.2f}, aux {eval_aux:.4f})", flush=True)

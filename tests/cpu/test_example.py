@@ -5,10 +5,11 @@ size and expert count from the world size.
 
 Every run uses the same seed and model, and the example draws its data and the gate's noise from
 (seed, rank, step), so the runs must agree with one another step by step: a resumed run with the
-uninterrupted one, mpirun with torchrun, and the comet backend with stock DeepSpeed's. The runs'
+uninterrupted one, mpirun with torchrun, and the comet backend with stock DeepSpeed's; a tiny
+Hugging Face Mixtral under AutoEP trains alike on AutoEP alone and on ds_comet. The runs'
 metrics come back through DeepSpeed's csv_monitor. Runs are shared between tests through
 module-scoped fixtures; the checkpoint tests damage copies of one saved run. The whole file takes
-two to three minutes on two cores (the first launch on a machine also JIT-builds DeepSpeed's shm
+about three minutes on two cores (the first launch on a machine also JIT-builds DeepSpeed's shm
 comm op, about a minute more).
 """
 
@@ -206,10 +207,10 @@ def assert_learns(run):
     return start, end
 
 
-def assert_expert_counts(run, steps_per_window=1):
+def assert_expert_counts(run, steps_per_window=1, seq_len=SEQ_LEN):
     """Every log window's per-expert token counts: each layer's sum over its experts is every token the
     window routed (all ranks, top-k), and the layer's experts are all there."""
-    tokens = RANKS * MICRO_BATCH * SEQ_LEN * TOP_K * steps_per_window
+    tokens = RANKS * MICRO_BATCH * seq_len * TOP_K * steps_per_window
     experts = 4 * RANKS
     for layer in range(LAYERS):
         names = [f"Train_Steps_expert_tokens_layer{layer}_expert{e}" for e in range(experts)]
@@ -505,6 +506,54 @@ def test_comet_backend_matches_stock(comet_run, stock_run, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
+# A Hugging Face model under DeepSpeed AutoEP: AutoEP alone against AutoEP on ds_comet
+# --------------------------------------------------------------------------------------------
+
+HF_STEPS, HF_SEQ_LEN = 8, 32
+HF_MIXTRAL = ("--hf-model", "mixtral", "--hidden", "64", "--ffn", "128", "--layers", str(LAYERS), "--heads", "4",
+              "--seq-len", str(HF_SEQ_LEN))
+
+
+def test_hf_mixtral_autoep_comet_matches_autoep(workdir):
+    # The same configs as the byte-level runs: the example adds AutoEP's section for --hf-model, and
+    # "moe" picks the backend. In fp32 on CPU the comet layers run the reference pipeline on AutoEP's
+    # own router and experts, so the two runs route alike and train along one loss curve, to rounding.
+    autoep = torchrun(workdir, "hf_autoep", "zero2_deepspeed", HF_STEPS, *HF_MIXTRAL)
+    save_dir = os.path.join(workdir, "hf_checkpoints")
+    comet = torchrun(workdir, "hf_autoep_comet", "zero2_comet", HF_STEPS, *HF_MIXTRAL, "--log-level", "info",
+                     "--save-dir", save_dir, "--save-at", "4", "--no-final-save")
+    assert f"model mixtral | world size {RANKS} " in autoep.output, autoep.tail()
+    assert f"moe layers {LAYERS} x AutoEPMoELayer |" in autoep.output, autoep.tail()
+    # ds_comet.initialize converted AutoEP's layers: its own log line, and the layers' class.
+    assert f"ds_comet: {LAYERS} MoE layer(s) run the comet backend" in comet.output, comet.tail()
+    assert f"moe layers {LAYERS} x CometAutoEPMoELayer |" in comet.output, comet.tail()
+
+    steps = list(range(1, HF_STEPS + 1))
+    for run in (autoep, comet):
+        assert sorted(run.losses) == steps, run.tail()
+        assert run.losses[HF_STEPS] < run.losses[1] - 0.5, f"the model does not learn{run.tail()}"
+        # Mixtral's default config adds no router loss.
+        assert set(run.by_step("Train_Steps_aux_loss").values()) == {0.0}, run.tail()
+        assert_expert_counts(run, seq_len=HF_SEQ_LEN)
+    worst = max(steps, key=lambda s: abs(comet.losses[s] - autoep.losses[s]) / autoep.losses[s])
+    relative = abs(comet.losses[worst] - autoep.losses[worst]) / autoep.losses[worst]
+    assert relative <= 1e-4, (f"step {worst}: loss {comet.losses[worst]:.7f} under comet, {autoep.losses[worst]:.7f} "
+                              f"under AutoEP (relative difference {relative:.1e}){comet.tail()}")
+    counts = [name for name in autoep.series if name.startswith("Train_Steps_expert_tokens_")]
+    assert all(comet.by_step(name) == autoep.by_step(name) for name in counts)
+
+    # AutoEP's checkpoint, saved through the example's manifest: each expert in a file of its own.
+    manifest = manifest_of(os.path.join(save_dir, "step4"))
+    expert_file = re.compile(r"layer_\d+_expert_\d+_mp_rank_00_model_states\.pt")
+    expert_files = [name for name in manifest if expert_file.fullmatch(name)]
+    assert len(expert_files) == LAYERS * 4 * RANKS and any("optim_states" in name for name in manifest), manifest
+    with open(os.path.join(save_dir, "latest")) as handle:
+        assert handle.read() == "step4"
+    print(f"\nMixtral under AutoEP: loss {autoep.losses[1]:.4f} -> {autoep.losses[HF_STEPS]:.4f}, comet's largest "
+          f"relative difference {relative:.1e} at step {worst}; {autoep.seconds:.0f} s + {comet.seconds:.0f} s")
+
+
+# --------------------------------------------------------------------------------------------
 # Fast checks without a launch: rank discovery under mpirun, the GPU preset and configs, and the
 # checks scripts/train_compare.sh relies on to fail loudly on the GPU machine.
 # --------------------------------------------------------------------------------------------
@@ -561,6 +610,29 @@ def test_gpu_preset_and_configs(example):
             assert ds_config["bf16"]["enabled"] is True, path
             # The fused workspace holds one layer call of the preset: micro batch x window.
             assert moe.max_tokens_per_rank == ds_config["train_micro_batch_size_per_gpu"] * args.seq_len == 8192, path
+
+
+def test_hf_models_from_the_options(example):
+    pytest.importorskip("transformers")
+    args = example.parse_args(["--hf-model", "qwen3_moe", "--deepspeed_config", "x.json", "--hidden", "96", "--ffn",
+                               "80", "--heads", "6", "--layers", "3", "--k", "3", "--seq-len", "16"])
+    qwen = example.hf_moe_model(args, num_experts=8).config
+    assert (qwen.vocab_size, qwen.hidden_size, qwen.moe_intermediate_size, qwen.num_attention_heads, qwen.head_dim,
+            qwen.num_hidden_layers, qwen.num_experts, qwen.num_experts_per_tok) == (256, 96, 80, 6, 16, 3, 8, 3)
+    assert qwen.norm_topk_prob and not qwen.output_router_logits
+    args = example.parse_args(["--hf-model", "mixtral", "--deepspeed_config", "x.json"])
+    mixtral = example.hf_moe_model(args, num_experts=4).config
+    assert (mixtral.vocab_size, mixtral.hidden_size, mixtral.intermediate_size, mixtral.num_local_experts,
+            mixtral.num_experts_per_tok) == (256, 64, 128, 4, 2)
+    # AutoEP's section is added for the model's preset, and a config's own section is kept.
+    config = {"moe": {"backend": "comet"}}
+    assert example.add_expert_parallel_section(config, "mixtral", 2, on_cpu=True) == {
+        "enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False}
+    own = {"expert_parallel": {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}}
+    assert example.add_expert_parallel_section(own, "mixtral", 2, on_cpu=False) == {
+        "enabled": True, "autoep_size": 1, "preset_model": "mixtral"}
+    with pytest.raises(SystemExit):
+        example.parse_args(["--hf-model", "mixtral", "--gated", "--deepspeed_config", "x.json"])
 
 
 def test_config_read_as_deepspeed_reads_it(example, tmp_path):
