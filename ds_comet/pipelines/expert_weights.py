@@ -162,10 +162,10 @@ class ModuleExperts(LocalExperts):
     def run(self, rows, counts):
         # Every expert runs, on no rows if it got none, so every expert parameter gets a (zero)
         # gradient as it does in stock DeepSpeed; ZeRO expects gradients for all of them.
-        outputs = [_run_module(expert, part) for expert, part in zip(self.modules, rows.split(list(counts)))]
+        parts = rows.split(list(counts))
+        outputs = [_run_module(expert, part) for expert, part in zip(self.modules, parts)]
         widths = {out.shape[-1] for out in outputs}
-        if widths != {rows.shape[-1]} or any(out.shape[:-1] != part.shape[:-1]
-                                             for out, part in zip(outputs, rows.split(list(counts)))):
+        if widths != {rows.shape[-1]} or any(out.shape[:-1] != part.shape[:-1] for out, part in zip(outputs, parts)):
             raise ValueError(f"an expert maps rows of {rows.shape[-1]} features to {sorted(widths)}; MoE experts "
                              "must return one row of the hidden size per input row")
         return torch.cat(outputs)

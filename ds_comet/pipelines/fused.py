@@ -36,7 +36,6 @@ combine, which cannot start before the dispatch ends, stay for the dispatch. A u
 by a running block, so no unit waits on a block that is not scheduled.
 """
 
-
 from typing import Dict, List, Optional, Tuple
 
 import torch

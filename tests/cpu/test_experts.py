@@ -9,19 +9,7 @@ import ds_comet
 from ds_comet.experts import forward_mismatch, fused_expert, register_expert
 from ds_comet.pipelines.expert_weights import ModuleExperts
 from ds_comet.pipelines.policy import structure_reason
-
-
-class MixtralStyleMLP(nn.Module):
-    """Mixtral's and Megatron-DeepSpeed's SwiGLU expert: w2(silu(w1(x)) * w3(x)), its own names."""
-
-    def __init__(self, hidden, ffn):
-        super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+from tests.support.moe_helpers import MixtralStyleMLP
 
 
 class NestedMLP(nn.Module):

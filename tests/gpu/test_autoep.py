@@ -4,11 +4,10 @@ on the fused pipeline, on GPUs (skipped without CUDA or without transformers for
 import pytest
 import torch
 from deepspeed import comm as dist
-from torch import nn
-from torch.nn import functional as F
 
 import ds_comet
 from tests.support.autoep_models import PRESETS, gradients_case, training_case
+from tests.support.moe_helpers import MixtralStyleMLP
 
 BF16_REL = 2e-2
 
@@ -38,19 +37,6 @@ def test_fused_zero2_training_matches_autoep(gpu_pool):
                                                      dtype_name="bf16"):
         assert comet_losses == pytest.approx(losses, rel=2e-2), (losses, comet_losses)
         assert worst < BF16_REL, worst
-
-
-class MixtralStyleMLP(nn.Module):
-    """A user's SwiGLU expert under its own parameter names."""
-
-    def __init__(self, hidden, ffn):
-        super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 def user_expert_case(seed):

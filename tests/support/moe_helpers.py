@@ -6,6 +6,7 @@ import deepspeed
 import torch
 from deepspeed import comm as dist
 from torch import nn
+from torch.nn import functional as F
 
 import ds_comet
 from ds_comet.experts import FeedForward, GatedFeedForward, reset_expert_
@@ -26,6 +27,20 @@ def make_expert(kind: str, hidden: int, ffn: int) -> nn.Module:
     if kind == "sequential":
         return nn.Sequential(nn.Linear(hidden, ffn), nn.ReLU(), nn.Linear(ffn, hidden))
     raise ValueError(kind)
+
+
+class MixtralStyleMLP(nn.Module):
+    """A user's SwiGLU expert under its own parameter names, as Mixtral and Megatron-DeepSpeed write it:
+    w2(silu(w1(x)) * w3(x))."""
+
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 def reset_experts_(layer, seed: int, ep_rank: Optional[int] = None) -> None:
