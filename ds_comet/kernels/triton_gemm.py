@@ -235,7 +235,7 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
                  off_remote_tiles, off_total_tiles, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
-                 STORE_ACT: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr):
+                 STORE_ACT: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr, QUARTERS: tl.constexpr = False):
     """The first grouped GEMM over the receive buffer ``rows`` ([R, K]), tile by tile as rows arrive.
 
     Forward (W = W1, [N, K]): out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)]; with STORE_PRE
@@ -291,11 +291,28 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
                 bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
         acc_left, acc_right = _column_halves(acc, BM, BN)
         acc3_left, acc3_right = _column_halves(acc3, BM, BN)
-        half_n = pid_n * BN + tl.arange(0, BN // 2)
-        _gemm1_epilogue(acc_left, acc3_left, offs_m, m_mask, half_n, N, pre_cols, out, pre, act, bias1, bias3,
-                        GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
-        _gemm1_epilogue(acc_right, acc3_right, offs_m, m_mask, half_n + BN // 2, N, pre_cols, out, pre, act, bias1,
-                        bias3, GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
+        if QUARTERS:
+            # The gated backward reads two pre-activations a column and writes three outputs: in
+            # halves, a 256-column tile spilled (docs/decisions.md), so it runs in quarters.
+            quarter_n = pid_n * BN + tl.arange(0, BN // 4)
+            a0, a1 = _column_halves(acc_left, BM, BN // 2)
+            c0, c1 = _column_halves(acc3_left, BM, BN // 2)
+            _gemm1_epilogue(a0, c0, offs_m, m_mask, quarter_n, N, pre_cols, out, pre, act, bias1, bias3, GATED,
+                            ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
+            _gemm1_epilogue(a1, c1, offs_m, m_mask, quarter_n + BN // 4, N, pre_cols, out, pre, act, bias1, bias3,
+                            GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
+            a2, a3 = _column_halves(acc_right, BM, BN // 2)
+            c2, c3 = _column_halves(acc3_right, BM, BN // 2)
+            _gemm1_epilogue(a2, c2, offs_m, m_mask, quarter_n + BN // 2, N, pre_cols, out, pre, act, bias1, bias3,
+                            GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
+            _gemm1_epilogue(a3, c3, offs_m, m_mask, quarter_n + 3 * BN // 4, N, pre_cols, out, pre, act, bias1,
+                            bias3, GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
+        else:
+            half_n = pid_n * BN + tl.arange(0, BN // 2)
+            _gemm1_epilogue(acc_left, acc3_left, offs_m, m_mask, half_n, N, pre_cols, out, pre, act, bias1, bias3,
+                            GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
+            _gemm1_epilogue(acc_right, acc3_right, offs_m, m_mask, half_n + BN // 2, N, pre_cols, out, pre, act,
+                            bias1, bias3, GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
 
 
 @triton.jit

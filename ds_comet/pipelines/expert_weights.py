@@ -24,8 +24,9 @@ class FusedExperts:
     ``hidden``, ``ffn``, ``gated``, ``has_bias``, ``activation`` describe them all (they are alike);
     ``pointers()`` gives one row of ``POINTER_NAMES`` data pointers per expert (0 where absent);
     ``parameters()`` the tensors whose gradients the fused backward returns, in its order;
-    ``gradients(dw1, db1, dw2, db2)`` those gradients from the grouped results (``dw1`` ``[L, F or 2F, H]``,
-    the first projection's rows then the up projection's; ``dw2`` ``[L, H, F]``; biases likewise).
+    ``gradients(dw1, db1, dw3, db3, dw2, db2)`` those gradients from the grouped results (``dw1`` the
+    first projection's ``[L, F, H]``, ``dw3`` the up projection's (None unless gated), ``dw2``
+    ``[L, H, F]``; biases ``[L, F]`` and ``[L, H]`` likewise, None without biases).
     """
 
     num_local: int
@@ -44,7 +45,8 @@ class FusedExperts:
     def parameters(self) -> List[Tensor]:
         raise NotImplementedError
 
-    def gradients(self, dw1: Tensor, db1: Optional[Tensor], dw2: Tensor, db2: Optional[Tensor]) -> List[Tensor]:
+    def gradients(self, dw1: Tensor, db1: Optional[Tensor], dw3: Optional[Tensor], db3: Optional[Tensor], dw2: Tensor,
+                  db2: Optional[Tensor]) -> List[Tensor]:
         raise NotImplementedError
 
 
@@ -69,14 +71,11 @@ class ModuleFusedExperts(FusedExperts):
     def parameters(self) -> List[Tensor]:
         return [t for spec in self.specs for t in spec.tensors() if t is not None]
 
-    def gradients(self, dw1, db1, dw2, db2) -> List[Tensor]:
+    def gradients(self, dw1, db1, dw3, db3, dw2, db2) -> List[Tensor]:
         def per_expert(grads):  # one view per local expert, unbound in one call (indexing costs ~3 us a view)
             return [None] * self.num_local if grads is None else grads.unbind(0)
 
-        ffn = self.ffn
-        first_w, up_w = (dw1[:, :ffn], dw1[:, ffn:]) if self.gated else (dw1, None)
-        first_b, up_b = (db1[:, :ffn], db1[:, ffn:]) if self.gated and db1 is not None else (db1, None)
-        columns = [per_expert(g) for g in (first_w, first_b, up_w, up_b, dw2, db2)]  # FusedExpert.tensors() order
+        columns = [per_expert(g) for g in (dw1, db1, dw3, db3, dw2, db2)]  # FusedExpert.tensors() order
         grads = []
         for spec, candidates in zip(self.specs, zip(*columns)):
             grads += [grad for param, grad in zip(spec.tensors(), candidates) if param is not None]
@@ -118,8 +117,8 @@ class StackedFusedExperts(FusedExperts):
     def parameters(self) -> List[Tensor]:
         return list(self._weights())
 
-    def gradients(self, dw1, db1, dw2, db2) -> List[Tensor]:
-        return [dw1[:, :self.ffn], dw1[:, self.ffn:], dw2]
+    def gradients(self, dw1, db1, dw3, db3, dw2, db2) -> List[Tensor]:
+        return [dw1, dw3, dw2]
 
 
 class LocalExperts:

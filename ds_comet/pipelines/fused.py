@@ -196,10 +196,16 @@ class FusedPipeline:
         kernels.combine(plan, no_scale(device), grad_tokens, no_rows(grad_out), finish_on_main=False)
         if need_params:
             # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
-            dw2, db2 = kernels.wgrad(buffer.recv, h, hidden, kernels.ffn, dtype)
+            dw2, db2 = kernels.wgrad(buffer.recv, h)
             del h
-            dw1, db1 = kernels.wgrad(grad_pre, saved.pop("rows"), width, hidden, dtype)
-            param_grads = self.experts.gradients(dw1, db1, dw2, db2)
+            x = saved.pop("rows")
+            # A gated expert's two first-layer gradients are computed apart, so that each is one
+            # contiguous tensor: a slice of a joint [L, 2F, H] result is copied by autograd when it
+            # accumulates into a stacked [L, F, H] parameter.
+            ffn = kernels.ffn
+            dw1, db1 = kernels.wgrad(grad_pre[:, :ffn], x)
+            dw3, db3 = kernels.wgrad(grad_pre[:, ffn:], x) if kernels.gated else (None, None)
+            param_grads = self.experts.gradients(dw1, db1, dw3, db3, dw2, db2)
         del grad_pre
         kernels.join(device, grad_out, weights, plan.route_order, plan.route_position, grad_tokens)
         if not need_tokens:

@@ -89,14 +89,20 @@ class FusedKernels:
         return self.experts.num_local
 
     @property
+    def alone(self) -> bool:
+        """One rank in the group: nothing crosses a link, so the dispatch and the combine are local
+        copies that run on every SM before and after the GEMMs, and the GEMMs take every SM."""
+        return self.buffer.shape.ep_size == 1
+
+    @property
     def grid(self) -> int:
         """Programs of GEMM1 (beside the dispatch) and of the weight gradients."""
-        return max(1, self.buffer.num_sms - self.params.comm_blocks)
+        return self.buffer.num_sms if self.alone else max(1, self.buffer.num_sms - self.params.comm_blocks)
 
     @property
     def gemm2_grid(self) -> int:
         """Programs of GEMM2, beside the combine."""
-        return max(1, self.buffer.num_sms - self.params.combine_blocks)
+        return self.buffer.num_sms if self.alone else max(1, self.buffer.num_sms - self.params.combine_blocks)
 
     @property
     def l_pow2(self) -> int:
@@ -117,6 +123,9 @@ class FusedKernels:
 
     def dispatch(self, rows: Tensor, plan: RoutingPlan, scale: Tensor):
         """Sends rows[route token] (times scale[route], if scale is not empty) for every kept route."""
+        if self.alone:
+            self.send(rows, plan, scale, self.buffer.num_sms)
+            return
         main = torch.cuda.current_stream(rows.device)
         self.buffer.comm_stream.wait_stream(main)
         with torch.cuda.stream(self.buffer.comm_stream):
@@ -134,8 +143,11 @@ class FusedKernels:
 
         With ``finish_on_main`` a second launch on the current stream, queued after GEMM2, shares the
         work with the communication blocks: what they have not reduced when GEMM2 ends is reduced by
-        every SM instead of by them alone.
+        every SM instead of by them alone. Alone in the group, it is one launch on every SM.
         """
+        if self.alone:
+            self.reduce(plan, gates, out, returned, self.buffer.num_sms)
+            return
         with torch.cuda.stream(self.buffer.comm_stream):
             self.reduce(plan, gates, out, returned, self.params.combine_blocks)
         if finish_on_main:
@@ -156,6 +168,9 @@ class FusedKernels:
         self.buffer.layout[claim:claim + 1].zero_()
 
     def join(self, device, *used_on_comm: Tensor):
+        """Orders the caller's stream after the communication stream's work of this call."""
+        if self.alone:  # nothing ran there (and a captured graph may not wait on uncaptured work)
+            return
         main = torch.cuda.current_stream(device)
         if not torch.cuda.is_current_stream_capturing():  # a graph's private pool outlives its streams anyway
             for tensor in used_on_comm:
@@ -166,14 +181,18 @@ class FusedKernels:
               act: Optional[Tensor] = None):
         from ..kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
+        # A gated forward holds two accumulators, so its tile is at most 128 columns wide; the
+        # backward holds one and takes GEMM2's width (2x faster on gated shapes, docs/decisions.md).
+        tile_n = self.params.tile_n if backward else self.params.gemm1_tile_n
         with_descriptor_scratch(lambda: gemm1_kernel[(self.grid, )](
             rows, out, pre, out if act is None else act, t["w2"] if backward else t["w1"], t["w3"], t["b1"],
             t["b3"], b.layout, b.tile_counters, b.error_address, b.kernel_shape.timeout_ns, b.rank, self.hidden,
             self.ffn, self.num_local, lo.expert_start, lo.tile_start, lo.local_tiles, lo.remote_tiles,
-            lo.totals + TOTAL_TILES, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.gemm1_tile_n,
-            BK=TILE_K, GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, GATED=self.gated,
+            lo.totals + TOTAL_TILES, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=tile_n, BK=TILE_K,
+            GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, GATED=self.gated,
             ACTIVATION=ACTIVATION_CODES[self.activation], BACKWARD=backward, STORE_PRE=store_pre,
-            STORE_ACT=act is not None, WAIT=True, INTERPRET=_interpreting(), num_warps=8, num_stages=3))
+            STORE_ACT=act is not None, WAIT=True, INTERPRET=_interpreting(),
+            QUARTERS=backward and self.gated and tile_n > 128, num_warps=8, num_stages=3))
 
     def gemm2(self, rows: Tensor, backward: bool):
         from ..kernels.triton_gemm import gemm2_kernel
@@ -191,19 +210,39 @@ class FusedKernels:
             HAS_BIAS=self.has_bias and not backward, SECOND=second, W_NK=not backward,
             num_warps=8 if self.params.tile_n >= 256 else 4, num_stages=3))
 
-    def wgrad(self, a: Tensor, b: Tensor, M: int, N: int, dtype) -> Tuple[Tensor, Optional[Tensor]]:
-        """Per local expert l: a[rows of l, :M]^T @ b[rows of l, :N] and a's column sums (bias)."""
+    def wgrad(self, a: Tensor, b: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """Per local expert l: a[rows of l]^T @ b[rows of l] ([L, M, N] in a's dtype) and, when the
+        experts have biases, a's column sums over those rows ([L, M]).
+
+        ``a`` ([R, M]) and ``b`` ([R, N]) are row-major, their rows grouped by local expert as in
+        the receive buffer (either may be a column slice of a wider tensor).
+        """
+        num_local, (M, N) = self.num_local, (a.shape[1], b.shape[1])
+        if self.library_wgrad:
+            # Nothing waits in this phase, so the library's kernel serves: the Triton one ran at
+            # 0.79-1.05x its rate on the SwiGLU shapes (docs/decisions.md). Rows past the last
+            # group's end are not read.
+            start = self.buffer.layout_offsets.expert_start
+            ends = self.buffer.layout[start + 1:start + 1 + num_local]
+            rows = min(a.shape[0], b.shape[0])
+            return torch._grouped_mm(a[:rows].t(), b[:rows], offs=ends), None
         from ..kernels.triton_gemm import wgrad_kernel
-        num_local = self.num_local
-        out = torch.empty((num_local, M, N), dtype=dtype, device=a.device)
-        bias = torch.empty((num_local, M), dtype=dtype, device=a.device) if self.has_bias else out
+        out = torch.empty((num_local, M, N), dtype=a.dtype, device=a.device)
+        bias = torch.empty((num_local, M), dtype=a.dtype, device=a.device) if self.has_bias else out
         # GEMM1's grid, not GEMM2's: beside the combine's tail either would do, but in shape 1's
         # training step dW1 took 8.4 ms on GEMM2's 128 programs against 3.3 on 123 (docs/decisions.md).
-        wgrad_kernel[(self.grid, )](a, a.shape[1], b, b.shape[1], out, bias, self.buffer.layout,
+        wgrad_kernel[(self.grid, )](a, a.stride(0), b, b.stride(0), out, bias, self.buffer.layout,
                                     self.buffer.layout_offsets.expert_start, M, N, num_local, BM=128, BN=256, BK=64,
                                     GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, num_warps=8,
-                                    num_stages=3)  # within 4-10 % of torch._grouped_mm (docs/decisions.md)
+                                    num_stages=3)
         return out, (bias if self.has_bias else None)
+
+    @property
+    def library_wgrad(self) -> bool:
+        """Whether the weight gradients run as ``torch._grouped_mm``: bf16 experts without biases (it
+        computes no column sums) on sm_90, where torch builds it from CUTLASS's Hopper grouped GEMM."""
+        return (not self.has_bias and self.buffer.shape.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+                and self.buffer.capability == (9, 0))
 
 
 def with_descriptor_scratch(launch):

@@ -158,7 +158,9 @@ class CometBuffer:
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         self.kernel_shape = self._kernel_shape(timeout_s)
         self.comm_stream = torch.cuda.Stream(self.device, priority=-1)
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        properties = torch.cuda.get_device_properties(self.device)
+        self.num_sms = properties.multi_processor_count
+        self.capability = (properties.major, properties.minor)
         # Every rank's meta must be zero before any rank publishes into it.
         torch.cuda.synchronize(self.device)
         torch_dist.barrier(group=group)

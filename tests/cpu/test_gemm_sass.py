@@ -58,9 +58,10 @@ for num_local, backward, gated, t in ((16, False, False, bf), (16, True, False, 
                                       (32, True, True, fp)):
     l_pow2 = 1 << num_local.bit_length()
     k = gemm1_kernel.warmup(t, t, t, t, i64, i64, i64, i64, i32, i32, 2**40, 2**40, 0, 7168, 2048, num_local, 0, 8,
-                            16, 24, 32, L_POW2=l_pow2, BM=128, BN=128 if gated else 256, BK=64, GROUP_M=8,
-                            NUM_PROGS=116, HAS_BIAS=not gated, GATED=gated, ACTIVATION=0, BACKWARD=backward,
-                            STORE_PRE=not backward, STORE_ACT=backward, WAIT=True, INTERPRET=False, grid=(1, ),
+                            16, 24, 32, L_POW2=l_pow2, BM=128, BN=128 if gated and not backward else 256, BK=64,
+                            GROUP_M=8, NUM_PROGS=116, HAS_BIAS=not gated, GATED=gated, ACTIVATION=0,
+                            BACKWARD=backward, STORE_PRE=not backward, STORE_ACT=backward, WAIT=True, INTERPRET=False,
+                            QUARTERS=backward and gated, grid=(1, ),
                             num_warps=8, num_stages=3)
     found[("gemm1", num_local, backward, gated, str(t.dtype))] = predicated(k, path)
     k = gemm2_kernel.warmup(t, 2048, i64, i64, i64, i64, t, i64, i32, 2048, 7168, num_local, 0, 8, 16, EP_SIZE=2,

@@ -173,19 +173,20 @@ def test_error_record_messages():
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_grouped_weight_gradients_map_to_their_parameters(gated):
-    # The fused backward's grouped results ([L, F or 2F, H], [L, H, F] and biases) become each
-    # expert parameter's gradient, in the order the autograd function takes the parameters.
+    # The fused backward's grouped results ([L, F, H] per first-layer projection, [L, H, F] and
+    # biases) become each expert parameter's gradient, in the order the autograd function takes
+    # the parameters.
     experts = [fused_expert(GatedFeedForward(8, 12, bias=True) if gated else FeedForward(8, 12)) for _ in range(3)]
-    width = 24 if gated else 12
-    dw1, db1, dw2, db2 = torch.randn(3, width, 8), torch.randn(3, width), torch.randn(3, 8, 12), torch.randn(3, 8)
+    dw1, db1, dw2, db2 = torch.randn(3, 12, 8), torch.randn(3, 12), torch.randn(3, 8, 12), torch.randn(3, 8)
+    dw3, db3 = (torch.randn(3, 12, 8), torch.randn(3, 12)) if gated else (None, None)
     fused = ModuleFusedExperts(experts)
-    grads = fused.gradients(dw1, db1, dw2, db2)
+    grads = fused.gradients(dw1, db1, dw3, db3, dw2, db2)
     expected = {}
     for l, e in enumerate(experts):
-        expected.update({e.first.weight: dw1[l, :12], e.first.bias: db1[l, :12], e.second.weight: dw2[l],
+        expected.update({e.first.weight: dw1[l], e.first.bias: db1[l], e.second.weight: dw2[l],
                          e.second.bias: db2[l]})
         if gated:
-            expected.update({e.gate.weight: dw1[l, 12:], e.gate.bias: db1[l, 12:]})
+            expected.update({e.gate.weight: dw3[l], e.gate.bias: db3[l]})
     params = fused.parameters()
     assert len(grads) == len(params) == len(expected)
     for param, grad in zip(params, grads):

@@ -195,11 +195,15 @@ FORWARD_CASES = [
     # A small gated layer, an FFN narrower than one column tile, three of four experts a token.
     dict(hidden=64, ffn=96, experts_per_rank=4, k=3, tokens_per_rank=(48, 60), expert_kind="swiglu",
          drop_tokens=False),
+    # Bias-free bf16 experts take the library's grouped GEMM for their weight gradients: every token
+    # on one expert leaves the others' groups empty, which must give zero gradients.
+    dict(hidden=512, ffn=768, experts_per_rank=4, k=1, tokens_per_rank=(300, 211), expert_kind="swiglu",
+         drop_tokens=False, skew=50.0),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
                "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units",
                "extreme-sm-splits", "graphed-gate", "graphed-gate-k3-skewed", "fp16-skewed-drops",
-               "fp16-swiglu-odd-sizes", "swiglu-narrow-k3"]
+               "fp16-swiglu-odd-sizes", "swiglu-narrow-k3", "swiglu-empty-experts"]
 
 
 def _experts_or_skip(gpu_pool, case) -> int:

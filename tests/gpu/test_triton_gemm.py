@@ -116,7 +116,7 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     gemm1_kernel[(3, )](grad_recv, grad_pre, pre, h_again, tables["w2"], tables["w3"], tables["b1"], tables["b3"],
                         *first_args, *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated,
                         ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, STORE_ACT=True,
-                        WAIT=True, INTERPRET=True)
+                        WAIT=True, INTERPRET=True, QUARTERS=gated and tile_n >= 32)  # as the pipeline's 256-column tiles
     # fp32 here, so pre holds GEMM1's products exactly and the recomputed rows are the forward's.
     torch.testing.assert_close(h_again[:rows], h[:rows], rtol=1e-6, atol=1e-6)
     grad_rows = torch.full_like(expert_out, float("nan"))
