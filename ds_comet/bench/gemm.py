@@ -1,0 +1,179 @@
+"""Time each GEMM phase of the fused pipeline alone against ``torch._grouped_mm`` on the same problem.
+
+    torchrun --nproc_per_node 1 -m ds_comet.bench.gemm [--shape NAME ...] [--custom H,F,E,K,T ...]
+                                                       [--skew 0.7] [--out DIR]
+
+One rank (EP=1), so that every route's row lands on this GPU: R = k x T rows over E experts. Each
+shape runs twice, with routes drawn uniformly over the experts ("balanced") and from expert
+probabilities drawn from a Dirichlet(--skew) ("skewed": some experts get several times the mean,
+some none). The fused pipeline runs one forward on those routes, so that its layout and arrival
+counters hold; then each GEMM phase is relaunched alone:
+
+    gemm1_fwd  rows [R, H] x W1^T (and W3^T) -> the products before the activation, and h  (2 R H F')
+    gemm2_fwd  h [R, F] x W2^T -> expert outputs [R, H]                                     (2 R F H)
+    gemm1_bwd  dY [R, H] x W2 -> dh, times the activation's gradient -> dA [R, F']          (2 R H F)
+    gemm2_bwd  dA [R, F'] x W1 (and W3) -> dX [R, H]                                        (2 R F' H)
+    wgrad_w2   per expert dY_e^T h_e -> [E, H, F]                                           (2 R H F)
+    wgrad_w1   per expert dA_e^T x_e -> [E, F', H]                                          (2 R F' H)
+
+(F' = 2F for gated experts.) "ours" is what the fused pipeline launches for the phase (the Triton
+GEMMs; the weight gradients as ``torch._grouped_mm`` where ``FusedKernels.library_wgrad`` says so,
+a gated dW1 as two calls). ``torch._grouped_mm`` computes the same product on the same rows,
+grouped by the same offsets, without the epilogue's bias, activation or stored products: its rate
+is the library's rate for the GEMM alone. Each phase is timed on a warm device (the chip is power
+bound and its clock settles within about 200 ms): back-to-back calls for about 400 ms, the
+implementations of one phase in turn. Rank 0 prints TFLOP/s and the ratio and writes gemm.json.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import deepspeed
+import torch
+
+import ds_comet
+from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
+from ds_comet.experts import FeedForward, GatedFeedForward
+
+PHASES = ("gemm1_fwd", "gemm2_fwd", "gemm1_bwd", "gemm2_bwd", "wgrad_w2", "wgrad_w1")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="a default shape (repeatable)")
+    parser.add_argument("--custom", action="append", default=[], help="H,F,E,K,T (T = tokens)")
+    parser.add_argument("--gated", action="store_true", help="SwiGLU experts on every shape (else only on SWIGLU's)")
+    parser.add_argument("--skew", type=float, default=0.7, help="Dirichlet concentration of the skewed routing")
+    parser.add_argument("--warm-ms", type=float, default=200.0)
+    parser.add_argument("--time-ms", type=float, default=400.0)
+    parser.add_argument("--out", default="gemm_out")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
+    return parser.parse_args()
+
+
+def per_call_ms(fn, warm_ms: float, time_ms: float) -> float:
+    """Milliseconds per call of fn() queued back to back, after warm_ms of warm-up calls."""
+    torch.cuda.synchronize()
+    calls, start = 0, time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < warm_ms:
+        fn()
+        calls += 1
+        torch.cuda.synchronize()
+    one = (time.perf_counter() - start) * 1e3 / calls
+    n = max(3, int(time_ms / max(one, 1e-3)))
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / n
+
+
+def routes(tokens: int, experts: int, k: int, skew: float, device) -> torch.Tensor:
+    """[k, tokens] distinct experts per token: uniform, or from Dirichlet(skew) expert probabilities."""
+    generator = torch.Generator().manual_seed(1)
+    if skew > 0:
+        probs = torch.distributions.Dirichlet(torch.full((experts, ), skew)).sample()
+    else:
+        probs = torch.full((experts, ), 1.0 / experts)
+    probs = probs.clamp_min(1e-9).expand(tokens, experts).contiguous()
+    return torch.multinomial(probs, k, replacement=False, generator=generator).t().contiguous().to(device)
+
+
+def fused_layer(hidden, ffn, experts, k, tokens, gated, device):
+    torch.manual_seed(0)
+    template = GatedFeedForward(hidden, ffn) if gated else FeedForward(hidden, ffn)
+    layer = ds_comet.MoE(hidden, template, num_experts=experts, ep_size=1, k=k, capacity_factor=1.0,
+                         eval_capacity_factor=1.0, drop_tokens=False, config={"moe": {"backend": "comet",
+                                                                                     "overlap": "fused"}})
+    layer.set_deepspeed_parallelism()
+    return layer.to(device=device, dtype=torch.bfloat16)
+
+
+def phase_calls(pipeline, tokens, indices, experts):
+    """(ours, grouped_mm, flops) per phase, on the rows one forward of ``indices`` lays out."""
+    gates = torch.full(indices.shape, 1.0 / indices.shape[0], device=tokens.device)
+    with torch.no_grad():
+        pipeline.forward(tokens, indices, gates, train=False)
+    kernels = pipeline.kernels(tokens)
+    workspace = pipeline.workspace
+    hidden, ffn, num_local = tokens.shape[1], kernels.ffn, kernels.num_local
+    width = ffn * (2 if kernels.gated else 1)
+    counts = torch.bincount(indices.reshape(-1).long(), minlength=experts)
+    rows = int(counts.sum())
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    dtype, device = tokens.dtype, tokens.device
+    x = workspace.recv[:rows]
+    pre = torch.randn(rows, width, device=device).to(dtype)
+    h = torch.randn(rows, ffn, device=device).to(dtype)
+    grad_pre = torch.empty_like(pre)
+    w1 = torch.randn(num_local, width, hidden, device=device).to(dtype) / hidden**0.5
+    w2 = torch.randn(num_local, hidden, ffn, device=device).to(dtype) / ffn**0.5
+    mm = torch._grouped_mm
+    return {
+        "gemm1_fwd": (lambda: kernels.gemm1(x, h, pre, backward=False, store_pre=True),
+                      lambda: mm(x, w1.transpose(1, 2), offs=offsets), 2 * rows * hidden * width),
+        "gemm2_fwd": (lambda: kernels.gemm2(h, backward=False), lambda: mm(h, w2.transpose(1, 2), offs=offsets),
+                      2 * rows * ffn * hidden),
+        "gemm1_bwd": (lambda: kernels.gemm1(x, grad_pre, pre, backward=True, store_pre=False, act=h),
+                      lambda: mm(x, w2, offs=offsets), 2 * rows * hidden * ffn),
+        "gemm2_bwd": (lambda: kernels.gemm2(grad_pre, backward=True), lambda: mm(grad_pre, w1, offs=offsets),
+                      2 * rows * width * hidden),
+        "wgrad_w2": (lambda: kernels.wgrad(x, h), lambda: mm(x.t(), h, offs=offsets), 2 * rows * hidden * ffn),
+        "wgrad_w1": (lambda: [kernels.wgrad(grad_pre[:, part:part + ffn], x) for part in range(0, width, ffn)],
+                     lambda: mm(grad_pre.t(), x, offs=offsets), 2 * rows * width * hidden),
+    }, counts
+
+
+def bench_shape(name, hidden, ffn, experts, k, tokens, args):
+    device = torch.device("cuda", torch.cuda.current_device())
+    gated = args.gated or name in SWIGLU
+    layer = fused_layer(hidden, ffn, experts, k, tokens, gated, device)
+    x = torch.randn(tokens, hidden, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.eval()(x[None])  # builds the pipeline and its workspace
+    pipeline = layer.deepspeed_moe.pipelines.fused
+    results = {}
+    for routing, skew in (("balanced", 0.0), ("skewed", args.skew)):
+        calls, counts = phase_calls(pipeline, x, routes(tokens, experts, k, skew, device), experts)
+        mean = counts.float().mean().item()
+        results[routing] = {"largest_over_mean": counts.max().item() / mean, "empty_experts": int((counts == 0).sum())}
+        for phase in PHASES:
+            ours, library, flops = calls[phase]
+            ours_ms = per_call_ms(ours, args.warm_ms, args.time_ms)
+            library_ms = per_call_ms(library, args.warm_ms, args.time_ms)
+            results[routing][phase] = {"ours_tflops": flops / ours_ms / 1e9,
+                                       "grouped_mm_tflops": flops / library_ms / 1e9,
+                                       "ours_over_grouped_mm": library_ms / ours_ms}
+    return results
+
+
+def main():
+    args = parse_args()
+    deepspeed.init_distributed()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if deepspeed.comm.get_world_size() != 1:
+        raise SystemExit("ds_comet.bench.gemm times one rank's GEMMs at EP=1: run it with --nproc_per_node 1")
+    if not hasattr(torch, "_grouped_mm"):
+        raise SystemExit("this torch has no torch._grouped_mm to compare with")
+    all_results = {}
+    for name, shape in selected_shapes(args.shape, args.custom).items():
+        all_results[name] = bench_shape(name, *shape, args)
+        torch.cuda.empty_cache()
+        for routing, phases in all_results[name].items():
+            print(f"{name} {routing}: largest expert {phases['largest_over_mean']:.2f}x the mean, "
+                  f"{phases['empty_experts']} empty", flush=True)
+            for phase in PHASES:
+                r = phases[phase]
+                print(f"  {phase:10s} ours {r['ours_tflops']:6.1f}  grouped_mm {r['grouped_mm_tflops']:6.1f} "
+                      f"TFLOP/s  ratio {r['ours_over_grouped_mm']:.3f}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gemm.json"), "w") as f:
+        json.dump(all_results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
