@@ -63,8 +63,9 @@ class CometMoEConfig(DeepSpeedConfigModel):
     ds_comet/integrations/legacy/gate_graph.py)."""
 
     wait_timeout_s: float = Field(60.0, ge=1e-3, le=1e6, allow_inf_nan=False)
-    """Longest a fused kernel waits for a peer rank before it stops the job with an error (the
-    kernels count it in 64-bit nanoseconds: between a millisecond and about eleven days)."""
+    """Longest a layer waits for a peer rank before it raises: a fused kernel's wait (the kernels
+    count it in 64-bit nanoseconds: between a millisecond and about eleven days), or the reference
+    pipeline's exchange of expert counts at the start of each call."""
 
     def __init__(self, **data):
         # strict: DeepSpeedConfigModel otherwise drops every value spelled "auto", which would

@@ -14,7 +14,8 @@ from ..op_builder import CometBuilder
 
 
 class CometWaitTimeout(RuntimeError):
-    """A fused kernel waited past ``wait_timeout_s`` for data or a signal from a rank of its group."""
+    """A layer waited past ``wait_timeout_s`` for a rank of its group: a fused kernel for data or a
+    signal, or the reference pipeline for a call's exchange of expert counts."""
 
 
 def _jit_build_directory(name: str) -> str:

@@ -90,8 +90,8 @@ def group_reason(hosts: Sequence[str], gpus: Sequence[Optional[str]]) -> Optiona
 
 
 def hooks_reason(modules: List[torch.nn.Module]) -> Optional[str]:
-    """Why hooks on the experts (or every module's global hooks) rule out the fused kernels, which
-    compute the experts without calling them; checked on every call, as hooks come and go."""
+    """Why hooks on the experts (or every module's global hooks) would not run on the fused kernels,
+    which compute the experts without calling them."""
     for name in GLOBAL_HOOKS:
         if getattr(torch.nn.modules.module, name, None):
             return (f"a global module hook is registered ({name[8:]}); the fused kernels do not call the experts, "

@@ -6,12 +6,15 @@ uneven all-to-all splits, instead of a zero-padded ``[E, C, M]`` capacity buffer
 per token is the same, so outputs and gradients match stock's (and AutoEP's).
 """
 
+import time
+from datetime import timedelta
 from typing import List, Optional
 
 import torch
 from deepspeed import comm as dist
 from torch import Tensor
 
+from ..kernels.ops import CometWaitTimeout
 from .expert_weights import LocalExperts
 from .routing import RoutingPlan, expert_major_order, plan_routes
 
@@ -72,16 +75,21 @@ class ReferencePipeline:
 
     ``experts``: this rank's local experts; ``num_experts``: the layer's experts over the group
     (``ep_size`` ranks, ``num_experts / ep_size`` each); ``group``: the expert-parallel process group
-    (None when ``ep_size`` is 1).
+    (None when ``ep_size`` is 1). ``wait_timeout_s`` bounds each call's first collective, the
+    exchange of expert counts: a rank whose peers stopped calling the layer gets
+    ``CometWaitTimeout`` naming ``layer_name`` instead of waiting out the process group's timeout.
     """
 
     name = "reference"
 
-    def __init__(self, experts: LocalExperts, num_experts: int, ep_size: int, group=None):
+    def __init__(self, experts: LocalExperts, num_experts: int, ep_size: int, group=None,
+                 wait_timeout_s: float = 60.0, layer_name: str = "MoE layer"):
         self.experts = experts
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.group = group
+        self.wait_timeout_s = wait_timeout_s
+        self.layer_name = layer_name
 
     def forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool = False) -> Tensor:
         """The experts' combined output for ``tokens`` ([S, H]).
@@ -98,8 +106,7 @@ class ReferencePipeline:
         ep_size, num_local = self.ep_size, self.experts.num_local
         send_counts = plan.expert_counts
         if ep_size > 1:
-            received_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(received_counts, send_counts, group=self.group)
+            received_counts = self.exchange_counts(send_counts)
         else:
             received_counts = send_counts
         received_counts = received_counts.view(ep_size, num_local)
@@ -124,3 +131,27 @@ class ReferencePipeline:
         dropped = plan.route_order.numel() - num_sent
         outputs = torch.cat([outputs, outputs.new_zeros((dropped, outputs.shape[-1]))])
         return combine_routes(outputs, plan, None if scale_before else weights)
+
+    def exchange_counts(self, send_counts: Tensor) -> Tensor:
+        """Every rank's counts for this rank's experts ([E] int64, by source rank then local expert),
+        waiting at most ``wait_timeout_s`` for the group.
+
+        Every rank reaches this exchange once per call, so a peer that stopped calling the layer
+        (it raised, returned early or was stopped) is noticed here. The call already reads the
+        counts back to the host, so the bounded wait adds no host sync.
+        """
+        received = torch.empty_like(send_counts)
+        work = dist.all_to_all_single(received, send_counts, group=self.group, async_op=True)
+        start = time.monotonic()
+        try:
+            work.wait(timeout=timedelta(seconds=self.wait_timeout_s))
+        except RuntimeError as error:
+            waited = time.monotonic() - start
+            if waited < self.wait_timeout_s:
+                raise  # not the bound: the collective itself failed (a peer's process ended, say)
+            raise CometWaitTimeout(
+                f"ds_comet: {self.layer_name}: rank {dist.get_rank(group=self.group)} waited {waited:.1f} s for the "
+                f"expert counts of the other ranks of its expert-parallel group (the reference pipeline's first "
+                f"exchange of a call); a rank stopped calling the layer or fell behind (raise \"moe\": "
+                f"{{\"wait_timeout_s\"}} if it is only slow)") from error
+        return received

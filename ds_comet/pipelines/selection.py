@@ -10,8 +10,11 @@ The ranks of the group agree in one collective at the first call, and again when
 dtype, width or device changes: on the layer's settings (a difference is an error on every rank
 naming the field, the values and the ranks, before any exchange could misread rows), on every rank's
 answer to the local checks, and on the hosts and GPUs; the fused workspace is then built by all of
-them at once, so every rank takes the same path. Hooks on the experts are checked on every call,
-since they come and go; they depend only on what every rank of an SPMD job has alike.
+them at once, so every rank takes the same path. Hooks on the experts (or global module hooks)
+present at that agreement keep the group on the reference pipeline, which runs them. Hooks that
+appear later cannot move one rank alone to another pipeline (its peers would wait in the other
+exchange): they are skipped on the fused path, with a warning naming them. DeepSpeed's flops
+profiler is such a case: it hooks rank 0's modules for its profile step only.
 """
 
 import itertools
@@ -74,15 +77,25 @@ class PipelineSelection:
         self.spec = spec
         self.experts = experts
         self.config = config
-        self.name = name or f"MoE layer {next(_LAYER_NUMBERS)}"
         self.group = None
-        self.reference = ReferencePipeline(experts, spec.num_experts, spec.ep_size)
+        self.reference = ReferencePipeline(experts, spec.num_experts, spec.ep_size,
+                                           wait_timeout_s=config.wait_timeout_s)
+        self.name = name or f"MoE layer {next(_LAYER_NUMBERS)}"
         self.fused: Optional[FusedPipeline] = None
         self.reason: Optional[str] = None
         self._agreed_key = None  # what the agreement was made for: the tokens' dtype, width and device
         self._agreed_reason: Optional[str] = None
         self._hooked: Optional[List[torch.nn.Module]] = None
         self._said = set()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = value
+        self.reference.layer_name = value  # its timeout names the layer
 
     def set_group(self, group) -> None:
         """The expert-parallel process group (None for a layer with ep_size 1 and no group)."""
@@ -106,17 +119,34 @@ class PipelineSelection:
             self._agreed_reason = self._agree(tokens)
             self._agreed_key = key
         reason = self._agreed_reason
-        if reason is None:
-            if self._hooked is None:  # walked once: it costs more than checking the hooks on every call
-                self._hooked = self.experts.hookable_modules()
-            reason = hooks_reason(self._hooked)
         self.reason = reason
         if reason is None:
+            hooks = hooks_reason(self._hookable())
+            if hooks is not None:
+                self._warn_skipped_hooks(hooks)
             return self.fused
         if self.config.overlap == "fused":
             raise RuntimeError(f"ds_comet: {self.name}: \"overlap\": \"fused\" was asked for, but {reason}")
         self._say_once(reason, tokens)
         return self.reference
+
+    def _hookable(self) -> List[torch.nn.Module]:
+        if self._hooked is None:  # walked once: it costs more than checking the hooks on every call
+            self._hooked = self.experts.hookable_modules()
+        return self._hooked
+
+    def _warn_skipped_hooks(self, hooks: str) -> None:
+        """Hooks that appeared after the group agreed on the fused pipeline are skipped, with a warning:
+        one rank cannot change pipelines alone (its peers would wait in the fused exchange while it
+        waited in the reference one), and a per-call agreement would cost a host sync every call.
+        DeepSpeed's flops profiler, for one, hooks rank 0's modules at its profile step only."""
+        if hooks in self._said:
+            return
+        self._said.add(hooks)
+        logger.warning(f"ds_comet: {self.name}: {hooks}. They are skipped on this rank: the expert-parallel group "
+                       "chose the fused pipeline at the layer's first call, and one rank cannot change pipelines "
+                       "alone (DeepSpeed's flops profiler will not count the experts). Register such hooks before "
+                       "the layer's first call, or set \"moe\": {\"overlap\": \"none\"}, for them to run")
 
     def _say_once(self, reason: str, tokens: torch.Tensor) -> None:
         if reason in self._said:
@@ -147,6 +177,9 @@ class PipelineSelection:
         else:
             try:
                 fused = local_reason(self.experts, tokens, self.spec.top_k, self.spec.scale_before)
+                if not isinstance(fused, str):
+                    # Hooks present now keep the whole group on the reference pipeline, which runs them.
+                    fused = hooks_reason(self._hookable()) or fused
             except Exception as error:  # raised on every rank below, after the collective, not here alone
                 fused = RankFailure(f"{type(error).__name__}: {error}")
             if not isinstance(fused, str) and self.group is None:

@@ -44,3 +44,33 @@ def oversized_ep_case():
 
 def test_ep_size_larger_than_the_world_is_named(cpu_pool):
     cpu_pool.run(oversized_ep_case)
+
+
+def stopped_peer_case():
+    """Both ranks call the layer, then rank 0 calls it once more alone: its wait must end with an
+    error naming the layer within the section's wait_timeout_s, not the process group's timeout."""
+    import time
+
+    from ds_comet.kernels.ops import CometWaitTimeout
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = {"moe": {"backend": "comet", "overlap": "none", "wait_timeout_s": 2.0}}
+    layer = ds_comet.MoE(16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, k=1, config=config)
+    layer.set_deepspeed_parallelism()
+    layer.deepspeed_moe.pipelines.name = "blocks.3.moe"
+    layer(torch.randn(1, 8, 16))
+    if rank != 0:
+        return None
+    start = time.monotonic()
+    with pytest.raises(CometWaitTimeout) as raised:
+        layer(torch.randn(1, 8, 16))
+    return str(raised.value), time.monotonic() - start
+
+
+def test_a_peer_that_stops_calling_ends_the_wait_with_a_named_error(cpu_pool):
+    try:
+        message, waited = cpu_pool.run(stopped_peer_case)[0]
+    finally:
+        cpu_pool.stop()  # rank 0's exchange is still posted: the next test starts afresh
+    assert "blocks.3.moe" in message and "expert counts" in message and "wait_timeout_s" in message, message
+    # The behaviour under test is the bound itself: 2 s asked for, the pool's group timeout is 120 s.
+    assert 2.0 <= waited < 60.0, waited

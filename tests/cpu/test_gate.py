@@ -364,6 +364,24 @@ def test_no_tokens_take_the_fast_path(k, drop_tokens, device, forward_calls):
     assert_bitwise_equal(actual, expected)
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_hooked_gate_without_dropping_keeps_the_fast_path(k, forward_calls, monkeypatch):
+    # Stock's forward without dropping all-reduces a capacity the fast path skips. Hooks need not be
+    # alike on every rank (DeepSpeed's flops profiler hooks rank 0 at one step), so a hooked gate
+    # must not fall back there: its peers would not join that all-reduce. Its hooks are skipped.
+    warned = []
+    monkeypatch.setattr(gate_module.logger, "warning", lambda message, *args: warned.append(message % args))
+    gate = make_gate(k=k, drop_tokens=False)
+    gate.register_forward_hook(lambda module, args, output: None)
+    tokens = make_tokens(gate, 57, seed=2)
+    expected = run_gate(stock_routes, gate, tokens, None, seed=4, mix_seed=8)
+    for _ in range(2):
+        actual = run_gate(gate_routes, gate, tokens, None, seed=4, mix_seed=8)
+        assert_bitwise_equal(actual, expected)
+    assert len(forward_calls) == 1  # stock's own call only
+    assert len(warned) == 1 and f"top-{k} gate without dropping" in warned[0] and "skipped" in warned[0], warned
+
+
 def test_global_hook_falls_back(forward_calls):
     gate = make_gate(k=2)
     handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: None)

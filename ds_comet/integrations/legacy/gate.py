@@ -24,18 +24,21 @@ torch's own uniform draw, repeating each fp32 op of ``torch.distributions.Gumbel
 rounding; the GPU tests compare every output bit for bit with stock's gate.
 """
 
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from deepspeed.moe import sharded_moe as ds
 from deepspeed.moe.sharded_moe import TopKGate
+from deepspeed.utils import logger
 from torch import Tensor
 from torch.nn.modules import module as nn_module
 
 from ...pipelines.policy import GLOBAL_HOOKS, MODULE_HOOKS
 
 _capacities: Dict[tuple, int] = {}
+_warned_hooks = weakref.WeakSet()  # gates whose skipped hooks were reported
 _expert_ids: Dict[tuple, Tensor] = {}
 # The top-2 kernel repeats this function's arithmetic; a replaced one is called as it is.
 _STOCK_GUMBEL = ds.gumbel_rsample
@@ -78,16 +81,21 @@ def _reproducible(gate, tokens: Tensor) -> bool:
     """Whether the fast path is known to match this gate's own forward."""
     if type(gate) is not TopKGate or "forward" in vars(gate) or gate.wall_clock_breakdown:
         return False
-    if any(getattr(gate, name, None) for name in MODULE_HOOKS):
-        return False
-    if any(getattr(nn_module, name, None) for name in GLOBAL_HOOKS):
+    hooked = any(getattr(gate, name, None) for name in MODULE_HOOKS) or \
+        any(getattr(nn_module, name, None) for name in GLOBAL_HOOKS)
+    # Hooks need not be alike on every rank (DeepSpeed's flops profiler hooks rank 0's modules at
+    # one step). Stock's forward runs them, but for top-2 and top-k without dropping it also
+    # all-reduces a capacity the fast path skips: there one hooked rank falling back would pair its
+    # peers' next collectives wrongly, so the hooks are skipped, with a warning, instead.
+    hooks_skipped = gate.k >= 2 and not gate.drop_tokens
+    if hooked and not hooks_skipped:
         return False
     if (ds.top1gating, ds.top2gating, ds.topkgating) != _STOCK_GATINGS:
         return False
     # Tracing records stock's trace-friendly ops; the layer passes [S, M].
     if torch.jit.is_tracing() or tokens.dim() != 2:
         return False
-    # Every reason above is alike on every rank of an SPMD job. The token count is not, so an empty
+    # Every other reason above is alike on every rank of an SPMD job. The token count is not, so an empty
     # batch may fall back only where stock runs no collective (a rank skipping the capacity
     # all-reduce its peers run would pair their next collectives wrongly): top-1, whose dropping
     # path has none and which stock's min_capacity assert should judge.
@@ -95,7 +103,21 @@ def _reproducible(gate, tokens: Tensor) -> bool:
         return False
     # Top-1 without dropping selects tokens with the capacity all-reduced over the expert group,
     # a collective and a host read that only stock's own code should decide on.
-    return not (gate.k == 1 and not gate.drop_tokens)
+    if gate.k == 1 and not gate.drop_tokens:
+        return False
+    if hooked:
+        _warn_skipped_hooks(gate)
+    return True
+
+
+def _warn_skipped_hooks(gate) -> None:
+    if gate in _warned_hooks:
+        return
+    _warned_hooks.add(gate)
+    logger.warning("ds_comet: hooks on a top-%d gate without dropping (or global module hooks) are skipped: stock's "
+                   "forward, which would run them, all-reduces a capacity over the expert-parallel group that "
+                   "the ranks without hooks do not, so calling it on this rank alone would mismatch their next "
+                   "collectives. Set \"moe\": {\"backend\": \"deepspeed\"} to run them", gate.k)
 
 
 def _capacity(gates: Tensor, factor: float, min_capacity: int) -> int:
