@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): build the op, run the GPU tests, then the benchmark.
-# Usage: bash scripts/gpu_check.sh [tests|bench|all|sweep|shared] [extra bench args...]; logs go to $OUT (or ./gpu_out).
+# Usage: bash scripts/gpu_check.sh [tests|bench|all|sweep|shared|soak|gemm] [extra bench args...]; logs go to $OUT (or ./gpu_out).
 # shared: the fused tests with two ranks on each GPU (DS_COMET_TEST_RANKS_PER_GPU=2), for a one-GPU
 # machine: the two-rank paths, time-sliced (results only, about 3 minutes on one H200).
 # sweep: the fused layer alone on the default shapes (idle-device, back-to-back and device-alone times,
 # graphed gate), and shape 2 at 2, 4 and the rule's column chunks.
+# soak: SOAK_CALLS (1000) random fused calls, each against float64 and the reference pipeline, at
+# EP=SOAK_EP (2) with SOAK_RANKS_PER_GPU (the EP size on one GPU) ranks a GPU; writes $out/soak/soak.json.
+# gemm: each GEMM phase alone against torch._grouped_mm (python -m ds_comet.bench.gemm).
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -38,4 +41,14 @@ if [ "$what" = sweep ]; then
     timeout 300 torchrun --nproc_per_node "$gpus" --master_port 29633 -m ds_comet.bench.sweep --gate-ops graph \
         --shape H2048-F1408-E64-k4-T8192 --n-chunks auto,2,4 --out "$out/sweep-chunks" 2>&1 \
         | tee "$out/sweep-chunks.log" | grep -v "^\[" | tail -12
+fi
+if [ "$what" = soak ]; then
+    ep=${SOAK_EP:-2}
+    timeout 570 python3 -m tests.support.soak --calls "${SOAK_CALLS:-1000}" --world-size "$ep" \
+        --ranks-per-gpu "${SOAK_RANKS_PER_GPU:-$ep}" --seed "${SOAK_SEED:-1}" --out "$out/soak" 2>&1 \
+        | grep -v "^\[" | tee "$out/soak.log" | tail -25
+fi
+if [ "$what" = gemm ]; then
+    timeout 400 torchrun --nproc_per_node 1 --master_port 29634 -m ds_comet.bench.gemm --out "$out/gemm" "$@" 2>&1 \
+        | grep -v "^\[" | tee "$out/gemm.log" | tail -80
 fi
