@@ -55,6 +55,11 @@ class CometMoEConfig(DeepSpeedConfigModel):
     max_tokens_per_rank: Optional[int] = Field(None, ge=1)
     """Most tokens one rank feeds one MoE layer; sizes the fused workspace (default: the first call's)."""
 
+    internode_chunks: Optional[int] = Field(None, ge=1, le=64)
+    """Chunks the rows travel in when the expert-parallel group spans nodes: the experts of one chunk
+    run while the next is exchanged (default: a rule, 2 to 8 by the routes a rank sends; 1 sends
+    them whole)."""
+
     cuda_graph_gate: bool = False
     """Replay the gate's routing from CUDA graphs on the fused path: bit for bit the same routes,
     gates, aux loss and gradients, 0.24-0.53 ms less per forward and 0.43-0.59 ms less per training

@@ -130,6 +130,10 @@ class LocalExperts:
         """The experts' outputs for ``rows`` ([R, H], grouped by local expert, ``counts[l]`` rows each)."""
         raise NotImplementedError
 
+    def parameters(self) -> List[Tensor]:
+        """Every parameter of the local experts (whether or not it needs a gradient)."""
+        raise NotImplementedError
+
     def fused(self, hidden: int) -> Union[FusedExperts, str]:
         """The weights as the fused kernels read them, or why they cannot compute these experts."""
         raise NotImplementedError
@@ -169,6 +173,9 @@ class ModuleExperts(LocalExperts):
                              "must return one row of the hidden size per input row")
         return torch.cat(outputs)
 
+    def parameters(self):
+        return list(self.container.parameters())
+
     def fused(self, hidden):
         specs = []
         for module in self.modules:
@@ -201,6 +208,9 @@ class StackedExperts(LocalExperts):
     def run(self, rows, counts):
         counts = torch.tensor(list(counts), dtype=torch.int64, device=rows.device)
         return self.grouped(rows, counts)
+
+    def parameters(self):
+        return list(self.grouped.parameters())
 
     def fused(self, hidden):
         activation = self.KERNEL_ACTIVATIONS.get(self.grouped.activation)

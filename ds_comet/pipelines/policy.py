@@ -8,6 +8,8 @@ calls (``hooks_reason``).
 """
 
 import importlib.util
+import os
+import socket
 from typing import List, Optional, Sequence, Union
 
 import torch
@@ -21,6 +23,26 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16)
 GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                 "_global_backward_pre_hooks")
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+RANKS_PER_NODE_VAR = "DS_COMET_RANKS_PER_NODE"
+
+
+def node_name(rank: int) -> str:
+    """The node a rank runs on: its host, or with DS_COMET_RANKS_PER_NODE=n set, its block of n
+    ranks on that host, so that one machine can test what a group spanning nodes does."""
+    value = os.environ.get(RANKS_PER_NODE_VAR, "").strip()
+    if not value:
+        return socket.gethostname()
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{RANKS_PER_NODE_VAR} must be a positive integer (ranks a node holds), got {value!r}")
+    return f"{socket.gethostname()}/node {rank // int(value)}"
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (non-reentrant checkpointing, offloading) see what autograd saves."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None  # unknown: assume they are
 
 
 def tokens_reason(tokens: torch.Tensor) -> Optional[str]:

@@ -15,7 +15,9 @@ from deepspeed import comm as dist
 from torch import Tensor
 
 from ..kernels.ops import CometWaitTimeout
+from .chunked import chunked_experts
 from .expert_weights import LocalExperts
+from .policy import saved_tensor_hooks_active
 from .routing import RoutingPlan, expert_major_order, plan_routes
 
 
@@ -90,6 +92,7 @@ class ReferencePipeline:
         self.group = group
         self.wait_timeout_s = wait_timeout_s
         self.layer_name = layer_name
+        self.chunks = 1  # the exchange's chunks: more than 1 only where the group spans nodes (selection.py)
 
     def forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool = False) -> Tensor:
         """The experts' combined output for ``tokens`` ([S, H]).
@@ -110,24 +113,28 @@ class ReferencePipeline:
         else:
             received_counts = send_counts
         received_counts = received_counts.view(ep_size, num_local)
-        # The uneven splits must be host integers for all_to_all_single: one small copy for all three.
-        host = torch.cat([send_counts.view(ep_size, num_local).sum(1),
-                          received_counts.sum(1),
-                          received_counts.sum(0)]).tolist()
-        send_splits, recv_splits, rows_per_expert = host[:ep_size], host[ep_size:2 * ep_size], host[2 * ep_size:]
+        # The uneven splits must be host integers for all_to_all_single: one small copy of the counts.
+        host = torch.cat([send_counts.view(-1), received_counts.view(-1)]).tolist()
+        send_matrix = [host[d * num_local:(d + 1) * num_local] for d in range(ep_size)]
+        recv_matrix = [host[(ep_size + s) * num_local:(ep_size + s + 1) * num_local] for s in range(ep_size)]
+        send_splits, recv_splits = [sum(row) for row in send_matrix], [sum(row) for row in recv_matrix]
 
         num_sent = sum(send_splits)
         sent = tokens.index_select(0, plan.source_token[:num_sent])
         if scale_before:
             scale = weights.reshape(-1).index_select(0, plan.route_order[:num_sent])
             sent = (sent.float() * scale.unsqueeze(-1)).to(sent.dtype)
-        received = exchange(sent, send_splits, recv_splits, self.group, ep_size)
-
-        by_expert = expert_major_order(received_counts)
-        expert_outputs = self.experts.run(received.index_select(0, by_expert), rows_per_expert)
-        returned = expert_outputs.index_select(0, inverse_permutation(by_expert))
-
-        outputs = exchange(returned, recv_splits, send_splits, self.group, ep_size)
+        # Under saved-tensor hooks (non-reentrant checkpointing) the rows go whole: the chunks keep
+        # their experts' graphs themselves, out of those hooks' sight.
+        if self.chunks > 1 and ep_size > 1 and not saved_tensor_hooks_active():
+            outputs = chunked_experts(sent, send_matrix, recv_matrix, self.chunks, self.experts, self.group)
+        else:
+            received = exchange(sent, send_splits, recv_splits, self.group, ep_size)
+            by_expert = expert_major_order(received_counts)
+            rows_per_expert = [sum(column) for column in zip(*recv_matrix)]
+            expert_outputs = self.experts.run(received.index_select(0, by_expert), rows_per_expert)
+            returned = expert_outputs.index_select(0, inverse_permutation(by_expert))
+            outputs = exchange(returned, recv_splits, send_splits, self.group, ep_size)
         dropped = plan.route_order.numel() - num_sent
         outputs = torch.cat([outputs, outputs.new_zeros((dropped, outputs.shape[-1]))])
         return combine_routes(outputs, plan, None if scale_before else weights)

@@ -18,7 +18,6 @@ profiler is such a case: it hooks rank 0's modules for its profile step only.
 """
 
 import itertools
-import socket
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -30,7 +29,8 @@ from ..config import CometMoEConfig
 from .expert_weights import LocalExperts
 from .fused import FusedPipeline
 from .parameters import choose_parameters, offsets_overflow
-from .policy import group_reason, hooks_reason, local_reason, structure_reason
+from .chunked import rule_chunks
+from .policy import group_reason, hooks_reason, local_reason, node_name, structure_reason
 from .reference import ReferencePipeline
 from .workspace import BufferShape, get_buffer
 
@@ -162,7 +162,8 @@ class PipelineSelection:
 
     def _settings(self, tokens: torch.Tensor) -> Tuple[Tuple[str, object], ...]:
         return (("overlap", self.config.overlap), ("num_experts", self.spec.num_experts),
-                ("ep_size", self.spec.ep_size), ("k", self.spec.top_k)) + tuple(self.spec.settings) + (
+                ("ep_size", self.spec.ep_size), ("k", self.spec.top_k),
+                ("internode_chunks", self.config.internode_chunks)) + tuple(self.spec.settings) + (
                     ("hidden size", tokens.shape[-1]), ("dtype", str(tokens.dtype)),
                     ("experts", self.experts.structure()))
 
@@ -186,13 +187,16 @@ class PipelineSelection:
                 fused = "the layer has no expert-parallel group yet (deepspeed.initialize or set_deepspeed_parallelism)"
         reason = fused if isinstance(fused, str) else None
         gpu = None if reason is not None else str(torch.cuda.get_device_properties(tokens.device).uuid)
-        local = (self._settings(tokens), reason, socket.gethostname(), gpu, tokens.shape[0])
+        rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
+        local = (self._settings(tokens), reason, node_name(rank), gpu, tokens.shape[0])
         if self.group is None and self.spec.ep_size == 1:
             everyone = [local]
         else:
             everyone = [None] * torch_dist.get_world_size(self.group)
             torch_dist.all_gather_object(everyone, local, group=self.group)
         self._check_settings([entry[0] for entry in everyone])
+        self.reference.chunks = self._internode_chunks({entry[2] for entry in everyone},
+                                                       max(entry[4] for entry in everyone))
         failures = [(rank, entry[1]) for rank, entry in enumerate(everyone) if isinstance(entry[1], RankFailure)]
         if failures:
             raise RuntimeError(f"ds_comet: {self.name}: checking the fused pipeline failed on "
@@ -205,6 +209,14 @@ class PipelineSelection:
             return reason
         return self._build_fused(tokens, fused, max(entry[4] for entry in everyone),
                                  shared_device=len({entry[3] for entry in everyone}) < len(everyone))
+
+    def _internode_chunks(self, nodes: set, most_tokens: int) -> int:
+        """The reference pipeline's chunks: 1 inside a node; across nodes the config's, else the rule's."""
+        if len(nodes) == 1:
+            return 1
+        if self.config.internode_chunks is not None:
+            return self.config.internode_chunks
+        return rule_chunks(self.spec.top_k, self.config.max_tokens_per_rank or most_tokens)
 
     def _check_settings(self, settings: List[Tuple[Tuple[str, object], ...]]) -> None:
         for index, (field, value) in enumerate(settings[0]):

@@ -38,6 +38,7 @@ from deepspeed.moe import sharded_moe
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ...pipelines.policy import saved_tensor_hooks_active
 from .gate import _reproducible, gate_routes
 
 WARMUP_CALLS = 2  # eager calls on a side stream before a capture (lazy cuBLAS and allocator set-up)
@@ -62,12 +63,6 @@ def _signature(gate, tokens: Tensor, op, params, needs_grad: bool) -> tuple:
             id(sharded_moe.gumbel_rsample), gate.k,
             gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy,
             gate.drop_tokens, gate.use_rts, getattr(gate, "top2_2nd_expert_sampling", None))
-
-
-def _saved_tensor_hooks_active() -> bool:
-    """Whether saved-tensor hooks (non-reentrant checkpointing, offloading) see what autograd saves."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None  # unknown: assume they are
 
 
 class _Captured:
@@ -202,7 +197,7 @@ class GateGraphs:
         """What ``gate_routes(gate, tokens, used_token, op)`` returns, replayed where it can be."""
         if (used_token is not None or not tokens.is_cuda or torch.cuda.is_current_stream_capturing()
                 or torch.compiler.is_compiling() or torch.is_autocast_enabled(tokens.device.type)
-                or _saved_tensor_hooks_active()
+                or saved_tensor_hooks_active()
                 or not _reproducible(gate, tokens)):
             return gate_routes(gate, tokens, used_token, op)
         params = list(gate.parameters())

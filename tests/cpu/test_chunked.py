@@ -1,0 +1,131 @@
+"""The reference pipeline's exchange in chunks, for groups that span nodes (pipelines/chunked.py).
+
+One host stands for several nodes with DS_COMET_RANKS_PER_NODE: the chunked layer must give what
+the whole exchange gives (outputs and every gradient), AutoEP's layer included, and its chunk
+bookkeeping must cover every row once.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+from deepspeed import comm as dist
+
+import ds_comet
+from ds_comet.pipelines.chunked import ChunkPlan, rule_chunks
+from ds_comet.pipelines.policy import RANKS_PER_NODE_VAR, node_name
+from tests.support.moe_helpers import make_expert, per_rank, reset_experts_
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7])
+def test_chunk_plan_covers_every_row_once(chunks):
+    rng = random.Random(chunks)
+    ep_size, num_local = 3, 4
+    send = [[rng.choice([0, 0, rng.randint(1, 9)]) for _ in range(num_local)] for _ in range(ep_size)]
+    recv = [[rng.choice([0, rng.randint(1, 9)]) for _ in range(num_local)] for _ in range(ep_size)]
+    plan = ChunkPlan(send, recv, chunks, torch.device("cpu"))
+    sent_rows = sum(map(sum, send))
+    assert sorted(torch.cat(plan.send_index).tolist()) == list(range(sent_rows))
+    for dest in range(ep_size):
+        assert sum(plan.send_splits[c][dest] for c in range(chunks)) == sum(send[dest])
+    for source in range(ep_size):
+        assert sum(plan.recv_splits[c][source] for c in range(chunks)) == sum(recv[source])
+    for l in range(num_local):
+        assert sum(plan.expert_rows[c][l] for c in range(chunks)) == sum(row[l] for row in recv)
+    for c in range(chunks):
+        # The chunk's received rows, labelled by (source, local expert), come out grouped by expert.
+        labels = []
+        for source, counts in enumerate(recv):
+            block = [l for l, n in enumerate(counts) for _ in range(n)]
+            lo, hi = sum(counts) * c // chunks, sum(counts) * (c + 1) // chunks
+            labels += [(l, source) for l in block[lo:hi]]
+        ordered = [labels[i] for i in plan.by_expert[c].tolist()]
+        assert ordered == sorted(labels, key=lambda label: label[0])
+        assert [ordered[i] for i in plan.by_source[c].tolist()] == labels
+        assert plan.expert_rows[c] == [sum(1 for l, _ in labels if l == e) for e in range(num_local)]
+
+
+def test_rule_and_node_names(monkeypatch):
+    assert rule_chunks(2, 512) == 2 and rule_chunks(8, 4096) == 8 and rule_chunks(2, 8192) == 4
+    monkeypatch.setenv(RANKS_PER_NODE_VAR, "2")
+    assert node_name(0) == node_name(1) != node_name(2)
+    monkeypatch.setenv(RANKS_PER_NODE_VAR, "two")
+    with pytest.raises(ValueError, match=RANKS_PER_NODE_VAR):
+        node_name(0)
+
+
+def chunked_case(seed, expert_kind, k, chunks, input_grad, tokens_per_rank):
+    """The same layer and tokens with and without declared node boundaries: equal results."""
+    import ds_comet.pipelines.reference as reference
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results, chunked_calls = {}, []
+    chunked_experts = reference.chunked_experts
+    reference.chunked_experts = lambda *args: chunked_calls.append(args[3]) or chunked_experts(*args)
+    for per_node in (None, "1"):
+        if per_node is None:
+            os.environ.pop(RANKS_PER_NODE_VAR, None)
+        else:
+            os.environ[RANKS_PER_NODE_VAR] = per_node
+        try:
+            torch.manual_seed(seed)
+            moe = {"backend": "comet", "overlap": "none", "internode_chunks": chunks}
+            layer = ds_comet.MoE(24, make_expert(expert_kind, 24, 40), num_experts=3 * world, ep_size=world, k=k,
+                                 drop_tokens=False, config={"moe": moe})
+            layer.set_deepspeed_parallelism()
+            reset_experts_(layer, seed)
+            generator = torch.Generator().manual_seed(seed * 7 + rank)
+            tokens = torch.randn(1, per_rank(tokens_per_rank, rank), 24, generator=generator)
+            tokens.requires_grad_(input_grad)
+            grad_out = torch.randn(tokens.shape, generator=generator)
+            torch.manual_seed(seed + 1)
+            out, l_aux, _ = layer(tokens)
+            torch.autograd.backward([out, l_aux], [grad_out, torch.tensor(0.01)])
+            results[per_node] = dict(out=out.detach(), input=tokens.grad,
+                                     **{name: p.grad for name, p in layer.named_parameters()},
+                                     chunks=layer.deepspeed_moe.pipelines.reference.chunks)
+        finally:
+            os.environ.pop(RANKS_PER_NODE_VAR, None)
+    reference.chunked_experts = chunked_experts
+    whole, chunked = results[None], results["1"]
+    assert len(chunked_calls) == 1, chunked_calls  # the declared nodes' call, not the whole one
+    assert whole.pop("chunks") == 1
+    assert chunked.pop("chunks") == (chunks or rule_chunks(k, max(tokens_per_rank))), "declared nodes, chunks"
+    for name, value in whole.items():
+        if value is None:
+            assert chunked[name] is None, name
+        else:
+            torch.testing.assert_close(chunked[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("expert_kind,k,chunks,input_grad,tokens_per_rank", [
+    ("gelu", 2, 3, True, (40, 17)),
+    ("swiglu", 3, None, True, (33, 0)),
+    ("gelu", 1, 5, False, (9, 30)),
+], ids=["gelu-k2-3chunks", "swiglu-k3-rule-empty-rank", "k1-5chunks-no-input-grad"])
+def test_chunked_exchange_equals_the_whole_one(cpu_pool, expert_kind, k, chunks, input_grad, tokens_per_rank):
+    cpu_pool.run(chunked_case, seed=torch.randint(1, 10**6, ()).item(), expert_kind=expert_kind, k=k, chunks=chunks,
+                 input_grad=input_grad, tokens_per_rank=tokens_per_rank)
+
+
+def autoep_chunked_case(seed):
+    """AutoEP on ds_comet across declared nodes (one rank a node) against AutoEP itself."""
+    import ds_comet.pipelines.reference as reference
+    from tests.support.autoep_models import gradients_case
+    chunked_experts, calls = reference.chunked_experts, []
+    reference.chunked_experts = lambda *args: calls.append(args[3]) or chunked_experts(*args)
+    os.environ[RANKS_PER_NODE_VAR] = "1"
+    try:
+        result = gradients_case("mixtral", seed)
+    finally:
+        os.environ.pop(RANKS_PER_NODE_VAR, None)
+        reference.chunked_experts = chunked_experts
+    assert calls and all(chunks > 1 for chunks in calls), calls
+    return result
+
+
+def test_autoep_layers_across_declared_nodes_match_autoep(cpu_pool):
+    pytest.importorskip("transformers")
+    for errors, loss_diff, _ in cpu_pool.run(autoep_chunked_case, seed=torch.randint(1, 10**6, ()).item()):
+        worst = max(errors.items(), key=lambda item: item[1]["comet_vs_autoep"])
+        assert worst[1]["comet_vs_autoep"] < 1e-5 and loss_diff < 1e-5, (worst, loss_diff)
