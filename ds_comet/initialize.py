@@ -16,6 +16,7 @@ layers is a warning (an error under ``"overlap": "fused"``).
 """
 
 import functools
+import logging
 from typing import List
 
 import deepspeed
@@ -32,7 +33,13 @@ def initialize(*args, **kwargs):
     engine, *rest = deepspeed.initialize(*args, **kwargs)
     # The engine's DeepSpeedConfig holds the parsed ds_config however it was given (dict, path, args).
     config = moe_config_from(engine._config)
-    convert_moe_layers(engine.module, config)
+    converted = convert_moe_layers(engine.module, config)
+    section = (getattr(engine._config, "_param_dict", None) or {}).get("expert_parallel") or {}
+    if converted and section.get("enabled"):
+        from .integrations.autoep.layer import replaced_keys_message
+        message = replaced_keys_message(section)
+        if message is not None:
+            log_dist(message, ranks=[0], level=logging.WARNING)
     return (engine, *rest)
 
 

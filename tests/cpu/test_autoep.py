@@ -38,3 +38,21 @@ def test_zero2_training_steps_match_autoep(cpu_pool, preset):
 def test_checkpoints_resume_across_backends(cpu_pool, tmp_path, first, second):
     cpu_pool.run(checkpoint_case, preset="mixtral", seed=_seed(), save_dir=str(tmp_path / "ckpt"), first=first,
                  second=second)
+
+
+def test_autoep_keys_the_comet_backend_replaces_are_named():
+    from ds_comet.integrations.autoep.layer import REPLACED_KEYS, replaced_keys_message
+    assert replaced_keys_message({"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}) is None
+    message = replaced_keys_message({"enabled": True, "combine_impl": "weighted_sum", "comm_max_tokens_per_rank": 8192})
+    assert "combine_impl (the combine)" in message and "max_tokens_per_rank" in message, message
+    assert "use_grouped_mm" not in message
+    assert set(REPLACED_KEYS) <= set(_autoep_section_keys())
+
+
+def _autoep_section_keys():
+    """The keys DeepSpeed's AutoEP parser reads, from its source (so a renamed key fails here)."""
+    import inspect
+    import re
+
+    from deepspeed.module_inject import auto_ep_config
+    return set(re.findall(r'param_dict\.get\("(\w+)"', inspect.getsource(auto_ep_config.parse_autoep_config)))

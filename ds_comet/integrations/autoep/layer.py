@@ -10,6 +10,8 @@ attributes, the checkpoint format, shared experts and the router-logits outputs.
 turns every ``AutoEPMoELayer`` of the model into one when the ``"moe"`` section says ``"comet"``.
 """
 
+from typing import Optional
+
 import torch
 from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer, RouterOutput
 from torch import Tensor
@@ -17,6 +19,26 @@ from torch import Tensor
 from ...config import CometMoEConfig
 from ...pipelines.expert_weights import StackedExperts
 from ...pipelines.selection import LayerSpec, PipelineSelection
+
+
+# "expert_parallel" keys that choose how AutoEP itself exchanges rows, runs the experts or combines:
+# the comet backend replaces those parts, so they do nothing under it. What stands in for each.
+REPLACED_KEYS = {
+    "use_grouped_mm": "the experts' GEMMs", "disable_triton_grouped_mm": "the experts' GEMMs",
+    "gate_up_impl": "the experts' GEMMs", "combine_impl": "the combine", "row_weighting_impl": "the combine",
+    "async_split_plan": "the exchange", "comm_qp_margin": "the exchange",
+    "comm_num_sm": "the exchange (\"moe\": {\"comm_blocks\"} sets the fused dispatch's SMs)",
+    "comm_max_tokens_per_rank": "the exchange (\"moe\": {\"max_tokens_per_rank\"} sizes the fused workspace)",
+}
+
+
+def replaced_keys_message(section: dict) -> Optional[str]:
+    """What to tell a user whose "expert_parallel" section sets keys the comet backend makes moot."""
+    found = [f"{key} ({REPLACED_KEYS[key]})" for key in REPLACED_KEYS if key in section]
+    if not found:
+        return None
+    return ("ds_comet: these \"expert_parallel\" keys choose parts of AutoEP's layer that the comet backend "
+            "replaces, so they take no effect: " + "; ".join(found))
 
 
 def _layer_spec(layer: AutoEPMoELayer) -> LayerSpec:
