@@ -33,6 +33,29 @@ ACTIVATIONS = {
 }
 
 
+# Modules whose output for one row depends on the other rows of the batch. ds_comet gives each
+# expert exactly its routed rows; stock DeepSpeed gives it a capacity buffer padded with zero rows;
+# so an expert holding one of these would compute something else under each, with no error.
+ROW_MIXING_MODULES = (nn.modules.batchnorm._BatchNorm, nn.MultiheadAttention, nn.TransformerEncoderLayer,
+                      nn.TransformerDecoderLayer, nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer)
+
+
+def row_mixing_reason(expert: nn.Module) -> Optional[str]:
+    """Why ``expert`` is not row-wise, as far as its submodules tell, or None.
+
+    Only the modules above are recognised; a custom ``forward`` that mixes rows cannot be seen
+    here, and stays the user's contract (docs/configuration.md)."""
+    for name, module in expert.named_modules():
+        if isinstance(module, ROW_MIXING_MODULES):
+            where = f"its submodule {name!r}" if name else "it"
+            return (f"the expert {type(expert).__name__} is not row-wise: {where} ({type(module).__name__}) makes "
+                    "a row's output depend on the other rows of the batch. ds_comet's pipelines give each expert "
+                    "only its routed rows and stock DeepSpeed a zero-padded capacity buffer, so the two would "
+                    "compute different numbers; use a row-wise module (LayerNorm rather than BatchNorm), or "
+                    "\"moe\": {\"backend\": \"deepspeed\"} to keep stock's behaviour")
+    return None
+
+
 def _activation(name: str):
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported; choose one of {', '.join(ACTIVATIONS)}")

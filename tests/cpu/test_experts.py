@@ -99,3 +99,27 @@ def test_an_expert_whose_output_width_is_wrong_is_named():
     layer = ds_comet.MoE(16, WrongWidth(16), num_experts=2, k=1, config={"moe": {"backend": "comet"}})
     with pytest.raises(ValueError, match="an expert maps rows of 16 features to \\[13\\]"):
         layer(torch.randn(1, 8, 16))
+
+
+class _NormalisedExpert(torch.nn.Module):
+    def __init__(self, hidden, norm):
+        super().__init__()
+        self.norm = norm
+        self.fc = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+@pytest.mark.parametrize("norm,refused", [(torch.nn.BatchNorm1d(16), True), (torch.nn.LayerNorm(16), False)],
+                         ids=["batchnorm", "layernorm"])
+def test_an_expert_that_mixes_rows_is_refused_by_name(norm, refused):
+    # BatchNorm in training makes a row's output depend on the batch: ds_comet gives an expert its
+    # routed rows, stock its zero-padded capacity buffer; the two would differ without a word.
+    expert = _NormalisedExpert(16, norm)
+    build = lambda: ds_comet.MoE(16, expert, num_experts=2, k=1, config={"moe": {"backend": "comet"}})
+    if refused:
+        with pytest.raises(ValueError, match=r"not row-wise: its submodule 'norm' \(BatchNorm1d\).*LayerNorm"):
+            build()
+    else:
+        build()

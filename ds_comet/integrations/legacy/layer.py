@@ -16,6 +16,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import Tensor
 
 from ...config import CometMoEConfig, moe_config_from
+from ...experts import row_mixing_reason
 from ...pipelines.expert_weights import ModuleExperts
 from ...pipelines.parameters import max_received_rows
 from ...pipelines.selection import LayerSpec, PipelineSelection
@@ -57,6 +58,9 @@ class CometMOELayer(MOELayer):
         if layer.ep_group is not None:
             _refuse_tensor_parallel()
         # Everything that can refuse runs before the class changes: a refused layer stays stock's.
+        reason = row_mixing_reason(layer.experts.deepspeed_experts[0])
+        if reason is not None:
+            raise ValueError(reason)
         pipelines = PipelineSelection(_layer_spec(layer), ModuleExperts(layer.experts, layer.experts.deepspeed_experts),
                                       config)
         pipelines.check_structure(layer.gate.wg.weight.shape[1])
