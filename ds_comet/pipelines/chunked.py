@@ -17,6 +17,10 @@ so the outputs are the whole exchange's (up to the GEMM's rounding for other row
 The bookkeeping (which rows go in which chunk) is made on the host from the counts the call reads
 back anyway, and copied to the device once through pinned memory: no further host sync, which
 would stall the host until the device caught up and serialise the chunks again.
+
+The experts are called once per chunk, so hooks on them (which keep a layer off the fused
+pipeline) fire once per chunk, each time on part of the rows; gradients reach the parameters the
+experts hold (``LocalExperts.parameters``), not tensors an expert reads from elsewhere.
 """
 
 from typing import List, Optional, Sequence
@@ -111,10 +115,11 @@ def _dispatch_experts_return(plan: ChunkPlan, experts: LocalExperts, group, sent
             rows = received[c].index_select(0, plan.by_expert[c]).requires_grad_(track and sent.requires_grad)
             out = experts.run(rows, plan.expert_rows[c])
         graphs.append((rows, out))
-        returned.append(sent.new_empty((sum(plan.send_splits[c]), hidden)))
+        # In the experts' dtype, which autocast may make other than the rows'.
+        returned.append(out.new_empty((sum(plan.send_splits[c]), hidden)))
         returns.append(_post(returned[c], out.detach().index_select(0, plan.by_source[c]), plan.send_splits[c],
                              plan.recv_splits[c], group))
-    outputs = sent.new_empty(sent.shape)
+    outputs = returned[0].new_empty(sent.shape)
     for c in range(plan.chunks):
         returns[c].wait()
         outputs.index_copy_(0, plan.send_index[c], returned[c])
@@ -133,44 +138,48 @@ class ChunkedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: ChunkPlan, experts: LocalExperts, group, sent: Tensor, *params: Tensor) -> Tensor:
         outputs, ctx.graphs = _dispatch_experts_return(plan, experts, group, sent, track=True)
-        ctx.plan, ctx.group, ctx.params = plan, group, params
+        ctx.plan, ctx.group, ctx.params, ctx.sent_dtype = plan, group, params, sent.dtype
         return outputs
 
     @staticmethod
     def backward(ctx, grad_outputs: Tensor):
-        plan, group, params = ctx.plan, ctx.group, ctx.params
+        if ctx.graphs is None:
+            raise RuntimeError("the chunked MoE exchange's backward runs once per forward: its experts' graphs are "
+                               "freed as it goes (retain_graph=True needs \"moe\": {\"internode_chunks\": 1})")
+        plan, group = ctx.plan, ctx.group
+        wanted_params = ctx.needs_input_grad[4:]
+        params = [p for p, wanted in zip(ctx.params, wanted_params) if wanted]
         hidden = grad_outputs.shape[1]
         grad_outputs = grad_outputs.contiguous()
         grad_returned = [grad_outputs.new_empty((sum(plan.recv_splits[c]), hidden)) for c in range(plan.chunks)]
         # The return's gradient goes back to the experts' ranks, every chunk posted at once.
         arrivals = [_post(grad_returned[c], grad_outputs.index_select(0, plan.send_index[c]), plan.recv_splits[c],
                           plan.send_splits[c], group) for c in range(plan.chunks)]
-        wanted = [p for p in params if p.requires_grad]
-        param_grads: List[Optional[Tensor]] = [None] * len(wanted)
+        param_grads: List[Optional[Tensor]] = [None] * len(params)
         grad_sent_parts, departures = [], []
         for c in range(plan.chunks):
             arrivals[c].wait()
             rows, out = ctx.graphs[c]
-            inputs = ([rows] if rows.requires_grad else []) + wanted
+            inputs = ([rows] if rows.requires_grad else []) + params
             grads = list(torch.autograd.grad(out, inputs, grad_returned[c].index_select(0, plan.by_expert[c]),
                                              allow_unused=True)) if inputs else []
             if rows.requires_grad:
                 grad_received = grads.pop(0).index_select(0, plan.by_source[c])
             else:
-                grad_received = grad_outputs.new_zeros((sum(plan.recv_splits[c]), hidden))
-            for i, grad in enumerate(grads):
+                grad_received = grad_outputs.new_zeros((sum(plan.recv_splits[c]), hidden), dtype=ctx.sent_dtype)
+            for i, grad in enumerate(grads):  # summed over the chunks in fp32, rounded once
                 if grad is not None:
-                    param_grads[i] = grad if param_grads[i] is None else param_grads[i] + grad
-            grad_sent_parts.append(grad_outputs.new_empty((sum(plan.send_splits[c]), hidden)))
+                    param_grads[i] = grad.float() if param_grads[i] is None else param_grads[i] + grad
+            grad_sent_parts.append(grad_outputs.new_empty((sum(plan.send_splits[c]), hidden), dtype=ctx.sent_dtype))
             departures.append(_post(grad_sent_parts[c], grad_received, plan.send_splits[c], plan.recv_splits[c],
                                     group))
-        grad_sent = grad_outputs.new_empty(grad_outputs.shape)
+        grad_sent = grad_outputs.new_empty(grad_outputs.shape, dtype=ctx.sent_dtype)
         for c in range(plan.chunks):
             departures[c].wait()
             grad_sent.index_copy_(0, plan.send_index[c], grad_sent_parts[c])
         ctx.graphs = None
-        found = iter(param_grads)
-        return (None, None, None, grad_sent, *[next(found) if p.requires_grad else None for p in params])
+        found = iter(None if grad is None else grad.to(p.dtype) for grad, p in zip(param_grads, params))
+        return (None, None, None, grad_sent, *[next(found) if wanted else None for wanted in wanted_params])
 
 
 # Eager under torch.compile, as the whole exchange is (reference.py): collectives and host bookkeeping.

@@ -206,7 +206,9 @@ class StackedExperts(LocalExperts):
         self.num_local = grouped.w1.shape[0]
 
     def run(self, rows, counts):
-        counts = torch.tensor(list(counts), dtype=torch.int64, device=rows.device)
+        counts = torch.tensor(list(counts), dtype=torch.int64)
+        if rows.is_cuda:  # through pinned memory: a pageable copy would wait for the device
+            counts = counts.pin_memory().to(rows.device, non_blocking=True)
         return self.grouped(rows, counts)
 
     def parameters(self):

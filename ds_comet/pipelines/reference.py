@@ -145,20 +145,35 @@ class ReferencePipeline:
 
         Every rank reaches this exchange once per call, so a peer that stopped calling the layer
         (it raised, returned early or was stopped) is noticed here. The call already reads the
-        counts back to the host, so the bounded wait adds no host sync.
+        counts back to the host, so the bounded wait adds no host sync. On CUDA the wait also
+        covers the work queued before the exchange, as that read-back does.
         """
         received = torch.empty_like(send_counts)
-        work = dist.all_to_all_single(received, send_counts, group=self.group, async_op=True)
         start = time.monotonic()
+        work = dist.all_to_all_single(received, send_counts, group=self.group, async_op=True)
+        if received.is_cuda:
+            # The stream waits for the exchange and the host polls an event after it: NCCL's own
+            # wait with a timeout polls in sleeps of milliseconds, on every call of every layer.
+            work.wait()
+            done = torch.cuda.Event()
+            done.record()
+            while not done.query():
+                if time.monotonic() - start > self.wait_timeout_s:
+                    self._timed_out(time.monotonic() - start, None)
+                time.sleep(20e-6)
+            return received
         try:
             work.wait(timeout=timedelta(seconds=self.wait_timeout_s))
         except RuntimeError as error:
             waited = time.monotonic() - start
             if waited < self.wait_timeout_s:
                 raise  # not the bound: the collective itself failed (a peer's process ended, say)
-            raise CometWaitTimeout(
-                f"ds_comet: {self.layer_name}: rank {dist.get_rank(group=self.group)} waited {waited:.1f} s for the "
-                f"expert counts of the other ranks of its expert-parallel group (the reference pipeline's first "
-                f"exchange of a call); a rank stopped calling the layer or fell behind (raise \"moe\": "
-                f"{{\"wait_timeout_s\"}} if it is only slow)") from error
+            self._timed_out(waited, error)
         return received
+
+    def _timed_out(self, waited: float, error: Optional[BaseException]):
+        raise CometWaitTimeout(
+            f"ds_comet: {self.layer_name}: rank {dist.get_rank(group=self.group)} waited {waited:.1f} s for the "
+            f"expert counts of the other ranks of its expert-parallel group (the reference pipeline's first "
+            f"exchange of a call); a rank stopped calling the layer or fell behind (raise \"moe\": "
+            f"{{\"wait_timeout_s\"}} if it is only slow). The exchange stays posted: restart the job") from error

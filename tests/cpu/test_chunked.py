@@ -55,13 +55,35 @@ def test_rule_and_node_names(monkeypatch):
         node_name(0)
 
 
-def chunked_case(seed, expert_kind, k, chunks, input_grad, tokens_per_rank):
+def chunked_case(seed, expert_kind, k, chunks, input_grad, tokens_per_rank, autocast=False):
     """The same layer and tokens with and without declared node boundaries: equal results."""
     import ds_comet.pipelines.reference as reference
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results, chunked_calls = {}, []
+    chunked_calls = []
     chunked_experts = reference.chunked_experts
     reference.chunked_experts = lambda *args: chunked_calls.append(args[3]) or chunked_experts(*args)
+    try:
+        results = _with_and_without_nodes(seed, expert_kind, k, chunks, input_grad, tokens_per_rank, autocast)
+    finally:
+        reference.chunked_experts = chunked_experts
+    whole, chunked = results[None], results["1"]
+    assert len(chunked_calls) == 1, chunked_calls  # the declared nodes' call, not the whole one
+    assert whole.pop("chunks") == 1
+    assert chunked.pop("chunks") == (chunks or rule_chunks(k, max(tokens_per_rank))), "declared nodes, chunks"
+    for name, value in whole.items():
+        if value is None:
+            assert chunked[name] is None, name
+        elif autocast:
+            # The experts' bf16 GEMMs round once per call, and the chunks call them on fewer rows: a
+            # weight gradient is then a sum of rounded parts. Held to bf16's bound, as a whole.
+            distance = ((chunked[name].double() - value.double()).norm() / value.double().norm().clamp_min(1e-30))
+            assert distance < 2e-2, (name, seed, distance.item())
+        else:
+            torch.testing.assert_close(chunked[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} (seed {seed})")
+
+
+def _with_and_without_nodes(seed, expert_kind, k, chunks, input_grad, tokens_per_rank, autocast=False):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
     for per_node in (None, "1"):
         if per_node is None:
             os.environ.pop(RANKS_PER_NODE_VAR, None)
@@ -79,33 +101,27 @@ def chunked_case(seed, expert_kind, k, chunks, input_grad, tokens_per_rank):
             tokens.requires_grad_(input_grad)
             grad_out = torch.randn(tokens.shape, generator=generator)
             torch.manual_seed(seed + 1)
-            out, l_aux, _ = layer(tokens)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out, l_aux, _ = layer(tokens)
             torch.autograd.backward([out, l_aux], [grad_out, torch.tensor(0.01)])
             results[per_node] = dict(out=out.detach(), input=tokens.grad,
                                      **{name: p.grad for name, p in layer.named_parameters()},
                                      chunks=layer.deepspeed_moe.pipelines.reference.chunks)
         finally:
             os.environ.pop(RANKS_PER_NODE_VAR, None)
-    reference.chunked_experts = chunked_experts
-    whole, chunked = results[None], results["1"]
-    assert len(chunked_calls) == 1, chunked_calls  # the declared nodes' call, not the whole one
-    assert whole.pop("chunks") == 1
-    assert chunked.pop("chunks") == (chunks or rule_chunks(k, max(tokens_per_rank))), "declared nodes, chunks"
-    for name, value in whole.items():
-        if value is None:
-            assert chunked[name] is None, name
-        else:
-            torch.testing.assert_close(chunked[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    return results
 
 
-@pytest.mark.parametrize("expert_kind,k,chunks,input_grad,tokens_per_rank", [
-    ("gelu", 2, 3, True, (40, 17)),
-    ("swiglu", 3, None, True, (33, 0)),
-    ("gelu", 1, 5, False, (9, 30)),
-], ids=["gelu-k2-3chunks", "swiglu-k3-rule-empty-rank", "k1-5chunks-no-input-grad"])
-def test_chunked_exchange_equals_the_whole_one(cpu_pool, expert_kind, k, chunks, input_grad, tokens_per_rank):
+@pytest.mark.parametrize("expert_kind,k,chunks,input_grad,tokens_per_rank,autocast", [
+    ("gelu", 2, 3, True, (40, 17), False),
+    ("swiglu", 3, None, True, (33, 0), False),
+    ("gelu", 1, 5, False, (9, 30), False),
+    ("swiglu", 2, 3, True, (40, 25), True),
+], ids=["gelu-k2-3chunks", "swiglu-k3-rule-empty-rank", "k1-5chunks-no-input-grad", "bf16-autocast"])
+def test_chunked_exchange_equals_the_whole_one(cpu_pool, expert_kind, k, chunks, input_grad, tokens_per_rank,
+                                               autocast):
     cpu_pool.run(chunked_case, seed=torch.randint(1, 10**6, ()).item(), expert_kind=expert_kind, k=k, chunks=chunks,
-                 input_grad=input_grad, tokens_per_rank=tokens_per_rank)
+                 input_grad=input_grad, tokens_per_rank=tokens_per_rank, autocast=autocast)
 
 
 def autoep_chunked_case(seed):

@@ -369,17 +369,24 @@ def test_hooked_gate_without_dropping_keeps_the_fast_path(k, forward_calls, monk
     # Stock's forward without dropping all-reduces a capacity the fast path skips. Hooks need not be
     # alike on every rank (DeepSpeed's flops profiler hooks rank 0 at one step), so a hooked gate
     # must not fall back there: its peers would not join that all-reduce. Its hooks are skipped.
+    # Hooks the gate has from its first call (registered before training, alike on every rank)
+    # still run, through stock's forward.
     warned = []
     monkeypatch.setattr(gate_module.logger, "warning", lambda message, *args: warned.append(message % args))
     gate = make_gate(k=k, drop_tokens=False)
-    gate.register_forward_hook(lambda module, args, output: None)
     tokens = make_tokens(gate, 57, seed=2)
     expected = run_gate(stock_routes, gate, tokens, None, seed=4, mix_seed=8)
+    assert_bitwise_equal(run_gate(gate_routes, gate, tokens, None, seed=4, mix_seed=8), expected)
+    gate.register_forward_hook(lambda module, args, output: None)
     for _ in range(2):
-        actual = run_gate(gate_routes, gate, tokens, None, seed=4, mix_seed=8)
-        assert_bitwise_equal(actual, expected)
+        assert_bitwise_equal(run_gate(gate_routes, gate, tokens, None, seed=4, mix_seed=8), expected)
     assert len(forward_calls) == 1  # stock's own call only
     assert len(warned) == 1 and f"top-{k} gate without dropping" in warned[0] and "skipped" in warned[0], warned
+    hooked_from_the_start = make_gate(k=k, drop_tokens=False)
+    hooked_from_the_start.register_forward_hook(lambda module, args, output: None)
+    run_gate(gate_routes, hooked_from_the_start, make_tokens(hooked_from_the_start, 40, seed=3), None, seed=4,
+             mix_seed=8)
+    assert len(forward_calls) == 2 and len(warned) == 1  # through stock's forward, which runs the hooks
 
 
 def test_global_hook_falls_back(forward_calls):

@@ -11,7 +11,8 @@ from tests.support.soak import soak_rank, summarize
 
 
 def test_random_reference_calls_match_float64(cpu_pool):
-    report = summarize(cpu_pool.run(soak_rank, seed=torch.randint(1, 10**6, ()).item(), calls=15))
-    assert report["calls"] == 15 and report["cases"] >= 3, report
-    assert report["mismatches"] == 0 and report["hangs"] == 0, report
-    assert report["worst"]["output vs float64"] < 1e-5, report
+    seed = torch.randint(1, 10**6, ()).item()
+    report = summarize(cpu_pool.run(soak_rank, seed=seed, calls=15))
+    assert report["calls"] == 15 and report["cases"] >= 3, (seed, report)
+    assert report["mismatches"] == 0 and report["hangs"] == 0, (seed, report)
+    assert report["worst"]["output vs float64"] < 1e-5, (seed, report)

@@ -39,6 +39,7 @@ from ...pipelines.policy import GLOBAL_HOOKS, MODULE_HOOKS
 
 _capacities: Dict[tuple, int] = {}
 _warned_hooks = weakref.WeakSet()  # gates whose skipped hooks were reported
+_hooked_at_first_call = weakref.WeakKeyDictionary()  # gate -> whether it had hooks when first called
 _expert_ids: Dict[tuple, Tensor] = {}
 # The top-2 kernel repeats this function's arithmetic; a replaced one is called as it is.
 _STOCK_GUMBEL = ds.gumbel_rsample
@@ -83,11 +84,14 @@ def _reproducible(gate, tokens: Tensor) -> bool:
         return False
     hooked = any(getattr(gate, name, None) for name in MODULE_HOOKS) or \
         any(getattr(nn_module, name, None) for name in GLOBAL_HOOKS)
+    first_call_hooked = _hooked_at_first_call.setdefault(gate, hooked)
     # Hooks need not be alike on every rank (DeepSpeed's flops profiler hooks rank 0's modules at
     # one step). Stock's forward runs them, but for top-2 and top-k without dropping it also
     # all-reduces a capacity the fast path skips: there one hooked rank falling back would pair its
-    # peers' next collectives wrongly, so the hooks are skipped, with a warning, instead.
-    hooks_skipped = gate.k >= 2 and not gate.drop_tokens
+    # peers' next collectives wrongly. Hooks the gate had from its first call (registered before
+    # training, as on every rank of an SPMD job) still send it to stock's forward; hooks that
+    # appear later are skipped there, with a warning.
+    hooks_skipped = hooked and gate.k >= 2 and not gate.drop_tokens and not first_call_hooked
     if hooked and not hooks_skipped:
         return False
     if (ds.top1gating, ds.top2gating, ds.topkgating) != _STOCK_GATINGS:
@@ -105,7 +109,7 @@ def _reproducible(gate, tokens: Tensor) -> bool:
     # a collective and a host read that only stock's own code should decide on.
     if gate.k == 1 and not gate.drop_tokens:
         return False
-    if hooked:
+    if hooks_skipped:
         _warn_skipped_hooks(gate)
     return True
 
@@ -114,10 +118,11 @@ def _warn_skipped_hooks(gate) -> None:
     if gate in _warned_hooks:
         return
     _warned_hooks.add(gate)
-    logger.warning("ds_comet: hooks on a top-%d gate without dropping (or global module hooks) are skipped: stock's "
-                   "forward, which would run them, all-reduces a capacity over the expert-parallel group that "
-                   "the ranks without hooks do not, so calling it on this rank alone would mismatch their next "
-                   "collectives. Set \"moe\": {\"backend\": \"deepspeed\"} to run them", gate.k)
+    logger.warning("ds_comet: hooks that appeared on a top-%d gate without dropping (or global module hooks) "
+                   "after its first call are skipped: stock's forward, which would run them, all-reduces a "
+                   "capacity over the expert-parallel group that ranks without the hooks do not, so calling it on "
+                   "this rank alone would mismatch their next collectives. Register them before the first call, "
+                   "or set \"moe\": {\"backend\": \"deepspeed\"}, to run them", gate.k)
 
 
 def _capacity(gates: Tensor, factor: float, min_capacity: int) -> int:
