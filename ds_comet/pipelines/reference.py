@@ -151,7 +151,7 @@ class ReferencePipeline:
         received = torch.empty_like(send_counts)
         start = time.monotonic()
         work = dist.all_to_all_single(received, send_counts, group=self.group, async_op=True)
-        if received.is_cuda:
+        if received.is_cuda and torch.distributed.get_backend(self.group) == "nccl":
             # The stream waits for the exchange and the host polls an event after it: NCCL's own
             # wait with a timeout polls in sleeps of milliseconds, on every call of every layer.
             work.wait()
