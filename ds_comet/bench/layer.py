@@ -36,7 +36,7 @@ from ds_comet.bench.common import build, expert_ffn, grouped_ffn, peak_mib, time
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
 from ds_comet.pipelines.fused import FusedPipeline, no_rows, no_scale
-from ds_comet.pipelines.routing import RoutingPlan, plan_routes_cuda
+from ds_comet.pipelines.routing import RoutingPlan, plan_routes_cuda, remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
 AUTOEP_PIPELINES = ("autoep", "autoep_comet")
@@ -174,6 +174,10 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
         _, _, indices, gates, _ = gate_routes(gate, x[0], op=op)
         results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts), args.iters, args.warmup)
         plan = plan_routes_cuda(op, indices, experts)
+        # What crosses the links in each of the four exchanges of a training step, from this rank.
+        route_rows, once_rows = remote_rows(indices, experts, ep_size, dist.get_rank())
+        results["sent_mb_per_route"] = route_rows * hidden * x.element_size() / 1e6
+        results["sent_mb_once_per_rank"] = once_rows * hidden * x.element_size() / 1e6
         results["comm_blocks"] = pipeline.params.comm_blocks
         results["combine_blocks"] = pipeline.params.combine_blocks
         for part, launch in fused_phases(pipeline, x[0], plan, gates.float()).items():
@@ -255,6 +259,10 @@ def report(all_results, out_dir):
     for name, results in all_results.items():
         lines.append(name.ljust(28) + "".join(f"{results[c]:12.3f}" for c in columns))
     print("forward: times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
+    lines = [f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
+             f"{r['sent_mb_per_route'] / max(r['sent_mb_once_per_rank'], 1e-9):10.2f}" for name, r in all_results.items()]
+    print("MB one rank sends to the others per exchange (max over ranks): route by route, once per (token, rank), "
+          "their ratio\n" + "\n".join(lines), flush=True)
     autoep_rows = {name: results for name, results in all_results.items() if "autoep" in results}
     if autoep_rows:
         columns = (("AutoEP", "autoep"), ("AutoEP+comet", "autoep_comet"), ("AutoEP/comet", "autoep_over_comet"),

@@ -83,3 +83,18 @@ def expert_major_order(received_counts: Tensor) -> Tensor:
     local_expert = torch.arange(num_local, device=received_counts.device).repeat(ep_size)
     expert_of_row = torch.repeat_interleave(local_expert, received_counts.reshape(-1))
     return torch.argsort(expert_of_row, stable=True)
+
+
+def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> Tuple[int, int]:
+    """Rows this rank's tokens send to other ranks of the group: one per kept route (what both
+    pipelines send today), and one per (token, destination rank) with a kept route there (what
+    sending each token once per rank would). ``indices`` as for ``plan_routes``. Reads the counts
+    back to the host: for benchmarks and reports, not for the layer's call."""
+    num_local = num_experts // ep_size
+    kept = (indices >= 0) & (indices < num_experts)
+    dest = torch.where(kept, indices.long() // num_local, torch.full_like(indices, ep_size, dtype=torch.long))
+    remote = kept & (dest != rank)
+    hit = torch.zeros(indices.shape[1], ep_size + 1, dtype=torch.bool, device=indices.device)
+    hit.scatter_(1, torch.where(remote, dest, torch.full_like(dest, ep_size)).t(), True)
+    return int(remote.sum()), int(hit[:, :ep_size].sum())
+

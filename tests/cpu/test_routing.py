@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ds_comet.pipelines.routing import expert_major_order, plan_routes
+from ds_comet.pipelines.routing import expert_major_order, plan_routes, remote_rows
 
 
 def random_routes(generator, top_k, num_tokens, num_experts, drop_fraction):
@@ -72,3 +72,14 @@ def test_plan_drops_ids_past_the_last_expert(past_the_end):
     got = plan_routes(torch.where(bad, torch.full_like(indices, num_experts + past_the_end), indices), num_experts)
     for field in ("route_order", "route_position", "expert_counts"):
         assert torch.equal(getattr(got, field), getattr(as_dropped, field)), field
+
+
+def test_remote_rows_count_routes_and_token_rank_pairs():
+    # 4 experts on 2 ranks (2 each), this rank is 0; columns are tokens, rows the top-k slots.
+    indices = torch.tensor([[0, 2, 3, -1, 1],
+                            [2, 3, 1, 2, 4]])  # 4 is past the last expert: dropped
+    route_rows, once_rows = remote_rows(indices, num_experts=4, ep_size=2, rank=0)
+    # Remote routes: token 0 -> 2; token 1 -> 2 and 3; token 2 -> 3; token 3 -> 2.
+    assert route_rows == 5
+    # Once per (token, rank 1): tokens 0, 1, 2, 3.
+    assert once_rows == 4
