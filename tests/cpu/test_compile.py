@@ -29,7 +29,7 @@ from deepspeed.moe import sharded_moe
 import ds_comet
 import ds_comet.integrations.legacy.gate
 from tests.support.dist_pool import cpu_world_size
-from tests.support.moe_helpers import assert_same_step, build_pair, make_expert, reset_experts_, run_step
+from tests.support.moe_helpers import assert_same_step, build_pair, make_expert, rel, reset_experts_, run_step
 
 HIDDEN, FFN = 24, 40
 P = cpu_world_size()
@@ -115,10 +115,6 @@ BF16_REL = 1e-2  # as tests/gpu/test_fused.py: bf16 outputs
 BF16_GRAD_REL = 2e-2  # gradients sum many bf16 products
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def fused_compile_case(seed, cuda_graph_gate, backend="aot_eager", hidden=512, ffn=1024, experts_per_rank=4, k=2,
                        tokens_per_rank=256, calls=3):
     """The fused layer compiled against its own eager calls, training steps (train-mode gate, fresh tokens)."""
@@ -165,7 +161,7 @@ def _fused_compile_step(layer, compiled, seed, call, rank, cuda_graph_gate, devi
     assert torch.equal(actual["exp_counts"], eager["exp_counts"]), "exp_counts"
     torch.testing.assert_close(actual["l_aux"], eager["l_aux"], rtol=1e-5, atol=1e-6, msg="l_aux")
     assert torch.isfinite(actual["output"]).all(), "the compiled output is not finite"
-    err = {"output": _rel(actual["output"], eager["output"])}
+    err = {"output": rel(actual["output"], eager["output"])}
     assert err["output"] < BF16_REL, err
     compared = [("input grad", actual["input_grad"], eager["input_grad"])]
     compared += [(name, actual["grads"][name], grad) for name, grad in eager["grads"].items()]
@@ -174,7 +170,7 @@ def _fused_compile_step(layer, compiled, seed, call, rank, cuda_graph_gate, devi
         assert (got is None) == (want is None), f"{what}: {got is None=} {want is None=}"
         if want is not None:
             assert torch.isfinite(got).all(), f"{what}: the compiled gradient is not finite"
-            err[what] = _rel(got, want)
+            err[what] = rel(got, want)
             assert err[what] < BF16_GRAD_REL, (what, err)
     return max(err.values())
 

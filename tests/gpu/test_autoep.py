@@ -7,7 +7,7 @@ from deepspeed import comm as dist
 
 import ds_comet
 from tests.support.autoep_models import PRESETS, gradients_case, training_case
-from tests.support.moe_helpers import MixtralStyleMLP
+from tests.support.moe_helpers import MixtralStyleMLP, rel
 
 BF16_REL = 2e-2
 
@@ -66,9 +66,6 @@ def user_expert_case(seed):
         results[overlap] = (out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()})
     assert layers["fused"].deepspeed_moe.pipelines.reason is None, layers["fused"].deepspeed_moe.pipelines.reason
     (out, grad, grads), (want, want_grad, want_grads) = results["fused"], results["none"]
-
-    def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
     worst = max([rel(out, want), rel(grad, want_grad)] + [rel(grads[n], g) for n, g in want_grads.items()])
     assert worst < 2 * BF16_REL, worst

@@ -22,14 +22,10 @@ from ds_comet.kernels.ops import CometWaitTimeout
 from ds_comet.pipelines.routing import plan_routes
 from tests.support.dist_pool import RANKS_PER_GPU_VAR, ranks_per_gpu
 from tests.support.layout_reference import reference_layout
-from tests.support.moe_helpers import make_expert, reset_experts_
+from tests.support.moe_helpers import make_expert, rel, reset_experts_
 
 BF16_REL = 1e-2  # bf16 operands and outputs against float64 (fp16 cases are held to the same bound)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _layers(seed, hidden, ffn, expert_kind, timeout_s=20.0, moe=None, dtype=torch.bfloat16, **moe_kwargs):
@@ -124,11 +120,11 @@ def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_k
 
             fused_out = outputs["fused"][0][0]
             assert torch.isfinite(fused_out).all(), "the fused output has NaN/inf: a row was read before written"
-            err = {name: _rel(out[0][0], expected) for name, out in outputs.items()}
+            err = {name: rel(out[0][0], expected) for name, out in outputs.items()}
             assert err["fused"] < BF16_REL, err
-            assert _rel(fused_out, outputs["reference"][0][0]) < 2 * BF16_REL, err
+            assert rel(fused_out, outputs["reference"][0][0]) < 2 * BF16_REL, err
             if stock_runs:
-                assert _rel(fused_out, outputs["stock"][0][0]) < 2 * BF16_REL, err
+                assert rel(fused_out, outputs["stock"][0][0]) < 2 * BF16_REL, err
                 assert torch.equal(outputs["fused"][1], outputs["stock"][1]), "l_aux"
                 assert torch.equal(outputs["fused"][2], outputs["stock"][2]), "exp_counts"
             no_route = (indices < 0).all(dim=0)
@@ -295,13 +291,13 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
     for what, grads in compared:
         assert all(g is not None for g in grads.values()), f"{what}: a pipeline left no gradient"
         exact = grads["exact"]
-        err = {name: _rel(g, exact) for name, g in grads.items() if name != "exact"}
+        err = {name: rel(g, exact) for name, g in grads.items() if name != "exact"}
         errors[what] = err
         assert torch.isfinite(grads["fused"]).all(), f"{what}: the fused gradient is not finite"
         assert err["fused"] < BF16_GRAD_REL, (what, err)
-        assert _rel(grads["fused"], grads["reference"]) < 2 * BF16_GRAD_REL, (what, err)
+        assert rel(grads["fused"], grads["reference"]) < 2 * BF16_GRAD_REL, (what, err)
         if "stock" in grads:
-            assert _rel(grads["fused"], grads["stock"]) < 2 * BF16_GRAD_REL, (what, err)
+            assert rel(grads["fused"], grads["stock"]) < 2 * BF16_GRAD_REL, (what, err)
     return max(e["fused"] for e in errors.values())
 
 
@@ -345,8 +341,8 @@ def autocast_case(seed, k, moe=None, dtype="bf16"):
     _fused_pipeline(layers["fused"])
     (out, l_aux, counts, grad), (want, want_l_aux, want_counts, want_grad) = results["fused"], results["stock"]
     assert torch.equal(l_aux, want_l_aux) and torch.equal(counts, want_counts)
-    assert _rel(out, want) < 2 * BF16_REL and _rel(grad, want_grad) < 2 * BF16_GRAD_REL, (_rel(out, want),
-                                                                                          _rel(grad, want_grad))
+    assert rel(out, want) < 2 * BF16_REL and rel(grad, want_grad) < 2 * BF16_GRAD_REL, (rel(out, want),
+                                                                                          rel(grad, want_grad))
 
 
 @pytest.mark.parametrize("k,moe,dtype", [(1, None, "bf16"), (2, None, "bf16"), (4, None, "bf16"),
@@ -392,10 +388,10 @@ def checkpoint_case(seed, use_reentrant, moe=None):
     for mode in ("checkpointed", "plain-again"):
         out, l_aux, grad, grads = results[mode]
         assert torch.equal(l_aux, want_l_aux), mode
-        assert _rel(out, want_out) < 1e-6 and _rel(grad, want_grad) < 1e-6, (mode, _rel(out, want_out),
-                                                                             _rel(grad, want_grad))
+        assert rel(out, want_out) < 1e-6 and rel(grad, want_grad) < 1e-6, (mode, rel(out, want_out),
+                                                                             rel(grad, want_grad))
         assert grads.keys() == want_grads.keys() and len(grads) > 2, (mode, sorted(grads))
-        worst = max(_rel(grads[name], want) for name, want in want_grads.items())
+        worst = max(rel(grads[name], want) for name, want in want_grads.items())
         assert worst < 1e-6, (mode, worst)
 
 
@@ -473,7 +469,7 @@ def zero2_case(seed, hidden=256, ffn=512, steps=2, precision="bf16", scale_power
     assert stock_state.keys() == comet_state.keys()
     for a, b in zip(stock_losses, comet_losses):
         assert abs(a - b) <= 2e-2 * abs(a), (stock_losses, comet_losses)
-    worst = max(_rel(comet_state[name], value) for name, value in stock_state.items())
+    worst = max(rel(comet_state[name], value) for name, value in stock_state.items())
     assert worst < BF16_GRAD_REL, worst
     return worst
 

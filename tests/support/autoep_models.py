@@ -8,6 +8,7 @@ import torch
 from deepspeed import comm as dist
 
 import ds_comet
+from tests.support.moe_helpers import rel
 
 PRESETS = ("mixtral", "qwen3_moe", "deepseek_v3")
 VOCAB = 64
@@ -68,10 +69,6 @@ def batch(seed: int, step: int, device):
 
 def comet_layers(engine):
     return [m for m in engine.module.modules() if type(m).__name__ == "CometAutoEPMoELayer"]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _forward_backward(preset: str, backend: str, seed: int, dtype: torch.dtype, overlap: str):

@@ -19,6 +19,11 @@ def per_rank(pattern, rank: int):
     return pattern[rank % len(pattern)]
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius distance of a from b, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
 def make_expert(kind: str, hidden: int, ffn: int) -> nn.Module:
     if kind == "gelu":
         return FeedForward(hidden, ffn, "gelu")

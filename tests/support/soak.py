@@ -37,12 +37,10 @@ import time
 
 import torch
 
+from tests.support.moe_helpers import rel
+
 TOLERANCES = {torch.bfloat16: (1e-2, 2e-2), torch.float16: (1e-2, 2e-2), torch.float32: (1e-5, 1e-4)}
 MAX_TOKENS = 384  # per rank; the fused workspace is sized for it up front
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def draw_case(rng: random.Random, ep_size: int, on_gpu: bool) -> dict:
@@ -133,7 +131,7 @@ def _compare(results: dict, dtype, check_gate: bool) -> dict:
         if not torch.isfinite(tested).all():
             failed.append(f"{what}: not finite")
             continue
-        from_exact, from_reference = _rel(tested, exact), _rel(tested, reference)
+        from_exact, from_reference = rel(tested, exact), rel(tested, reference)
         worst[f"{kind} vs float64"] = max(worst.get(f"{kind} vs float64", 0.0), from_exact)
         worst[f"{kind} vs reference"] = max(worst.get(f"{kind} vs reference", 0.0), from_reference)
         # The gate's gradient passes through its softmax, which skewed routing saturates: there it is
