@@ -30,15 +30,7 @@ from deepspeed import comm as dist
 from torch import Tensor
 
 from .expert_weights import LocalExperts
-
-
-def _exclusive_cumsum(values: Tensor) -> Tensor:
-    return values.cumsum(0) - values
-
-
-def _runs(starts: Tensor, lengths: Tensor) -> Tensor:
-    """The concatenation of ``arange(starts[i], starts[i] + lengths[i])`` over i."""
-    return torch.repeat_interleave(starts - _exclusive_cumsum(lengths), lengths) + torch.arange(int(lengths.sum()))
+from .routing import expert_major_order, host_to_device, runs
 
 
 def chunk_bounds_of(rows: Tensor, chunks: int) -> Tensor:
@@ -77,18 +69,9 @@ class ChunkPlan:
         block_starts = send.sum(1).cumsum(0) - send.sum(1)
         host = []
         for c in range(chunks):
-            host.append(_runs(block_starts + send_bounds[:, c], send_sizes[:, c]))
-            # The chunk's rows arrive source by source (each source's in local-expert order); the
-            # experts take them expert by expert (each expert's in source order).
-            by_source_counts = per_expert[:, c, :]  # [ep_size, num_local]
-            arrival_starts = _exclusive_cumsum(by_source_counts.reshape(-1)).view(ep_size, num_local)
-            expert_starts = _exclusive_cumsum(by_source_counts.t().reshape(-1)).view(num_local, ep_size)
-            host.append(_runs(arrival_starts.t().reshape(-1), by_source_counts.t().reshape(-1)))  # by_expert
-            host.append(_runs(expert_starts.t().reshape(-1), by_source_counts.reshape(-1)))  # by_source
-        packed = torch.cat(host).to(torch.int64)
-        if device.type == "cuda":
-            packed = packed.pin_memory().to(device, non_blocking=True)
-        parts = packed.split([t.numel() for t in host])
+            host.append(runs(block_starts + send_bounds[:, c], send_sizes[:, c]))
+            host += expert_major_order(per_expert[:, c, :])  # the chunk's rows, arrived and by expert
+        parts = host_to_device(torch.cat(host).to(torch.int64), device).split([t.numel() for t in host])
         self.send_index = list(parts[0::3])
         self.by_expert = list(parts[1::3])
         self.by_source = list(parts[2::3])

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..experts import FusedExpert, expert_tensors_reason, forward_mismatch, fused_expert, tensor_reason
+from .routing import host_to_device
 
 POINTER_NAMES = ("w1", "b1", "w3", "b3", "w2", "b2")  # each expert's row of the pointer tables
 
@@ -206,10 +207,7 @@ class StackedExperts(LocalExperts):
         self.num_local = grouped.w1.shape[0]
 
     def run(self, rows, counts):
-        counts = torch.tensor(list(counts), dtype=torch.int64)
-        if rows.is_cuda:  # through pinned memory: a pageable copy would wait for the device
-            counts = counts.pin_memory().to(rows.device, non_blocking=True)
-        return self.grouped(rows, counts)
+        return self.grouped(rows, host_to_device(torch.tensor(list(counts), dtype=torch.int64), rows.device))
 
     def parameters(self):
         return list(self.grouped.parameters())

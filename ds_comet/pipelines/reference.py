@@ -18,7 +18,7 @@ from ..kernels.ops import CometWaitTimeout
 from .chunked import chunked_experts
 from .expert_weights import LocalExperts
 from .policy import saved_tensor_hooks_active
-from .routing import RoutingPlan, expert_major_order, plan_routes
+from .routing import RoutingPlan, expert_major_order, host_to_device, plan_routes
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -50,12 +50,6 @@ def exchange(rows: Tensor, send_splits: List[int], recv_splits: List[int], group
     if ep_size == 1:
         return rows
     return _AllToAllV.apply(rows, send_splits, recv_splits, group)
-
-
-def inverse_permutation(permutation: Tensor) -> Tensor:
-    inverse = torch.empty_like(permutation)
-    inverse.scatter_(0, permutation, torch.arange(permutation.numel(), device=permutation.device))
-    return inverse
 
 
 def combine_routes(route_outputs: Tensor, plan: RoutingPlan, weights: Optional[Tensor]) -> Tensor:
@@ -130,10 +124,12 @@ class ReferencePipeline:
             outputs = chunked_experts(sent, send_matrix, recv_matrix, self.chunks, self.experts, self.group)
         else:
             received = exchange(sent, send_splits, recv_splits, self.group, ep_size)
-            by_expert = expert_major_order(received_counts)
+            by_expert, by_source = expert_major_order(torch.tensor(recv_matrix, dtype=torch.int64))
+            order = host_to_device(torch.cat([by_expert, by_source]), sent.device)
+            by_expert, by_source = order[:by_expert.numel()], order[by_expert.numel():]
             rows_per_expert = [sum(column) for column in zip(*recv_matrix)]
             expert_outputs = self.experts.run(received.index_select(0, by_expert), rows_per_expert)
-            returned = expert_outputs.index_select(0, inverse_permutation(by_expert))
+            returned = expert_outputs.index_select(0, by_source)
             outputs = exchange(returned, recv_splits, send_splits, self.group, ep_size)
         dropped = plan.route_order.numel() - num_sent
         outputs = torch.cat([outputs, outputs.new_zeros((dropped, outputs.shape[-1]))])

@@ -72,17 +72,38 @@ def plan_routes_cuda(op, indices: Tensor, num_experts: int) -> RoutingPlan:
     return RoutingPlan(route_order, route_position, expert_counts, num_tokens, top_k)
 
 
-def expert_major_order(received_counts: Tensor) -> Tensor:
-    """Permutation that groups received rows by local expert.
+def exclusive_cumsum(values: Tensor) -> Tensor:
+    return values.cumsum(0) - values
 
-    Rows arrive grouped by source rank, then by local expert (``received_counts`` is
-    ``[ep_size, num_local_experts]``); the experts want them grouped by local expert, then by
-    source rank. Entry i of the result is the received row that goes to place i.
+
+def runs(starts: Tensor, lengths: Tensor) -> Tensor:
+    """The concatenation of ``arange(starts[i], starts[i] + lengths[i])`` over i."""
+    return torch.repeat_interleave(starts - exclusive_cumsum(lengths), lengths) + torch.arange(int(lengths.sum()))
+
+
+def expert_major_order(received_counts: Tensor) -> Tuple[Tensor, Tensor]:
+    """The permutations between the order rows arrive in and the order the experts take them.
+
+    Rows arrive grouped by source rank, then by local expert (``received_counts``, a host
+    ``[ep_size, num_local_experts]`` tensor); the experts want them grouped by local expert, then by
+    source rank. Returns host tensors ``(by_expert, by_source)``: entry i of ``by_expert`` is the
+    received row that goes to place i; ``by_source`` is its inverse. Built from the counts alone,
+    with no device work.
     """
     ep_size, num_local = received_counts.shape
-    local_expert = torch.arange(num_local, device=received_counts.device).repeat(ep_size)
-    expert_of_row = torch.repeat_interleave(local_expert, received_counts.reshape(-1))
-    return torch.argsort(expert_of_row, stable=True)
+    arrival_starts = exclusive_cumsum(received_counts.reshape(-1)).view(ep_size, num_local)
+    expert_starts = exclusive_cumsum(received_counts.t().reshape(-1)).view(num_local, ep_size)
+    by_expert = runs(arrival_starts.t().reshape(-1), received_counts.t().reshape(-1))
+    by_source = runs(expert_starts.t().reshape(-1), received_counts.reshape(-1))
+    return by_expert, by_source
+
+
+def host_to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device`` without waiting for the device: through pinned memory on CUDA
+    (a pageable copy waits for the work queued before it)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> Tuple[int, int]:
@@ -97,4 +118,3 @@ def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> T
     hit = torch.zeros(indices.shape[1], ep_size + 1, dtype=torch.bool, device=indices.device)
     hit.scatter_(1, torch.where(remote, dest, torch.full_like(dest, ep_size)).t(), True)
     return int(remote.sum()), int(hit[:, :ep_size].sum())
-

@@ -40,9 +40,10 @@ def test_expert_major_order():
     # Two source ranks, three local experts; rows arrive rank-major.
     counts = torch.tensor([[2, 0, 1], [1, 3, 0]])
     arrival = [(0, 0), (0, 0), (0, 2), (1, 0), (1, 1), (1, 1), (1, 1)]
-    order = expert_major_order(counts)
+    order, inverse = expert_major_order(counts)
     assert [arrival[i] for i in order.tolist()] == sorted(arrival, key=lambda row: row[1])
     assert order.tolist() == [0, 1, 3, 4, 5, 6, 2]
+    assert order[inverse].tolist() == list(range(len(arrival)))
 
 
 @pytest.mark.parametrize("ep_size,num_local", [(2, 3), (4, 1), (4, 2), (8, 3)])
@@ -53,7 +54,9 @@ def test_expert_major_order_brute_force(ep_size, num_local):
     arrival = [(source, expert) for source in range(ep_size) for expert in range(num_local)
                for _ in range(counts[source, expert])]
     # Grouped by local expert; within an expert the rows keep their arrival order (by source rank).
-    assert expert_major_order(counts).tolist() == sorted(range(len(arrival)), key=lambda i: (arrival[i][1], i))
+    order, inverse = expert_major_order(counts)
+    assert order.tolist() == sorted(range(len(arrival)), key=lambda i: (arrival[i][1], i))
+    assert order[inverse].tolist() == list(range(len(arrival)))
 
 
 def test_plan_rejects_flat_indices():
