@@ -7,7 +7,7 @@ numbers, over random shapes, k, skew, drops, empty ranks, train and eval.
 
 import torch
 
-from tests.support.soak import soak_rank, summarize
+from tests.support.soak import _compare, soak_rank, summarize
 
 
 def test_random_reference_calls_match_float64(cpu_pool):
@@ -16,3 +16,32 @@ def test_random_reference_calls_match_float64(cpu_pool):
     assert report["calls"] == 15 and report["cases"] >= 3, (seed, report)
     assert report["mismatches"] == 0 and report["hangs"] == 0, (seed, report)
     assert report["worst"]["output vs float64"] < 1e-5, (seed, report)
+
+
+def test_the_soak_rule_flags_a_wrong_tensor_and_allows_what_the_dtype_cannot_do():
+    torch.manual_seed(0)
+    exact = {"output": torch.randn(16, 8, dtype=torch.float64), "grad w": torch.randn(8, 8, dtype=torch.float64),
+             "grad deepspeed_moe.gate.wg.weight": torch.randn(4, 8, dtype=torch.float64)}
+    near = {name: (value * (1 + 1e-3 * torch.randn_like(value))).to(torch.bfloat16) for name, value in exact.items()}
+
+    def judged(tested_changes, reference_changes=None):
+        tested, reference = dict(near), dict(near)
+        tested.update(tested_changes)
+        reference.update(reference_changes or {})
+        return _compare(dict(exact=exact, tested=tested, reference=reference), torch.bfloat16)["failed"]
+
+    assert judged({}) == []
+    # A wrong gradient, an output off by a few percent, a swapped gate gradient, a non-finite value.
+    assert len(judged({"grad w": near["grad w"].flip(0)})) == 1
+    assert len(judged({"output": near["output"] * 1.05})) == 1
+    assert len(judged({"grad deepspeed_moe.gate.wg.weight": -near["grad deepspeed_moe.gate.wg.weight"]})) == 1
+    assert "not finite" in judged({"grad w": near["grad w"] * float("inf")})[0]
+    # Where the dtype itself is far from float64 (the reference pipeline is 30% off), the tested
+    # pipeline may be as far, and not three times as far.
+    def noisy(scale):
+        noise = torch.randn_like(exact["grad w"])
+        return (exact["grad w"] + scale * noise * exact["grad w"].norm() / noise.norm()).to(torch.bfloat16)
+
+    reference_noise = {"grad w": noisy(0.3)}
+    assert judged({"grad w": noisy(0.3)}, reference_noise) == []
+    assert len(judged({"grad w": noisy(0.9)}, reference_noise)) == 1

@@ -1,6 +1,7 @@
 """Many random MoE layer calls, each checked against float64 and against the reference pipeline.
 
-    python -m tests.support.soak --calls 1000 [--world-size 2] [--ranks-per-gpu 2] [--seed 1] [--out DIR]
+    python -m tests.support.soak --calls 1000 [--world-size 2] [--ranks-per-gpu 2] [--seed 1] [--max-seconds S]
+        [--calls-per-case 5] [--out DIR]
 
 Every rank of a pool (``tests/support/dist_pool.py``: NCCL with one rank per GPU, or gloo with
 ``--ranks-per-gpu`` ranks sharing each GPU, or gloo on CPU without CUDA) builds random layers and
@@ -14,11 +15,13 @@ in train mode forward and backward.
 The layer under test asks for ``"overlap": "auto"``: the fused pipeline on a GPU, the reference
 one on CPU. Beside it run the reference pipeline in the same dtype and a float64 copy of the same
 weights (the ground truth); the gate's noise is seeded alike for all three, so they route alike.
-A call *mismatches* when its output, input gradient or any parameter gradient is further from
-float64 than the dtype allows (bf16: 1e-2 for outputs, 2e-2 for gradients, relative Frobenius
-norm; fp32: 1e-5 / 1e-4), or further from the reference pipeline than twice that, or not finite.
-The gate's weight gradient is held to the reference pipeline only, on calls without skew (see
-``_compare``).
+A call *mismatches* when its output, input gradient or any parameter gradient is not finite, or
+further from float64 (relative Frobenius norm) than both the dtype's tolerance (bf16 and fp16: 1e-2
+for outputs, 2e-2 for gradients; fp32: 1e-5 / 1e-4) and twice the reference pipeline's own distance
+from float64 in the same dtype. The second bound is for tensors that no implementation in that dtype
+gets close to float64: with routing skewed to saturation, an expert's routes carry gates of 1e-10
+and less, and in fp16 (bf16 has fp32's range) their gradients underflow before the weight-gradient
+GEMMs; stock DeepSpeed's are as far off. The distance from the reference pipeline is reported too.
 A call *hangs* when a wait of the layer gives up (``wait_timeout_s``, set by ``--timeout``); the
 rank then stops, and so does the run.
 
@@ -113,9 +116,9 @@ def _call(layers: dict, tokens, grad_out, train: bool, noise: int) -> dict:
     return results
 
 
-def _compare(results: dict, dtype, check_gate: bool) -> dict:
-    """The largest relative error from float64 and from the reference pipeline, by kind, and what failed
-    (the gate's gradient only where ``check_gate``)."""
+def _compare(results: dict, dtype) -> dict:
+    """The largest relative errors by kind (from float64, the reference pipeline's from float64, and
+    from the reference pipeline), and what failed (the module docstring's rule)."""
     out_tol, grad_tol = TOLERANCES[dtype]
     worst, failed = {}, []
     for what, exact in results["exact"].items():
@@ -124,30 +127,29 @@ def _compare(results: dict, dtype, check_gate: bool) -> dict:
             if (exact is None) != (tested is None):
                 failed.append(f"{what}: a gradient is missing on one side")
             continue
-        tolerance = out_tol if what == "output" else grad_tol
         kind = "output" if what == "output" else "gate gradient" if ".gate." in what else "gradient"
         if tested.numel() == 0:
             continue
         if not torch.isfinite(tested).all():
             failed.append(f"{what}: not finite")
             continue
-        from_exact, from_reference = rel(tested, exact), rel(tested, reference)
-        worst[f"{kind} vs float64"] = max(worst.get(f"{kind} vs float64", 0.0), from_exact)
-        worst[f"{kind} vs reference"] = max(worst.get(f"{kind} vs reference", 0.0), from_reference)
-        # The gate's gradient passes through its softmax, which skewed routing saturates: there it is
-        # tiny and made of terms that cancel, so rounding decides it (docs/benchmarks.md). It is held
-        # to the reference pipeline in the same dtype, on calls without skew.
-        if kind == "gate gradient":
-            failing = check_gate and from_reference > 2 * tolerance
-        else:
-            failing = from_exact > tolerance or from_reference > 2 * tolerance
-        if failing:
-            failed.append(f"{what}: {from_exact:.2e} from float64, {from_reference:.2e} from the reference")
+        errors = {f"{kind} vs float64": rel(tested, exact), f"{kind}: reference vs float64": rel(reference, exact),
+                  f"{kind} vs reference": rel(tested, reference)}
+        for name, value in errors.items():
+            worst[name] = max(worst.get(name, 0.0), value)
+        from_exact, reference_from_exact = errors[f"{kind} vs float64"], errors[f"{kind}: reference vs float64"]
+        allowed = max(out_tol if what == "output" else grad_tol, 2 * reference_from_exact)
+        if from_exact > allowed:
+            failed.append(f"{what}: {from_exact:.2e} from float64, where the reference pipeline is "
+                          f"{reference_from_exact:.2e} from it ({errors[f'{kind} vs reference']:.2e} from the reference)")
     return dict(worst=worst, failed=failed)
 
 
-def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: int = 5) -> dict:
-    """Runs on every rank of a pool: ``calls`` checked calls of random layers. Returns this rank's tally."""
+def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: int = 5, progress: int = 0,
+              max_seconds: float = 0.0) -> dict:
+    """Runs on every rank of a pool: ``calls`` checked calls of random layers (rank 0 prints a line every
+    ``progress`` calls when it is not 0; past ``max_seconds``, when not 0, the ranks stop together before
+    the next case). Returns this rank's tally."""
     from deepspeed import comm as dist
 
     from ds_comet.kernels.ops import CometWaitTimeout
@@ -160,6 +162,8 @@ def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: in
     tally = dict(calls=0, fused_calls=0, cases=0, mismatches=[], hangs=[], worst={}, seconds=0.0)
     start = time.monotonic()
     while tally["calls"] < calls:
+        if max_seconds and _agree_to_stop(time.monotonic() - start > max_seconds, device):
+            break
         case = draw_case(rng, ep_size, on_gpu)
         dtype = dtypes[case["dtype"]]
         case_seed = rng.randint(1, 10**6)
@@ -181,16 +185,29 @@ def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: in
                 return tally
             tally["calls"] += 1
             tally["fused_calls"] += int(layers["tested"].deepspeed_moe.pipelines.reason is None)
-            compared = _compare(results, dtype, check_gate=call["skew"] == 0)
+            compared = _compare(results, dtype)
             for kind, value in compared["worst"].items():
                 tally["worst"][kind] = max(tally["worst"].get(kind, 0.0), value)
             if compared["failed"]:
                 tally["mismatches"].append(dict(case=case, call=dict(call, index=index), failed=compared["failed"]))
+            if progress and rank == 0 and tally["calls"] % progress == 0:
+                # A run cut short by an outer time limit still shows how far it got.
+                print(f"soak: {tally['calls']}/{calls} calls, {tally['fused_calls']} fused, "
+                      f"{len(tally['mismatches'])} mismatches on rank 0, {time.monotonic() - start:.0f} s", flush=True)
         del layers
         if on_gpu:
             torch.cuda.empty_cache()
     tally["seconds"] = time.monotonic() - start
     return tally
+
+
+def _agree_to_stop(mine: bool, device) -> bool:
+    """Whether any rank wants to stop: every rank must make the same calls, so they decide together."""
+    from deepspeed import comm as dist
+
+    flag = torch.tensor([int(mine)], device=device if torch.distributed.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def summarize(tallies: list) -> dict:
@@ -215,6 +232,10 @@ def main():
                         help="gloo ranks sharing each GPU (default: one NCCL rank per GPU when there are enough)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=30.0, help="the layers' wait_timeout_s")
+    parser.add_argument("--progress", type=int, default=50, help="rank 0 prints a line every this many calls")
+    parser.add_argument("--calls-per-case", type=int, default=5, help="calls of each random layer")
+    parser.add_argument("--max-seconds", type=float, default=0.0,
+                        help="stop, with a full report, at the first case that starts past this many seconds")
     parser.add_argument("--out", default="soak_out")
     args = parser.parse_args()
 
@@ -233,7 +254,8 @@ def main():
         # A generous bound for the whole run: each call waits at most --timeout, and a rank that
         # gives up returns at once; the pool's own timeout catches a rank that never answers.
         tallies = pool.run(soak_rank, timeout=max(600.0, 20.0 * args.calls), seed=args.seed, calls=args.calls,
-                           timeout_s=args.timeout)
+                           timeout_s=args.timeout, progress=args.progress, max_seconds=args.max_seconds,
+                           calls_per_case=args.calls_per_case)
     finally:
         pool.stop()
     report = summarize(tallies)

@@ -82,9 +82,7 @@ def _reproducible(gate, tokens: Tensor) -> bool:
     """Whether the fast path is known to match this gate's own forward."""
     if type(gate) is not TopKGate or "forward" in vars(gate) or gate.wall_clock_breakdown:
         return False
-    hooked = any(getattr(gate, name, None) for name in MODULE_HOOKS) or \
-        any(getattr(nn_module, name, None) for name in GLOBAL_HOOKS)
-    first_call_hooked = _hooked_at_first_call.setdefault(gate, hooked)
+    hooked, first_call_hooked = _hooks_now_and_at_first_call(gate)
     # Hooks need not be alike on every rank (DeepSpeed's flops profiler hooks rank 0's modules at
     # one step). Stock's forward runs them, but for top-2 and top-k without dropping it also
     # all-reduces a capacity the fast path skips: there one hooked rank falling back would pair its
@@ -114,6 +112,16 @@ def _reproducible(gate, tokens: Tensor) -> bool:
     return True
 
 
+# Host bookkeeping in a weak dictionary, which torch.compile cannot trace: it runs outside the graph.
+@torch._disable_dynamo
+def _hooks_now_and_at_first_call(gate) -> Tuple[bool, bool]:
+    """Whether the gate (or every module) has hooks now, and whether it had them at its first call."""
+    hooked = any(getattr(gate, name, None) for name in MODULE_HOOKS) or \
+        any(getattr(nn_module, name, None) for name in GLOBAL_HOOKS)
+    return hooked, _hooked_at_first_call.setdefault(gate, hooked)
+
+
+@torch._disable_dynamo
 def _warn_skipped_hooks(gate) -> None:
     if gate in _warned_hooks:
         return
