@@ -6,7 +6,8 @@
 # sweep: the fused layer alone on the default shapes (idle-device, back-to-back and device-alone times,
 # graphed gate), and shape 2 at 2, 4 and the rule's column chunks.
 # soak: SOAK_CALLS (1000) random fused calls, each against float64 and the reference pipeline, at
-# EP=SOAK_EP (2) with SOAK_RANKS_PER_GPU (the EP size on one GPU) ranks a GPU; writes $out/soak/soak.json.
+# EP=SOAK_EP (2) with SOAK_RANKS_PER_GPU (the EP size on one GPU) ranks a GPU, stopping at the first
+# case past SOAK_SECONDS (420); writes $out/soak/soak.json and the progress lines to $out/soak.log.
 # gemm: each GEMM phase alone against torch._grouped_mm (python -m ds_comet.bench.gemm).
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -44,9 +45,12 @@ if [ "$what" = sweep ]; then
 fi
 if [ "$what" = soak ]; then
     ep=${SOAK_EP:-2}
+    # The ranks stop together, with a full report, at the first case past SOAK_SECONDS: keep it a
+    # minute or two under the device call's limit, which also pays for the op build above.
     timeout 570 python3 -m tests.support.soak --calls "${SOAK_CALLS:-1000}" --world-size "$ep" \
-        --ranks-per-gpu "${SOAK_RANKS_PER_GPU:-$ep}" --seed "${SOAK_SEED:-1}" --out "$out/soak" 2>&1 \
-        | grep -v "^\[" | tee "$out/soak.log" | tail -25
+        --ranks-per-gpu "${SOAK_RANKS_PER_GPU:-$ep}" --seed "${SOAK_SEED:-1}" --max-seconds "${SOAK_SECONDS:-420}" \
+        --calls-per-case 10 --progress 50 --out "$out/soak" > "$out/soak.log" 2>&1
+    grep -v "^\[" "$out/soak.log" | tail -25
 fi
 if [ "$what" = gemm ]; then
     timeout 400 torchrun --nproc_per_node 1 --master_port 29634 -m ds_comet.bench.gemm --out "$out/gemm" "$@" 2>&1 \

@@ -148,7 +148,7 @@ def _compare(results: dict, dtype) -> dict:
 def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: int = 5, progress: int = 0,
               max_seconds: float = 0.0) -> dict:
     """Runs on every rank of a pool: ``calls`` checked calls of random layers (rank 0 prints a line every
-    ``progress`` calls when it is not 0; past ``max_seconds``, when not 0, the ranks stop together before
+    ``progress`` calls, with the mismatches of every rank, when it is not 0; past ``max_seconds``, when not 0, the ranks stop together before
     the next case). Returns this rank's tally."""
     from deepspeed import comm as dist
 
@@ -190,10 +190,13 @@ def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: in
                 tally["worst"][kind] = max(tally["worst"].get(kind, 0.0), value)
             if compared["failed"]:
                 tally["mismatches"].append(dict(case=case, call=dict(call, index=index), failed=compared["failed"]))
-            if progress and rank == 0 and tally["calls"] % progress == 0:
-                # A run cut short by an outer time limit still shows how far it got.
-                print(f"soak: {tally['calls']}/{calls} calls, {tally['fused_calls']} fused, "
-                      f"{len(tally['mismatches'])} mismatches on rank 0, {time.monotonic() - start:.0f} s", flush=True)
+            if progress and tally["calls"] % progress == 0:
+                # A run cut short by an outer time limit still shows how far it got. Every rank makes
+                # the same calls, so every rank is here together for the sum.
+                mismatches = _sum_over_ranks(len(tally["mismatches"]), device)
+                if rank == 0:
+                    print(f"soak: {tally['calls']}/{calls} calls, {tally['fused_calls']} fused, {mismatches} "
+                          f"mismatches over all ranks, {time.monotonic() - start:.0f} s", flush=True)
         del layers
         if on_gpu:
             torch.cuda.empty_cache()
@@ -203,11 +206,19 @@ def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: in
 
 def _agree_to_stop(mine: bool, device) -> bool:
     """Whether any rank wants to stop: every rank must make the same calls, so they decide together."""
+    return _reduce_over_ranks(int(mine), device, "max") > 0
+
+
+def _sum_over_ranks(value: int, device) -> int:
+    return _reduce_over_ranks(value, device, "sum")
+
+
+def _reduce_over_ranks(value: int, device, how: str) -> int:
     from deepspeed import comm as dist
 
-    flag = torch.tensor([int(mine)], device=device if torch.distributed.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    flag = torch.tensor([value], device=device if torch.distributed.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX if how == "max" else dist.ReduceOp.SUM)
+    return int(flag.item())
 
 
 def summarize(tallies: list) -> dict:
