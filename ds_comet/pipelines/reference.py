@@ -1,9 +1,11 @@
 """The reference pipeline: dispatch, local experts and combine in plain torch.
 
 It runs on any torch.distributed backend (gloo on CPU, NCCL on GPU) and is the numerical ground
-truth for the fused kernels. Unlike stock DeepSpeed it sends only the routes the gate kept, with
-uneven all-to-all splits, instead of a zero-padded ``[E, C, M]`` capacity buffer; the arithmetic
-per token is the same, so outputs and gradients match stock's (and AutoEP's).
+truth for the fused kernels. Unlike stock DeepSpeed, which sends a zero-padded ``[E, C, M]``
+capacity buffer, it sends each token once to each rank that holds one of its kept routes, with
+uneven all-to-all splits; the expert's rank sums the token's routes there before one row returns.
+The arithmetic per route is stock's, so outputs and gradients match stock's (and AutoEP's) within
+the rounding of those partial sums.
 """
 
 import time
@@ -18,7 +20,7 @@ from ..kernels.ops import CometWaitTimeout
 from .chunked import chunked_experts
 from .expert_weights import LocalExperts
 from .policy import saved_tensor_hooks_active
-from .routing import RoutingPlan, expert_major_order, host_to_device, plan_routes
+from .routing import RankPlan, RoutingPlan, plan_rank_rows, plan_routes
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -96,41 +98,78 @@ class ReferencePipeline:
         routes' expert outputs; with ``scale_before`` each route's row is scaled by its weight
         before its expert (AutoEP's ``score_apply: "pre"``) and the outputs are summed unweighted.
         """
-        return self.run(tokens, plan_routes(indices, self.num_experts), weights, scale_before)
+        # Under saved-tensor hooks (non-reentrant checkpointing) the rows go whole: the chunks keep
+        # their experts' graphs themselves, out of those hooks' sight.
+        if self.chunks > 1 and self.ep_size > 1 and not saved_tensor_hooks_active():
+            return self._in_chunks(tokens, plan_routes(indices, self.num_experts), weights, scale_before)
+        return self._once_per_rank(tokens, plan_rank_rows(indices, self.num_experts, self.ep_size), weights,
+                                   scale_before)
 
-    def run(self, tokens: Tensor, plan: RoutingPlan, weights: Tensor, scale_before: bool = False) -> Tensor:
-        """``forward`` from a routing plan already made."""
-        ep_size, num_local = self.ep_size, self.experts.num_local
-        send_counts = plan.expert_counts
-        if ep_size > 1:
-            received_counts = self.exchange_counts(send_counts)
-        else:
-            received_counts = send_counts
-        received_counts = received_counts.view(ep_size, num_local)
+    def _once_per_rank(self, tokens: Tensor, plan: RankPlan, weights: Tensor, scale_before: bool) -> Tensor:
+        """The whole exchange, each token sent once to each rank that holds one of its routes.
+
+        With the row go its k routes' local experts (-1: not on that rank) and gates. The receiving
+        rank runs each route's expert on the row and sums the weighted outputs of the routes it
+        holds (in fp32, then the experts' dtype); one row per (token, rank) comes back, and the
+        token's rows are summed in fp32. A token whose routes meet four experts of one rank crosses
+        to it once, not four times, and comes back once.
+        """
+        ep_size, num_local, top_k = self.ep_size, self.experts.num_local, weights.shape[0]
+        # Per destination: the routes for each of its local experts, then the rows it gets.
+        send_counts = torch.cat([plan.expert_counts.view(ep_size, num_local), plan.rank_rows.view(ep_size, 1)], dim=1).view(-1)
+        received_counts = self.exchange_counts(send_counts) if ep_size > 1 else send_counts
         # The uneven splits must be host integers for all_to_all_single: one small copy of the counts.
-        host = torch.cat([send_counts.view(-1), received_counts.view(-1)]).tolist()
-        send_matrix = [host[d * num_local:(d + 1) * num_local] for d in range(ep_size)]
-        recv_matrix = [host[(ep_size + s) * num_local:(ep_size + s + 1) * num_local] for s in range(ep_size)]
-        send_splits, recv_splits = [sum(row) for row in send_matrix], [sum(row) for row in recv_matrix]
+        host = torch.cat([send_counts, received_counts]).view(2, ep_size, num_local + 1).tolist()
+        send_rows, recv_rows = [row[-1] for row in host[0]], [row[-1] for row in host[1]]
+        routes_per_expert = [sum(row[expert] for row in host[1]) for expert in range(num_local)]
 
-        num_sent = sum(send_splits)
+        num_sent = sum(send_rows)
+        pair_token = plan.pair_token[:num_sent]
+        rows = exchange(tokens.index_select(0, pair_token), send_rows, recv_rows, self.group, ep_size)
+        local = exchange(plan.local_experts[:num_sent], send_rows, recv_rows, self.group, ep_size)
+        gates = exchange(weights.t().index_select(0, pair_token), send_rows, recv_rows, self.group, ep_size)
+
+        partial = self._local_routes(rows, local, gates, routes_per_expert, scale_before)
+        returned = exchange(partial, recv_rows, send_rows, self.group, ep_size)
+        # Deterministic sums (no atomics): each returned row to its place among its token's pairs.
+        width, dtype = tokens.shape[-1], tokens.dtype
+        places = plan.pair_slot[:num_sent] * tokens.shape[0] + pair_token
+        slots = min(top_k, ep_size)
+        dense = returned.new_zeros((slots * tokens.shape[0], width), dtype=torch.float32)
+        dense = dense.index_copy(0, places, returned.float())
+        return dense.view(slots, tokens.shape[0], width).sum(dim=0).to(dtype)
+
+    def _local_routes(self, rows: Tensor, local: Tensor, gates: Tensor, routes_per_expert: List[int],
+                      scale_before: bool) -> Tensor:
+        """For each received row ([R, H], with its routes' ``local`` experts and ``gates``, [R, k]),
+        the weighted sum of its routes' expert outputs, in the rows' dtype."""
+        num_rows, top_k = local.shape
+        flat = local.reshape(-1)
+        # Routes sorted by local expert (stable: by source rank, token, then slot); others last.
+        keys = torch.where(flat < 0, torch.full_like(flat, self.experts.num_local), flat)
+        routes = torch.argsort(keys, stable=True)[:sum(routes_per_expert)]
+        route_rows = rows.index_select(0, routes // top_k)
+        route_gates = gates.reshape(-1).index_select(0, routes).unsqueeze(-1)
+        if scale_before:
+            route_rows = (route_rows.float() * route_gates).to(rows.dtype)
+        outputs = self.experts.run(route_rows, routes_per_expert).float()
+        if not scale_before:
+            outputs = outputs * route_gates
+        dense = outputs.new_zeros((num_rows * top_k, outputs.shape[-1])).index_copy(0, routes, outputs)
+        return dense.view(num_rows, top_k, outputs.shape[-1]).sum(dim=1).to(rows.dtype)
+
+    def _in_chunks(self, tokens: Tensor, plan: RoutingPlan, weights: Tensor, scale_before: bool) -> Tensor:
+        """The exchange of a group that spans nodes: route by route, in chunks (chunked.py)."""
+        send_counts = plan.expert_counts
+        received_counts = self.exchange_counts(send_counts).view(self.ep_size, self.experts.num_local)
+        host = torch.cat([send_counts.view(-1), received_counts.view(-1)]).view(2, self.ep_size, -1).tolist()
+        send_matrix, recv_matrix = host
+        num_sent = sum(map(sum, send_matrix))
         sent = tokens.index_select(0, plan.source_token[:num_sent])
         if scale_before:
             scale = weights.reshape(-1).index_select(0, plan.route_order[:num_sent])
             sent = (sent.float() * scale.unsqueeze(-1)).to(sent.dtype)
-        # Under saved-tensor hooks (non-reentrant checkpointing) the rows go whole: the chunks keep
-        # their experts' graphs themselves, out of those hooks' sight.
-        if self.chunks > 1 and ep_size > 1 and not saved_tensor_hooks_active():
-            outputs = chunked_experts(sent, send_matrix, recv_matrix, self.chunks, self.experts, self.group)
-        else:
-            received = exchange(sent, send_splits, recv_splits, self.group, ep_size)
-            by_expert, by_source = expert_major_order(torch.tensor(recv_matrix, dtype=torch.int64))
-            order = host_to_device(torch.cat([by_expert, by_source]), sent.device)
-            by_expert, by_source = order[:by_expert.numel()], order[by_expert.numel():]
-            rows_per_expert = [sum(column) for column in zip(*recv_matrix)]
-            expert_outputs = self.experts.run(received.index_select(0, by_expert), rows_per_expert)
-            returned = expert_outputs.index_select(0, by_source)
-            outputs = exchange(returned, recv_splits, send_splits, self.group, ep_size)
+        outputs = chunked_experts(sent, send_matrix, recv_matrix, self.chunks, self.experts, self.group)
         dropped = plan.route_order.numel() - num_sent
         outputs = torch.cat([outputs, outputs.new_zeros((dropped, outputs.shape[-1]))])
         return combine_routes(outputs, plan, None if scale_before else weights)

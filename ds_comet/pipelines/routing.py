@@ -72,6 +72,51 @@ def plan_routes_cuda(op, indices: Tensor, num_experts: int) -> RoutingPlan:
     return RoutingPlan(route_order, route_position, expert_counts, num_tokens, top_k)
 
 
+@dataclass(frozen=True)
+class RankPlan:
+    """Each token sent once to each rank that holds one of its kept routes.
+
+    A *pair* is (destination rank d, token s); pairs are sorted by destination, then token, and
+    only the first ``rank_rows.sum()`` are real. Built on the device with no host sync.
+    """
+    pair_token: Tensor
+    """[ep*S] int64: the token of each pair."""
+    pair_slot: Tensor
+    """[ep*S] int64: the pair's place among its token's pairs (0 for its lowest rank, and so on)."""
+    local_experts: Tensor
+    """[ep*S, k] int64: for each of the token's k routes, its local expert on the pair's rank, or -1
+    where the route goes elsewhere or was dropped."""
+    rank_rows: Tensor
+    """[ep] int64: pairs per destination rank."""
+    expert_counts: Tensor
+    """[E] int64: kept routes per global expert."""
+
+
+def plan_rank_rows(indices: Tensor, num_experts: int, ep_size: int) -> RankPlan:
+    """The pairs of the gate's ``indices`` ([k, S], as for ``plan_routes``) over ``ep_size`` ranks of
+    ``num_experts // ep_size`` experts each."""
+    top_k, num_tokens = _routes_shape(indices)
+    num_local = num_experts // ep_size
+    flat = indices.long()
+    kept = (flat >= 0) & (flat < num_experts)
+    dest = torch.where(kept, flat // num_local, torch.full_like(flat, ep_size))  # [k, S]; ep_size: nowhere
+    hit = torch.zeros(num_tokens, ep_size + 1, dtype=torch.bool, device=flat.device)
+    hit.scatter_(1, dest.t(), True)
+    hit = hit[:, :ep_size]  # [S, ep]
+    slot = hit.long().cumsum(dim=1) - 1
+    pair_ids = torch.arange(ep_size * num_tokens, device=flat.device).view(ep_size, num_tokens)
+    keys = torch.where(hit.t(), pair_ids, torch.full_like(pair_ids, ep_size * num_tokens))
+    order = torch.argsort(keys.reshape(-1))  # real pairs first, by destination then token
+    pair_dest, pair_token = order // num_tokens, order % num_tokens
+    route_dest, route_expert = dest[:, pair_token], flat[:, pair_token]  # [k, ep*S]
+    local = torch.where(route_dest == pair_dest, route_expert - pair_dest * num_local, torch.full_like(route_expert, -1))
+    # scatter_add rather than bincount: on CUDA, bincount reads the largest id back to the host.
+    expert_counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    expert_counts.scatter_add_(0, torch.where(kept, flat, num_experts).reshape(-1), torch.ones_like(flat).reshape(-1))
+    return RankPlan(pair_token, slot[pair_token, pair_dest.clamp(max=ep_size - 1)], local.t().contiguous(),
+                    hit.sum(dim=0), expert_counts[:num_experts])
+
+
 def exclusive_cumsum(values: Tensor) -> Tensor:
     return values.cumsum(0) - values
 
@@ -107,9 +152,9 @@ def host_to_device(tensor: Tensor, device: torch.device) -> Tensor:
 
 
 def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> Tuple[int, int]:
-    """Rows this rank's tokens send to other ranks of the group: one per kept route (what both
-    pipelines send today), and one per (token, destination rank) with a kept route there (what
-    sending each token once per rank would). ``indices`` as for ``plan_routes``. Reads the counts
+    """Rows this rank's tokens send to other ranks of the group: one per kept route (what the fused
+    pipeline sends), and one per (token, destination rank) with a kept route there (what the
+    reference pipeline's whole exchange sends). ``indices`` as for ``plan_routes``. Reads the counts
     back to the host: for benchmarks and reports, not for the layer's call."""
     num_local = num_experts // ep_size
     kept = (indices >= 0) & (indices < num_experts)

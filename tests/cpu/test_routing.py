@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ds_comet.pipelines.routing import expert_major_order, plan_routes, remote_rows
+from ds_comet.pipelines.routing import expert_major_order, plan_rank_rows, plan_routes, remote_rows
 
 
 def random_routes(generator, top_k, num_tokens, num_experts, drop_fraction):
@@ -86,3 +86,28 @@ def test_remote_rows_count_routes_and_token_rank_pairs():
     assert route_rows == 5
     # Once per (token, rank 1): tokens 0, 1, 2, 3.
     assert once_rows == 4
+
+
+@pytest.mark.parametrize("top_k,num_tokens,num_experts,ep_size,drop_fraction", [
+    (1, 37, 4, 2, 0.0), (2, 64, 8, 4, 0.3), (4, 19, 8, 2, 0.5), (8, 23, 16, 4, 0.1), (3, 5, 6, 3, 1.0), (4, 0, 8, 2, 0.0)])
+def test_rank_plan_matches_brute_force(top_k, num_tokens, num_experts, ep_size, drop_fraction):
+    generator = torch.Generator().manual_seed(top_k * 100 + num_tokens + ep_size)
+    indices = random_routes(generator, top_k, num_tokens, num_experts, drop_fraction)
+    indices[0, :num_tokens // 4] = num_experts  # past the last expert: dropped, as in the plan kernel
+    plan = plan_rank_rows(indices, num_experts, ep_size)
+
+    num_local = num_experts // ep_size
+    kept = [[int(e) if 0 <= e < num_experts else -1 for e in indices[:, s]] for s in range(num_tokens)]
+    pairs = [(d, s) for d in range(ep_size) for s in range(num_tokens) if any(e // num_local == d for e in kept[s] if e >= 0)]
+    num_pairs = len(pairs)
+    assert plan.rank_rows.tolist() == [sum(1 for d, _ in pairs if d == rank) for rank in range(ep_size)]
+    assert plan.pair_token[:num_pairs].tolist() == [s for _, s in pairs]
+    for p, (d, s) in enumerate(pairs):
+        assert plan.local_experts[p].tolist() == [e - d * num_local if e >= 0 and e // num_local == d else -1
+                                                  for e in kept[s]], (d, s)
+        ranks_of_token = sorted({e // num_local for e in kept[s] if e >= 0})
+        assert plan.pair_slot[p] == ranks_of_token.index(d), (d, s)
+    assert plan.expert_counts.tolist() == [sum(row.count(x) for row in kept) for x in range(num_experts)]
+    # The bench's count of rows sent once per (token, rank) is this plan's, less the rank's own.
+    for rank in range(ep_size):
+        assert remote_rows(indices, num_experts, ep_size, rank)[1] == num_pairs - plan.rank_rows[rank]
