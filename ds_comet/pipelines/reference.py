@@ -68,6 +68,17 @@ def combine_routes(route_outputs: Tensor, plan: RoutingPlan, weights: Optional[T
     return (routed * weights.unsqueeze(-1)).sum(dim=0).to(route_outputs.dtype)
 
 
+def sum_rows(values: Tensor, row: Tensor, slot: Tensor, num_rows: int, slots: int) -> Tensor:
+    """``[num_rows, H]`` fp32: the sum of ``values`` ([n, H]) by ``row``, where ``slot`` (below
+    ``slots``) tells apart the values of one row. Gathered, not scattered: no atomics (a
+    deterministic sum), and autograd keeps the indices rather than the values."""
+    width = values.shape[-1]
+    lookup = torch.full((num_rows * slots, ), values.shape[0], dtype=torch.int64, device=values.device)
+    lookup[row * slots + slot] = torch.arange(values.shape[0], device=values.device)
+    padded = torch.cat([values, values.new_zeros((1, width))])  # the last row: a place with no value
+    return padded.index_select(0, lookup).view(num_rows, slots, width).float().sum(dim=1)
+
+
 class ReferencePipeline:
     """Dispatch, experts and combine of one MoE layer in plain torch, over any process group.
 
@@ -126,37 +137,34 @@ class ReferencePipeline:
         num_sent = sum(send_rows)
         pair_token = plan.pair_token[:num_sent]
         rows = exchange(tokens.index_select(0, pair_token), send_rows, recv_rows, self.group, ep_size)
-        local = exchange(plan.local_experts[:num_sent], send_rows, recv_rows, self.group, ep_size)
+        local = exchange(plan.local_experts[:num_sent].int(), send_rows, recv_rows, self.group, ep_size)
         gates = exchange(weights.t().index_select(0, pair_token), send_rows, recv_rows, self.group, ep_size)
 
-        partial = self._local_routes(rows, local, gates, routes_per_expert, scale_before)
+        partial = self._local_routes(rows, local.long(), gates, routes_per_expert, scale_before)
         returned = exchange(partial, recv_rows, send_rows, self.group, ep_size)
-        # Deterministic sums (no atomics): each returned row to its place among its token's pairs.
-        width, dtype = tokens.shape[-1], tokens.dtype
-        places = plan.pair_slot[:num_sent] * tokens.shape[0] + pair_token
-        slots = min(top_k, ep_size)
-        dense = returned.new_zeros((slots * tokens.shape[0], width), dtype=torch.float32)
-        dense = dense.index_copy(0, places, returned.float())
-        return dense.view(slots, tokens.shape[0], width).sum(dim=0).to(dtype)
+        combined = sum_rows(returned, pair_token, plan.pair_slot[:num_sent], tokens.shape[0], min(top_k, ep_size))
+        return combined.to(returned.dtype)
 
     def _local_routes(self, rows: Tensor, local: Tensor, gates: Tensor, routes_per_expert: List[int],
                       scale_before: bool) -> Tensor:
         """For each received row ([R, H], with its routes' ``local`` experts and ``gates``, [R, k]),
-        the weighted sum of its routes' expert outputs, in the rows' dtype."""
+        the weighted sum of its routes' expert outputs, in the experts' output dtype."""
         num_rows, top_k = local.shape
         flat = local.reshape(-1)
         # Routes sorted by local expert (stable: by source rank, token, then slot); others last.
         keys = torch.where(flat < 0, torch.full_like(flat, self.experts.num_local), flat)
         routes = torch.argsort(keys, stable=True)[:sum(routes_per_expert)]
-        route_rows = rows.index_select(0, routes // top_k)
+        route_row = routes // top_k
+        # Each route's place among its row's routes on this rank (fewer than min(k, local experts)).
+        route_slot = ((local >= 0).long().cumsum(dim=1) - 1).reshape(-1).index_select(0, routes)
+        route_rows = rows.index_select(0, route_row)
         route_gates = gates.reshape(-1).index_select(0, routes).unsqueeze(-1)
         if scale_before:
             route_rows = (route_rows.float() * route_gates).to(rows.dtype)
-        outputs = self.experts.run(route_rows, routes_per_expert).float()
-        if not scale_before:
-            outputs = outputs * route_gates
-        dense = outputs.new_zeros((num_rows * top_k, outputs.shape[-1])).index_copy(0, routes, outputs)
-        return dense.view(num_rows, top_k, outputs.shape[-1]).sum(dim=1).to(rows.dtype)
+        outputs = self.experts.run(route_rows, routes_per_expert)
+        weighted = outputs if scale_before else outputs * route_gates  # fp32: the gates are
+        summed = sum_rows(weighted, route_row, route_slot, num_rows, min(top_k, self.experts.num_local))
+        return summed.to(outputs.dtype)
 
     def _in_chunks(self, tokens: Tensor, plan: RoutingPlan, weights: Tensor, scale_before: bool) -> Tensor:
         """The exchange of a group that spans nodes: route by route, in chunks (chunked.py)."""
