@@ -156,10 +156,6 @@ def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> T
     pipeline sends), and one per (token, destination rank) with a kept route there (what the
     reference pipeline's whole exchange sends). ``indices`` as for ``plan_routes``. Reads the counts
     back to the host: for benchmarks and reports, not for the layer's call."""
-    num_local = num_experts // ep_size
-    kept = (indices >= 0) & (indices < num_experts)
-    dest = torch.where(kept, indices.long() // num_local, torch.full_like(indices, ep_size, dtype=torch.long))
-    remote = kept & (dest != rank)
-    hit = torch.zeros(indices.shape[1], ep_size + 1, dtype=torch.bool, device=indices.device)
-    hit.scatter_(1, torch.where(remote, dest, torch.full_like(dest, ep_size)).t(), True)
-    return int(remote.sum()), int(hit[:, :ep_size].sum())
+    plan = plan_rank_rows(indices, num_experts, ep_size)
+    per_rank_routes = plan.expert_counts.view(ep_size, -1).sum(dim=1)
+    return (int(per_rank_routes.sum() - per_rank_routes[rank]), int(plan.rank_rows.sum() - plan.rank_rows[rank]))
