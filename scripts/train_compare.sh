@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stock DeepSpeed MoE against the comet backend, training examples/train_moe.py on 2 GPUs.
+# Stock DeepSpeed MoE against the comet backend, training examples/train_moe.py on NRANKS (default 2) GPUs.
 #
 #   (a) 200 steps, ZeRO-2, stock then comet (deepspeed launcher, same seed and data)
 #       -> loss curves ($OUT/loss_curves.png) and a table: tokens/s, ratio, peak memory, losses
@@ -23,12 +23,14 @@
 #
 # TRAIN_COMPARE_CPU=1 runs the same sequence on CPU (gloo, the example's small default model,
 # a few steps) to exercise the script, the checks and the plot on a machine without GPUs.
-# TRAIN_COMPARE_SHARED_GPU=1 puts both ranks on GPU 0 over gloo (scripts/shared_gpu_ranks.sh) for a
-# one-GPU machine, and skips (c). Losses, resume and peak memory per rank are checked as on two
-# GPUs; tokens/s are not comparable (the GPU time-slices between the ranks; gloo stages through
-# the host).
+# TRAIN_COMPARE_SHARED_GPU=1 puts every rank on GPU 0 over gloo (scripts/shared_gpu_ranks.sh) for a
+# one-GPU machine, and skips (c). Losses, resume and peak memory per rank are checked as with a GPU
+# a rank; tokens/s are not comparable (the GPU time-slices between the ranks; gloo stages through
+# the host). NRANKS (default 2) is the number of ranks, and the expert-parallel size: the example
+# puts 4 experts on each rank.
 # PRESET picks the example's GPU preset (gpu, the default, or gpu-fine); PARTS (default abc) which
-# of (a), (b), (c), (e) run ((a) always does); GRAD_ACCUM overrides the configs' gradient accumulation. Other knobs: STEPS, RESUME_STEPS, RESUME_AT, MPI_STEPS,
+# of (a), (b), (c), (e) run ((a) always does); GRAD_ACCUM overrides the configs' gradient accumulation.
+# Other knobs: STEPS, RESUME_STEPS, RESUME_AT, MPI_STEPS, RUN_LIMIT_S,
 # BUDGET_S, CKPT_DIR, LOSS_MAX_DIFF_TOL, LOSS_TAIL_DIFF_TOL, RESUME_FIRST_TOL, RESUME_TOL, MPI_DIFF_TOL.
 # MPI_DIFF_TOL is 0.1: two launches of the same comet run on 2 x H200 differed by up to 0.06 (step 19), as
 # much as stock and comet differ (attention's backward and NCCL reductions are not bit-reproducible).
@@ -41,7 +43,9 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 CPU=${TRAIN_COMPARE_CPU:-0}
 SHARED=${TRAIN_COMPARE_SHARED_GPU:-0}
-RANKS="2 ranks"
+NRANKS=${NRANKS:-2}
+[[ $NRANKS =~ ^[1-9][0-9]*$ ]] || { echo "NRANKS must be a positive integer, got '$NRANKS'" >&2; exit 2; }
+RANKS="$NRANKS ranks"
 if [ "$SHARED" = 1 ]; then RANKS+=" on one GPU"; fi
 START_S=$(date +%s)
 
@@ -52,7 +56,7 @@ EXPORTS=(PYTHONPATH PATH PYTHONUNBUFFERED NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABL
          TORCH_EXTENSIONS_DIR)
 
 if [ "$CPU" = 1 ]; then
-    # Two gloo ranks on CPU, the example's small default model, bf16 as on GPU (the same configs).
+    # NRANKS gloo ranks on CPU, the example's small default model, bf16 as on GPU (the same configs).
     export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
     EXPORTS+=(CUDA_VISIBLE_DEVICES DS_ACCELERATOR OMP_NUM_THREADS)
     MODEL=(--seed 1234 --log-interval 4 --timing-warmup 2 --log-level info)
@@ -65,6 +69,10 @@ else
     EVAL_BATCHES=4 BUDGET_S=${BUDGET_S:-$([[ ${PARTS:-abc} == *e* ]] && echo 560 || echo 440)} MIN_STEP_S=30
 fi
 RESERVE_S=20  # kept back for the summary at the end
+# Each training run's own limit; the ZeRO-1 runs (fewer steps) get three quarters of it. Ranks that
+# share one GPU time-slice it, so more of them need more.
+RUN_LIMIT_S=${RUN_LIMIT_S:-200}
+[[ $RUN_LIMIT_S =~ ^[1-9][0-9]*$ ]] || { echo "RUN_LIMIT_S must be a positive integer, got '$RUN_LIMIT_S'" >&2; exit 2; }
 CKPT_DIR=${CKPT_DIR:-/tmp/train_compare_ckpt}
 LOSS_MAX_DIFF_TOL=${LOSS_MAX_DIFF_TOL:-0.3} LOSS_TAIL_DIFF_TOL=${LOSS_TAIL_DIFF_TOL:-0.05}
 RESUME_FIRST_TOL=${RESUME_FIRST_TOL:-0.005} RESUME_TOL=${RESUME_TOL:-0.02} MPI_DIFF_TOL=${MPI_DIFF_TOL:-0.1}
@@ -111,7 +119,7 @@ run_step() {
     return "$rc"
 }
 
-# train NAME PORT CONFIG ARGS...: the example on 2 ranks under the deepspeed launcher (both on GPU 0
+# train NAME PORT CONFIG ARGS...: the example on NRANKS ranks under the deepspeed launcher (all on GPU 0
 # over gloo when SHARED).
 train() {
     local name=$1 port=$2 config=$3 limit=$4
@@ -119,14 +127,14 @@ train() {
     local example=(examples/train_moe.py --deepspeed_config "$config" "${MODEL[@]}" --monitor-dir "$MONITOR/$name"
                    "$@")
     if [ "$SHARED" = 1 ]; then
-        run_step "$name" "$limit" bash scripts/shared_gpu_ranks.sh 2 "$port" python3 "${example[@]}" --dist-backend gloo
+        run_step "$name" "$limit" bash scripts/shared_gpu_ranks.sh "$NRANKS" "$port" python3 "${example[@]}" --dist-backend gloo
     else
-        run_step "$name" "$limit" deepspeed --num_gpus 2 --master_port "$port" "${example[@]}"
+        run_step "$name" "$limit" deepspeed --num_gpus "$NRANKS" --master_port "$port" "${example[@]}"
     fi
 }
 
 note "train_compare: OUT=$OUT, budget $BUDGET_S s, $([ "$CPU" = 1 ] && echo "CPU mode" || echo GPU)$(
-    [ "$SHARED" = 1 ] && echo ", both ranks on GPU 0 (tokens/s not comparable)")"
+    [ "$SHARED" = 1 ] && echo ", all $NRANKS ranks on GPU 0 (tokens/s not comparable)")"
 {
     command -v nvidia-smi > /dev/null && nvidia-smi -L
     python3 - << 'EOF'
@@ -216,8 +224,8 @@ else
 fi
 
 # --- (a) stock vs comet, ZeRO-2, same seed and data.
-train a_stock_zero2 29571 "$STOCK_ZERO2" 200 --steps "$STEPS" --eval-batches "$EVAL_BATCHES" || true
-train a_comet_zero2 29572 "$COMET_ZERO2" 200 --steps "$STEPS" --eval-batches "$EVAL_BATCHES" || true
+train a_stock_zero2 29571 "$STOCK_ZERO2" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches "$EVAL_BATCHES" || true
+train a_comet_zero2 29572 "$COMET_ZERO2" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches "$EVAL_BATCHES" || true
 
 # --- (d) the picture and the table, right away so that they exist whatever happens next.
 note "RUN  summary: scripts/plot_losses.py"
@@ -232,9 +240,9 @@ sed 's/^/         /' "$OUT/summary.txt"
 # --- (b) ZeRO-1 checkpoint at RESUME_AT, resumed run against the uninterrupted one.
 rm -rf "$CKPT_DIR"
 [[ $PARTS == *b* ]] || note "SKIP b_zero1_full, b_zero1_resumed: PARTS=$PARTS"
-if [[ $PARTS == *b* ]] && train b_zero1_full 29573 "$COMET_ZERO1" 150 --steps "$RESUME_STEPS" --eval-batches 0 \
+if [[ $PARTS == *b* ]] && train b_zero1_full 29573 "$COMET_ZERO1" $((RUN_LIMIT_S * 3 / 4)) --steps "$RESUME_STEPS" --eval-batches 0 \
         --save-dir "$CKPT_DIR" --save-at "$RESUME_AT" --no-final-save; then
-    if train b_zero1_resumed 29574 "$COMET_ZERO1" 150 --steps "$RESUME_STEPS" --eval-batches 0 \
+    if train b_zero1_resumed 29574 "$COMET_ZERO1" $((RUN_LIMIT_S * 3 / 4)) --steps "$RESUME_STEPS" --eval-batches 0 \
             --save-dir "$CKPT_DIR" --resume --no-final-save; then
         rc=0
         python3 scripts/plot_losses.py resume-check --full "$MONITOR/b_zero1_full" \
@@ -250,9 +258,9 @@ rm -rf "$CKPT_DIR"
 if [[ $PARTS != *c* ]]; then
     note "SKIP c_mpirun_zero2: PARTS=$PARTS"
 elif [ "$SHARED" = 1 ]; then
-    note "SKIP c_mpirun_zero2: both ranks on one GPU"
+    note "SKIP c_mpirun_zero2: every rank on one GPU"
 elif command -v mpirun > /dev/null; then
-    MPIRUN=(mpirun -np 2)
+    MPIRUN=(mpirun -np "$NRANKS")
     if mpirun --version 2>&1 | grep -qiE 'open mpi|openrte|open-rte'; then
         [ "$(id -u)" = 0 ] && MPIRUN+=(--allow-run-as-root)
         MPIRUN+=(--bind-to none -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29575)
@@ -290,7 +298,7 @@ if [[ $PARTS == *e* ]]; then
                 graph) arm_config=$COMET_GRAPH ;;
             esac
             port=$((port + 1))
-            train "e_${arm}_r$round" "$port" "$arm_config" 200 --steps "$STEPS" --eval-batches 0 || true
+            train "e_${arm}_r$round" "$port" "$arm_config" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches 0 || true
             ROUND_RUNS+=("$arm/$round=$MONITOR/e_${arm}_r$round")
         done
     done

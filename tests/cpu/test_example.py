@@ -871,12 +871,13 @@ def test_shared_gpu_ranks_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("shared", ["0", "1"])
-def test_train_compare_checks_its_knobs(tmp_path, shared):
-    # A bad knob stops the script with its own message, after the setup every mode runs (a failing
-    # statement there would stop it earlier, silently, under set -e).
-    env = dict(os.environ, TRAIN_COMPARE_CPU="1", TRAIN_COMPARE_SHARED_GPU=shared, AB_ROUNDS="0",
-               OUT=str(tmp_path / "out"))
+@pytest.mark.parametrize("knob", ["AB_ROUNDS", "NRANKS", "RUN_LIMIT_S"])
+def test_train_compare_checks_its_knobs(tmp_path, shared, knob):
+    # A bad knob stops the script with its own message; AB_ROUNDS is checked after the setup every
+    # mode runs (a failing statement there would stop it earlier, silently, under set -e).
+    env = dict(os.environ, TRAIN_COMPARE_CPU="1", TRAIN_COMPARE_SHARED_GPU=shared, OUT=str(tmp_path / "out"))
+    env[knob] = "0"
     done = subprocess.run(["bash", os.path.join(REPO, "scripts", "train_compare.sh")], capture_output=True, text=True,
                           timeout=120, env=env)
     assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
-    assert "AB_ROUNDS must be a positive integer" in done.stderr
+    assert f"{knob} must be a positive integer" in done.stderr
