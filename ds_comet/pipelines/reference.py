@@ -5,22 +5,23 @@ truth for the fused kernels. Unlike stock DeepSpeed, which sends a zero-padded `
 capacity buffer, it sends each token once to each rank that holds one of its kept routes, with
 uneven all-to-all splits; the expert's rank sums the token's routes there before one row returns.
 The arithmetic per route is stock's, so outputs and gradients match stock's (and AutoEP's) within
-the rounding of those partial sums.
+the rounding of those partial sums. Where the group spans nodes the same rows travel in chunks
+(chunked.py).
 """
 
 import time
 from datetime import timedelta
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from deepspeed import comm as dist
 from torch import Tensor
 
 from ..kernels.ops import CometWaitTimeout
-from .chunked import chunked_experts
+from .chunked import chunked_exchange
 from .expert_weights import LocalExperts
 from .policy import saved_tensor_hooks_active
-from .routing import RankPlan, RoutingPlan, plan_rank_rows, plan_routes
+from .routing import plan_rank_rows
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -54,18 +55,16 @@ def exchange(rows: Tensor, send_splits: List[int], recv_splits: List[int], group
     return _AllToAllV.apply(rows, send_splits, recv_splits, group)
 
 
-def combine_routes(route_outputs: Tensor, plan: RoutingPlan, weights: Optional[Tensor]) -> Tensor:
-    """Weighted top-k sum of each token's expert outputs (a plain sum when ``weights`` is None).
+def pack_routes(local_experts: Tensor, gates: Tensor) -> Tensor:
+    """``[R, 2k]`` fp32: each row's routes' local experts ([R, k] int, their int32 bits) beside their
+    gates ([R, k]), so that one exchange carries both; differentiable in the gates."""
+    return torch.cat([local_experts.int().view(torch.float32), gates.float()], dim=1)
 
-    ``route_outputs`` holds one row per entry of ``plan.route_order`` (rows of dropped routes are
-    zero). The product with the fp32 weights and the sum over routes run in fp32, as in stock
-    DeepSpeed and AutoEP, and the result is cast back to the experts' dtype.
-    """
-    hidden = route_outputs.shape[-1]
-    routed = route_outputs.index_select(0, plan.route_position).view(plan.top_k, plan.num_tokens, hidden)
-    if weights is None:
-        return routed.float().sum(dim=0).to(route_outputs.dtype)
-    return (routed * weights.unsqueeze(-1)).sum(dim=0).to(route_outputs.dtype)
+
+def unpack_routes(routes: Tensor) -> Tuple[Tensor, Tensor]:
+    """``pack_routes``'s inverse: (local experts [R, k] int64, gates [R, k] fp32)."""
+    top_k = routes.shape[1] // 2
+    return routes.detach()[:, :top_k].contiguous().view(torch.int32).long(), routes[:, top_k:]
 
 
 def sum_rows(values: Tensor, row: Tensor, slot: Tensor, num_rows: int, slots: int) -> Tensor:
@@ -108,79 +107,68 @@ class ReferencePipeline:
         ``weights`` ([k, S], fp32): each route's gate value. The output is the weighted sum of the
         routes' expert outputs; with ``scale_before`` each route's row is scaled by its weight
         before its expert (AutoEP's ``score_apply: "pre"``) and the outputs are summed unweighted.
+
+        Each token goes once to each rank that holds one of its routes, with its k routes' local
+        experts there (-1: not on that rank) and gates. The receiving rank runs each route's expert
+        on the row and sums the weighted outputs of the routes it holds (in fp32, then the experts'
+        dtype); one row per (token, rank) comes back, and the token's rows are summed in fp32. A
+        token whose routes meet four experts of one rank crosses to it once, not four times.
         """
         # Under saved-tensor hooks (non-reentrant checkpointing) the rows go whole: the chunks keep
-        # their experts' graphs themselves, out of those hooks' sight.
-        if self.chunks > 1 and self.ep_size > 1 and not saved_tensor_hooks_active():
-            return self._in_chunks(tokens, plan_routes(indices, self.num_experts), weights, scale_before)
-        return self._once_per_rank(tokens, plan_rank_rows(indices, self.num_experts, self.ep_size), weights,
-                                   scale_before)
-
-    def _once_per_rank(self, tokens: Tensor, plan: RankPlan, weights: Tensor, scale_before: bool) -> Tensor:
-        """The whole exchange, each token sent once to each rank that holds one of its routes.
-
-        With the row go its k routes' local experts (-1: not on that rank) and gates. The receiving
-        rank runs each route's expert on the row and sums the weighted outputs of the routes it
-        holds (in fp32, then the experts' dtype); one row per (token, rank) comes back, and the
-        token's rows are summed in fp32. A token whose routes meet four experts of one rank crosses
-        to it once, not four times, and comes back once.
-        """
-        ep_size, num_local, top_k = self.ep_size, self.experts.num_local, weights.shape[0]
-        # Per destination: the routes for each of its local experts, then the rows it gets.
-        send_counts = torch.cat([plan.expert_counts.view(ep_size, num_local), plan.rank_rows.view(ep_size, 1)], dim=1).view(-1)
-        received_counts = self.exchange_counts(send_counts) if ep_size > 1 else send_counts
-        # The uneven splits must be host integers for all_to_all_single: one small copy of the counts.
-        host = torch.cat([send_counts, received_counts]).view(2, ep_size, num_local + 1).tolist()
-        send_rows, recv_rows = [row[-1] for row in host[0]], [row[-1] for row in host[1]]
-        routes_per_expert = [sum(row[expert] for row in host[1]) for expert in range(num_local)]
-
+        # their graphs themselves, out of those hooks' sight.
+        chunks = self.chunks if self.ep_size > 1 and not saved_tensor_hooks_active() else 1
+        plan = plan_rank_rows(indices, self.num_experts, self.ep_size, chunks)
+        send_rows, recv_rows, routes_per_expert = self._splits(plan.route_counts, plan.rank_rows)
         num_sent = sum(send_rows)
         pair_token = plan.pair_token[:num_sent]
-        rows = exchange(tokens.index_select(0, pair_token), send_rows, recv_rows, self.group, ep_size)
-        local = exchange(plan.local_experts[:num_sent].int(), send_rows, recv_rows, self.group, ep_size)
-        gates = exchange(weights.t().index_select(0, pair_token), send_rows, recv_rows, self.group, ep_size)
+        rows = tokens.index_select(0, pair_token)
+        routes = pack_routes(plan.local_experts[:num_sent], weights.t().index_select(0, pair_token))
 
-        partial = self._local_routes(rows, local.long(), gates, routes_per_expert, scale_before)
-        returned = exchange(partial, recv_rows, send_rows, self.group, ep_size)
-        combined = sum_rows(returned, pair_token, plan.pair_slot[:num_sent], tokens.shape[0], min(top_k, ep_size))
-        return combined.to(returned.dtype)
+        def work(received_rows: Tensor, received_routes: Tensor, chunk: int) -> Tensor:
+            return self._local_routes(received_rows, received_routes, routes_per_expert[chunk], scale_before)
 
-    def _local_routes(self, rows: Tensor, local: Tensor, gates: Tensor, routes_per_expert: List[int],
-                      scale_before: bool) -> Tensor:
-        """For each received row ([R, H], with its routes' ``local`` experts and ``gates``, [R, k]),
+        if chunks > 1:
+            returned = chunked_exchange(rows, routes, send_rows, recv_rows, chunks, work, self.experts.parameters(),
+                                        self.group)
+        else:
+            received_rows = exchange(rows, send_rows, recv_rows, self.group, self.ep_size)
+            received_routes = exchange(routes, send_rows, recv_rows, self.group, self.ep_size)
+            returned = exchange(work(received_rows, received_routes, 0), recv_rows, send_rows, self.group, self.ep_size)
+        slots = min(weights.shape[0], self.ep_size)
+        return sum_rows(returned, pair_token, plan.pair_slot[:num_sent], tokens.shape[0], slots).to(returned.dtype)
+
+    def _splits(self, route_counts: Tensor, rank_rows: Tensor) -> Tuple[List[int], List[int], List[List[int]]]:
+        """The exchange's host splits from this call's plan (``route_counts`` [ep, C, L],
+        ``rank_rows`` [ep]) and the counts the other ranks send: (rows sent to each rank, rows
+        received from each rank, routes of each chunk for each local expert)."""
+        ep_size, chunks, num_local = route_counts.shape
+        send_counts = torch.cat([route_counts.view(ep_size, -1), rank_rows.view(ep_size, 1)], dim=1).view(-1)
+        received_counts = self.exchange_counts(send_counts) if ep_size > 1 else send_counts
+        # The uneven splits must be host integers for all_to_all_single: one small copy of the counts.
+        sent, received = torch.cat([send_counts, received_counts]).view(2, ep_size, chunks * num_local + 1).cpu()
+        routes = received[:, :-1].sum(dim=0).view(chunks, num_local)
+        return sent[:, -1].tolist(), received[:, -1].tolist(), routes.tolist()
+
+    def _local_routes(self, rows: Tensor, routes: Tensor, routes_per_expert: List[int], scale_before: bool) -> Tensor:
+        """For each received row ([R, H], with its ``routes``, [R, 2k] as ``pack_routes`` makes them),
         the weighted sum of its routes' expert outputs, in the experts' output dtype."""
+        local, gates = unpack_routes(routes)
         num_rows, top_k = local.shape
         flat = local.reshape(-1)
         # Routes sorted by local expert (stable: by source rank, token, then slot); others last.
         keys = torch.where(flat < 0, torch.full_like(flat, self.experts.num_local), flat)
-        routes = torch.argsort(keys, stable=True)[:sum(routes_per_expert)]
-        route_row = routes // top_k
+        order = torch.argsort(keys, stable=True)[:sum(routes_per_expert)]
+        route_row = order // top_k
         # Each route's place among its row's routes on this rank (fewer than min(k, local experts)).
-        route_slot = ((local >= 0).long().cumsum(dim=1) - 1).reshape(-1).index_select(0, routes)
+        route_slot = ((local >= 0).long().cumsum(dim=1) - 1).reshape(-1).index_select(0, order)
         route_rows = rows.index_select(0, route_row)
-        route_gates = gates.reshape(-1).index_select(0, routes).unsqueeze(-1)
+        route_gates = gates.reshape(-1).index_select(0, order).unsqueeze(-1)
         if scale_before:
             route_rows = (route_rows.float() * route_gates).to(rows.dtype)
         outputs = self.experts.run(route_rows, routes_per_expert)
         weighted = outputs if scale_before else outputs * route_gates  # fp32: the gates are
         summed = sum_rows(weighted, route_row, route_slot, num_rows, min(top_k, self.experts.num_local))
         return summed.to(outputs.dtype)
-
-    def _in_chunks(self, tokens: Tensor, plan: RoutingPlan, weights: Tensor, scale_before: bool) -> Tensor:
-        """The exchange of a group that spans nodes: route by route, in chunks (chunked.py)."""
-        send_counts = plan.expert_counts
-        received_counts = self.exchange_counts(send_counts).view(self.ep_size, self.experts.num_local)
-        host = torch.cat([send_counts.view(-1), received_counts.view(-1)]).view(2, self.ep_size, -1).tolist()
-        send_matrix, recv_matrix = host
-        num_sent = sum(map(sum, send_matrix))
-        sent = tokens.index_select(0, plan.source_token[:num_sent])
-        if scale_before:
-            scale = weights.reshape(-1).index_select(0, plan.route_order[:num_sent])
-            sent = (sent.float() * scale.unsqueeze(-1)).to(sent.dtype)
-        outputs = chunked_experts(sent, send_matrix, recv_matrix, self.chunks, self.experts, self.group)
-        dropped = plan.route_order.numel() - num_sent
-        outputs = torch.cat([outputs, outputs.new_zeros((dropped, outputs.shape[-1]))])
-        return combine_routes(outputs, plan, None if scale_before else weights)
 
     def exchange_counts(self, send_counts: Tensor) -> Tensor:
         """Every rank's counts for this rank's experts ([E] int64, by source rank then local expert),

@@ -77,7 +77,9 @@ class RankPlan:
     """Each token sent once to each rank that holds one of its kept routes.
 
     A *pair* is (destination rank d, token s); pairs are sorted by destination, then token, and
-    only the first ``rank_rows.sum()`` are real. Built on the device with no host sync.
+    only the first ``rank_rows.sum()`` are real. The rows a rank sends to one destination may travel
+    in chunks: chunk c of a block of B rows is its rows ``[c B / C, (c + 1) B / C)`` (``chunk_bounds``).
+    Built on the device with no host sync.
     """
     pair_token: Tensor
     """[ep*S] int64: the token of each pair."""
@@ -88,13 +90,24 @@ class RankPlan:
     where the route goes elsewhere or was dropped."""
     rank_rows: Tensor
     """[ep] int64: pairs per destination rank."""
-    expert_counts: Tensor
-    """[E] int64: kept routes per global expert."""
+    route_counts: Tensor
+    """[ep, C, L] int64: kept routes per destination rank, chunk of its rows and local expert."""
 
 
-def plan_rank_rows(indices: Tensor, num_experts: int, ep_size: int) -> RankPlan:
+def chunk_bounds(rows: Tensor, chunks: int) -> Tensor:
+    """[..., chunks + 1]: where each chunk of a block of ``rows`` rows starts, and the block's end."""
+    return rows.unsqueeze(-1) * torch.arange(chunks + 1, device=rows.device) // chunks
+
+
+def chunk_of_row(position: Tensor, rows: Tensor, chunks: int) -> Tensor:
+    """The chunk (``chunk_bounds``) that holds row ``position`` of a block of ``rows`` rows: the
+    largest c with c * rows // chunks <= position."""
+    return ((position + 1) * chunks + rows - 1) // rows.clamp_min(1) - 1
+
+
+def plan_rank_rows(indices: Tensor, num_experts: int, ep_size: int, chunks: int = 1) -> RankPlan:
     """The pairs of the gate's ``indices`` ([k, S], as for ``plan_routes``) over ``ep_size`` ranks of
-    ``num_experts // ep_size`` experts each."""
+    ``num_experts // ep_size`` experts each, their rows to travel in ``chunks`` chunks."""
     top_k, num_tokens = _routes_shape(indices)
     num_local = num_experts // ep_size
     flat = indices.long()
@@ -110,11 +123,17 @@ def plan_rank_rows(indices: Tensor, num_experts: int, ep_size: int) -> RankPlan:
     pair_dest, pair_token = order // num_tokens, order % num_tokens
     route_dest, route_expert = dest[:, pair_token], flat[:, pair_token]  # [k, ep*S]
     local = torch.where(route_dest == pair_dest, route_expert - pair_dest * num_local, torch.full_like(route_expert, -1))
+    rank_rows = hit.sum(dim=0)
+    # Each real pair's chunk; the other pairs have no local expert and are not counted.
+    position = torch.arange(ep_size * num_tokens, device=flat.device) - exclusive_cumsum(rank_rows)[pair_dest]
+    pair_chunk = chunk_of_row(position, rank_rows[pair_dest], chunks)
     # scatter_add rather than bincount: on CUDA, bincount reads the largest id back to the host.
-    expert_counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    expert_counts.scatter_add_(0, torch.where(kept, flat, num_experts).reshape(-1), torch.ones_like(flat).reshape(-1))
-    return RankPlan(pair_token, slot[pair_token, pair_dest.clamp(max=ep_size - 1)], local.t().contiguous(),
-                    hit.sum(dim=0), expert_counts[:num_experts])
+    bins = ep_size * chunks * num_local
+    where = torch.where(local >= 0, (pair_dest * chunks + pair_chunk) * num_local + local, bins)
+    route_counts = torch.zeros(bins + 1, dtype=torch.int64, device=flat.device)
+    route_counts.scatter_add_(0, where.reshape(-1), torch.ones_like(where).reshape(-1))
+    return RankPlan(pair_token, slot[pair_token, pair_dest.clamp(max=ep_size - 1)], local.t().contiguous(), rank_rows,
+                    route_counts[:bins].view(ep_size, chunks, num_local))
 
 
 def exclusive_cumsum(values: Tensor) -> Tensor:
@@ -124,23 +143,6 @@ def exclusive_cumsum(values: Tensor) -> Tensor:
 def runs(starts: Tensor, lengths: Tensor) -> Tensor:
     """The concatenation of ``arange(starts[i], starts[i] + lengths[i])`` over i."""
     return torch.repeat_interleave(starts - exclusive_cumsum(lengths), lengths) + torch.arange(int(lengths.sum()))
-
-
-def expert_major_order(received_counts: Tensor) -> Tuple[Tensor, Tensor]:
-    """The permutations between the order rows arrive in and the order the experts take them.
-
-    Rows arrive grouped by source rank, then by local expert (``received_counts``, a host
-    ``[ep_size, num_local_experts]`` tensor); the experts want them grouped by local expert, then by
-    source rank. Returns host tensors ``(by_expert, by_source)``: entry i of ``by_expert`` is the
-    received row that goes to place i; ``by_source`` is its inverse. Built from the counts alone,
-    with no device work.
-    """
-    ep_size, num_local = received_counts.shape
-    arrival_starts = exclusive_cumsum(received_counts.reshape(-1)).view(ep_size, num_local)
-    expert_starts = exclusive_cumsum(received_counts.t().reshape(-1)).view(num_local, ep_size)
-    by_expert = runs(arrival_starts.t().reshape(-1), received_counts.t().reshape(-1))
-    by_source = runs(expert_starts.t().reshape(-1), received_counts.reshape(-1))
-    return by_expert, by_source
 
 
 def host_to_device(tensor: Tensor, device: torch.device) -> Tensor:
@@ -157,5 +159,5 @@ def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> T
     reference pipeline's whole exchange sends). ``indices`` as for ``plan_routes``. Reads the counts
     back to the host: for benchmarks and reports, not for the layer's call."""
     plan = plan_rank_rows(indices, num_experts, ep_size)
-    per_rank_routes = plan.expert_counts.view(ep_size, -1).sum(dim=1)
+    per_rank_routes = plan.route_counts.sum(dim=(1, 2))
     return (int(per_rank_routes.sum() - per_rank_routes[rank]), int(plan.rank_rows.sum() - plan.rank_rows[rank]))

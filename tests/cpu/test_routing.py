@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ds_comet.pipelines.routing import expert_major_order, plan_rank_rows, plan_routes, remote_rows
+from ds_comet.pipelines.routing import chunk_bounds, chunk_of_row, plan_rank_rows, plan_routes, remote_rows
 
 
 def random_routes(generator, top_k, num_tokens, num_experts, drop_fraction):
@@ -36,29 +36,6 @@ def test_plan_matches_brute_force(top_k, num_tokens, num_experts, drop_fraction)
         ], ep_size
 
 
-def test_expert_major_order():
-    # Two source ranks, three local experts; rows arrive rank-major.
-    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])
-    arrival = [(0, 0), (0, 0), (0, 2), (1, 0), (1, 1), (1, 1), (1, 1)]
-    order, inverse = expert_major_order(counts)
-    assert [arrival[i] for i in order.tolist()] == sorted(arrival, key=lambda row: row[1])
-    assert order.tolist() == [0, 1, 3, 4, 5, 6, 2]
-    assert order[inverse].tolist() == list(range(len(arrival)))
-
-
-@pytest.mark.parametrize("ep_size,num_local", [(2, 3), (4, 1), (4, 2), (8, 3)])
-def test_expert_major_order_brute_force(ep_size, num_local):
-    generator = torch.Generator().manual_seed(ep_size * 10 + num_local)
-    counts = torch.randint(0, 4, (ep_size, num_local), generator=generator)
-    counts[0, 0] = 0  # an empty run, also at the very start
-    arrival = [(source, expert) for source in range(ep_size) for expert in range(num_local)
-               for _ in range(counts[source, expert])]
-    # Grouped by local expert; within an expert the rows keep their arrival order (by source rank).
-    order, inverse = expert_major_order(counts)
-    assert order.tolist() == sorted(range(len(arrival)), key=lambda i: (arrival[i][1], i))
-    assert order[inverse].tolist() == list(range(len(arrival)))
-
-
 def test_plan_rejects_flat_indices():
     with pytest.raises(ValueError, match=r"\[k, tokens\]"):
         plan_routes(torch.zeros(8, dtype=torch.int32), 4)
@@ -88,26 +65,47 @@ def test_remote_rows_count_routes_and_token_rank_pairs():
     assert once_rows == 4
 
 
-@pytest.mark.parametrize("top_k,num_tokens,num_experts,ep_size,drop_fraction", [
-    (1, 37, 4, 2, 0.0), (2, 64, 8, 4, 0.3), (4, 19, 8, 2, 0.5), (8, 23, 16, 4, 0.1), (3, 5, 6, 3, 1.0), (4, 0, 8, 2, 0.0)])
-def test_rank_plan_matches_brute_force(top_k, num_tokens, num_experts, ep_size, drop_fraction):
+@pytest.mark.parametrize("top_k,num_tokens,num_experts,ep_size,drop_fraction,chunks", [
+    (1, 37, 4, 2, 0.0, 1), (2, 64, 8, 4, 0.3, 3), (4, 19, 8, 2, 0.5, 2), (8, 23, 16, 4, 0.1, 5), (3, 5, 6, 3, 1.0, 2),
+    (4, 0, 8, 2, 0.0, 4), (2, 6, 4, 2, 0.0, 8)])
+def test_rank_plan_matches_brute_force(top_k, num_tokens, num_experts, ep_size, drop_fraction, chunks):
     generator = torch.Generator().manual_seed(top_k * 100 + num_tokens + ep_size)
     indices = random_routes(generator, top_k, num_tokens, num_experts, drop_fraction)
     indices[0, :num_tokens // 4] = num_experts  # past the last expert: dropped, as in the plan kernel
-    plan = plan_rank_rows(indices, num_experts, ep_size)
+    plan = plan_rank_rows(indices, num_experts, ep_size, chunks)
 
     num_local = num_experts // ep_size
     kept = [[int(e) if 0 <= e < num_experts else -1 for e in indices[:, s]] for s in range(num_tokens)]
     pairs = [(d, s) for d in range(ep_size) for s in range(num_tokens) if any(e // num_local == d for e in kept[s] if e >= 0)]
     num_pairs = len(pairs)
-    assert plan.rank_rows.tolist() == [sum(1 for d, _ in pairs if d == rank) for rank in range(ep_size)]
+    rank_rows = [sum(1 for d, _ in pairs if d == rank) for rank in range(ep_size)]
+    assert plan.rank_rows.tolist() == rank_rows
     assert plan.pair_token[:num_pairs].tolist() == [s for _, s in pairs]
+    route_counts = [[[0] * num_local for _ in range(chunks)] for _ in range(ep_size)]
     for p, (d, s) in enumerate(pairs):
         assert plan.local_experts[p].tolist() == [e - d * num_local if e >= 0 and e // num_local == d else -1
                                                   for e in kept[s]], (d, s)
         ranks_of_token = sorted({e // num_local for e in kept[s] if e >= 0})
         assert plan.pair_slot[p] == ranks_of_token.index(d), (d, s)
-    assert plan.expert_counts.tolist() == [sum(row.count(x) for row in kept) for x in range(num_experts)]
+        # The pair's chunk: the one whose rows of its destination's block hold it.
+        position, rows = p - sum(rank_rows[:d]), rank_rows[d]
+        chunk = [c for c in range(chunks) if c * rows // chunks <= position < (c + 1) * rows // chunks]
+        assert len(chunk) == 1, (d, s, chunk)
+        for e in kept[s]:
+            if e >= 0 and e // num_local == d:
+                route_counts[d][chunk[0]][e - d * num_local] += 1
+    assert plan.route_counts.tolist() == route_counts
     # The bench's count of rows sent once per (token, rank) is this plan's, less the rank's own.
     for rank in range(ep_size):
         assert remote_rows(indices, num_experts, ep_size, rank)[1] == num_pairs - plan.rank_rows[rank]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7, 8])
+def test_chunk_of_row_is_the_chunk_whose_bounds_hold_it(chunks):
+    rows = torch.arange(0, 40)
+    bounds = chunk_bounds(rows, chunks)  # [40, chunks + 1]
+    assert torch.equal(bounds[:, 0], torch.zeros_like(rows)) and torch.equal(bounds[:, -1], rows)
+    for block in range(1, 40):
+        position = torch.arange(block)
+        chunk = chunk_of_row(position, torch.full_like(position, block), chunks)
+        assert torch.all((bounds[block, chunk] <= position) & (position < bounds[block, chunk + 1])), block
