@@ -32,6 +32,7 @@ import torch
 from deepspeed import comm as dist
 from torch import Tensor
 
+from .collective_waits import CollectiveWaits
 from .routing import chunk_bounds, exclusive_cumsum, host_to_device, runs
 
 # (received rows [R, H], their routes [R, 2k], chunk) -> one row per received row [R, H]
@@ -74,7 +75,8 @@ def _gather_chunks(parts: List[Tensor], index: List[Tensor], num_rows: int) -> T
     return whole
 
 
-def _dispatch_work_return(plan: ChunkPlan, work: ChunkWork, group, rows: Tensor, routes: Tensor, track: bool):
+def _dispatch_work_return(plan: ChunkPlan, work: ChunkWork, waits: CollectiveWaits, rows: Tensor, routes: Tensor,
+                          track: bool):
     """The forward's three steps, chunk by chunk: (the returned rows, in the sent rows' order; per
     chunk, the received rows and routes and what ``work`` made of them, with its graph when ``track``)."""
     def received(like: Tensor, c: int) -> Tensor:
@@ -85,11 +87,11 @@ def _dispatch_work_return(plan: ChunkPlan, work: ChunkWork, group, rows: Tensor,
     for c in range(plan.chunks):
         arrived.append((received(rows, c), received(routes, c)))
         dispatches.append([_post(arrived[c][i], sent.index_select(0, plan.send_index[c]), plan.recv_splits[c],
-                                 plan.send_splits[c], group) for i, sent in enumerate((rows, routes))])
+                                 plan.send_splits[c], waits.group) for i, sent in enumerate((rows, routes))])
     returned, returns, graphs = [], [], []
     for c in range(plan.chunks):
         for posted in dispatches[c]:
-            posted.wait()
+            waits.wait(posted, f"chunk {c + 1} of {plan.chunks} of the rows the other ranks send it")
         with torch.set_grad_enabled(track):
             chunk_rows = arrived[c][0].requires_grad_(track and rows.requires_grad)
             chunk_routes = arrived[c][1].requires_grad_(track and routes.requires_grad)
@@ -97,14 +99,14 @@ def _dispatch_work_return(plan: ChunkPlan, work: ChunkWork, group, rows: Tensor,
         graphs.append((chunk_rows, chunk_routes, out))
         # In the work's dtype, which autocast may make other than the rows'.
         returned.append(out.new_empty((sum(plan.send_splits[c]), out.shape[1])))
-        returns.append(_post(returned[c], out.detach(), plan.send_splits[c], plan.recv_splits[c], group))
-    for posted in returns:
-        posted.wait()
+        returns.append(_post(returned[c], out.detach(), plan.send_splits[c], plan.recv_splits[c], waits.group))
+    for c, posted in enumerate(returns):
+        waits.wait(posted, f"chunk {c + 1} of {plan.chunks} of its rows, back from their experts' ranks")
     return _gather_chunks(returned, plan.send_index, rows.shape[0]), graphs
 
 
 class ChunkedExchange(torch.autograd.Function):
-    """(plan, work, group, rows [R, H], routes [R, 2k], *parameters) -> ``work``'s rows for the sent
+    """(plan, work, waits, rows [R, H], routes [R, 2k], *parameters) -> ``work``'s rows for the sent
     rows, in their order, exchanged there and back in ``plan.chunks`` chunks.
 
     The parameters ``work`` reads are inputs so that their gradients flow back through this function:
@@ -113,9 +115,10 @@ class ChunkedExchange(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, plan: ChunkPlan, work: ChunkWork, group, rows: Tensor, routes: Tensor, *params: Tensor) -> Tensor:
-        returned, ctx.graphs = _dispatch_work_return(plan, work, group, rows, routes, track=True)
-        ctx.plan, ctx.group, ctx.params, ctx.sent = plan, group, params, (rows.shape, rows.dtype, routes.shape)
+    def forward(ctx, plan: ChunkPlan, work: ChunkWork, waits: CollectiveWaits, rows: Tensor, routes: Tensor,
+                *params: Tensor) -> Tensor:
+        returned, ctx.graphs = _dispatch_work_return(plan, work, waits, rows, routes, track=True)
+        ctx.plan, ctx.waits, ctx.params, ctx.sent = plan, waits, params, (rows.shape, rows.dtype, routes.shape)
         return returned
 
     @staticmethod
@@ -123,7 +126,7 @@ class ChunkedExchange(torch.autograd.Function):
         if ctx.graphs is None:
             raise RuntimeError("the chunked MoE exchange's backward runs once per forward: its experts' graphs are "
                                "freed as it goes (retain_graph=True needs \"moe\": {\"internode_chunks\": 1})")
-        plan, group = ctx.plan, ctx.group
+        plan, waits = ctx.plan, ctx.waits
         (rows_shape, rows_dtype, routes_shape), wanted_params = ctx.sent, ctx.needs_input_grad[5:]
         params = [p for p, wanted in zip(ctx.params, wanted_params) if wanted]
         grad_returned = grad_returned.contiguous()
@@ -131,11 +134,11 @@ class ChunkedExchange(torch.autograd.Function):
                    for c in range(plan.chunks)]
         # The return's gradient goes back to the ranks that did the work, every chunk posted at once.
         arrivals = [_post(arrived[c], grad_returned.index_select(0, plan.send_index[c]), plan.recv_splits[c],
-                          plan.send_splits[c], group) for c in range(plan.chunks)]
+                          plan.send_splits[c], waits.group) for c in range(plan.chunks)]
         param_grads: List[Optional[Tensor]] = [None] * len(params)
         departed, departures = [], []
         for c in range(plan.chunks):
-            arrivals[c].wait()
+            waits.wait(arrivals[c], f"the gradients of chunk {c + 1} of {plan.chunks} of the rows it returned")
             chunk_rows, chunk_routes, out = ctx.graphs[c]
             sources = [t for t in (chunk_rows, chunk_routes) if t.requires_grad]
             grads = [None] * (len(sources) + len(params))
@@ -148,30 +151,31 @@ class ChunkedExchange(torch.autograd.Function):
             back = []
             for sent, dtype in ((chunk_rows, rows_dtype), (chunk_routes, torch.float32)):
                 grad = found.get(id(sent))
-                back.append(torch.zeros(sent.shape, dtype=dtype, device=sent.device) if grad is None else grad.to(dtype))
+                back.append(sent.new_zeros(sent.shape, dtype=dtype) if grad is None else grad.to(dtype))
             departed.append([grad.new_empty((sum(plan.send_splits[c]), grad.shape[1])) for grad in back])
-            departures += [_post(departed[c][i], back[i], plan.send_splits[c], plan.recv_splits[c], group)
+            departures += [_post(departed[c][i], back[i], plan.send_splits[c], plan.recv_splits[c], waits.group)
                            for i in range(2)]
-        for posted in departures:
-            posted.wait()
+        for i, posted in enumerate(departures):
+            waits.wait(posted, f"the gradients of chunk {i // 2 + 1} of {plan.chunks} of the rows it sent")
         ctx.graphs = None
         grad_rows = _gather_chunks([part[0] for part in departed], plan.send_index, rows_shape[0])
         grad_routes = _gather_chunks([part[1] for part in departed], plan.send_index, routes_shape[0])
         found = iter(None if grad is None else grad.to(p.dtype) for grad, p in zip(param_grads, params))
-        return (None, None, None, grad_rows, grad_routes, *[next(found) if wanted else None for wanted in wanted_params])
+        return (None, None, None, grad_rows, grad_routes,
+                *[next(found) if wanted else None for wanted in wanted_params])
 
 
 # Eager under torch.compile, as the whole exchange is (reference.py): collectives and host bookkeeping.
 @torch.compiler.disable
 def chunked_exchange(rows: Tensor, routes: Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], chunks: int,
-                     work: ChunkWork, params: Sequence[Tensor], group) -> Tensor:
+                     work: ChunkWork, params: Sequence[Tensor], waits: CollectiveWaits) -> Tensor:
     """``work``'s rows for ``rows`` ([R, H], grouped by destination rank as ``send_rows`` says) and
     their ``routes`` ([R, 2k] fp32, ``reference.pack_routes``), exchanged there and back in ``chunks``
-    chunks; ``params``: the parameters ``work`` reads."""
+    chunks; ``params``: the parameters ``work`` reads; ``waits``: the group and the bound on each wait."""
     plan = ChunkPlan(send_rows, recv_rows, chunks, rows.device)
     if torch.is_grad_enabled() and (rows.requires_grad or routes.requires_grad or any(p.requires_grad for p in params)):
-        return ChunkedExchange.apply(plan, work, group, rows, routes, *params)
-    return _dispatch_work_return(plan, work, group, rows, routes, track=False)[0]
+        return ChunkedExchange.apply(plan, work, waits, rows, routes, *params)
+    return _dispatch_work_return(plan, work, waits, rows, routes, track=False)[0]
 
 
 def rule_chunks(top_k: int, max_tokens: int) -> int:

@@ -9,39 +9,38 @@ the rounding of those partial sums. Where the group spans nodes the same rows tr
 (chunked.py).
 """
 
-import time
-from datetime import timedelta
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 from deepspeed import comm as dist
 from torch import Tensor
 
-from ..kernels.ops import CometWaitTimeout
 from .chunked import chunked_exchange
+from .collective_waits import CollectiveWaits
 from .expert_weights import LocalExperts
 from .policy import saved_tensor_hooks_active
 from .routing import plan_rank_rows
 
 
 class _AllToAllV(torch.autograd.Function):
-    """all_to_all_single with uneven splits; its gradient is the same exchange reversed."""
+    """all_to_all_single with uneven splits, its wait bounded (``waits``; ``what`` names the rows in
+    the error); its gradient is the same exchange reversed."""
 
     @staticmethod
-    def forward(ctx, rows: Tensor, send_splits: List[int], recv_splits: List[int], group) -> Tensor:
-        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+    def forward(ctx, rows: Tensor, send_splits: List[int], recv_splits: List[int], waits: CollectiveWaits,
+                what: str) -> Tensor:
+        ctx.send_splits, ctx.recv_splits, ctx.waits, ctx.what = send_splits, recv_splits, waits, what
         received = rows.new_empty((sum(recv_splits), ) + tuple(rows.shape[1:]))
-        dist.all_to_all_single(received,
-                               rows.contiguous(),
-                               output_split_sizes=recv_splits,
-                               input_split_sizes=send_splits,
-                               group=group)
+        work = dist.all_to_all_single(received, rows.contiguous(), output_split_sizes=recv_splits,
+                                      input_split_sizes=send_splits, group=waits.group, async_op=True)
+        waits.wait(work, what)
         return received
 
     @staticmethod
     def backward(ctx, grad_received: Tensor):
-        grad_rows = _AllToAllV.apply(grad_received, ctx.recv_splits, ctx.send_splits, ctx.group)
-        return grad_rows, None, None, None
+        grad_rows = _AllToAllV.apply(grad_received, ctx.recv_splits, ctx.send_splits, ctx.waits,
+                                     f"the gradients of {ctx.what}")
+        return grad_rows, None, None, None, None
 
 
 # Run eagerly under torch.compile, behind a graph break. Traced, this autograd.Function (a collective
@@ -49,10 +48,10 @@ class _AllToAllV(torch.autograd.Function):
 # 2.11 to a backward that exchanged the wrong rows: gradients off by as much as themselves, or a
 # gloo size mismatch. Stock DeepSpeed's _AllToAll compiles to the same wrong gradients there.
 @torch.compiler.disable
-def exchange(rows: Tensor, send_splits: List[int], recv_splits: List[int], group, ep_size: int) -> Tensor:
-    if ep_size == 1:
-        return rows
-    return _AllToAllV.apply(rows, send_splits, recv_splits, group)
+def exchange(rows: Tensor, send_splits: List[int], recv_splits: List[int], waits: CollectiveWaits, what: str) -> Tensor:
+    """``rows`` ([R, ...], grouped by destination rank as ``send_splits`` says) exchanged over
+    ``waits.group``: the rows every rank sends this one, by source rank."""
+    return _AllToAllV.apply(rows, send_splits, recv_splits, waits, what)
 
 
 def pack_routes(local_experts: Tensor, gates: Tensor) -> Tensor:
@@ -83,9 +82,10 @@ class ReferencePipeline:
 
     ``experts``: this rank's local experts; ``num_experts``: the layer's experts over the group
     (``ep_size`` ranks, ``num_experts / ep_size`` each); ``group``: the expert-parallel process group
-    (None when ``ep_size`` is 1). ``wait_timeout_s`` bounds each call's first collective, the
-    exchange of expert counts: a rank whose peers stopped calling the layer gets
-    ``CometWaitTimeout`` naming ``layer_name`` instead of waiting out the process group's timeout.
+    (None when ``ep_size`` is 1). ``wait_timeout_s`` bounds each wait on the group (the exchange of
+    expert counts that starts every call, and the chunks' exchanges): a rank whose peers stopped
+    calling the layer gets ``CometWaitTimeout`` naming ``layer_name`` and the ranks that stalled,
+    instead of waiting out the process group's timeout.
     """
 
     name = "reference"
@@ -127,13 +127,17 @@ class ReferencePipeline:
         def work(received_rows: Tensor, received_routes: Tensor, chunk: int) -> Tensor:
             return self._local_routes(received_rows, received_routes, routes_per_expert[chunk], scale_before)
 
-        if chunks > 1:
+        if self.ep_size == 1:
+            returned = work(rows, routes, 0)
+        elif chunks > 1:
             returned = chunked_exchange(rows, routes, send_rows, recv_rows, chunks, work, self.experts.parameters(),
-                                        self.group)
+                                        self.waits())
         else:
-            received_rows = exchange(rows, send_rows, recv_rows, self.group, self.ep_size)
-            received_routes = exchange(routes, send_rows, recv_rows, self.group, self.ep_size)
-            returned = exchange(work(received_rows, received_routes, 0), recv_rows, send_rows, self.group, self.ep_size)
+            waits = self.waits()
+            received_rows = exchange(rows, send_rows, recv_rows, waits, "the rows the other ranks send it")
+            received_routes = exchange(routes, send_rows, recv_rows, waits, "the routes of those rows")
+            returned = exchange(work(received_rows, received_routes, 0), recv_rows, send_rows, waits,
+                                "its rows, back from their experts' ranks")
         slots = min(weights.shape[0], self.ep_size)
         return sum_rows(returned, pair_token, plan.pair_slot[:num_sent], tokens.shape[0], slots).to(returned.dtype)
 
@@ -170,6 +174,10 @@ class ReferencePipeline:
         summed = sum_rows(weighted, route_row, route_slot, num_rows, min(top_k, self.experts.num_local))
         return summed.to(outputs.dtype)
 
+    def waits(self) -> CollectiveWaits:
+        """This call's bounded waits on the group (``collective_waits.py``)."""
+        return CollectiveWaits(self.group, self.wait_timeout_s, self.layer_name)
+
     def exchange_counts(self, send_counts: Tensor) -> Tensor:
         """Every rank's counts for this rank's experts ([E] int64, by source rank then local expert),
         waiting at most ``wait_timeout_s`` for the group.
@@ -180,31 +188,7 @@ class ReferencePipeline:
         covers the work queued before the exchange, as that read-back does.
         """
         received = torch.empty_like(send_counts)
-        start = time.monotonic()
         work = dist.all_to_all_single(received, send_counts, group=self.group, async_op=True)
-        if received.is_cuda and torch.distributed.get_backend(self.group) == "nccl":
-            # The stream waits for the exchange and the host polls an event after it: NCCL's own
-            # wait with a timeout polls in sleeps of milliseconds, on every call of every layer.
-            work.wait()
-            done = torch.cuda.Event()
-            done.record()
-            while not done.query():
-                if time.monotonic() - start > self.wait_timeout_s:
-                    self._timed_out(time.monotonic() - start, None)
-                time.sleep(20e-6)
-            return received
-        try:
-            work.wait(timeout=timedelta(seconds=self.wait_timeout_s))
-        except RuntimeError as error:
-            waited = time.monotonic() - start
-            if waited < self.wait_timeout_s:
-                raise  # not the bound: the collective itself failed (a peer's process ended, say)
-            self._timed_out(waited, error)
+        self.waits().wait(work, "the expert counts of the other ranks (the reference pipeline's first exchange of "
+                          "a call)", read_back=True)
         return received
-
-    def _timed_out(self, waited: float, error: Optional[BaseException]):
-        raise CometWaitTimeout(
-            f"ds_comet: {self.layer_name}: rank {dist.get_rank(group=self.group)} waited {waited:.1f} s for the "
-            f"expert counts of the other ranks of its expert-parallel group (the reference pipeline's first "
-            f"exchange of a call); a rank stopped calling the layer or fell behind (raise \"moe\": "
-            f"{{\"wait_timeout_s\"}} if it is only slow). The exchange stays posted: restart the job") from error

@@ -3,7 +3,8 @@
 One host stands for several nodes with DS_COMET_RANKS_PER_NODE: the chunked layer must give what
 the whole exchange gives (outputs and every gradient, the gate's included; fp32: to 1e-5, the
 GEMMs' rounding for other row counts; bf16: to its rounding), AutoEP's layer included, and its
-chunk bookkeeping must cover every row once.
+chunk bookkeeping must cover every row once. A rank that stalls inside a call, whole or in chunks,
+ends its peers' waits within the layer's bound, with an error naming it.
 """
 
 import os
@@ -136,3 +137,54 @@ def test_autoep_layers_across_declared_nodes_match_autoep(cpu_pool):
     for errors, loss_diff, _ in cpu_pool.run(autoep_chunked_case, seed=torch.randint(1, 10**6, ()).item()):
         worst = max(errors.items(), key=lambda item: item[1]["comet_vs_autoep"])
         assert worst[1]["comet_vs_autoep"] < 1e-5 and loss_diff < 1e-5, (worst, loss_diff)
+
+
+def stalled_rank_case(per_node):
+    """Rank 1 stalls inside its experts (chunk 2 of 3 across declared nodes, else the whole call):
+    rank 0's wait for the rows coming back must end within wait_timeout_s, naming rank 1."""
+    import time
+
+    from ds_comet.kernels.ops import CometWaitTimeout
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if per_node:
+        os.environ[RANKS_PER_NODE_VAR] = per_node
+    try:
+        moe = {"backend": "comet", "overlap": "none", "internode_chunks": 3, "wait_timeout_s": 2.0}
+        layer = ds_comet.MoE(24, make_expert("gelu", 24, 40), num_experts=2 * world, ep_size=world, k=2,
+                             drop_tokens=False, config={"moe": moe})
+        layer.set_deepspeed_parallelism()
+        layer.deepspeed_moe.pipelines.name = "blocks.1.moe"
+        calls = []
+        if rank == 1:
+            # Each chunk calls the rank's two experts in turn: the third call is chunk 2's first.
+            stall_at = 3 if per_node else 1
+
+            def stall(module, args):
+                calls.append(module)
+                if len(calls) == stall_at:
+                    time.sleep(8.0)
+
+            for expert in layer.deepspeed_moe.experts.deepspeed_experts:
+                expert.register_forward_pre_hook(stall)
+        tokens = torch.randn(1, 30, 24)
+        if rank != 0:
+            layer(tokens)
+            return None
+        start = time.monotonic()
+        with pytest.raises(CometWaitTimeout) as raised:
+            layer(tokens)
+        return str(raised.value), time.monotonic() - start
+    finally:
+        os.environ.pop(RANKS_PER_NODE_VAR, None)
+
+
+@pytest.mark.parametrize("per_node", [None, "1"], ids=["whole", "chunks"])
+def test_a_stalled_rank_ends_its_peers_waits_with_an_error_naming_it(cpu_pool, per_node):
+    try:
+        message, waited = cpu_pool.run(stalled_rank_case, per_node=per_node)[0]
+    finally:
+        cpu_pool.stop()  # the exchange is still posted on rank 0: the next test starts afresh
+    assert "blocks.1.moe" in message and "global rank(s) 1 of the group did not report" in message, message
+    assert "back from their experts' ranks" in message and ("chunk 2 of 3" in message) == bool(per_node), message
+    # The bound (2 s) and the search for the stalled rank (at most as long again), not rank 1's 8 s.
+    assert 2.0 <= waited < 7.0, waited

@@ -1,0 +1,101 @@
+"""Bounded waits on the reference pipeline's collectives, and an error that names the ranks that stalled.
+
+A collective waits for every rank of its group. When one rank stops calling the layer (it raised,
+returned early or is stuck in other work), its peers would wait out the process group's timeout,
+30 minutes by default, and end with an error that names neither the layer nor the rank. Here each
+wait the host makes is bounded by ``"moe": {"wait_timeout_s"}``. Past it, the rank reports where
+it waits in the process group's store and looks, for a short grace period, for the reports of the
+group's other ranks: a rank that reports is waiting too, and a rank that does not is the one that
+stalled, which the error then names. The store is only written on this path, never in a healthy
+call.
+"""
+
+import time
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+from deepspeed import comm as dist
+
+from ..kernels.ops import CometWaitTimeout
+
+REPORT_KEY = "ds_comet/waiting/"  # + the global rank: where that rank gave up waiting
+GRACE_S = 10.0  # the longest a rank that timed out looks for its peers' reports
+
+
+class CollectiveWaits:
+    """The waits of one layer's reference pipeline on its expert-parallel ``group``.
+
+    ``timeout_s`` bounds each wait; ``layer_name`` (settable) names the layer in the error.
+    """
+
+    def __init__(self, group, timeout_s: float, layer_name: str):
+        self.group = group
+        self.timeout_s = timeout_s
+        self.layer_name = layer_name
+
+    def wait(self, work, what: str, read_back: bool = False) -> None:
+        """Waits for ``work`` (an ``async_op`` collective of the group), at most ``timeout_s``.
+
+        ``what`` says what the wait is for, in the error. On NCCL the stream waits and the host
+        does not, so a stalled peer is noticed at the next wait with ``read_back``: the host then
+        also waits for the device to finish the collective and the work queued before it, as the
+        read-back of its result would.
+        """
+        start = time.monotonic()
+        if torch.distributed.get_backend(self.group) == "nccl":
+            work.wait()
+            if not read_back:
+                return
+            # The host polls an event: NCCL's own wait with a timeout polls in sleeps of
+            # milliseconds, on every call of every layer.
+            done = torch.cuda.Event()
+            done.record()
+            while not done.query():
+                if time.monotonic() - start > self.timeout_s:
+                    self._timed_out(time.monotonic() - start, what, None)
+                time.sleep(20e-6)
+            return
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as error:
+            waited = time.monotonic() - start
+            if waited < self.timeout_s:
+                raise  # not the bound: the collective itself failed (a peer's process ended, say)
+            self._timed_out(waited, what, error)
+
+    def _timed_out(self, waited: float, what: str, error: Optional[BaseException]):
+        rank = dist.get_rank(group=self.group)
+        grace = min(self.timeout_s, GRACE_S)
+        silent = self._ranks_not_waiting(what, grace)
+        if silent is None:
+            who = "a rank of the group stopped calling the layer or fell behind"
+        elif silent:
+            who = (f"global rank(s) {', '.join(map(str, silent))} of the group did not report a wait of their own "
+                   f"within {grace:.0f} s: they stopped calling the layer, raised, or are stuck")
+        else:
+            who = ("every other rank of the group is waiting too: they disagree on the collectives of this "
+                   "call (a rank called another layer, or another number of times)")
+        raise CometWaitTimeout(
+            f"ds_comet: {self.layer_name}: rank {rank} of its expert-parallel group waited {waited:.1f} s for "
+            f"{what}; {who}. Raise \"moe\": {{\"wait_timeout_s\"}} if they are only slow. The exchange stays "
+            f"posted: restart the job") from error
+
+    def _ranks_not_waiting(self, what: str, grace: float) -> Optional[List[int]]:
+        """The group's other ranks (global) that report no wait of their own within ``grace``
+        seconds, or None where the process group has no store to report in."""
+        try:
+            store = torch.distributed.distributed_c10d._get_default_store()
+            ranks = torch.distributed.get_process_group_ranks(self.group or torch.distributed.group.WORLD)
+        except (RuntimeError, ValueError, AttributeError):
+            return None
+        me = torch.distributed.get_rank()
+        store.set(f"{REPORT_KEY}{me}", f"{self.layer_name}: {what}")
+        silent = [rank for rank in ranks if rank != me]
+        deadline = time.monotonic() + grace
+        while silent:
+            silent = [rank for rank in silent if not store.check([f"{REPORT_KEY}{rank}"])]
+            if not silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return silent
