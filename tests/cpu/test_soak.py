@@ -36,6 +36,13 @@ def test_the_soak_rule_flags_a_wrong_tensor_and_allows_what_the_dtype_cannot_do(
     assert len(judged({"output": near["output"] * 1.05})) == 1
     assert len(judged({"grad deepspeed_moe.gate.wg.weight": -near["grad deepspeed_moe.gate.wg.weight"]})) == 1
     assert "not finite" in judged({"grad w": near["grad w"] * float("inf")})[0]
+    # On a rank of too few tokens for the rule, the gate gradient is reported and not judged; the
+    # rest is judged as ever.
+    swapped_gate = {"grad deepspeed_moe.gate.wg.weight": -near["grad deepspeed_moe.gate.wg.weight"]}
+    few = _compare(dict(exact=exact, tested=dict(near, **swapped_gate), reference=near), torch.bfloat16, num_tokens=1)
+    assert few["failed"] == [] and few["worst"]["gate gradient vs float64"] > 1.0
+    flipped = dict(near, **{"grad w": near["grad w"].flip(0)})
+    assert len(_compare(dict(exact=exact, tested=flipped, reference=near), torch.bfloat16, num_tokens=1)["failed"]) == 1
     # Where the dtype itself is far from float64 (the reference pipeline is 30% off), the tested
     # pipeline may be as far, and not three times as far.
     def noisy(scale):

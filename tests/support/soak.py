@@ -22,6 +22,12 @@ from float64 in the same dtype. The second bound is for tensors that no implemen
 gets close to float64: with routing skewed to saturation, an expert's routes carry gates of 1e-10
 and less, and in fp16 (bf16 has fp32's range) their gradients underflow before the weight-gradient
 GEMMs; stock DeepSpeed's are as far off. The distance from the reference pipeline is reported too.
+The gate's weight gradient on a rank of fewer than 4 tokens is reported and not judged: with one
+token and k=1 it is the token's features times a single number, the gradient of the route's gate
+value, which is one dot product rounded in the dtype (the expert's output row with the output
+gradient). Two correct implementations' errors are then two draws of one random rounding, and one
+is more than twice the other about 30% of the time (for half-normal errors, (2/pi) atan(1/2)); a
+few tokens more average it out. A wrong gate gradient shows on every rank with more tokens.
 A call *hangs* when a wait of the layer gives up (``wait_timeout_s``, set by ``--timeout``); the
 rank then stops, and so does the run.
 
@@ -44,6 +50,7 @@ from tests.support.moe_helpers import rel
 
 TOLERANCES = {torch.bfloat16: (1e-2, 2e-2), torch.float16: (1e-2, 2e-2), torch.float32: (1e-5, 1e-4)}
 MAX_TOKENS = 384  # per rank; the fused workspace is sized for it up front
+JUDGED_GATE_TOKENS = 4  # the gate's weight gradient is judged on ranks of at least this many tokens
 
 
 def draw_case(rng: random.Random, ep_size: int, on_gpu: bool) -> dict:
@@ -116,9 +123,10 @@ def _call(layers: dict, tokens, grad_out, train: bool, noise: int) -> dict:
     return results
 
 
-def _compare(results: dict, dtype) -> dict:
+def _compare(results: dict, dtype, num_tokens: int = JUDGED_GATE_TOKENS) -> dict:
     """The largest relative errors by kind (from float64, the reference pipeline's from float64, and
-    from the reference pipeline), and what failed (the module docstring's rule)."""
+    from the reference pipeline), and what failed (the module docstring's rule) on a rank of
+    ``num_tokens`` tokens."""
     out_tol, grad_tol = TOLERANCES[dtype]
     worst, failed = {}, []
     for what, exact in results["exact"].items():
@@ -137,6 +145,8 @@ def _compare(results: dict, dtype) -> dict:
                   f"{kind} vs reference": rel(tested, reference)}
         for name, value in errors.items():
             worst[name] = max(worst.get(name, 0.0), value)
+        if kind == "gate gradient" and num_tokens < JUDGED_GATE_TOKENS:
+            continue  # reported, not judged: one rounding decides it (module docstring)
         from_exact, reference_from_exact = errors[f"{kind} vs float64"], errors[f"{kind}: reference vs float64"]
         allowed = max(out_tol if what == "output" else grad_tol, 2 * reference_from_exact)
         if from_exact > allowed:
@@ -185,7 +195,7 @@ def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: in
                 return tally
             tally["calls"] += 1
             tally["fused_calls"] += int(layers["tested"].deepspeed_moe.pipelines.reason is None)
-            compared = _compare(results, dtype)
+            compared = _compare(results, dtype, call["tokens"][rank])
             for kind, value in compared["worst"].items():
                 tally["worst"][kind] = max(tally["worst"].get(kind, 0.0), value)
             if compared["failed"]:
