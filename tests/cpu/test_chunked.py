@@ -70,7 +70,11 @@ def chunked_case(seed, expert_kind, k, chunks, input_grad, tokens_per_rank, auto
             distance = rel(chunked[name], value)
             assert distance < 2e-2, (name, seed, distance)
         else:
-            torch.testing.assert_close(chunked[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} (seed {seed})")
+            # A parameter's gradient is summed over the chunks: another order, rounded by up to about
+            # 1e-6 of its scale (as in moe_helpers.assert_same_step).
+            scale = value.abs().max().item() if name not in ("out", "input") and value.numel() else 0.0
+            torch.testing.assert_close(chunked[name], value, rtol=1e-5, atol=1e-6 + 1e-6 * scale,
+                                       msg=f"{name} (seed {seed})")
 
 
 def _with_and_without_nodes(seed, expert_kind, k, chunks, input_grad, tokens_per_rank, autocast=False):
