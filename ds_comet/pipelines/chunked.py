@@ -12,7 +12,8 @@ The rows are the whole exchange's: each token once to each rank that holds one o
 its routes' local experts and gates beside it (``routing.RankPlan``), and one row back per token and
 rank. Chunk c takes rows ``[c B / C, (c + 1) B / C)`` of every block of B rows a rank sends to one
 destination (``routing.chunk_bounds``). Both ends compute it from the counts they already
-exchanged, so every rank posts the same C collectives each way and nothing more is exchanged. What
+exchanged, so every rank posts the same collectives (per chunk: rows and routes out, one row back;
+mirrored in the backward) and nothing more is exchanged. What
 runs on a chunk's rows is the whole exchange's work on fewer rows; experts compute rows
 independently, so the outputs are the whole exchange's (up to the GEMMs' rounding for other row
 counts).
@@ -91,7 +92,7 @@ def _dispatch_work_return(plan: ChunkPlan, work: ChunkWork, waits: CollectiveWai
     returned, returns, graphs = [], [], []
     for c in range(plan.chunks):
         for posted in dispatches[c]:
-            waits.wait(posted, f"chunk {c + 1} of {plan.chunks} of the rows the other ranks send it")
+            waits.wait(posted, f"chunk {c + 1} of {plan.chunks} of the rows the other ranks send it", rows.is_cuda)
         with torch.set_grad_enabled(track):
             chunk_rows = arrived[c][0].requires_grad_(track and rows.requires_grad)
             chunk_routes = arrived[c][1].requires_grad_(track and routes.requires_grad)
@@ -101,7 +102,7 @@ def _dispatch_work_return(plan: ChunkPlan, work: ChunkWork, waits: CollectiveWai
         returned.append(out.new_empty((sum(plan.send_splits[c]), out.shape[1])))
         returns.append(_post(returned[c], out.detach(), plan.send_splits[c], plan.recv_splits[c], waits.group))
     for c, posted in enumerate(returns):
-        waits.wait(posted, f"chunk {c + 1} of {plan.chunks} of its rows, back from their experts' ranks")
+        waits.wait(posted, f"chunk {c + 1} of {plan.chunks} of its rows, back from their experts' ranks", rows.is_cuda)
     return _gather_chunks(returned, plan.send_index, rows.shape[0]), graphs
 
 
@@ -138,7 +139,8 @@ class ChunkedExchange(torch.autograd.Function):
         param_grads: List[Optional[Tensor]] = [None] * len(params)
         departed, departures = [], []
         for c in range(plan.chunks):
-            waits.wait(arrivals[c], f"the gradients of chunk {c + 1} of {plan.chunks} of the rows it returned")
+            waits.wait(arrivals[c], f"the gradients of chunk {c + 1} of {plan.chunks} of the rows it returned",
+                       grad_returned.is_cuda)
             chunk_rows, chunk_routes, out = ctx.graphs[c]
             sources = [t for t in (chunk_rows, chunk_routes) if t.requires_grad]
             grads = [None] * (len(sources) + len(params))
@@ -151,12 +153,13 @@ class ChunkedExchange(torch.autograd.Function):
             back = []
             for sent, dtype in ((chunk_rows, rows_dtype), (chunk_routes, torch.float32)):
                 grad = found.get(id(sent))
-                back.append(sent.new_zeros(sent.shape, dtype=dtype) if grad is None else grad.to(dtype))
+                back.append(sent.new_zeros(sent.shape, dtype=dtype) if grad is None else grad.to(dtype).contiguous())
             departed.append([grad.new_empty((sum(plan.send_splits[c]), grad.shape[1])) for grad in back])
             departures += [_post(departed[c][i], back[i], plan.send_splits[c], plan.recv_splits[c], waits.group)
                            for i in range(2)]
         for i, posted in enumerate(departures):
-            waits.wait(posted, f"the gradients of chunk {i // 2 + 1} of {plan.chunks} of the rows it sent")
+            waits.wait(posted, f"the gradients of chunk {i // 2 + 1} of {plan.chunks} of the rows it sent",
+                       grad_returned.is_cuda)
         ctx.graphs = None
         grad_rows = _gather_chunks([part[0] for part in departed], plan.send_index, rows_shape[0])
         grad_routes = _gather_chunks([part[1] for part in departed], plan.send_index, routes_shape[0])

@@ -4,12 +4,13 @@ A collective waits for every rank of its group. When one rank stops calling the 
 returned early or is stuck in other work), its peers would wait out the process group's timeout,
 30 minutes by default, and end with an error that names neither the layer nor the rank. Here each
 wait the host makes is bounded by ``"moe": {"wait_timeout_s"}``. Past it, the rank reports where
-it waits in the process group's store and looks, for a short grace period, for the reports of the
+it waits in the process group's store and looks, for as long again, for the reports of the
 group's other ranks: a rank that reports is waiting too, and a rank that does not is the one that
 stalled, which the error then names. The store is only written on this path, never in a healthy
 call.
 """
 
+import threading
 import time
 from datetime import timedelta
 from typing import List, Optional
@@ -20,7 +21,6 @@ from deepspeed import comm as dist
 from ..kernels.ops import CometWaitTimeout
 
 REPORT_KEY = "ds_comet/waiting/"  # + the global rank: where that rank gave up waiting
-GRACE_S = 10.0  # the longest a rank that timed out looks for its peers' reports
 
 
 class CollectiveWaits:
@@ -34,16 +34,17 @@ class CollectiveWaits:
         self.timeout_s = timeout_s
         self.layer_name = layer_name
 
-    def wait(self, work, what: str, read_back: bool = False) -> None:
-        """Waits for ``work`` (an ``async_op`` collective of the group), at most ``timeout_s``.
+    def wait(self, work, what: str, on_device: bool, read_back: bool = False) -> None:
+        """Waits for ``work`` (an ``async_op`` collective of the group on tensors of the GPU when
+        ``on_device``), at most ``timeout_s``.
 
-        ``what`` says what the wait is for, in the error. On NCCL the stream waits and the host
-        does not, so a stalled peer is noticed at the next wait with ``read_back``: the host then
-        also waits for the device to finish the collective and the work queued before it, as the
-        read-back of its result would.
+        ``what`` says what the wait is for, in the error. On the GPU, unless the group is gloo's,
+        the stream waits and the host does not, so a stalled peer is noticed at the next wait with
+        ``read_back``: the host then also waits for the device to finish the collective and the
+        work queued before it, as the read-back of its result would.
         """
         start = time.monotonic()
-        if torch.distributed.get_backend(self.group) == "nccl":
+        if on_device and torch.distributed.get_backend(self.group) != "gloo":
             work.wait()
             if not read_back:
                 return
@@ -66,13 +67,12 @@ class CollectiveWaits:
 
     def _timed_out(self, waited: float, what: str, error: Optional[BaseException]):
         rank = dist.get_rank(group=self.group)
-        grace = min(self.timeout_s, GRACE_S)
-        silent = self._ranks_not_waiting(what, grace)
+        silent = self._ranks_not_waiting(what)
         if silent is None:
             who = "a rank of the group stopped calling the layer or fell behind"
         elif silent:
             who = (f"global rank(s) {', '.join(map(str, silent))} of the group did not report a wait of their own "
-                   f"within {grace:.0f} s: they stopped calling the layer, raised, or are stuck")
+                   f"within {self.timeout_s:g} s more: they stopped calling the layer, raised, or are stuck")
         else:
             who = ("every other rank of the group is waiting too: they disagree on the collectives of this "
                    "call (a rank called another layer, or another number of times)")
@@ -81,21 +81,35 @@ class CollectiveWaits:
             f"{what}; {who}. Raise \"moe\": {{\"wait_timeout_s\"}} if they are only slow. The exchange stays "
             f"posted: restart the job") from error
 
-    def _ranks_not_waiting(self, what: str, grace: float) -> Optional[List[int]]:
-        """The group's other ranks (global) that report no wait of their own within ``grace``
-        seconds, or None where the process group has no store to report in."""
-        try:
-            store = torch.distributed.distributed_c10d._get_default_store()
-            ranks = torch.distributed.get_process_group_ranks(self.group or torch.distributed.group.WORLD)
-        except (RuntimeError, ValueError, AttributeError):
-            return None
-        me = torch.distributed.get_rank()
-        store.set(f"{REPORT_KEY}{me}", f"{self.layer_name}: {what}")
-        silent = [rank for rank in ranks if rank != me]
-        deadline = time.monotonic() + grace
-        while silent:
-            silent = [rank for rank in silent if not store.check([f"{REPORT_KEY}{rank}"])]
-            if not silent or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        return silent
+    def _ranks_not_waiting(self, what: str) -> Optional[List[int]]:
+        """The group's other ranks (global) that report no wait of their own within ``timeout_s``
+        more, or None where that cannot be found out (no store, or a store that does not answer).
+
+        A peer that entered the same wait later than this rank reports when its own wait times
+        out, less than ``timeout_s`` from now; one that has not entered it by now is a wait's
+        length behind, or stuck. The store is asked from a thread that is given up on after that
+        time, so that a store that does not answer cannot hold the error back.
+        """
+        found: List[Optional[List[int]]] = [None]
+
+        def roll_call():
+            try:
+                store = torch.distributed.distributed_c10d._get_default_store()
+                ranks = torch.distributed.get_process_group_ranks(self.group or torch.distributed.group.WORLD)
+                me = torch.distributed.get_rank()
+                store.set(f"{REPORT_KEY}{me}", f"{self.layer_name}: {what}")
+                silent = [rank for rank in ranks if rank != me]
+                deadline = time.monotonic() + self.timeout_s
+                while silent:
+                    silent = [rank for rank in silent if not store.check([f"{REPORT_KEY}{rank}"])]
+                    if not silent or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
+                found[0] = silent
+            except Exception:  # no store (MPI), or it failed: the error goes without names
+                pass
+
+        asking = threading.Thread(target=roll_call, name="ds_comet roll call", daemon=True)
+        asking.start()
+        asking.join(self.timeout_s + 5.0)
+        return found[0]

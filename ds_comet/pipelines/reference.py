@@ -33,7 +33,7 @@ class _AllToAllV(torch.autograd.Function):
         received = rows.new_empty((sum(recv_splits), ) + tuple(rows.shape[1:]))
         work = dist.all_to_all_single(received, rows.contiguous(), output_split_sizes=recv_splits,
                                       input_split_sizes=send_splits, group=waits.group, async_op=True)
-        waits.wait(work, what)
+        waits.wait(work, what, rows.is_cuda)
         return received
 
     @staticmethod
@@ -55,15 +55,16 @@ def exchange(rows: Tensor, send_splits: List[int], recv_splits: List[int], waits
 
 
 def pack_routes(local_experts: Tensor, gates: Tensor) -> Tensor:
-    """``[R, 2k]`` fp32: each row's routes' local experts ([R, k] int, their int32 bits) beside their
-    gates ([R, k]), so that one exchange carries both; differentiable in the gates."""
-    return torch.cat([local_experts.int().view(torch.float32), gates.float()], dim=1)
+    """``[R, 2k]`` fp32: each row's routes' local experts ([R, k] int, as fp32 values, exact below
+    2**24) beside their gates ([R, k]), so that one exchange carries both; differentiable in the
+    gates."""
+    return torch.cat([local_experts.float(), gates.float()], dim=1)
 
 
 def unpack_routes(routes: Tensor) -> Tuple[Tensor, Tensor]:
     """``pack_routes``'s inverse: (local experts [R, k] int64, gates [R, k] fp32)."""
     top_k = routes.shape[1] // 2
-    return routes.detach()[:, :top_k].contiguous().view(torch.int32).long(), routes[:, top_k:]
+    return routes.detach()[:, :top_k].long(), routes[:, top_k:]
 
 
 def sum_rows(values: Tensor, row: Tensor, slot: Tensor, num_rows: int, slots: int) -> Tensor:
@@ -83,8 +84,9 @@ class ReferencePipeline:
     ``experts``: this rank's local experts; ``num_experts``: the layer's experts over the group
     (``ep_size`` ranks, ``num_experts / ep_size`` each); ``group``: the expert-parallel process group
     (None when ``ep_size`` is 1). ``wait_timeout_s`` bounds each wait on the group (the exchange of
-    expert counts that starts every call, and the chunks' exchanges): a rank whose peers stopped
-    calling the layer gets ``CometWaitTimeout`` naming ``layer_name`` and the ranks that stalled,
+    counts that starts every call, then the rows, their routes and their return, whole or in
+    chunks, and their gradients; on NCCL the host waits only for the counts): a rank whose peers
+    stopped calling the layer gets ``CometWaitTimeout`` naming ``layer_name`` and the ranks that stalled,
     instead of waiting out the process group's timeout.
     """
 
@@ -179,8 +181,9 @@ class ReferencePipeline:
         return CollectiveWaits(self.group, self.wait_timeout_s, self.layer_name)
 
     def exchange_counts(self, send_counts: Tensor) -> Tensor:
-        """Every rank's counts for this rank's experts ([E] int64, by source rank then local expert),
-        waiting at most ``wait_timeout_s`` for the group.
+        """What every rank sends this one (``send_counts``: [ep * (C * L + 1)] int64, per rank: the
+        routes for each local expert in each chunk, then the rows), waiting at most
+        ``wait_timeout_s`` for the group.
 
         Every rank reaches this exchange once per call, so a peer that stopped calling the layer
         (it raised, returned early or was stopped) is noticed here. The call already reads the
@@ -190,5 +193,5 @@ class ReferencePipeline:
         received = torch.empty_like(send_counts)
         work = dist.all_to_all_single(received, send_counts, group=self.group, async_op=True)
         self.waits().wait(work, "the expert counts of the other ranks (the reference pipeline's first exchange of "
-                          "a call)", read_back=True)
+                          "a call)", received.is_cuda, read_back=True)
         return received

@@ -25,11 +25,6 @@ class RoutingPlan:
     num_tokens: int
     top_k: int
 
-    @property
-    def source_token(self) -> Tensor:
-        """[k*S] int64: the token each entry of ``route_order`` carries."""
-        return self.route_order % self.num_tokens
-
     def rank_counts(self, ep_size: int) -> Tensor:
         """[ep_size] int64: kept routes sent to each rank of the expert-parallel group."""
         return self.expert_counts.view(ep_size, -1).sum(dim=1)
