@@ -49,7 +49,7 @@ if [ "$what" = soak ]; then
     # minute or two under the device call's limit, which also pays for the op build above.
     timeout 570 python3 -m tests.support.soak --calls "${SOAK_CALLS:-1000}" --world-size "$ep" \
         --ranks-per-gpu "${SOAK_RANKS_PER_GPU:-$ep}" --seed "${SOAK_SEED:-1}" --max-seconds "${SOAK_SECONDS:-420}" \
-        --calls-per-case 10 --progress 50 --out "$out/soak" > "$out/soak.log" 2>&1
+        --calls-per-case 20 --progress 50 --out "$out/soak" > "$out/soak.log" 2>&1
     grep -v "^\[" "$out/soak.log" | tail -25
 fi
 if [ "$what" = gemm ]; then
