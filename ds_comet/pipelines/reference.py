@@ -117,10 +117,12 @@ class ReferencePipeline:
         token whose routes meet four experts of one rank crosses to it once, not four times.
         """
         # Under saved-tensor hooks (non-reentrant checkpointing) the rows go whole: the chunks keep
-        # their graphs themselves, out of those hooks' sight.
-        chunks = self.chunks if self.ep_size > 1 and not saved_tensor_hooks_active() else 1
-        plan = plan_rank_rows(indices, self.num_experts, self.ep_size, chunks)
-        send_rows, recv_rows, routes_per_expert = self._splits(plan.route_counts, plan.rank_rows)
+        # their graphs themselves, out of those hooks' sight. The counts are laid out by chunk
+        # either way, so that every rank exchanges as many and can check that they all agree.
+        planned = self.chunks if self.ep_size > 1 else 1
+        chunks = 1 if saved_tensor_hooks_active() else planned
+        plan = plan_rank_rows(indices, self.num_experts, self.ep_size, planned)
+        send_rows, recv_rows, routes_per_expert = self._splits(plan.route_counts, plan.rank_rows, chunks)
         num_sent = sum(send_rows)
         pair_token = plan.pair_token[:num_sent]
         rows = tokens.index_select(0, pair_token)
@@ -143,17 +145,36 @@ class ReferencePipeline:
         slots = min(weights.shape[0], self.ep_size)
         return sum_rows(returned, pair_token, plan.pair_slot[:num_sent], tokens.shape[0], slots).to(returned.dtype)
 
-    def _splits(self, route_counts: Tensor, rank_rows: Tensor) -> Tuple[List[int], List[int], List[List[int]]]:
+    def _splits(self, route_counts: Tensor, rank_rows: Tensor,
+                chunks: int) -> Tuple[List[int], List[int], List[List[int]]]:
         """The exchange's host splits from this call's plan (``route_counts`` [ep, C, L],
         ``rank_rows`` [ep]) and the counts the other ranks send: (rows sent to each rank, rows
-        received from each rank, routes of each chunk for each local expert)."""
-        ep_size, chunks, num_local = route_counts.shape
-        send_counts = torch.cat([route_counts.view(ep_size, -1), rank_rows.view(ep_size, 1)], dim=1).view(-1)
-        received_counts = self.exchange_counts(send_counts) if ep_size > 1 else send_counts
+        received from each rank, routes for each local expert in each of the ``chunks`` the rows
+        travel in: C, or 1 for the whole exchange)."""
+        ep_size, planned, num_local = route_counts.shape
+        sends = torch.cat([route_counts.view(ep_size, -1), rank_rows.view(ep_size, 1),
+                           torch.full((ep_size, 1), chunks, dtype=rank_rows.dtype, device=rank_rows.device)], dim=1)
+        received_counts = self.exchange_counts(sends.view(-1)) if ep_size > 1 else sends.view(-1)
         # The uneven splits must be host integers for all_to_all_single: one small copy of the counts.
-        sent, received = torch.cat([send_counts, received_counts]).view(2, ep_size, chunks * num_local + 1).cpu()
-        routes = received[:, :-1].sum(dim=0).view(chunks, num_local)
-        return sent[:, -1].tolist(), received[:, -1].tolist(), routes.tolist()
+        sent, received = torch.cat([sends.view(-1), received_counts]).view(2, ep_size, planned * num_local + 2).cpu()
+        self._check_chunks_agree(received[:, -1].tolist())
+        routes = received[:, :-2].sum(dim=0).view(planned, num_local)
+        if chunks != planned:
+            routes = routes.sum(dim=0, keepdim=True)
+        return sent[:, -2].tolist(), received[:, -2].tolist(), routes.tolist()
+
+    def _check_chunks_agree(self, chunks_of_ranks: List[int]) -> None:
+        """Every rank of the group must send its rows in as many chunks (the same collectives);
+        ``chunks_of_ranks`` holds each rank's count for this call. Every rank sees them all and
+        raises alike, before any row moves."""
+        if len(set(chunks_of_ranks)) == 1:
+            return
+        whole = [rank for rank, chunks in enumerate(chunks_of_ranks) if chunks == 1]
+        raise RuntimeError(
+            f"ds_comet: {self.layer_name}: the ranks of its expert-parallel group would exchange this call's rows "
+            f"in different numbers of chunks ({chunks_of_ranks}, by rank of the group): ranks {whole} run it under "
+            f"saved-tensor hooks (non-reentrant activation checkpointing, or torch.autograd.graph.saved_tensors_hooks)"
+            f" and send the rows whole, the others do not. Checkpoint the MoE layers alike on every rank")
 
     def _local_routes(self, rows: Tensor, routes: Tensor, routes_per_expert: List[int], scale_before: bool) -> Tensor:
         """For each received row ([R, H], with its ``routes``, [R, 2k] as ``pack_routes`` makes them),
@@ -181,9 +202,9 @@ class ReferencePipeline:
         return CollectiveWaits(self.group, self.wait_timeout_s, self.layer_name)
 
     def exchange_counts(self, send_counts: Tensor) -> Tensor:
-        """What every rank sends this one (``send_counts``: [ep * (C * L + 1)] int64, per rank: the
-        routes for each local expert in each chunk, then the rows), waiting at most
-        ``wait_timeout_s`` for the group.
+        """What every rank sends this one (``send_counts``: [ep * (C * L + 2)] int64, per rank: the
+        routes for each local expert in each chunk, the rows, and the chunks they travel in),
+        waiting at most ``wait_timeout_s`` for the group.
 
         Every rank reaches this exchange once per call, so a peer that stopped calling the layer
         (it raised, returned early or was stopped) is noticed here. The call already reads the

@@ -17,6 +17,7 @@ from deepspeed import comm as dist
 import ds_comet
 from ds_comet.pipelines.chunked import ChunkPlan, rule_chunks
 from ds_comet.pipelines.policy import RANKS_PER_NODE_VAR, node_name
+from tests.support.dist_pool import cpu_world_size
 from tests.support.moe_helpers import make_expert, per_rank, rel, reset_experts_
 
 
@@ -192,3 +193,57 @@ def test_a_stalled_rank_ends_its_peers_waits_with_an_error_naming_it(cpu_pool, p
     assert "back from their experts' ranks" in message and ("chunk 2 of 3" in message) == bool(per_node), message
     # The bound (2 s) and the search for the stalled rank (at most as long again), not rank 1's 8 s.
     assert 2.0 <= waited < 7.0, waited
+
+
+def checkpointed_case(seed, hooks_on):
+    """Across declared nodes, under saved-tensor hooks on the ranks in ``hooks_on``: on every rank,
+    the rows go whole and the results are those of the run without nodes; on some ranks only, every
+    rank raises the same clear error before any row moves."""
+    import ds_comet.pipelines.reference as reference
+    rank, world = dist.get_rank(), dist.get_world_size()
+    moe = {"backend": "comet", "overlap": "none", "internode_chunks": 3}
+    chunked_exchange, calls = reference.chunked_exchange, []
+    reference.chunked_exchange = lambda *args: calls.append(args[4]) or chunked_exchange(*args)
+    results = {}
+    try:
+        for per_node in (None, "1"):
+            if per_node:
+                os.environ[RANKS_PER_NODE_VAR] = per_node
+            torch.manual_seed(seed)
+            layer = ds_comet.MoE(24, make_expert("gelu", 24, 40), num_experts=2 * world, ep_size=world, k=2,
+                                 drop_tokens=False, config={"moe": moe})
+            layer.set_deepspeed_parallelism()
+            layer.deepspeed_moe.pipelines.name = "blocks.2.moe"
+            reset_experts_(layer, seed)
+            tokens = torch.randn(1, 20 + 7 * rank, 24, generator=torch.Generator().manual_seed(seed + rank))
+            tokens.requires_grad_(True)
+            try:
+                if per_node and rank in hooks_on:
+                    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                        out, _, _ = layer(tokens)
+                else:
+                    out, _, _ = layer(tokens)
+            except RuntimeError as error:
+                return str(error)
+            out.pow(2).sum().backward()
+            results[per_node] = [out.detach(), tokens.grad] + [p.grad for p in layer.parameters()]
+    finally:
+        os.environ.pop(RANKS_PER_NODE_VAR, None)
+        reference.chunked_exchange = chunked_exchange
+    assert calls == [], calls  # under the hooks the rows went whole
+    for whole, nodes in zip(results[None], results["1"]):
+        torch.testing.assert_close(nodes, whole, rtol=1e-5, atol=1e-6)
+    return None
+
+
+def test_saved_tensor_hooks_on_every_rank_send_the_rows_whole(cpu_pool):
+    world = cpu_world_size()
+    assert cpu_pool.run(checkpointed_case, seed=torch.randint(1, 10**6, ()).item(),
+                        hooks_on=list(range(world))) == [None] * world
+
+
+def test_saved_tensor_hooks_on_some_ranks_only_are_an_error_on_every_rank(cpu_pool):
+    messages = cpu_pool.run(checkpointed_case, seed=torch.randint(1, 10**6, ()).item(), hooks_on=[0])
+    for message in messages:
+        assert message and "blocks.2.moe" in message and "different numbers of chunks" in message, messages
+        assert "ranks [0] run it under saved-tensor hooks" in message, message
