@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): build the op, run the GPU tests, then the benchmark.
 # Usage: bash scripts/gpu_check.sh [tests|bench|all|sweep|shared|soak|gemm] [extra bench args...]; logs go to $OUT (or ./gpu_out).
-# shared: the fused tests with two ranks on each GPU (DS_COMET_TEST_RANKS_PER_GPU=2), for a one-GPU
-# machine: the two-rank paths, time-sliced (results only, about 3 minutes on one H200).
+# shared: the fused tests with SHARED_RANKS (2) ranks on the GPU (DS_COMET_TEST_RANKS_PER_GPU), for a
+# one-GPU machine: the multi-rank paths, time-sliced (results only; about 3 minutes on one H200 at
+# 2 ranks; at 4, 17 tests took about 4 minutes, so run the suite in parts with DS_COMET_TEST_SHARD=i/n),
+# stopped after SHARED_SECONDS (420).
 # sweep: the fused layer alone on the default shapes (idle-device, back-to-back and device-alone times,
 # graphed gate), and shape 2 at 2, 4 and the rule's column chunks.
 # soak: SOAK_CALLS (1000) random fused calls, each against float64 and the reference pipeline, at
@@ -31,8 +33,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         --master_port 29631 -m ds_comet.bench --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v "^\[" | tail -30
 fi
 if [ "$what" = shared ]; then
-    DS_COMET_TEST_RANKS_PER_GPU=2 timeout 420 python3 -m pytest tests/gpu/test_fused.py tests/gpu/test_autoep.py \
-        tests/cpu/test_compile.py -k "fused" -x -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests_shared.log" | tail -20
+    ranks=${SHARED_RANKS:-2}
+    DS_COMET_TEST_RANKS_PER_GPU=$ranks DS_COMET_TEST_WORLD_SIZE=$ranks timeout "${SHARED_SECONDS:-420}" python3 -m pytest \
+        tests/gpu/test_fused.py tests/gpu/test_autoep.py tests/cpu/test_compile.py -k "fused" -x -q -p no:cacheprovider \
+        > "$out/gpu_tests_shared.log" 2>&1
+    tail -20 "$out/gpu_tests_shared.log"
 fi
 if [ "$what" = sweep ]; then
     gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')

@@ -5,6 +5,24 @@ import torch
 
 from tests.support.dist_pool import WORLD_SIZE_VAR, DistPool, cpu_world_size, gpu_world_size, ranks_per_gpu
 
+SHARD_VAR = "DS_COMET_TEST_SHARD"  # "i/n": run the i-th of n interleaved parts of the selected tests
+
+
+def pytest_collection_modifyitems(config, items):
+    """With DS_COMET_TEST_SHARD=i/n, keep every n-th test from the i-th (0-based): a suite too long
+    for one run (the fused tests with four or eight ranks sharing a GPU) runs as n parts."""
+    shard = os.environ.get(SHARD_VAR)
+    if not shard:
+        return
+    try:
+        index, count = (int(part) for part in shard.split("/"))
+        if not 0 <= index < count:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"{SHARD_VAR} must be i/n with 0 <= i < n, got {shard!r}") from None
+    config.hook.pytest_deselected(items=[item for number, item in enumerate(items) if number % count != index])
+    items[:] = [item for number, item in enumerate(items) if number % count == index]
+
 
 def pytest_report_header(config):
     try:

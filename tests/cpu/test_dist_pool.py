@@ -1,4 +1,9 @@
-"""How many ranks the test pools start, from DS_COMET_TEST_WORLD_SIZE and DS_COMET_TEST_RANKS_PER_GPU."""
+"""How many ranks the test pools start, from DS_COMET_TEST_WORLD_SIZE and DS_COMET_TEST_RANKS_PER_GPU, and how
+DS_COMET_TEST_SHARD splits a suite into parts (tests/conftest.py)."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -34,3 +39,20 @@ def test_bad_ranks_per_gpu_is_refused(clean_env, value):
 def test_shared_gpus_need_gloo():
     with pytest.raises(ValueError, match="gloo"):
         DistPool(2, backend="nccl", gpu_ranks=2)
+
+
+def test_shards_split_the_selected_tests_into_disjoint_parts():
+    def collected(shard):
+        env = dict(os.environ, DS_COMET_TEST_SHARD=shard) if shard else dict(os.environ)
+        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               os.path.join(os.path.dirname(__file__), "test_routing.py")], capture_output=True,
+                              text=True, timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                                  os.path.abspath(__file__)))))
+        return done.returncode, [line for line in done.stdout.splitlines() if "::" in line], done.stderr
+
+    _, everything, _ = collected(None)
+    parts = [collected(f"{index}/3")[1] for index in range(3)]
+    assert sorted(sum(parts, [])) == sorted(everything) and all(parts), parts
+    assert sum(map(len, parts)) == len(everything)
+    returncode, _, stderr = collected("3/3")
+    assert returncode != 0 and "DS_COMET_TEST_SHARD must be i/n" in stderr, stderr
