@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): build the op, run the GPU tests, then the benchmark.
-# Usage: bash scripts/gpu_check.sh [tests|bench|all|sweep|shared|soak|gemm] [extra bench args...]; logs go to $OUT (or ./gpu_out).
+# Usage: bash scripts/gpu_check.sh [tests|bench|all|sweep|shared|soak|gemm|internode] [extra bench args...]; logs go to $OUT (or ./gpu_out).
 # shared: the fused tests with SHARED_RANKS (2) ranks on the GPU (DS_COMET_TEST_RANKS_PER_GPU), for a
 # one-GPU machine: the multi-rank paths, time-sliced (results only; about 3 minutes on one H200 at
 # 2 ranks; at 4, 17 tests took about 4 minutes, so run the suite in parts with DS_COMET_TEST_SHARD=i/n),
@@ -11,6 +11,8 @@
 # EP=SOAK_EP (2) with SOAK_RANKS_PER_GPU (the EP size on one GPU) ranks a GPU, stopping at the first
 # case past SOAK_SECONDS (420); writes $out/soak/soak.json and the progress lines to $out/soak.log.
 # gemm: each GEMM phase alone against torch._grouped_mm (python -m ds_comet.bench.gemm).
+# internode: the exchange across declared nodes (one GPU a node), each chunk count against the whole
+# exchange (python -m ds_comet.bench.internode); needs two GPUs or more.
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -60,4 +62,9 @@ fi
 if [ "$what" = gemm ]; then
     timeout 400 torchrun --nproc_per_node 1 --master_port 29634 -m ds_comet.bench.gemm --out "$out/gemm" "$@" 2>&1 \
         | grep -v "^\[" | tee "$out/gemm.log" | tail -80
+fi
+if [ "$what" = internode ]; then
+    timeout 400 torchrun --nproc_per_node "$(python3 -c 'import torch; print(torch.cuda.device_count())')" \
+        --master_port 29635 -m ds_comet.bench.internode --out "$out/internode" "$@" > "$out/internode.log" 2>&1
+    grep -v "^\[" "$out/internode.log" | tail -40
 fi

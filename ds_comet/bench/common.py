@@ -1,6 +1,7 @@
 """What the benchmarks share: timing, peak memory, the layers they compare and one training step."""
 
 import statistics
+import time
 
 import deepspeed
 import torch
@@ -14,7 +15,8 @@ from ds_comet.experts import ACTIVATIONS, FeedForward, GatedFeedForward, reset_e
 
 def timed(fn, iters, warmup):
     """Median milliseconds of fn() over iters calls from an idle device, every rank (if distributed)
-    starting each call together."""
+    starting each call together: the device's events, or on CPU (whose accelerator has none) the
+    host's clock."""
     accelerator = get_accelerator()
     for _ in range(warmup):
         fn()
@@ -23,6 +25,11 @@ def timed(fn, iters, warmup):
         accelerator.synchronize()
         if dist.is_initialized():
             dist.barrier()
+        if accelerator.device_name() == "cpu":
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, stop = accelerator.Event(enable_timing=True), accelerator.Event(enable_timing=True)
         start.record()
         fn()
