@@ -7,7 +7,8 @@ numbers, over random shapes, k, skew, drops, empty ranks, train and eval.
 
 import torch
 
-from tests.support.soak import _compare, soak_rank, summarize
+from tests.support.dist_pool import cpu_world_size
+from tests.support.soak import _compare, draw_call, draw_case, replay_rank, soak_rank, summarize
 
 
 def test_random_reference_calls_match_float64(cpu_pool):
@@ -52,3 +53,20 @@ def test_the_soak_rule_flags_a_wrong_tensor_and_allows_what_the_dtype_cannot_do(
     reference_noise = {"grad w": noisy(0.3)}
     assert judged({"grad w": noisy(0.3)}, reference_noise) == []
     assert len(judged({"grad w": noisy(0.9)}, reference_noise)) == 1
+
+
+def test_a_recorded_call_replays_alike(cpu_pool):
+    # A record as the soak writes one (its case with the case's seed, and the call), replayed twice:
+    # the same distances both times, every tensor reported, on every rank.
+    import random
+    rng = random.Random(torch.randint(1, 10**6, ()).item())
+    world = cpu_world_size()
+    case = dict(draw_case(rng, world, on_gpu=False), seed=rng.randint(1, 10**6))
+    call = dict(draw_call(rng, world, case), train=True)
+    first, second = (cpu_pool.run(replay_rank, case=case, call=call) for _ in range(2))
+    assert first == second, (case, call)
+    for rank, answer in enumerate(first):
+        assert answer["tokens"] == call["tokens"][rank] and answer["failed"] == [], (case, call, answer)
+        if answer["tokens"]:
+            assert answer["distances"]["output"][0] < 1e-5, (case, call, answer)
+        assert any(name.startswith("grad ") for name in answer["distances"]), answer

@@ -2,6 +2,7 @@
 
     python -m tests.support.soak --calls 1000 [--world-size 2] [--ranks-per-gpu 2] [--seed 1] [--max-seconds S]
         [--calls-per-case 5] [--out DIR]
+    python -m tests.support.soak --replay DIR/soak.json [--replay-index N] [--ranks-per-gpu 2]
 
 Every rank of a pool (``tests/support/dist_pool.py``: NCCL with one rank per GPU, or gloo with
 ``--ranks-per-gpu`` ranks sharing each GPU, or gloo on CPU without CUDA) builds random layers and
@@ -32,9 +33,10 @@ A call *hangs* when a wait of the layer gives up (``wait_timeout_s``, set by ``-
 rank then stops, and so does the run.
 
 The report (printed, and ``soak.json`` under ``--out``): calls, calls on the fused pipeline, cases,
-mismatches (each with its case and call), hangs, and the largest error of each kind. A GPU test
-(``tests/gpu/test_soak.py``) and a CPU test run a small count; the figures for thousands of calls
-are in docs/benchmarks.md.
+mismatches (each with its case, the case's seed, and its call), hangs, and the largest error of each
+kind. ``--replay`` runs one recorded mismatch or hang again, on as many ranks as it had, and prints
+every tensor's distances on every rank. A GPU test (``tests/gpu/test_soak.py``) and a CPU test run a
+small count; the figures for thousands of calls are in docs/benchmarks.md.
 """
 
 import argparse
@@ -99,6 +101,16 @@ def _build(case: dict, seed: int, device, dtype, timeout_s: float):
         layers[name] = layer.to(device=device, dtype=dtype)
     layers["exact"] = layers["exact"].to(torch.float64)
     return layers
+
+
+def _inputs(layers: dict, case: dict, call: dict, rank: int, device, dtype):
+    """This rank's tokens and output gradient for ``call`` (skewed towards expert 0's gate row)."""
+    generator = torch.Generator(device=device).manual_seed(call["seed"] * 16 + rank)
+    tokens = torch.randn(call["tokens"][rank], case["hidden"], generator=generator, device=device)
+    if call["skew"]:
+        tokens += call["skew"] * layers["exact"].deepspeed_moe.gate.wg.weight[0].detach().float()
+    tokens = tokens.to(dtype)
+    return tokens, torch.randn(tokens.shape, generator=generator, device=device).to(dtype)
 
 
 def _call(layers: dict, tokens, grad_out, train: bool, noise: int) -> dict:
@@ -179,18 +191,14 @@ def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: in
         case_seed = rng.randint(1, 10**6)
         layers = _build(case, case_seed, device, dtype, timeout_s)
         tally["cases"] += 1
+        recorded = dict(case, seed=case_seed)  # what --replay needs to build the same layer
         for index in range(min(calls_per_case, calls - tally["calls"])):
             call = draw_call(rng, ep_size, case)
-            generator = torch.Generator(device=device).manual_seed(call["seed"] * 16 + rank)
-            tokens = torch.randn(call["tokens"][rank], case["hidden"], generator=generator, device=device)
-            if call["skew"]:
-                tokens += call["skew"] * layers["exact"].deepspeed_moe.gate.wg.weight[0].detach().float()
-            tokens = tokens.to(dtype)
-            grad_out = torch.randn(tokens.shape, generator=generator, device=device).to(dtype)
+            tokens, grad_out = _inputs(layers, case, call, rank, device, dtype)
             try:
                 results = _call(layers, tokens, grad_out, call["train"], call["seed"])
             except CometWaitTimeout as error:  # the wait gave up: the rank cannot go on
-                tally["hangs"].append(dict(case=case, call=call, error=str(error)))
+                tally["hangs"].append(dict(case=recorded, call=dict(call, index=index), error=str(error)))
                 tally["seconds"] = time.monotonic() - start
                 return tally
             tally["calls"] += 1
@@ -199,7 +207,7 @@ def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: in
             for kind, value in compared["worst"].items():
                 tally["worst"][kind] = max(tally["worst"].get(kind, 0.0), value)
             if compared["failed"]:
-                tally["mismatches"].append(dict(case=case, call=dict(call, index=index), failed=compared["failed"]))
+                tally["mismatches"].append(dict(case=recorded, call=dict(call, index=index), failed=compared["failed"]))
             if progress and tally["calls"] % progress == 0:
                 # A run cut short by an outer time limit still shows how far it got. Every rank makes
                 # the same calls, so every rank is here together for the sum.
@@ -212,6 +220,30 @@ def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: in
             torch.cuda.empty_cache()
     tally["seconds"] = time.monotonic() - start
     return tally
+
+
+def replay_rank(case: dict, call: dict, timeout_s: float = 30.0) -> dict:
+    """Runs on every rank of a pool as large as the recorded call's ranks: one recorded call again
+    (``case`` with its ``seed``, as a report records it), and every tensor's distances on this rank:
+    {name: (from float64, the reference pipeline's from float64, from the reference pipeline)}."""
+    from deepspeed import comm as dist
+
+    from tests.support.moe_helpers import rel
+
+    rank = dist.get_rank()
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case["dtype"]]
+    layers = _build(case, case["seed"], device, dtype, timeout_s)
+    tokens, grad_out = _inputs(layers, case, call, rank, device, dtype)
+    results = _call(layers, tokens, grad_out, call["train"], call["seed"])
+    distances = {}
+    for name, exact in results["exact"].items():
+        tested, reference = results["tested"][name], results["reference"][name]
+        if exact is not None and tested is not None and tested.numel():
+            distances[name] = (rel(tested, exact), rel(reference, exact), rel(tested, reference))
+    return dict(tokens=call["tokens"][rank], fused=layers["tested"].deepspeed_moe.pipelines.reason is None,
+                distances=distances, failed=_compare(results, dtype, call["tokens"][rank])["failed"])
 
 
 def _agree_to_stop(mine: bool, device) -> bool:
@@ -258,11 +290,26 @@ def main():
     parser.add_argument("--max-seconds", type=float, default=0.0,
                         help="stop, with a full report, at the first case that starts past this many seconds")
     parser.add_argument("--out", default="soak_out")
+    parser.add_argument("--replay", metavar="SOAK_JSON", default=None,
+                        help="run one recorded mismatch or hang of a report again and print every tensor's distances")
+    parser.add_argument("--replay-index", type=int, default=0, help="which of the report's mismatches and hangs")
     args = parser.parse_args()
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from tests.support.dist_pool import DistPool
 
+    replayed = None
+    if args.replay:
+        with open(args.replay) as handle:
+            tallies = json.load(handle)["tallies"]
+        recorded = [entry for tally in tallies for entry in tally["mismatches"] + tally["hangs"]]
+        if not 0 <= args.replay_index < len(recorded):
+            raise SystemExit(f"{args.replay} records {len(recorded)} mismatches and hangs; --replay-index "
+                             f"{args.replay_index} is not one of them")
+        replayed = recorded[args.replay_index]
+        if "seed" not in replayed["case"]:
+            raise SystemExit(f"{args.replay} predates recording each case's seed: its calls cannot be replayed")
+        args.world_size = len(replayed["call"]["tokens"])
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0:
         pool = DistPool(args.world_size)
@@ -271,6 +318,19 @@ def main():
         if per_gpu * gpus < args.world_size:
             raise SystemExit(f"{gpus} GPUs with {per_gpu} ranks each cannot hold {args.world_size} ranks")
         pool = DistPool(args.world_size, backend="nccl" if per_gpu == 1 else "gloo", gpu_ranks=per_gpu)
+    if replayed is not None:
+        try:
+            answers = pool.run(replay_rank, case=replayed["case"], call=replayed["call"], timeout_s=args.timeout)
+        finally:
+            pool.stop()
+        print(json.dumps(replayed, default=str))
+        for rank, answer in enumerate(answers):
+            print(f"rank {rank}: {answer['tokens']} tokens, {'fused' if answer['fused'] else 'reference'} pipeline; "
+                  f"failed: {answer['failed'] or 'nothing'}")
+            for name, (tested, reference, between) in answer["distances"].items():
+                print(f"  {name:60} {tested:10.2e} {reference:10.2e} {between:10.2e}")
+        print("columns: from float64, the reference pipeline's from float64, from the reference pipeline")
+        return
     try:
         # A generous bound for the whole run: each call waits at most --timeout, and a rank that
         # gives up returns at once; the pool's own timeout catches a rank that never answers.
