@@ -15,7 +15,7 @@ from ..op_builder import CometBuilder
 
 class CometWaitTimeout(RuntimeError):
     """A layer waited past ``wait_timeout_s`` for a rank of its group: a fused kernel for data or a
-    signal, or the reference pipeline for a call's exchange of expert counts."""
+    signal, or the reference pipeline for one of its exchanges (``pipelines/collective_waits.py``)."""
 
 
 def _jit_build_directory(name: str) -> str:

@@ -151,7 +151,7 @@ def host_to_device(tensor: Tensor, device: torch.device) -> Tensor:
 def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> Tuple[int, int]:
     """Rows this rank's tokens send to other ranks of the group: one per kept route (what the fused
     pipeline sends), and one per (token, destination rank) with a kept route there (what the
-    reference pipeline's whole exchange sends). ``indices`` as for ``plan_routes``. Reads the counts
+    reference pipeline sends, whole or in chunks). ``indices`` as for ``plan_routes``. Reads the counts
     back to the host: for benchmarks and reports, not for the layer's call."""
     plan = plan_rank_rows(indices, num_experts, ep_size)
     per_rank_routes = plan.route_counts.sum(dim=(1, 2))
