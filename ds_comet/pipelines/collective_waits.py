@@ -21,6 +21,7 @@ from deepspeed import comm as dist
 from ..kernels.ops import CometWaitTimeout
 
 REPORT_KEY = "ds_comet/waiting/"  # + the global rank: where that rank gave up waiting
+STORE_SLACK_S = 5.0  # beyond the bound, for the store's own answers, before the roll call is given up
 
 
 class CollectiveWaits:
@@ -111,5 +112,5 @@ class CollectiveWaits:
 
         asking = threading.Thread(target=roll_call, name="ds_comet roll call", daemon=True)
         asking.start()
-        asking.join(self.timeout_s + 5.0)
+        asking.join(self.timeout_s + STORE_SLACK_S)
         return found[0]

@@ -1,0 +1,80 @@
+"""The roll call that names the stalled ranks (pipelines/collective_waits.py), against stand-in stores."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import ds_comet.pipelines.collective_waits as collective_waits
+from ds_comet.kernels.ops import CometWaitTimeout
+from ds_comet.pipelines.collective_waits import REPORT_KEY, CollectiveWaits
+
+
+class Store:
+    """A store that holds what is set; ``check`` can be made to hang."""
+
+    def __init__(self, present=(), hang=False):
+        self.keys = {f"{REPORT_KEY}{rank}" for rank in present}
+        self.hang = hang
+
+    def set(self, key, value):
+        self.keys.add(key)
+
+    def check(self, keys):
+        if self.hang:
+            threading.Event().wait()
+        return all(key in self.keys for key in keys)
+
+
+@pytest.fixture
+def group_of_four(monkeypatch):
+    """Global ranks 0-3 in the group, this one rank 0."""
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: [0, 1, 2, 3])
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(collective_waits.dist, "get_rank", lambda group=None: 0)
+
+    def use(store):
+        monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
+        return store
+
+    return use
+
+
+def timed_out(waits):
+    start = time.monotonic()
+    with pytest.raises(CometWaitTimeout) as raised:
+        waits._timed_out(waits.timeout_s, "the rows the other ranks send it", None)
+    return str(raised.value), time.monotonic() - start
+
+
+def test_the_ranks_that_report_no_wait_are_named(group_of_four):
+    store = group_of_four(Store(present=[2]))
+    message, took = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
+    assert "global rank(s) 1, 3 of the group did not report" in message and "blocks.0.moe" in message, message
+    assert f"{REPORT_KEY}0" in store.keys  # this rank's own report, for its peers
+    assert 0.3 <= took < 3.0, took
+
+
+def test_every_peer_waiting_says_the_ranks_disagree(group_of_four):
+    group_of_four(Store(present=[1, 2, 3]))
+    message, took = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
+    assert "every other rank of the group is waiting too" in message, message
+    assert took < 0.3, took  # nobody to wait for
+
+
+def test_a_store_that_hangs_does_not_hold_the_error_back(group_of_four, monkeypatch):
+    monkeypatch.setattr(collective_waits, "STORE_SLACK_S", 0.2)
+    group_of_four(Store(hang=True))
+    message, took = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
+    assert "a rank of the group stopped calling the layer or fell behind" in message, message
+    assert took < 3.0, took
+
+
+def test_no_store_gives_the_error_without_names(group_of_four, monkeypatch):
+    def no_store():
+        raise RuntimeError("no default store: the group was made without one")
+
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", no_store)
+    message, _ = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
+    assert "a rank of the group stopped calling the layer or fell behind" in message, message
