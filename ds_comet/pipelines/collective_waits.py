@@ -25,9 +25,8 @@ STORE_SLACK_S = 5.0  # beyond the bound, for the store's own answers, before the
 
 
 class CollectiveWaits:
-    """The waits of one layer's reference pipeline on its expert-parallel ``group``.
-
-    ``timeout_s`` bounds each wait; ``layer_name`` (settable) names the layer in the error.
+    """The waits of one layer's reference pipeline on its expert-parallel ``group`` (None: the
+    default group): ``timeout_s`` bounds each wait, and ``layer_name`` names the layer in the error.
     """
 
     def __init__(self, group, timeout_s: float, layer_name: str):
