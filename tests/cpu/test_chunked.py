@@ -18,7 +18,7 @@ import ds_comet
 from ds_comet.pipelines.chunked import ChunkPlan, rule_chunks
 from ds_comet.pipelines.policy import RANKS_PER_NODE_VAR, node_name
 from tests.support.dist_pool import cpu_world_size
-from tests.support.moe_helpers import make_expert, per_rank, rel, reset_experts_
+from tests.support.moe_helpers import assert_parameter_grad_close, make_expert, per_rank, rel, reset_experts_
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3, 7])
@@ -70,12 +70,10 @@ def chunked_case(seed, expert_kind, k, chunks, input_grad, tokens_per_rank, auto
             # weight gradient is then a sum of rounded parts. Held to bf16's bound, as a whole.
             distance = rel(chunked[name], value)
             assert distance < 2e-2, (name, seed, distance)
-        else:
-            # A parameter's gradient is summed over the chunks: another order, rounded by up to about
-            # 1e-6 of its scale (as in moe_helpers.assert_same_step).
-            scale = value.abs().max().item() if name not in ("out", "input") and value.numel() else 0.0
-            torch.testing.assert_close(chunked[name], value, rtol=1e-5, atol=1e-6 + 1e-6 * scale,
-                                       msg=f"{name} (seed {seed})")
+        elif name in ("out", "input"):
+            torch.testing.assert_close(chunked[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} (seed {seed})")
+        else:  # a parameter's gradient, summed over the chunks in another order
+            assert_parameter_grad_close(chunked[name], value, f"{name} (seed {seed})")
 
 
 def _with_and_without_nodes(seed, expert_kind, k, chunks, input_grad, tokens_per_rank, autocast=False):

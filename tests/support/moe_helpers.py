@@ -84,11 +84,17 @@ def run_step(layer, tokens, loss_weight, noise_seed, train=True):
                 grads=grads)
 
 
+def assert_parameter_grad_close(found, wanted, msg, rtol=1e-5, atol=1e-6):
+    """A parameter's gradient element by element, allowed 1e-6 of its largest magnitude besides
+    ``atol``: it sums every row's product, and summed in another order (rows grouped per rank or
+    per chunk) fp32 rounds each element by up to about that, however small the element is."""
+    scale = wanted.abs().max().item() if wanted.numel() else 0.0
+    torch.testing.assert_close(found, wanted, rtol=rtol, atol=atol + 1e-6 * scale, msg=msg)
+
+
 def assert_same_step(expected, actual, rtol=1e-5, atol=1e-6):
-    """One step of two layers alike, element by element. A parameter's gradient may also differ by
-    1e-6 of its largest magnitude: it sums every row's product, and summed in another order (the
-    reference pipeline's rows are grouped per rank) fp32 rounds each element by up to about that,
-    however small the element is."""
+    """One step of two layers alike, element by element; parameter gradients as
+    ``assert_parameter_grad_close`` allows."""
     torch.testing.assert_close(actual["output"], expected["output"], rtol=rtol, atol=atol, msg="output")
     torch.testing.assert_close(actual["l_aux"], expected["l_aux"], rtol=rtol, atol=atol, msg="l_aux")
     assert torch.equal(actual["exp_counts"], expected["exp_counts"]), "exp_counts"
@@ -98,8 +104,7 @@ def assert_same_step(expected, actual, rtol=1e-5, atol=1e-6):
         other = actual["grads"][name]
         assert (grad is None) == (other is None), f"gradient of {name}: {grad is None=} {other is None=}"
         if grad is not None:
-            scale = grad.abs().max().item() if grad.numel() else 0.0
-            torch.testing.assert_close(other, grad, rtol=rtol, atol=atol + 1e-6 * scale, msg=f"gradient of {name}")
+            assert_parameter_grad_close(other, grad, f"gradient of {name}", rtol, atol)
 
 
 def routing_stats(layer, tokens, noise_seed, train=True):
