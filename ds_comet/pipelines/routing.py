@@ -120,8 +120,10 @@ def plan_rank_rows(indices: Tensor, num_experts: int, ep_size: int, chunks: int 
     local = torch.where(route_dest == pair_dest, route_expert - pair_dest * num_local, torch.full_like(route_expert, -1))
     rank_rows = hit.sum(dim=0)
     # Each real pair's chunk; the other pairs have no local expert and are not counted.
-    position = torch.arange(ep_size * num_tokens, device=flat.device) - exclusive_cumsum(rank_rows)[pair_dest]
-    pair_chunk = chunk_of_row(position, rank_rows[pair_dest], chunks)
+    pair_chunk = 0
+    if chunks > 1:
+        position = torch.arange(ep_size * num_tokens, device=flat.device) - exclusive_cumsum(rank_rows)[pair_dest]
+        pair_chunk = chunk_of_row(position, rank_rows[pair_dest], chunks)
     # scatter_add rather than bincount: on CUDA, bincount reads the largest id back to the host.
     bins = ep_size * chunks * num_local
     where = torch.where(local >= 0, (pair_dest * chunks + pair_chunk) * num_local + local, bins)
