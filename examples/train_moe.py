@@ -44,7 +44,13 @@ csv_monitor with its files directly in DIR). Rank 0 writes these events, the opt
 - at the last step: ``Summary/final_loss``, ``Summary/steady_tokens_per_s`` (steps after
   ``--timing-warmup``, checkpoint saves left out), ``Summary/step_ms``, ``Summary/timed_steps``,
   ``Summary/train_seconds``, ``Summary/peak_memory_mib`` (on an accelerator: the allocator's peak, the
-  largest rank), ``Summary/eval_loss`` and ``Summary/eval_aux_loss``.
+  largest rank), ``Summary/eval_loss`` and ``Summary/eval_aux_loss``; with ``--step-shares``, rank 0's
+  ``Summary/{moe_forward,moe_backward,optimizer,rest}_ms`` and ``..._share`` (``ds_comet.step_shares``).
+
+The optimizer is torch's AdamW, its fused CUDA implementation on a GPU (one kernel for all the
+parameters, as a real job would run it). ``--step-shares`` times the timed steps' MoE layers
+(forward and backward), optimizer step and the rest of the model on the device's clock and prints
+each one's share of a step, so that an end-to-end ratio can be read against what the MoE layers took.
 
 The engine adds its own ``Train/Samples/...`` events (x: samples).
 
@@ -84,6 +90,7 @@ from tqdm import tqdm
 
 import ds_comet
 import ds_comet.experts
+import ds_comet.step_shares
 
 VOCAB = 256
 EVAL_FRACTION = 0.05
@@ -160,6 +167,9 @@ def parse_args(argv=None):
     train.add_argument("--log-interval", type=int, default=10, help="print (and time) a window of N steps")
     train.add_argument("--timing-warmup", type=int, default=5,
                        help="steps left out of the steady-state tokens/s (Summary/steady_tokens_per_s)")
+    train.add_argument("--step-shares", action="store_true",
+                       help="time the MoE layers, the optimizer step and the rest of each timed step (device "
+                       "clock, rank 0) and print their shares at the end")
     train.add_argument("--monitor-dir", default=None, metavar="DIR",
                        help="enable DeepSpeed's csv_monitor with its files in DIR (one CSV per tag; a resumed "
                        "run appends)")
@@ -474,7 +484,7 @@ def add_expert_parallel_section(ds_config, preset, ep_size, on_cpu):
     return ds_config["expert_parallel"]
 
 
-def moe_optimizer(lr, weight_decay):
+def moe_optimizer(lr, weight_decay, fused):
     """The optimizer DeepSpeed builds, when it calls it, from the model's parameters as they are then.
 
     Given to deepspeed.initialize as a callable rather than as an optimizer: AutoEP replaces a
@@ -484,12 +494,13 @@ def moe_optimizer(lr, weight_decay):
     discarded weights; DeepSpeed re-points it at the new ones, but into the group their sources
     were in, the dense one, which ZeRO then refuses. A callable gets the converted parameters and
     splits them as an optimizer made before initialize would for a model built with MoE layers (the
-    byte-level model), so both models train with the same AdamW and scheduler.
+    byte-level model), so both models train with the same AdamW and scheduler. ``fused``: torch's
+    fused CUDA AdamW (the parameters are on a GPU).
     """
 
     def build(parameters):
         groups = split_params_into_different_moe_groups_for_optimizer({"params": list(parameters), "name": "dense"})
-        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=fused or None)
 
     return build
 
@@ -895,7 +906,7 @@ def main(argv=None):
         optimizer, lambda step: min(1.0, (step + 1) / warmup))
     # ds_comet.initialize: deepspeed.initialize (with AutoEP's conversion under "expert_parallel"), then
     # the MoE layers on the backend the config's "moe" section names.
-    engine, _, _, _ = ds_comet.initialize(model=model, optimizer=moe_optimizer(args.lr, args.weight_decay),
+    engine, _, _, _ = ds_comet.initialize(model=model, optimizer=moe_optimizer(args.lr, args.weight_decay, not on_cpu),
                                           lr_scheduler=scheduler, config=ds_config)
     forward = AutoEPCausalLMForward(engine) if args.hf_model else ByteLMForward(engine, model)
     device = torch.device(engine.device)
@@ -970,6 +981,7 @@ def main(argv=None):
         else:
             print(line, flush=True)
 
+    shares = ds_comet.step_shares.StepShares(engine.module, device) if args.step_shares else None
     window = []  # (step, lm loss, aux loss, lr) of this rank since the last log line
     window_counts = None  # tokens each gate routed to each expert since the last log line
     last_loss = None
@@ -982,17 +994,20 @@ def main(argv=None):
     for step in range(start_step + 1, args.steps + 1):
         step_lm = step_aux = 0.0
         lr = engine.get_lr()[0]  # the rate this step's update uses (the scheduler steps inside engine.step)
-        for micro in range(grad_accum):
-            ids, targets = train_windows.batch(micro_batch, step, micro)
-            # The gate's random draws (top-2 sampling, random token selection) depend on the step
-            # alone, so a resumed run takes the same ones as an uninterrupted run.
-            torch.manual_seed(derived_seed("noise", args.seed, rank, step, micro))
-            lm_loss, aux, counts = forward(ids.to(device), targets.to(device))
-            engine.backward(lm_loss + args.aux_coef * aux)
-            engine.step()
-            step_lm += lm_loss.item() / grad_accum
-            step_aux += aux.item() / grad_accum
-            window_counts = counts if window_counts is None else window_counts + counts
+        measured = shares.step(measure=step > timing_from) if shares else contextlib.nullcontext()
+        with measured:
+            for micro in range(grad_accum):
+                ids, targets = train_windows.batch(micro_batch, step, micro)
+                # The gate's random draws (top-2 sampling, random token selection) depend on the step
+                # alone, so a resumed run takes the same ones as an uninterrupted run.
+                torch.manual_seed(derived_seed("noise", args.seed, rank, step, micro))
+                lm_loss, aux, counts = forward(ids.to(device), targets.to(device))
+                engine.backward(lm_loss + args.aux_coef * aux)
+                with shares.optimizer() if shares else contextlib.nullcontext():
+                    engine.step()
+                step_lm += lm_loss.item() / grad_accum
+                step_aux += aux.item() / grad_accum
+                window_counts = counts if window_counts is None else window_counts + counts
         window.append((step, step_lm, step_aux, lr))
         bar.update(1)
 
@@ -1066,6 +1081,12 @@ def main(argv=None):
         summary += [("steady_tokens_per_s", steady_tokens_per_s), ("step_ms", step_ms)]
     if peaks is not None:
         summary.append(("peak_memory_mib", max(peaks)))
+    if shares is not None:
+        totals = shares.read()
+        shares.remove()
+        if totals.steps:
+            summary += [(name, value) for name, value in totals.per_step().items()
+                        if name.endswith(("_ms", "_share")) and name != "step_ms"]
     if rank == 0:
         if last_loss is not None:
             print(f"final loss {last_loss:.4f}", flush=True)
@@ -1075,6 +1096,8 @@ def main(argv=None):
         if peaks is not None:
             print(f"peak memory {max(peaks):.0f} MiB (max over ranks; per rank "
                   f"{', '.join(f'{p:.0f}' for p in peaks)})", flush=True)
+        if shares is not None:
+            print(f"{totals.describe()} (rank 0)", flush=True)
 
     if args.eval_batches > 0:
         eval_lm, eval_aux = evaluate(engine, forward, eval_windows, args.eval_batches, micro_batch, device)

@@ -192,7 +192,7 @@ def stock_run(workdir):
     """Stock DeepSpeed's backend, its config an HJSON file with comments that enables csv_monitor itself."""
     monitor_dir = os.path.join(workdir, "stock_monitor")
     path = hjson_config("zero2_deepspeed", os.path.join(workdir, "stock.hjson"), monitor_dir)
-    return torchrun(workdir, "deepspeed_zero2", path, monitor_dir=monitor_dir)
+    return torchrun(workdir, "deepspeed_zero2", path, STEPS, "--step-shares", monitor_dir=monitor_dir)
 
 
 def assert_learns(run):
@@ -478,12 +478,27 @@ def test_latest_waits_for_every_rank_and_a_full_disk_is_named(workdir):
     assert os.path.getsize(os.path.join(save_dir, "step10", "zero_pp_rank_0_mp_rank_00_optim_states.pt")) > 0
 
 
+def assert_step_shares(run, timed_steps):
+    """--step-shares: the printed line and the summary's parts, which add up to the step."""
+    line = re.search(r"step shares over (\d+) steps \(([\d.]+) ms/step\): MoE layers ([\d.]+) ms", run.output)
+    assert line and int(line.group(1)) == timed_steps, run.tail()
+    summary = {name[len("Summary_"):]: rows[-1][1] for name, rows in run.series.items() if name.startswith("Summary_")}
+    parts = ("moe_forward", "moe_backward", "optimizer", "rest")
+    assert all(summary[f"{part}_ms"] > 0 for part in parts), summary
+    assert abs(sum(summary[f"{part}_share"] for part in parts) - 1) < 1e-6, summary
+    step_ms = sum(summary[f"{part}_ms"] for part in parts)
+    assert abs(step_ms - float(line.group(2))) < 0.01 + 1e-3 * step_ms, (step_ms, line.group(0))
+    moe_ms = summary["moe_forward_ms"] + summary["moe_backward_ms"]
+    assert abs(moe_ms - float(line.group(3))) < 0.01 + 1e-3 * moe_ms, (moe_ms, line.group(0))
+
+
 def test_stock_backend_zero2(stock_run):
     start, end = assert_learns(stock_run)
     assert "backend deepspeed" in stock_run.output, stock_run.tail()
     assert stock_run.value("eval loss") is not None, stock_run.tail()
     assert f"csv_monitor writes to {stock_run.monitor_dir}" in stock_run.output, stock_run.tail()
     assert_expert_counts(stock_run)
+    assert_step_shares(stock_run, STEPS - 5)
     print(f"\ntorchrun zero2_deepspeed (HJSON config): loss {start:.3f} -> {end:.3f}, {stock_run.seconds:.0f} s")
 
 
@@ -521,7 +536,7 @@ def test_hf_mixtral_autoep_comet_matches_autoep(workdir):
     autoep = torchrun(workdir, "hf_autoep", "zero2_deepspeed", HF_STEPS, *HF_MIXTRAL)
     save_dir = os.path.join(workdir, "hf_checkpoints")
     comet = torchrun(workdir, "hf_autoep_comet", "zero2_comet", HF_STEPS, *HF_MIXTRAL, "--log-level", "info",
-                     "--save-dir", save_dir, "--save-at", "4", "--no-final-save")
+                     "--save-dir", save_dir, "--save-at", "4", "--no-final-save", "--step-shares")
     assert f"model mixtral | world size {RANKS} " in autoep.output, autoep.tail()
     assert f"moe layers {LAYERS} x AutoEPMoELayer |" in autoep.output, autoep.tail()
     # ds_comet.initialize converted AutoEP's layers: its own log line, and the layers' class.
@@ -541,6 +556,7 @@ def test_hf_mixtral_autoep_comet_matches_autoep(workdir):
                               f"under AutoEP (relative difference {relative:.1e}){comet.tail()}")
     counts = [name for name in autoep.series if name.startswith("Train_Steps_expert_tokens_")]
     assert all(comet.by_step(name) == autoep.by_step(name) for name in counts)
+    assert_step_shares(comet, HF_STEPS - 5)  # AutoEP's layer class, as ds_comet converts it
 
     # AutoEP's checkpoint, saved through the example's manifest: each expert in a file of its own.
     manifest = manifest_of(os.path.join(save_dir, "step4"))
