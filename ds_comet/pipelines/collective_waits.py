@@ -6,14 +6,20 @@ returned early or is stuck in other work), its peers would wait out the process 
 wait the host makes is bounded by ``"moe": {"wait_timeout_s"}``. Past it, the rank reports where
 it waits in the process group's store and looks, for as long again, for the reports of the
 group's other ranks: a rank that reports is waiting too, and a rank that does not is the one that
-stalled, which the error then names. The store is only written on this path, never in a healthy
-call.
+stalled, which the error then names.
+
+A rank that raises inside a layer's call (a batch larger than the fused workspace, out of memory)
+leaves its peers waiting in the same way. Before the exception leaves the layer, the rank notes its
+message in the store (``post_failure``); a peer whose wait timed out, on either pipeline, adds the
+notes of the group's other ranks to its error (``failure_notes``), so that the error says why, not
+only who. The store is only used on these failure paths, never in a healthy call; a note stays
+until the job ends.
 """
 
 import threading
 import time
 from datetime import timedelta
-from typing import List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 from deepspeed import comm as dist
@@ -21,6 +27,7 @@ from deepspeed import comm as dist
 from ..kernels.ops import CometWaitTimeout
 
 REPORT_KEY = "ds_comet/waiting/"  # + the global rank: where that rank gave up waiting
+FAILURE_KEY = "ds_comet/raised/"  # + the global rank: the error that rank raised inside a layer's call
 STORE_SLACK_S = 5.0  # beyond the bound, for the store's own answers, before the roll call is given up
 
 
@@ -76,6 +83,8 @@ class CollectiveWaits:
         else:
             who = ("every other rank of the group is waiting too: they disagree on the collectives of this "
                    "call (a rank called another layer, or another number of times)")
+        if silent:
+            who += describe_failures(failure_notes(silent))
         raise CometWaitTimeout(
             f"ds_comet: {self.layer_name}: rank {rank} of its expert-parallel group waited {waited:.1f} s for "
             f"{what}; {who}. Raise \"moe\": {{\"wait_timeout_s\"}} if they are only slow. The exchange stays "
@@ -90,26 +99,66 @@ class CollectiveWaits:
         length behind, or stuck. The store is asked from a thread that is given up on after that
         time, so that a store that does not answer cannot hold the error back.
         """
-        found: List[Optional[List[int]]] = [None]
 
-        def roll_call():
-            try:
-                store = torch.distributed.distributed_c10d._get_default_store()
-                ranks = torch.distributed.get_process_group_ranks(self.group or torch.distributed.group.WORLD)
-                me = torch.distributed.get_rank()
-                store.set(f"{REPORT_KEY}{me}", f"{self.layer_name}: {what}")
-                silent = [rank for rank in ranks if rank != me]
-                deadline = time.monotonic() + self.timeout_s
-                while silent:
-                    silent = [rank for rank in silent if not store.check([f"{REPORT_KEY}{rank}"])]
-                    if not silent or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.05)
-                found[0] = silent
-            except Exception:  # no store (MPI), or it failed: the error goes without names
-                pass
+        def roll_call(store) -> List[int]:
+            me = torch.distributed.get_rank()
+            store.set(f"{REPORT_KEY}{me}", f"{self.layer_name}: {what}")
+            silent = [rank for rank in group_ranks(self.group) if rank != me]
+            deadline = time.monotonic() + self.timeout_s
+            while silent:
+                silent = [rank for rank in silent if not store.check([f"{REPORT_KEY}{rank}"])]
+                if not silent or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            return silent
 
-        asking = threading.Thread(target=roll_call, name="ds_comet roll call", daemon=True)
-        asking.start()
-        asking.join(self.timeout_s + STORE_SLACK_S)
-        return found[0]
+        return with_store(roll_call, self.timeout_s + STORE_SLACK_S)
+
+
+def group_ranks(group) -> List[int]:
+    """The global ranks of ``group`` (None: the default group)."""
+    return torch.distributed.get_process_group_ranks(group or torch.distributed.group.WORLD)
+
+
+def with_store(use: Callable, seconds: float):
+    """``use(store)`` on the default process group's store, in a thread given up on after ``seconds``:
+    its result, or None where there is no store (MPI), it failed, or it did not answer in time, so
+    that a broken store cannot hold an error back."""
+    result = [None]
+
+    def run():
+        try:
+            result[0] = use(torch.distributed.distributed_c10d._get_default_store())
+        except Exception:  # the caller's error goes out without what the store would have added
+            pass
+
+    asking = threading.Thread(target=run, name="ds_comet store", daemon=True)
+    asking.start()
+    asking.join(seconds)
+    return result[0]
+
+
+def post_failure(layer_name: str, error: BaseException) -> None:
+    """Notes in the store that this rank raised ``error`` inside ``layer_name``'s call, for the
+    peers it leaves waiting (``failure_notes``)."""
+    try:
+        me = torch.distributed.get_rank()
+    except (RuntimeError, ValueError):  # no process group: nobody waits
+        return
+    note = f"in {layer_name}: {type(error).__name__}: {error}"[:2000]
+    with_store(lambda store: store.set(f"{FAILURE_KEY}{me}", note), STORE_SLACK_S)
+
+
+def failure_notes(ranks: Iterable[int]) -> Dict[int, str]:
+    """The notes ``post_failure`` left for any of the global ``ranks``, by rank."""
+
+    def read(store) -> Dict[int, str]:
+        keys = {rank: f"{FAILURE_KEY}{rank}" for rank in ranks}
+        return {rank: store.get(key).decode(errors="replace") for rank, key in keys.items() if store.check([key])}
+
+    return with_store(read, STORE_SLACK_S) or {}
+
+
+def describe_failures(notes: Dict[int, str]) -> str:
+    """``failure_notes`` as the end of an error message ("" when there are none)."""
+    return "".join(f"; global rank {rank} raised {note}" for rank, note in sorted(notes.items()))

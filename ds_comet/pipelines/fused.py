@@ -41,8 +41,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .collective_waits import post_failure
 from .expert_weights import FusedExperts
-from .fused_kernels import FusedKernels, PointerTables, next_power_of_2
+from .fused_kernels import FusedKernels, PointerTables
 from .parameters import FusedParameters
 from .routing import RoutingPlan, plan_routes_cuda
 from .workspace import CometBuffer
@@ -74,6 +75,7 @@ class FusedPipeline:
         self.num_experts = num_experts
         self.row_bounds = row_bounds
         self.tables = PointerTables()
+        self.layer_name = "MoE layer"  # in the note its peers read if this rank raises (the selection names it)
 
     # Under torch.compile the fused call runs as written, behind one graph break. Dynamo would otherwise
     # trace into the fused autograd function around the op's calls and could put its Triton launches
@@ -103,10 +105,17 @@ class FusedPipeline:
                 if tokens.requires_grad or weights.requires_grad or any(p.requires_grad for p in params):
                     return FusedMoEFunction.apply(self, plan, max_rows, tokens, weights, *params)
             return self.run_forward(tokens, plan, weights, max_rows, out=out)
-        except RuntimeError:
-            # A kernel that gave up on a wait stops the device; name what it waited for if it said so.
-            self.workspace.raise_if_failed()
+        except Exception as error:
+            self.failed(error)
             raise
+
+    def failed(self, error: Exception) -> None:
+        """What a call that raised ``error`` tells: if one of its kernels gave up on a wait (which
+        stops the device), the wait's own error, with what peers noted; else ``error`` is this rank's
+        own, and it notes it for the peers its kernels will leave waiting (``post_failure``)."""
+        self.workspace.raise_if_failed()
+        if self.workspace.shape.ep_size > 1:
+            post_failure(self.layer_name, error)
 
     def kernels(self, tokens: Tensor) -> FusedKernels:
         """The kernel launches of one call on ``tokens`` ([S, H]), with the experts' current weights."""
@@ -164,10 +173,8 @@ class FusedPipeline:
                      need_params: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[List[Tensor]]]:
         """Gradients of ``run_forward``'s output with respect to the tokens, the route weights ([k, S],
         fp32) and ``experts.parameters()``, from the output gradient ``grad_out`` ([S, H])."""
-        from ..kernels.triton_gemm import route_dot_kernel
         buffer = self.workspace
         buffer.raise_if_failed()
-        num_tokens, hidden = grad_out.shape
         grad_out = rows_for_kernels(grad_out)
         kernels = self.kernels(grad_out)
         device, dtype = grad_out.device, grad_out.dtype
@@ -211,14 +218,7 @@ class FusedPipeline:
         if not need_tokens:
             grad_tokens = None
         if need_weights:
-            top_k = plan.top_k
-            grad_weights = torch.empty((top_k * num_tokens, ), dtype=torch.float32, device=device)
-            num_experts = plan.expert_counts.numel()
-            route_dot_kernel[(top_k * num_tokens, )](saved["returned"], grad_out, plan.route_position,
-                                                     plan.expert_counts, grad_weights, num_tokens, num_experts,
-                                                     hidden, E_POW2=next_power_of_2(num_experts),
-                                                     BLOCK=min(1024, next_power_of_2(hidden)), num_warps=4)
-            grad_weights = grad_weights.view(top_k, num_tokens)
+            grad_weights = kernels.route_dots(saved["returned"], grad_out, plan)
         saved.clear()
         return grad_tokens, grad_weights, param_grads
 
@@ -268,8 +268,8 @@ class FusedMoEFunction(torch.autograd.Function):
             grad_tokens, grad_weights, param_grads = ctx.pipeline.run_backward(
                 grad_out, ctx.plan, weights, ctx.saved, need_tokens=need[3], need_weights=need[4],
                 need_params=any(need[5:]))
-        except RuntimeError:
-            ctx.pipeline.workspace.raise_if_failed()
+        except Exception as error:
+            ctx.pipeline.failed(error)
             raise
         ctx.saved = None
         if param_grads is None:

@@ -237,6 +237,19 @@ class FusedKernels:
                                     num_stages=3)
         return out, (bias if self.has_bias else None)
 
+    def route_dots(self, returned: Tensor, grad_out: Tensor, plan: RoutingPlan) -> Tensor:
+        """The route weights' gradient, [k, S] fp32: for each kept route, the dot product of its expert's
+        output row (``returned``, as the forward's combine saved it) with its token's output gradient
+        (``grad_out``, [S, H]); 0 for a dropped route."""
+        from ..kernels.triton_gemm import route_dot_kernel
+        num_tokens, hidden = grad_out.shape
+        top_k, num_experts = plan.top_k, plan.expert_counts.numel()
+        out = torch.empty((top_k * num_tokens, ), dtype=torch.float32, device=grad_out.device)
+        route_dot_kernel[(top_k * num_tokens, )](returned, grad_out, plan.route_position, plan.expert_counts, out,
+                                                 num_tokens, num_experts, hidden, E_POW2=next_power_of_2(num_experts),
+                                                 BLOCK=min(1024, next_power_of_2(hidden)), num_warps=4)
+        return out.view(top_k, num_tokens)
+
     @property
     def library_wgrad(self) -> bool:
         """Whether the weight gradients run as ``torch._grouped_mm``: bf16 experts without biases (it

@@ -15,8 +15,9 @@ import torch
 from deepspeed import comm as dist
 from torch import Tensor
 
+from ..kernels.ops import CometWaitTimeout
 from .chunked import chunked_exchange
-from .collective_waits import CollectiveWaits
+from .collective_waits import CollectiveWaits, post_failure
 from .expert_weights import LocalExperts
 from .policy import saved_tensor_hooks_active
 from .routing import plan_rank_rows
@@ -116,6 +117,16 @@ class ReferencePipeline:
         dtype); one row per (token, rank) comes back, and the token's rows are summed in fp32. A
         token whose routes meet four experts of one rank crosses to it once, not four times.
         """
+        try:
+            return self._forward(tokens, indices, weights, scale_before)
+        except CometWaitTimeout:
+            raise  # this rank is the one left waiting
+        except Exception as error:  # its peers will wait for it: tell them why
+            if self.ep_size > 1:
+                post_failure(self.layer_name, error)
+            raise
+
+    def _forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool) -> Tensor:
         # Under saved-tensor hooks (non-reentrant checkpointing) the rows go whole: the chunks keep
         # their graphs themselves, out of those hooks' sight. The counts are laid out by chunk
         # either way, so that every rank exchanges as many and can check that they all agree.

@@ -80,8 +80,8 @@ class PipelineSelection:
         self.group = None
         self.reference = ReferencePipeline(experts, spec.num_experts, spec.ep_size,
                                            wait_timeout_s=config.wait_timeout_s)
-        self.name = name or f"MoE layer {next(_LAYER_NUMBERS)}"
         self.fused: Optional[FusedPipeline] = None
+        self.name = name or f"MoE layer {next(_LAYER_NUMBERS)}"
         self.reason: Optional[str] = None
         self._agreed_key = None  # what the agreement was made for: the tokens' dtype, width and device
         self._agreed_reason: Optional[str] = None
@@ -95,7 +95,9 @@ class PipelineSelection:
     @name.setter
     def name(self, value: str) -> None:
         self._name = value
-        self.reference.layer_name = value  # its timeout names the layer
+        for pipeline in (self.reference, self.fused):  # their errors name the layer
+            if pipeline is not None:
+                pipeline.layer_name = value
 
     def set_group(self, group) -> None:
         """The expert-parallel process group (None for a layer with ep_size 1 and no group)."""
@@ -246,6 +248,7 @@ class PipelineSelection:
                             max_tokens=max_tokens, max_recv_rows=rows, top_k=spec.top_k, tile_m=params.tile_m)
         workspace = get_buffer(self.group, shape, config.wait_timeout_s, shared_device)
         self.fused = FusedPipeline(workspace, experts, params, spec.num_experts, row_bounds)
+        self.fused.layer_name = self.name
         log_dist(f"ds_comet: {self.name} runs the fused pipeline ({params}, workspace for {max_tokens} tokens per "
                  "rank)", ranks=[0])
         return None

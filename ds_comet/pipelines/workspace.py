@@ -25,6 +25,7 @@ from deepspeed.utils import logger
 from ..kernels import layout
 from ..kernels.constants import ERROR_RECORD_WORDS
 from ..kernels.ops import CometWaitTimeout, describe_error_record, load_op
+from .collective_waits import describe_failures, failure_notes, group_ranks
 
 ALIGN = 256  # bytes; keeps every part 16-byte aligned for vector copies
 
@@ -191,8 +192,13 @@ class CometBuffer:
         return self.error_record.data_ptr()
 
     def raise_if_failed(self):
+        """Raises ``CometWaitTimeout`` if a kernel of this rank gave up on a wait, with the notes of
+        any peer that raised inside a call (``collective_waits.post_failure``)."""
         message = describe_error_record(self.error_record)
         if message is not None:
+            if self.shape.ep_size > 1:
+                me = torch_dist.get_rank()
+                message += describe_failures(failure_notes(rank for rank in group_ranks(self.group) if rank != me))
             raise CometWaitTimeout(message)
 
     def check_tokens(self, num_tokens: int):

@@ -47,19 +47,25 @@ def test_ep_size_larger_than_the_world_is_named(cpu_pool):
     cpu_pool.run(oversized_ep_case)
 
 
+def called_layer(name):
+    """A reference-pipeline layer named ``name``, whose waits end after 2 s, called once by every rank."""
+    world = dist.get_world_size()
+    config = {"moe": {"backend": "comet", "overlap": "none", "wait_timeout_s": 2.0}}
+    layer = ds_comet.MoE(16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, k=1, config=config)
+    layer.set_deepspeed_parallelism()
+    layer.deepspeed_moe.pipelines.name = name
+    layer(torch.randn(1, 8, 16))
+    return layer
+
+
 def stopped_peer_case():
     """Both ranks call the layer, then rank 0 calls it once more alone: its wait must end with an
     error naming the layer within the section's wait_timeout_s, not the process group's timeout."""
     import time
 
     from ds_comet.kernels.ops import CometWaitTimeout
-    rank, world = dist.get_rank(), dist.get_world_size()
-    config = {"moe": {"backend": "comet", "overlap": "none", "wait_timeout_s": 2.0}}
-    layer = ds_comet.MoE(16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, k=1, config=config)
-    layer.set_deepspeed_parallelism()
-    layer.deepspeed_moe.pipelines.name = "blocks.3.moe"
-    layer(torch.randn(1, 8, 16))
-    if rank != 0:
+    layer = called_layer("blocks.3.moe")
+    if dist.get_rank() != 0:
         return None
     start = time.monotonic()
     with pytest.raises(CometWaitTimeout) as raised:
@@ -78,3 +84,38 @@ def test_a_peer_that_stops_calling_ends_the_wait_with_a_named_error(cpu_pool):
     assert f"global rank(s) {others} of the group did not report" in message, message
     # The behaviour under test is the bound itself: 2 s asked for, the pool's group timeout is 120 s.
     assert 2.0 <= waited < 60.0, waited
+
+
+def raising_peer_case():
+    """Both ranks call the layer; in the next call every rank but 0 raises before its first
+    exchange (as a rank out of memory would): rank 0's error must say why, not only who."""
+    import ds_comet.pipelines.reference as reference
+    from ds_comet.kernels.ops import CometWaitTimeout
+    rank = dist.get_rank()
+    layer = called_layer("blocks.5.moe")
+    if rank != 0:
+        planned = reference.plan_rank_rows
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError(f"stand-in: rank {rank} ran out of memory")
+
+        reference.plan_rank_rows = out_of_memory
+        try:
+            with pytest.raises(torch.OutOfMemoryError):
+                layer(torch.randn(1, 8, 16))
+        finally:
+            reference.plan_rank_rows = planned
+        return None
+    with pytest.raises(CometWaitTimeout) as raised:
+        layer(torch.randn(1, 8, 16))
+    return str(raised.value)
+
+
+def test_a_peer_that_raises_is_named_with_its_error(cpu_pool):
+    try:
+        message = cpu_pool.run(raising_peer_case)[0]
+    finally:
+        cpu_pool.stop()  # rank 0's exchange is still posted, and the notes stay in the group's store
+    for rank in range(1, cpu_world_size()):
+        assert (f"global rank {rank} raised in blocks.5.moe: OutOfMemoryError: stand-in: rank {rank} ran out of "
+                "memory") in message, message

@@ -8,23 +8,30 @@ import torch
 
 import ds_comet.pipelines.collective_waits as collective_waits
 from ds_comet.kernels.ops import CometWaitTimeout
-from ds_comet.pipelines.collective_waits import REPORT_KEY, CollectiveWaits
+from ds_comet.pipelines.collective_waits import FAILURE_KEY, REPORT_KEY, CollectiveWaits, post_failure
 
 
 class Store:
     """A store that holds what is set; ``check`` can be made to hang."""
 
     def __init__(self, present=(), hang=False):
-        self.keys = {f"{REPORT_KEY}{rank}" for rank in present}
+        self.values = {f"{REPORT_KEY}{rank}": b"waiting" for rank in present}
         self.hang = hang
 
+    @property
+    def keys(self):
+        return set(self.values)
+
     def set(self, key, value):
-        self.keys.add(key)
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.values[key]
 
     def check(self, keys):
         if self.hang:
             threading.Event().wait()
-        return all(key in self.keys for key in keys)
+        return all(key in self.values for key in keys)
 
 
 @pytest.fixture
@@ -78,3 +85,15 @@ def test_no_store_gives_the_error_without_names(group_of_four, monkeypatch):
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", no_store)
     message, _ = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
     assert "a rank of the group stopped calling the layer or fell behind" in message, message
+
+
+def test_a_silent_rank_that_noted_its_error_is_named_with_it(group_of_four, monkeypatch):
+    store = group_of_four(Store(present=[2]))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 3)  # rank 3 raises and notes why
+    post_failure("blocks.0.moe", ValueError("this MoE layer got 9000 tokens on one rank"))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    assert store.get(f"{FAILURE_KEY}3").decode() == "in blocks.0.moe: ValueError: this MoE layer got 9000 tokens on one rank"
+    message, _ = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
+    assert ("global rank(s) 1, 3 of the group did not report a wait of their own" in message
+            and "; global rank 3 raised in blocks.0.moe: ValueError: this MoE layer got 9000 tokens" in message), message
+    assert "rank 1 raised" not in message, message

@@ -590,15 +590,19 @@ def timeout_case(seed):
         dist.barrier()
         if rank != 0:
             return None
-        try:
-            layers["fused"](tokens)
-            torch.cuda.synchronize()
-        except RuntimeError:
-            pass
-        workspace = layers["fused"].deepspeed_moe.pipelines.fused.workspace
-        with pytest.raises(CometWaitTimeout) as raised:
-            workspace.raise_if_failed()
-        return str(raised.value)
+        return _wait_timeout_message(layers["fused"], tokens)
+
+
+def _wait_timeout_message(layer, tokens):
+    """The CometWaitTimeout message of a call of ``layer`` on ``tokens`` that its peers do not join."""
+    try:
+        layer(tokens)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+    with pytest.raises(CometWaitTimeout) as raised:
+        layer.deepspeed_moe.pipelines.fused.workspace.raise_if_failed()
+    return str(raised.value)
 
 
 def test_wait_timeout_names_rank_and_flag(gpu_pool):
@@ -609,4 +613,35 @@ def test_wait_timeout_names_rank_and_flag(gpu_pool):
     # Every peer is silent; which peer's wait gives up first is a race from 3 ranks on.
     peer = re.search(r"the expert counts of peer rank (\d+) to reach", message)
     assert "rank 0" in message and peer and 1 <= int(peer.group(1)) < gpu_pool.world_size, message
+    gpu_pool.stop()
+
+
+def raising_peer_case(seed):
+    """The ranks but 0 call the layer with more tokens than its workspace holds and raise; rank 0's
+    kernel gives up on them, and its error carries their reason."""
+    rank, ep_size = dist.get_rank(), dist.get_world_size()
+    layers = _layers(seed, 256, 512, "gelu", timeout_s=2.0, moe={"max_tokens_per_rank": 64},
+                     num_experts=2 * ep_size, ep_size=ep_size, k=1)
+    layers["fused"].deepspeed_moe.pipelines.name = "blocks.2.moe"
+    device = torch.device("cuda", torch.cuda.current_device())
+    with torch.no_grad():
+        layers["fused"](torch.randn(1, 64, 256, device=device).to(torch.bfloat16))
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank != 0:
+            with pytest.raises(ValueError, match="sized for 64"):
+                layers["fused"](torch.randn(1, 96, 256, device=device).to(torch.bfloat16))
+            return None
+        return _wait_timeout_message(layers["fused"], torch.randn(1, 64, 256, device=device).to(torch.bfloat16))
+
+
+def test_wait_timeout_carries_the_reason_a_peer_raised(gpu_pool):
+    if gpu_pool.world_size < 2:
+        pytest.skip("needs two GPUs")
+    # Like the test above, it leaves rank 0's CUDA context dead, and the pool restarts after it.
+    message = gpu_pool.run(raising_peer_case, seed=_seed(), timeout=120)[0]
+    assert "the expert counts of peer rank" in message, message
+    for rank in range(1, gpu_pool.world_size):
+        assert (f"global rank {rank} raised in blocks.2.moe: ValueError: this MoE layer got 96 tokens on one rank but "
+                "the fused workspace was sized for 64") in message, message
     gpu_pool.stop()
