@@ -170,6 +170,14 @@ def write_summary(args, summary, text, notes):
 # --------------------------------------------------------------------------------------------
 
 
+STEP_PARTS = ("moe_forward", "moe_backward", "optimizer", "rest")
+
+
+def step_parts(summary):
+    """The example's --step-shares parts of a step (ms), or None each where the run has none."""
+    return {f"{part}_ms": summary.get(f"{part}_ms") for part in STEP_PARTS}
+
+
 def summarize(runs, tail):
     base = runs[0]
     rows = []
@@ -183,7 +191,8 @@ def summarize(runs, tail):
                          ratio_to_first=tokens / base_tokens if tokens and base_tokens else None,
                          step_ms=run.summary.get("step_ms"), timed_steps=run.summary.get("timed_steps"),
                          peak_mem_mib=run.summary.get("peak_memory_mib"), final_loss=run.summary.get("final_loss"),
-                         eval_loss=run.summary.get("eval_loss"), busiest_expert_share=run.busiest_expert_share()))
+                         eval_loss=run.summary.get("eval_loss"), busiest_expert_share=run.busiest_expert_share(),
+                         **step_parts(run.summary)))
     comparisons = []
     for run in runs[1:]:
         diffs, stats = difference(run, base)
@@ -208,6 +217,14 @@ def table(summary):
                  fmt(row["eval_loss"], ".4f"),
                  fmt(row["busiest_expert_share"], ".2f") + ("x" if row["busiest_expert_share"] else ""))
         lines.append("| " + " | ".join(cells) + " |")
+    timed = [row for row in summary["runs"] if row["moe_forward_ms"] is not None]
+    if timed:
+        lines += ["\n| run | MoE layers ms (forward + backward) | optimizer step ms | rest ms |", "|---|---|---|---|"]
+        for row in timed:
+            moe = row["moe_forward_ms"] + row["moe_backward_ms"]
+            lines.append(f"| {row['label']} | {moe:.2f} ({row['moe_forward_ms']:.2f} + {row['moe_backward_ms']:.2f}) | "
+                         f"{fmt(row['optimizer_ms'], '.2f')} | {fmt(row['rest_ms'], '.2f')} |")
+        lines.append("\nms a timed step on rank 0's device clock (the example's --step-shares)")
     lines.append("\ntokens/s: all ranks together, steps after the timing warm-up, checkpoint saves left out; "
                  "peak MiB: the accelerator allocator's peak, the largest rank (none on CPU); busiest expert: the "
                  "most tokens one expert got over the run against the mean per expert, the worst layer (1.00x: "

@@ -2,7 +2,8 @@
 # Stock DeepSpeed MoE against the comet backend, training examples/train_moe.py on NRANKS (default 2) GPUs.
 #
 #   (a) 200 steps, ZeRO-2, stock then comet (deepspeed launcher, same seed and data)
-#       -> loss curves ($OUT/loss_curves.png) and a table: tokens/s, ratio, peak memory, losses
+#       -> loss curves ($OUT/loss_curves.png) and a table: tokens/s, ratio, peak memory, losses, and the
+#       MoE layers', the optimizer step's and the rest's ms a step (the example's --step-shares)
 #   (b) comet, ZeRO-1: 60 steps saving a checkpoint at step 30, then a run resumed from it, whose
 #       steps 31-60 must reproduce the uninterrupted run's (losses and learning rates)
 #   (c) comet, ZeRO-2, 30 steps under a bare mpirun; its losses must follow (a)'s comet run
@@ -224,8 +225,8 @@ else
 fi
 
 # --- (a) stock vs comet, ZeRO-2, same seed and data.
-train a_stock_zero2 29571 "$STOCK_ZERO2" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches "$EVAL_BATCHES" || true
-train a_comet_zero2 29572 "$COMET_ZERO2" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches "$EVAL_BATCHES" || true
+train a_stock_zero2 29571 "$STOCK_ZERO2" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches "$EVAL_BATCHES" --step-shares || true
+train a_comet_zero2 29572 "$COMET_ZERO2" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches "$EVAL_BATCHES" --step-shares || true
 
 # --- (d) the picture and the table, right away so that they exist whatever happens next.
 note "RUN  summary: scripts/plot_losses.py"
@@ -298,7 +299,8 @@ if [[ $PARTS == *e* ]]; then
                 graph) arm_config=$COMET_GRAPH ;;
             esac
             port=$((port + 1))
-            train "e_${arm}_r$round" "$port" "$arm_config" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches 0 || true
+            train "e_${arm}_r$round" "$port" "$arm_config" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches 0 --step-shares \
+                || true
             ROUND_RUNS+=("$arm/$round=$MONITOR/e_${arm}_r$round")
         done
     done

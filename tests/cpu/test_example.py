@@ -748,7 +748,8 @@ def test_plot_summary_and_png(tmp_path, plot_losses, capsys):
     stock = {s: 5.0 - 0.01 * s for s in range(1, 31)}
     balanced = {(0, 0): 100, (0, 1): 100, (1, 0): 150, (1, 1): 50}
     write_monitor(tmp_path / "stock", stock, expert_tokens=balanced)
-    write_monitor(tmp_path / "comet", {s: v + (0.02 if s == 7 else 0.0) for s, v in stock.items()})
+    write_monitor(tmp_path / "comet", {s: v + (0.02 if s == 7 else 0.0) for s, v in stock.items()},
+                  summary=dict(moe_forward_ms=1.5, moe_backward_ms=2.25, optimizer_ms=4.0, rest_ms=3.0))
     png = tmp_path / "curves.png"
     runs = [f"stock={tmp_path / 'stock'}", f"comet={tmp_path / 'comet'}"]
     status = plot_losses.main(["plot", "--out", str(png), "--json", str(tmp_path / "s.json")] + runs)
@@ -759,6 +760,8 @@ def test_plot_summary_and_png(tmp_path, plot_losses, capsys):
         assert status == 3 and not png.exists()
     output = capsys.readouterr().out
     assert "max |loss diff| 0.0200 at step 7" in output and "1.000x" in output
+    # Only the run that timed its steps' parts (--step-shares) has a row of them.
+    assert "| comet | 3.75 (1.50 + 2.25) | 4.00 | 3.00 |" in output and "| stock | " not in output.split("MoE layers")[1]
     # The busiest expert: layer 1's expert 0 got 150 of 200 tokens, 1.5 x the mean of 100.
     assert json.loads((tmp_path / "s.json").read_text())["runs"][0]["busiest_expert_share"] == 1.5
     assert plot_losses.main(["plot", "--max-diff-tol", "0.01"] + runs) == 1
