@@ -30,9 +30,16 @@ namespace ds_comet {
     X(WaitDispatchTile, 2)   /* the rows of a GEMM1 row tile (waited on in the Triton GEMM) */          \
     X(WaitCombineChunk, 3)   /* expert outputs of a column chunk finished for this rank */              \
     X(WorkspaceOverflow, 4)  /* more rows or tiles than the workspace holds */                          \
-    /* The int64 error record in host memory the device can write (pinned, mapped through UVA): */      \
-    /* [0] set flag, [1] rank, [2] kind, [3] index, [4] target, [5] observed, [6] waited ns. */         \
+    /* The int64 error record in host memory the device can write (pinned, mapped through UVA), */      \
+    /* and the word that holds each of its fields. */                                                   \
     X(ErrorRecordWords, 8)                                                                              \
+    X(ErrorFilled, 0)        /* 1 once the fields below are written */                                  \
+    X(ErrorRank, 1)          /* the rank that gave up */                                                \
+    X(ErrorKind, 2)          /* what it waited for: a Wait* kind, or WorkspaceOverflow */               \
+    X(ErrorIndex, 3)         /* which one of them (peer, tile, chunk) */                                \
+    X(ErrorTarget, 4)        /* the count it waited to reach */                                         \
+    X(ErrorObserved, 5)      /* the count it saw last */                                                \
+    X(ErrorWaitedNs, 6)      /* how long it waited */                                                   \
     /* Longest a wait that gave up waits for another one to finish filling the error record. */         \
     X(ErrorRecordWaitNs, 1000000000)                                                                    \
     /* The combine stages each unit's routes in shared memory (16 bytes a route, within the 48 KB */    \

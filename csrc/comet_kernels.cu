@@ -35,18 +35,18 @@ __device__ void fail(const GroupShape& shape, int32_t* layout, int64_t* error_re
                      int64_t target, int64_t observed, uint64_t waited_ns) {
     volatile int64_t* record = error_record;
     if (atomicCAS(layout + shape.layout.totals + kTotalErrorClaim, 0, 1) == 0) {
-        record[1] = shape.rank;
-        record[2] = kind;
-        record[3] = index;
-        record[4] = target;
-        record[5] = observed;
-        record[6] = static_cast<int64_t>(waited_ns);
+        record[kErrorRank] = shape.rank;
+        record[kErrorKind] = kind;
+        record[kErrorIndex] = index;
+        record[kErrorTarget] = target;
+        record[kErrorObserved] = observed;
+        record[kErrorWaitedNs] = static_cast<int64_t>(waited_ns);
         __threadfence_system();
-        record[0] = 1;
+        record[kErrorFilled] = 1;
         __threadfence_system();
     } else {
         const uint64_t start = global_timer_ns();
-        while (record[0] == 0 && global_timer_ns() - start < static_cast<uint64_t>(kErrorRecordWaitNs)) __nanosleep(1000);
+        while (record[kErrorFilled] == 0 && global_timer_ns() - start < static_cast<uint64_t>(kErrorRecordWaitNs)) __nanosleep(1000);
     }
     // The Python exception (ds_comet/kernels/ops.py) names what the wait was for; this line is for
     // a process that dies before it can raise it.

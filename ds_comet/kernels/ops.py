@@ -71,9 +71,11 @@ _WHAT = {
 def describe_error_record(record: torch.Tensor) -> Optional[str]:
     """The message of a filled error record (pinned host memory the kernels write), or None."""
     words = record.tolist()
-    if words[0] == 0:
+    if words[constants.ERROR_FILLED] == 0:
         return None
-    _, rank, kind, index, target, observed, waited_ns, _ = words
+    rank, kind, index = words[constants.ERROR_RANK], words[constants.ERROR_KIND], words[constants.ERROR_INDEX]
+    target, observed = words[constants.ERROR_TARGET], words[constants.ERROR_OBSERVED]
+    waited_ns = words[constants.ERROR_WAITED_NS]
     if kind == constants.WORKSPACE_OVERFLOW:
         what = "receive rows" if index == 0 else "GEMM1 row tiles"
         return (f"ds_comet: rank {rank} needed {observed} {what} but the call allows {target} (the workspace, or "

@@ -32,6 +32,13 @@ from . import constants
 ACTIVATION_CODES = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 ERROR_CLAIM_AFTER_TILES = tl.constexpr(constants.TOTAL_ERROR_CLAIM - constants.TOTAL_TILES)
 ERROR_RECORD_WAIT_NS = tl.constexpr(constants.ERROR_RECORD_WAIT_NS)
+ERROR_FILLED = tl.constexpr(constants.ERROR_FILLED)
+ERROR_RANK = tl.constexpr(constants.ERROR_RANK)
+ERROR_KIND = tl.constexpr(constants.ERROR_KIND)
+ERROR_INDEX = tl.constexpr(constants.ERROR_INDEX)
+ERROR_TARGET = tl.constexpr(constants.ERROR_TARGET)
+ERROR_OBSERVED = tl.constexpr(constants.ERROR_OBSERVED)
+ERROR_WAITED_NS = tl.constexpr(constants.ERROR_WAITED_NS)
 WAIT_DISPATCH_TILE = tl.constexpr(constants.WAIT_DISPATCH_TILE)
 
 
@@ -82,20 +89,20 @@ def _wait_at_least(counter, target, timeout_ns, error_addr, error_claim, rank, i
             if seen < target:
                 record = error_addr.to(tl.pointer_type(tl.int64))
                 if tl.atomic_cas(error_claim, 0, 1) == 0:
-                    tl.store(record + 1, tl.zeros([], tl.int64) + rank)
-                    tl.store(record + 2, WAIT_KIND)
-                    tl.store(record + 3, index.to(tl.int64))
-                    tl.store(record + 4, target.to(tl.int64))
-                    tl.store(record + 5, seen.to(tl.int64))
-                    tl.store(record + 6, waited)
+                    tl.store(record + ERROR_RANK, tl.zeros([], tl.int64) + rank)
+                    tl.store(record + ERROR_KIND, WAIT_KIND)
+                    tl.store(record + ERROR_INDEX, index.to(tl.int64))
+                    tl.store(record + ERROR_TARGET, target.to(tl.int64))
+                    tl.store(record + ERROR_OBSERVED, seen.to(tl.int64))
+                    tl.store(record + ERROR_WAITED_NS, waited)
                     _fence_system(counter)
-                    tl.store(record, 1)
+                    tl.store(record + ERROR_FILLED, 1)
                     _fence_system(counter)
                 else:
-                    filled = tl.load(record, volatile=True)
+                    filled = tl.load(record + ERROR_FILLED, volatile=True)
                     begin = _global_timer(counter)
                     while (filled == 0) & (_global_timer(counter) - begin < ERROR_RECORD_WAIT_NS):
-                        filled = tl.load(record, volatile=True)
+                        filled = tl.load(record + ERROR_FILLED, volatile=True)
                 _trap(counter)
 
 

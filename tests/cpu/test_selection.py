@@ -164,10 +164,12 @@ def test_parameter_rule():
 def test_error_record_messages():
     record = torch.zeros(constants.ERROR_RECORD_WORDS, dtype=torch.int64)
     assert describe_error_record(record) is None
-    record[:7] = torch.tensor([1, 1, constants.WAIT_COMBINE_CHUNK, 3, 975, 0, 20 * 10**9])
+    fields = (constants.ERROR_FILLED, constants.ERROR_RANK, constants.ERROR_KIND, constants.ERROR_INDEX,
+              constants.ERROR_TARGET, constants.ERROR_OBSERVED, constants.ERROR_WAITED_NS)
+    record[list(fields)] = torch.tensor([1, 1, constants.WAIT_COMBINE_CHUNK, 3, 975, 0, 20 * 10**9])
     message = describe_error_record(record)
     assert "rank 1 waited 20.0 s for the expert outputs of column chunk 3 to reach 975" in message
-    record[2], record[3], record[4], record[5] = constants.WORKSPACE_OVERFLOW, 0, 100, 130
+    record[list(fields[2:6])] = torch.tensor([constants.WORKSPACE_OVERFLOW, 0, 100, 130])
     assert "max_tokens_per_rank" in describe_error_record(record)
 
 

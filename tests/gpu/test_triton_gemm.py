@@ -253,7 +253,11 @@ def test_a_gemm1_wait_that_gives_up_fills_the_error_record_from_one_wait(tmp_pat
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    flag, rank, kind, index, target, seen, waited, _ = out["record"]
+    from ds_comet.kernels import constants as C
+    record = out["record"]
+    flag, rank, kind, index = (record[C.ERROR_FILLED], record[C.ERROR_RANK], record[C.ERROR_KIND],
+                               record[C.ERROR_INDEX])
+    target, seen, waited = record[C.ERROR_TARGET], record[C.ERROR_OBSERVED], record[C.ERROR_WAITED_NS]
     assert out["trapped"] and flag == 1, out
     assert (rank, kind, seen) == (3, 2, 0), out  # rank as launched, WAIT_DISPATCH_TILE, nothing arrived
     assert 0 <= index < out["tiles"] and target == out["wanted"][str(index)], out
