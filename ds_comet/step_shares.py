@@ -21,15 +21,19 @@ What counts as what:
 
 - a MoE layer's forward: from entering its ``forward`` to leaving it;
 - its backward: from the moment the gradient of its output is ready to the moment the gradient
-  of its input is, including whatever runs in between (ZeRO's gradient hooks on its parameters);
+  of its input is complete, including whatever runs in between (ZeRO's gradient hooks on its
+  parameters; and the backward of any other consumer of its input, which runs before that
+  gradient is complete: normally none, the input being a norm's output);
+- a layer recomputed under activation checkpointing: its recomputation counts as backward, once
+  (reentrant checkpointing recomputes it before its backward; non-reentrant, inside it);
 - the optimizer: ``engine.step()`` as a whole (with ZeRO: the last gradient reduction, the update,
   the parameters' gather);
 - the rest: the step's time less both.
 
 MoE layers are DeepSpeed's stock ``MOELayer`` and AutoEP's ``AutoEPMoELayer``, and ds_comet's
-layers, which derive from them. The backward is timed through module backward hooks, which need
-the layer's input and output to be tensors that autograd sees; a layer called under activation
-checkpointing is timed again when it is recomputed (its recomputation is counted as backward).
+layers, which derive from them. The backward is timed through hooks on the gradients of the
+layer's first input and first output that require one (tensor hooks: the caller may still change
+the output in place); a call without both is timed in the forward only.
 """
 
 import contextlib
@@ -116,33 +120,47 @@ class StepShares:
         # (kind, start, end) of the measured steps not yet read; kind is step, moe_forward,
         # moe_backward or optimizer.
         self._pending: List[Tuple[str, object, object]] = []
-        self._open = {}  # id(layer), kind -> start timestamp
+        # (id(layer), "forward") -> (kind, start) of a call under way; (id(layer), "backward") ->
+        # start of a backward under way.
+        self._open = {}
         self._totals = ShareTotals()
         self._handles = []
         for layer in self.layers:
-            self._handles += [
-                layer.register_forward_pre_hook(self._opener("moe_forward")),
-                layer.register_forward_hook(self._closer("moe_forward")),
-                layer.register_full_backward_pre_hook(self._opener("moe_backward")),
-                layer.register_full_backward_hook(self._closer("moe_backward")),
-            ]
+            self._handles += [layer.register_forward_pre_hook(self._forward_begins),
+                              layer.register_forward_hook(self._forward_ends)]
 
-    def _opener(self, kind):
+    def _forward_begins(self, layer, inputs):
+        if not self._measuring:
+            return
+        kind = "moe_forward"
+        if torch._C._current_graph_task_id() != -1:  # called from inside a backward: recomputed
+            if (id(layer), "backward") in self._open:
+                return  # inside its own backward (non-reentrant checkpointing), which counts it
+            kind = "moe_backward"  # before its backward (reentrant checkpointing)
+        self._open[id(layer), "forward"] = (kind, self._clock.now())
 
-        def hook(layer, *_):
+    def _forward_ends(self, layer, inputs, output):
+        if not self._measuring:
+            return
+        opened = self._open.pop((id(layer), "forward"), None)
+        if opened is not None:
+            self._pending.append((opened[0], opened[1], self._clock.now()))
+        key = (id(layer), "backward")
+        first_in, first_out = _first_needing_grad(inputs), _first_needing_grad(output)
+        if first_in is None or first_out is None or key in self._open:
+            return  # nothing to time, or a recomputation inside the layer's own backward
+
+        def backward_begins(grad):
             if self._measuring:
-                self._open[id(layer), kind] = self._clock.now()
+                self._open[key] = self._clock.now()
 
-        return hook
-
-    def _closer(self, kind):
-
-        def hook(layer, *_):
-            start = self._open.pop((id(layer), kind), None)
+        def backward_ends(grad):
+            start = self._open.pop(key, None)
             if self._measuring and start is not None:
-                self._pending.append((kind, start, self._clock.now()))
+                self._pending.append(("moe_backward", start, self._clock.now()))
 
-        return hook
+        first_out.register_hook(backward_begins)
+        first_in.register_hook(backward_ends)
 
     @contextlib.contextmanager
     def step(self, measure: bool = True):
@@ -186,3 +204,15 @@ class StepShares:
             handle.remove()
         self._handles.clear()
 
+
+
+def _first_needing_grad(values):
+    """The first tensor in ``values`` (a tensor, or a tuple or list of values) that requires grad."""
+    if isinstance(values, torch.Tensor):
+        return values if values.requires_grad else None
+    if isinstance(values, (tuple, list)):
+        for value in values:
+            found = _first_needing_grad(value)
+            if found is not None:
+                return found
+    return None

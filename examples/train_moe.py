@@ -906,7 +906,8 @@ def main(argv=None):
         optimizer, lambda step: min(1.0, (step + 1) / warmup))
     # ds_comet.initialize: deepspeed.initialize (with AutoEP's conversion under "expert_parallel"), then
     # the MoE layers on the backend the config's "moe" section names.
-    engine, _, _, _ = ds_comet.initialize(model=model, optimizer=moe_optimizer(args.lr, args.weight_decay, not on_cpu),
+    fused_adamw = accelerator.device_name() == "cuda"  # torch's fused AdamW runs on CUDA devices
+    engine, _, _, _ = ds_comet.initialize(model=model, optimizer=moe_optimizer(args.lr, args.weight_decay, fused_adamw),
                                           lr_scheduler=scheduler, config=ds_config)
     forward = AutoEPCausalLMForward(engine) if args.hf_model else ByteLMForward(engine, model)
     device = torch.device(engine.device)
@@ -1029,6 +1030,8 @@ def main(argv=None):
             expert_tokens = [round(value) for value in sums[len(losses):]]
             accelerator.synchronize()
             tokens_per_s = len(window) * tokens_per_step / (time.perf_counter() - window_start)
+            if shares is not None:
+                shares.read()  # the window's timestamps into the totals (their events freed)
             lm, aux = sum(means[0::2]) / len(window), sum(means[1::2]) / len(window)
             last_loss = means[-2]
             events = []

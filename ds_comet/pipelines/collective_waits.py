@@ -12,8 +12,9 @@ A rank that raises inside a layer's call (a batch larger than the fused workspac
 leaves its peers waiting in the same way. Before the exception leaves the layer, the rank notes its
 message in the store (``post_failure``); a peer whose wait timed out, on either pipeline, adds the
 notes of the group's other ranks to its error (``failure_notes``), so that the error says why, not
-only who. The store is only used on these failure paths, never in a healthy call; a note stays
-until the job ends.
+only who. The store is only used on these failure paths, never in a healthy call. A note carries
+the time it was written, and a waiting rank reads only the notes written since one wait's length
+before its own wait began: an error caught and survived long before is not blamed.
 """
 
 import threading
@@ -74,6 +75,7 @@ class CollectiveWaits:
 
     def _timed_out(self, waited: float, what: str, error: Optional[BaseException]):
         rank = dist.get_rank(group=self.group)
+        began = time.time() - waited  # the roll call below takes as long again
         silent = self._ranks_not_waiting(what)
         if silent is None:
             who = "a rank of the group stopped calling the layer or fell behind"
@@ -84,7 +86,7 @@ class CollectiveWaits:
             who = ("every other rank of the group is waiting too: they disagree on the collectives of this "
                    "call (a rank called another layer, or another number of times)")
         if silent:
-            who += describe_failures(failure_notes(silent))
+            who += describe_failures(failure_notes(silent, began - self.timeout_s))
         raise CometWaitTimeout(
             f"ds_comet: {self.layer_name}: rank {rank} of its expert-parallel group waited {waited:.1f} s for "
             f"{what}; {who}. Raise \"moe\": {{\"wait_timeout_s\"}} if they are only slow. The exchange stays "
@@ -112,7 +114,7 @@ class CollectiveWaits:
                 time.sleep(0.05)
             return silent
 
-        return with_store(roll_call, self.timeout_s + STORE_SLACK_S)
+        return ask_store(roll_call, self.timeout_s + STORE_SLACK_S)
 
 
 def group_ranks(group) -> List[int]:
@@ -120,21 +122,21 @@ def group_ranks(group) -> List[int]:
     return torch.distributed.get_process_group_ranks(group or torch.distributed.group.WORLD)
 
 
-def with_store(use: Callable, seconds: float):
-    """``use(store)`` on the default process group's store, in a thread given up on after ``seconds``:
-    its result, or None where there is no store (MPI), it failed, or it did not answer in time, so
-    that a broken store cannot hold an error back."""
+def ask_store(call: Callable, timeout_s: float):
+    """``call(store)`` on the default process group's store, in a thread given up on after
+    ``timeout_s``: its result, or None where there is no store (MPI), it failed, or it did not answer
+    in time, so that a broken store cannot hold an error back."""
     result = [None]
 
     def run():
         try:
-            result[0] = use(torch.distributed.distributed_c10d._get_default_store())
+            result[0] = call(torch.distributed.distributed_c10d._get_default_store())
         except Exception:  # the caller's error goes out without what the store would have added
             pass
 
     asking = threading.Thread(target=run, name="ds_comet store", daemon=True)
     asking.start()
-    asking.join(seconds)
+    asking.join(timeout_s)
     return result[0]
 
 
@@ -145,18 +147,25 @@ def post_failure(layer_name: str, error: BaseException) -> None:
         me = torch.distributed.get_rank()
     except (RuntimeError, ValueError):  # no process group: nobody waits
         return
-    note = f"in {layer_name}: {type(error).__name__}: {error}"[:2000]
-    with_store(lambda store: store.set(f"{FAILURE_KEY}{me}", note), STORE_SLACK_S)
+    note = f"{time.time():.3f} in {layer_name}: {type(error).__name__}: {error}"[:2000]
+    ask_store(lambda store: store.set(f"{FAILURE_KEY}{me}", note), STORE_SLACK_S)
 
 
-def failure_notes(ranks: Iterable[int]) -> Dict[int, str]:
-    """The notes ``post_failure`` left for any of the global ``ranks``, by rank."""
+def failure_notes(ranks: Iterable[int], since: float) -> Dict[int, str]:
+    """The notes ``post_failure`` left for any of the global ``ranks`` at ``since`` (``time.time()``)
+    or later, by rank, without their time."""
 
     def read(store) -> Dict[int, str]:
-        keys = {rank: f"{FAILURE_KEY}{rank}" for rank in ranks}
-        return {rank: store.get(key).decode(errors="replace") for rank, key in keys.items() if store.check([key])}
+        found = {}
+        for rank in ranks:
+            key = f"{FAILURE_KEY}{rank}"
+            if store.check([key]):
+                written, _, note = store.get(key).decode(errors="replace").partition(" ")
+                if float(written) >= since:
+                    found[rank] = note
+        return found
 
-    return with_store(read, STORE_SLACK_S) or {}
+    return ask_store(read, STORE_SLACK_S) or {}
 
 
 def describe_failures(notes: Dict[int, str]) -> str:

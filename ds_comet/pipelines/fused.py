@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..kernels.ops import CometWaitTimeout
 from .collective_waits import post_failure
 from .expert_weights import FusedExperts
 from .fused_kernels import FusedKernels, PointerTables
@@ -106,13 +107,15 @@ class FusedPipeline:
                     return FusedMoEFunction.apply(self, plan, max_rows, tokens, weights, *params)
             return self.run_forward(tokens, plan, weights, max_rows, out=out)
         except Exception as error:
-            self.failed(error)
+            self.note_error(error)
             raise
 
-    def failed(self, error: Exception) -> None:
+    def note_error(self, error: Exception) -> None:
         """What a call that raised ``error`` tells: if one of its kernels gave up on a wait (which
         stops the device), the wait's own error, with what peers noted; else ``error`` is this rank's
         own, and it notes it for the peers its kernels will leave waiting (``post_failure``)."""
+        if isinstance(error, CometWaitTimeout):
+            return  # the wait's own error, already told
         self.workspace.raise_if_failed()
         if self.workspace.shape.ep_size > 1:
             post_failure(self.layer_name, error)
@@ -269,7 +272,7 @@ class FusedMoEFunction(torch.autograd.Function):
                 grad_out, ctx.plan, weights, ctx.saved, need_tokens=need[3], need_weights=need[4],
                 need_params=any(need[5:]))
         except Exception as error:
-            ctx.pipeline.failed(error)
+            ctx.pipeline.note_error(error)
             raise
         ctx.saved = None
         if param_grads is None:

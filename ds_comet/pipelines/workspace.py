@@ -14,6 +14,7 @@ correct, but far slower than one rank a GPU.
 
 import math
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -23,7 +24,7 @@ import torch.distributed as torch_dist
 from deepspeed.utils import logger
 
 from ..kernels import layout
-from ..kernels.constants import ERROR_RECORD_WORDS
+from ..kernels.constants import ERROR_RECORD_WORDS, ERROR_WAITED_NS
 from ..kernels.ops import CometWaitTimeout, describe_error_record, load_op
 from .collective_waits import describe_failures, failure_notes, group_ranks
 
@@ -198,7 +199,9 @@ class CometBuffer:
         if message is not None:
             if self.shape.ep_size > 1:
                 me = torch_dist.get_rank()
-                message += describe_failures(failure_notes(rank for rank in group_ranks(self.group) if rank != me))
+                peers = [rank for rank in group_ranks(self.group) if rank != me]
+                began = time.time() - self.error_record[ERROR_WAITED_NS].item() / 1e9
+                message += describe_failures(failure_notes(peers, began - self.kernel_shape.timeout_ns / 1e9))
             raise CometWaitTimeout(message)
 
     def check_tokens(self, num_tokens: int):

@@ -87,13 +87,24 @@ def test_no_store_gives_the_error_without_names(group_of_four, monkeypatch):
     assert "a rank of the group stopped calling the layer or fell behind" in message, message
 
 
+def noted(monkeypatch, rank, error, at=None):
+    """Global rank ``rank`` notes ``error`` (at time ``at``, default now), as a rank that raises does."""
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: rank)
+    with monkeypatch.context() as clock:
+        if at is not None:
+            clock.setattr(collective_waits.time, "time", lambda: at)
+        post_failure("blocks.0.moe", error)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+
+
 def test_a_silent_rank_that_noted_its_error_is_named_with_it(group_of_four, monkeypatch):
     store = group_of_four(Store(present=[2]))
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 3)  # rank 3 raises and notes why
-    post_failure("blocks.0.moe", ValueError("this MoE layer got 9000 tokens on one rank"))
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
-    assert store.get(f"{FAILURE_KEY}3").decode() == "in blocks.0.moe: ValueError: this MoE layer got 9000 tokens on one rank"
+    noted(monkeypatch, 3, ValueError("this MoE layer got 9000 tokens on one rank"))
+    noted(monkeypatch, 2, RuntimeError("a rank that waits"))  # it reports waiting: not a cause
+    noted(monkeypatch, 1, MemoryError("out of memory an hour ago"), at=time.time() - 3600)  # caught, survived
+    assert store.get(f"{FAILURE_KEY}3").decode().endswith(
+        " in blocks.0.moe: ValueError: this MoE layer got 9000 tokens on one rank")
     message, _ = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
     assert ("global rank(s) 1, 3 of the group did not report a wait of their own" in message
             and "; global rank 3 raised in blocks.0.moe: ValueError: this MoE layer got 9000 tokens" in message), message
-    assert "rank 1 raised" not in message, message
+    assert "rank 1 raised" not in message and "rank 2 raised" not in message, message

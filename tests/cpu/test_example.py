@@ -479,17 +479,17 @@ def test_latest_waits_for_every_rank_and_a_full_disk_is_named(workdir):
 
 
 def assert_step_shares(run, timed_steps):
-    """--step-shares: the printed line and the summary's parts, which add up to the step."""
-    line = re.search(r"step shares over (\d+) steps \(([\d.]+) ms/step\): MoE layers ([\d.]+) ms", run.output)
+    """--step-shares: every part of the timed steps was seen, and the printed line and the monitor's
+    summary say the same."""
+    line = re.search(r"step shares over (\d+) steps \([\d.]+ ms/step\): MoE layers ([\d.]+) ms \([\d.]+%: "
+                     r"forward ([\d.]+), backward ([\d.]+)\), optimizer step ([\d.]+) ms", run.output)
     assert line and int(line.group(1)) == timed_steps, run.tail()
     summary = {name[len("Summary_"):]: rows[-1][1] for name, rows in run.series.items() if name.startswith("Summary_")}
     parts = ("moe_forward", "moe_backward", "optimizer", "rest")
-    assert all(summary[f"{part}_ms"] > 0 for part in parts), summary
-    assert abs(sum(summary[f"{part}_share"] for part in parts) - 1) < 1e-6, summary
-    step_ms = sum(summary[f"{part}_ms"] for part in parts)
-    assert abs(step_ms - float(line.group(2))) < 0.01 + 1e-3 * step_ms, (step_ms, line.group(0))
-    moe_ms = summary["moe_forward_ms"] + summary["moe_backward_ms"]
-    assert abs(moe_ms - float(line.group(3))) < 0.01 + 1e-3 * moe_ms, (moe_ms, line.group(0))
+    assert all(summary[f"{part}_ms"] > 0 for part in parts), summary  # the hooks saw each part
+    printed = [float(line.group(i)) for i in (3, 4, 5)]
+    monitored = [summary["moe_forward_ms"], summary["moe_backward_ms"], summary["optimizer_ms"]]
+    assert all(abs(p - m) <= 0.005 + 1e-9 for p, m in zip(printed, monitored)), (printed, monitored)
 
 
 def test_stock_backend_zero2(stock_run):
