@@ -578,6 +578,37 @@ def test_shared_gpu_refuses_expandable_segments(gpu_pool):
     gpu_pool.run(shared_expandable_case, seed=_seed())
 
 
+def step_shares_case(seed):
+    """StepShares on the device's clock (CUDA events) around fused calls: it finds the comet layer
+    and charges each measured step's forward, backward and optimizer step."""
+    from ds_comet.step_shares import StepShares, moe_layers
+    ep_size = dist.get_world_size()
+    layers = _layers(seed, 128, 256, "gelu", num_experts=2 * ep_size, ep_size=ep_size, k=2)
+    layer = layers["fused"]
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert moe_layers(layer) == [layer.deepspeed_moe]
+    shares = StepShares(layer, device)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
+    for step in range(3):
+        tokens = torch.randn(1, 64, 128, device=device).to(torch.bfloat16).requires_grad_()
+        with shares.step(measure=step > 0):
+            out = layer(tokens)[0] + tokens
+            out.float().square().sum().backward()
+            with shares.optimizer():
+                optimizer.step()
+                optimizer.zero_grad()
+    totals = shares.read()
+    assert layer.deepspeed_moe.pipelines.reason is None, layer.deepspeed_moe.pipelines.reason  # the fused path ran
+    assert totals.steps == 2 and min(totals.moe_forward_ms, totals.moe_backward_ms, totals.optimizer_ms) > 0, totals
+    assert totals.step_ms > totals.moe_forward_ms + totals.moe_backward_ms + totals.optimizer_ms, totals
+    shares.remove()
+    return dist.get_rank()
+
+
+def test_step_shares_time_the_fused_layer_on_the_device(gpu_pool):
+    gpu_pool.run(step_shares_case, seed=_seed())
+
+
 def timeout_case(seed):
     """Rank 0 calls the layer alone: its wait for its peers' counts must end in a named error."""
     rank, ep_size = dist.get_rank(), dist.get_world_size()
