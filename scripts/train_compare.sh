@@ -30,7 +30,8 @@
 # the host). NRANKS (default 2) is the number of ranks, and the expert-parallel size: the example
 # puts 4 experts on each rank.
 # PRESET picks the example's GPU preset (gpu, the default, or gpu-fine); PARTS (default abc) which
-# of (a), (b), (c), (e) run ((a) always does); GRAD_ACCUM overrides the configs' gradient accumulation.
+# of (a), (b), (c), (e) run ((a) always does); GRAD_ACCUM overrides the configs' gradient accumulation
+# and MICRO_BATCH their micro-batch size.
 # Other knobs: STEPS, RESUME_STEPS, RESUME_AT, MPI_STEPS, RUN_LIMIT_S,
 # BUDGET_S, CKPT_DIR, LOSS_MAX_DIFF_TOL, LOSS_TAIL_DIFF_TOL, RESUME_FIRST_TOL, RESUME_TOL, MPI_DIFF_TOL.
 # MPI_DIFF_TOL is 0.1: two launches of the same comet run on 2 x H200 differed by up to 0.06 (step 19), as
@@ -208,6 +209,13 @@ if [ -n "${GRAD_ACCUM:-}" ]; then
     # so accumulating amortises it over more tokens, as large-batch MoE training does.
     note "gradient_accumulation_steps $GRAD_ACCUM (configs in $OUT/configs)"
     override "c['gradient_accumulation_steps'] = $GRAD_ACCUM" COMET_ZERO2 COMET_ZERO1 STOCK_ZERO2
+fi
+if [ -n "${MICRO_BATCH:-}" ]; then
+    [[ $MICRO_BATCH =~ ^[1-9][0-9]*$ ]] || { echo "MICRO_BATCH must be a positive integer, got '$MICRO_BATCH'" >&2; exit 2; }
+    # Sequences per rank and micro-batch: with more ranks sharing one GPU, a smaller one keeps the
+    # job's tokens a step, and its time, where fewer ranks had them.
+    note "train_micro_batch_size_per_gpu $MICRO_BATCH (configs in $OUT/configs)"
+    override "c['train_micro_batch_size_per_gpu'] = $MICRO_BATCH" COMET_ZERO2 COMET_ZERO1 STOCK_ZERO2
 fi
 if [ "$CPU" = 1 ]; then
     # DeepSpeed's shared-memory comm op, which its CPU accelerator builds at init (minutes on 2 cores).
