@@ -54,14 +54,28 @@ def test_filter_keeps_ampere_and_newer():
     assert CometBuilder().filter_ccs(["7.0", "8.0", "9.0+PTX"]) == [["8", "0"], ["9", "0+PTX"]]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("source", sorted(glob.glob(os.path.join(CSRC, "*.cu"))), ids=os.path.basename)
-def test_cuda_sources_compile_for_hopper(source, tmp_path):
+CUDA_SOURCES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+
+
+@pytest.fixture(scope="module")
+def kernel_objects(tmp_path_factory):
+    """Each .cu file compiled for sm_90a: {source: (nvcc's result, object path)}."""
+    built = {}
+    for source in CUDA_SOURCES:
+        obj = tmp_path_factory.mktemp("kernels") / (os.path.basename(source) + ".o")
+        result = subprocess.run(["nvcc", "-std=c++17", "-c", "-o", str(obj), "-gencode", "arch=compute_90a,code=sm_90a",
+                                 "-I", CSRC, source], capture_output=True, text=True, timeout=300)
+        built[source] = (result, obj)
+    return built
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", CUDA_SOURCES, ids=os.path.basename)
+def test_cuda_sources_compile_for_hopper(source, kernel_objects):
     # The .cu files include no torch headers, so a toolkit without cuBLAS or torch's CUDA headers
     # (CI's) still catches a build break.
-    result = subprocess.run(["nvcc", "-std=c++17", "-c", "-o", str(tmp_path / "out.o"), "-gencode",
-                             "arch=compute_90a,code=sm_90a", "-I", CSRC, source], capture_output=True, text=True,
-                            timeout=300)
+    result, _ = kernel_objects[source]
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -82,14 +96,28 @@ def test_gate_kernels_round_as_torch_under_the_builders_flags(monkeypatch, tmp_p
 
 @pytest.mark.skipif(shutil.which("g++") is None or not os.path.exists(os.path.join(CUDA_INCLUDE, "cuda_runtime.h")),
                     reason="needs g++ and the CUDA runtime headers")
-def test_torch_binding_compiles():
+@needs_nvcc
+def test_torch_binding_compiles_and_links_to_the_kernels(kernel_objects, tmp_path):
     # CPU torch has no CUDA headers: a stand-in for the one the binding includes (tests/stubs).
     includes = [os.path.join(TESTS_DIR, "stubs"), *include_paths(), sysconfig.get_paths()["include"], CUDA_INCLUDE,
                 CSRC]
-    result = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=ds_comet_ops",
-                             *[f"-I{path}" for path in includes], os.path.join(CSRC, "comet_binding.cpp")],
-                            capture_output=True, text=True, timeout=300)
+    binding = tmp_path / "binding.o"
+    result = subprocess.run(["g++", "-std=c++17", "-c", "-O0", "-w", "-DTORCH_EXTENSION_NAME=ds_comet_ops",
+                             *[f"-I{path}" for path in includes], os.path.join(CSRC, "comet_binding.cpp"), "-o",
+                             str(binding)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
+    # Every launcher the binding calls must be defined, with the same signature, by the kernels: a
+    # declaration in comet.h that drifts from its definition builds, and fails only when the op loads.
+    assert all(compiled.returncode == 0 for compiled, _ in kernel_objects.values())
+
+    def symbols(flag, *objects):
+        listed = subprocess.run(["nm", flag, *map(str, objects)], capture_output=True, text=True, check=True).stdout
+        return {line.split()[-1] for line in listed.splitlines() if line.split() and "_ZN8ds_comet" in line.split()[-1]}
+
+    needed = symbols("--undefined-only", binding)
+    assert needed, "the binding calls no ds_comet launcher"
+    missing = needed - symbols("--defined-only", *(obj for _, obj in kernel_objects.values()))
+    assert not missing, sorted(missing)
 
 
 def test_constants_match_the_compiled_header(tmp_path):
