@@ -890,7 +890,7 @@ def test_shared_gpu_ranks_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("shared", ["0", "1"])
-@pytest.mark.parametrize("knob", ["AB_ROUNDS", "NRANKS", "RUN_LIMIT_S"])
+@pytest.mark.parametrize("knob", ["AB_ROUNDS", "NRANKS", "RUN_LIMIT_S", "GRAD_ACCUM", "MICRO_BATCH"])
 def test_train_compare_checks_its_knobs(tmp_path, shared, knob):
     # A bad knob stops the script with its own message; AB_ROUNDS is checked after the setup every
     # mode runs (a failing statement there would stop it earlier, silently, under set -e).
