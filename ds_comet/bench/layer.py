@@ -172,8 +172,8 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
         if graphs is not None:
             results["gate_routes_graphed"] = timed(lambda: graphs.routes(gate, x[0], None, op), args.iters, args.warmup)
         _, _, indices, gates, _ = gate_routes(gate, x[0], op=op)
-        results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts), args.iters, args.warmup)
-        plan = plan_routes_cuda(op, indices, experts)
+        results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts, ep_size), args.iters, args.warmup)
+        plan = plan_routes_cuda(op, indices, experts, ep_size)
         # What crosses the links in each of the four exchanges of a training step, from this rank.
         route_rows, once_rows = remote_rows(indices, experts, ep_size, dist.get_rank())
         results["sent_mb_per_route"] = route_rows * hidden * x.element_size() / 1e6
@@ -261,8 +261,9 @@ def report(all_results, out_dir):
     print("forward: times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
     lines = [f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
              f"{r['sent_mb_per_route'] / max(r['sent_mb_once_per_rank'], 1e-9):10.2f}" for name, r in all_results.items()]
-    print("MB one rank sends to the others per exchange (max over ranks): route by route, once per (token, rank), "
-          "their ratio\n" + "\n".join(lines), flush=True)
+    print("MB one rank sends to the others per exchange (max over ranks): route by route (the fused combine's), "
+          "once per (token, rank) (every dispatch's, and the reference combine's), their ratio\n" + "\n".join(lines),
+          flush=True)
     autoep_rows = {name: results for name, results in all_results.items() if "autoep" in results}
     if autoep_rows:
         columns = (("AutoEP", "autoep"), ("AutoEP+comet", "autoep_comet"), ("AutoEP/comet", "autoep_over_comet"),

@@ -119,10 +119,12 @@ class FusedKernels:
         """Shares the counts and lays out the call; more than row_limit received rows stops the kernel."""
         b = self.buffer
         b.kernel_shape.max_recv_rows = row_limit  # what the exchange checks; the other kernels ignore it
-        b.op.exchange(b.kernel_shape, plan.expert_counts, b.meta, b.peer_meta, b.layout, b.error_address)
+        b.op.exchange(b.kernel_shape, plan.expert_counts, plan.rank_token_counts, b.meta, b.peer_meta, b.layout,
+                      b.error_address)
 
     def dispatch(self, rows: Tensor, plan: RoutingPlan, scale: Tensor):
-        """Sends rows[route token] (times scale[route], if scale is not empty) for every kept route."""
+        """Puts rows[route token] (times scale[route], if scale is not empty) in the recv row of every
+        kept route; a token's row crosses to another rank once, however many of its routes go there."""
         if self.alone:
             self.send(rows, plan, scale, self.buffer.num_sms)
             return
@@ -134,8 +136,9 @@ class FusedKernels:
     def send(self, rows: Tensor, plan: RoutingPlan, scale: Tensor, blocks: int):
         """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks."""
         b = self.buffer
-        b.op.dispatch(b.kernel_shape, rows, plan.route_order, b.layout, b.peer_recv, b.peer_origin, b.peer_meta,
-                      b.route_row, scale, blocks)
+        b.op.dispatch(b.kernel_shape, rows, plan.route_order, plan.route_position, plan.rank_tokens,
+                      plan.rank_token_counts, b.layout, b.peer_recv, b.peer_origin, b.peer_stage, b.peer_stage_routes,
+                      b.peer_stage_scale, b.peer_meta, b.route_row, scale, b.shape.top_k, b.error_address, blocks)
 
     def combine(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor, finish_on_main: bool):
         """out[token] = sum over its kept routes of gate (1 if gates is empty) x the route's expert output;
