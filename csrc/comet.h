@@ -159,11 +159,12 @@ struct DispatchTables {
 // are copied route by route, one release per piece. A token's rows for another rank cross the link
 // once: its row goes to that rank's staging rows with the list of its routes there, one release a
 // staging piece; each rank's dispatch then copies the rows staged for it to its routes' recv rows
-// (waiting, boundedly, for each piece). With route_scale (indexed by flat route id; may be null)
-// each route's row is multiplied by its scale (the backward), where it is written to recv.
+// (waiting, boundedly, for each piece). With `scaled` (the backward; the same on every rank of the
+// group) each route's row is multiplied by its route_scale (indexed by flat route id; null only on
+// a rank without routes), where it is written to recv.
 // dtype_code: 0 = bf16, 1 = fp16.
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
-                            int top_k, int dtype_code, const float* route_scale, int32_t* layout,
+                            int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
                             const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
                             cudaStream_t stream);
 

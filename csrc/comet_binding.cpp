@@ -223,7 +223,7 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
               const torch::Tensor& rank_counts, torch::Tensor& layout, const torch::Tensor& peer_recv,
               const torch::Tensor& peer_origin, const torch::Tensor& peer_stage, const torch::Tensor& peer_stage_routes,
               const torch::Tensor& peer_stage_scale, const torch::Tensor& peer_meta, torch::Tensor& route_row,
-              const torch::Tensor& route_scale, int64_t top_k, int64_t error_record, int64_t blocks) {
+              const torch::Tensor& route_scale, bool scaled, int64_t top_k, int64_t error_record, int64_t blocks) {
     TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2, "tokens must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(tokens, "tokens");
     TORCH_CHECK(tokens.size(1) % 8 == 0, "a token row must be a multiple of 16 bytes");
@@ -248,7 +248,10 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     TORCH_CHECK(top_k > 0 && route_order.numel() == top_k * tokens.size(0), "route_order must hold top_k routes per token");
     TORCH_CHECK(rank_tokens.numel() == shape.ep_size * tokens.size(0), "rank_tokens must be [ep_size, tokens]");
     TORCH_CHECK(rank_counts.numel() == shape.ep_size, "rank_counts must have ep_size entries");
-    const float* scale = optional_weights(route_scale, "route_scale", route_order.numel());
+    // Whether rows are scaled must not depend on this rank's routes: with none, it has no scales,
+    // yet unstages its peers' scaled rows.
+    const float* scale = scaled ? optional_weights(route_scale, "route_scale", route_order.numel()) : nullptr;
+    TORCH_CHECK(scaled || route_scale.numel() == 0, "route_scale is given, but scaled is false");
     const c10::cuda::CUDAGuard device_guard(
         one_device("dispatch", {tokens, route_order, route_position, rank_tokens, rank_counts, layout, peer_recv,
                                 peer_origin, peer_stage, peer_stage_routes, peer_stage_scale, peer_meta, route_row,
@@ -259,7 +262,8 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
                                     peer_stage.data_ptr<int64_t>(),      peer_stage_routes.data_ptr<int64_t>(),
                                     peer_stage_scale.data_ptr<int64_t>(), peer_meta.data_ptr<int64_t>()};
     check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1),
-                                           static_cast<int>(top_k), dtype_code, scale, layout.data_ptr<int32_t>(),
+                                           static_cast<int>(top_k), dtype_code, scaled, scale,
+                                           layout.data_ptr<int32_t>(),
                                            tables, route_row.data_ptr<int64_t>(), as_record(error_record),
                                            static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
                  "dispatch");

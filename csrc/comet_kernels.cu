@@ -367,7 +367,7 @@ __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int64_t vec
 // tile: copy its rows, then publish them with one release on that tile's counter.
 template <typename T>
 __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const char* tokens, int64_t num_tokens,
-                               int64_t row_bytes, const float* route_scale, const int32_t* layout,
+                               int64_t row_bytes, bool scaled, const float* route_scale, const int32_t* layout,
                                const DispatchTables& tables, int64_t* route_row) {
     const int E = shape.num_experts, d = shape.rank;
     const int64_t tile_m = shape.tile_m;
@@ -392,7 +392,7 @@ __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const cha
         // The backward: each route carries its gate times the gradient.
         copy_row<T, false>(reinterpret_cast<const int4*>(tokens + token * row_bytes),
                            reinterpret_cast<int4*>(recv + (region_row + r) * row_bytes), row_bytes / sizeof(int4),
-                           lane, route_scale != nullptr, route_scale != nullptr ? route_scale[route] : 1.f);
+                           lane, scaled, scaled ? route_scale[route] : 1.f);
         if (lane == 0) {
             origin[region_row + r] = (static_cast<int64_t>(shape.rank) << 32) | pos;
             route_row[pos] = (static_cast<int64_t>(d) << 32) | (region_row + r);
@@ -411,8 +411,8 @@ __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const cha
 // the recv rows (and scales) of its routes there; then one release on the piece's counter there.
 template <typename T>
 __device__ void send_staged_piece(const GroupShape& shape, int64_t piece_item, const char* tokens, int64_t num_tokens,
-                                  int64_t row_bytes, int top_k, const float* route_scale, const int32_t* layout,
-                                  const DispatchTables& tables, int64_t* route_row) {
+                                  int64_t row_bytes, int top_k, bool scaled, const float* route_scale,
+                                  const int32_t* layout, const DispatchTables& tables, int64_t* route_row) {
     const int P = shape.ep_size, E = shape.num_experts, L = E / P, rank = shape.rank;
     const LayoutOffsets& lo = shape.layout;
     const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, num_warps = blockDim.x / kWarp;
@@ -444,7 +444,7 @@ __device__ void send_staged_piece(const GroupShape& shape, int64_t piece_item, c
                 const int64_t entry = at * top_k + found + __popc(ballot & ((1u << lane) - 1u));
                 const int64_t recv_row = layout[lo.dest_row + e] + (pos - layout[lo.send_offset + e]);
                 stage_routes[entry] = (recv_row << 32) | pos;
-                if (route_scale != nullptr) stage_scale[entry] = route_scale[route];
+                if (scaled) stage_scale[entry] = route_scale[route];
                 route_row[pos] = (static_cast<int64_t>(d) << 32) | recv_row;
             }
             found += __popc(ballot);
@@ -512,21 +512,23 @@ __device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64
 // before it waits for anything: a rank's dispatch never waits on a peer's that is itself waiting.
 template <typename T>
 __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes,
-                                int top_k, const float* route_scale, int32_t* layout, DispatchTables tables,
-                                int64_t* route_row, int64_t* error_record) {
+                                int top_k, bool scaled, const float* route_scale, int32_t* layout,
+                                DispatchTables tables, int64_t* route_row, int64_t* error_record) {
     const LayoutOffsets& lo = shape.layout;
     const int64_t own_pieces = layout[lo.totals + kTotalPieces];
     const int64_t sent_pieces = layout[lo.stage_send + shape.ep_size - 1];
     const int64_t items = own_pieces + sent_pieces + layout[lo.stage_recv_piece + shape.ep_size];
     for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
         if (item < own_pieces) {
-            copy_own_piece<T>(shape, item, tokens, num_tokens, row_bytes, route_scale, layout, tables, route_row);
+            copy_own_piece<T>(shape, item, tokens, num_tokens, row_bytes, scaled, route_scale, layout, tables,
+                              route_row);
         } else if (item < own_pieces + sent_pieces) {
-            send_staged_piece<T>(shape, item - own_pieces, tokens, num_tokens, row_bytes, top_k, route_scale, layout,
-                                 tables, route_row);
+            send_staged_piece<T>(shape, item - own_pieces, tokens, num_tokens, row_bytes, top_k, scaled, route_scale,
+                                 layout, tables, route_row);
         } else {
-            unstage_piece<T>(shape, item - own_pieces - sent_pieces, row_bytes, top_k, route_scale != nullptr,
-                             layout, tables, error_record);
+            // `scaled`, not route_scale: a rank without routes has no scales but unstages scaled rows.
+            unstage_piece<T>(shape, item - own_pieces - sent_pieces, row_bytes, top_k, scaled, layout, tables,
+                             error_record);
         }
         __syncthreads();  // every thread is done with this item before the next one's waits and copies
     }
@@ -757,18 +759,18 @@ cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_count
 }
 
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
-                            int top_k, int dtype_code, const float* route_scale, int32_t* layout,
+                            int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
                             const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
                             cudaStream_t stream) {
     const int64_t row_bytes = hidden * 2;  // bf16 and fp16 alike
     const char* rows = static_cast<const char*>(tokens);
     if (dtype_code == 0) {
-        dispatch_kernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(shape, rows, num_tokens, row_bytes, top_k,
+        dispatch_kernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(shape, rows, num_tokens, row_bytes, top_k, scaled,
                                                                     route_scale, layout, tables, route_row,
                                                                     error_record);
     } else {
-        dispatch_kernel<__half><<<blocks, 512, 0, stream>>>(shape, rows, num_tokens, row_bytes, top_k, route_scale,
-                                                             layout, tables, route_row, error_record);
+        dispatch_kernel<__half><<<blocks, 512, 0, stream>>>(shape, rows, num_tokens, row_bytes, top_k, scaled,
+                                                             route_scale, layout, tables, route_row, error_record);
     }
     return cudaGetLastError();
 }

@@ -35,7 +35,7 @@ from ds_comet.bench import autoep
 from ds_comet.bench.common import build, expert_ffn, grouped_ffn, peak_mib, timed, train_step
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
-from ds_comet.pipelines.fused import FusedPipeline, no_rows, no_scale
+from ds_comet.pipelines.fused import FusedPipeline, no_rows
 from ds_comet.pipelines.routing import RoutingPlan, plan_routes_cuda, remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
@@ -84,7 +84,7 @@ def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
         kernels.reduce(plan, gates, out, no_rows(tokens), blocks)
 
     def dispatch(blocks):  # the same rows to the same places; the tile counts only grow
-        kernels.send(tokens, plan, no_scale(tokens.device), blocks)
+        kernels.send(tokens, plan, None, blocks)
 
     return dict(gemm1=lambda: kernels.gemm1(workspace.recv, h, h, backward=False, store_pre=False),
                 gemm2=lambda: kernels.gemm2(h, backward=False), combine=lambda: combine(workspace.num_sms),

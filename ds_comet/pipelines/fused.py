@@ -163,7 +163,7 @@ class FusedPipeline:
                                                        device=tokens.device)
 
         kernels.exchange(plan, rows)
-        kernels.dispatch(tokens, plan, no_scale(tokens.device))
+        kernels.dispatch(tokens, plan, None)
         kernels.gemm1(buffer.recv, h, pre, backward=False, store_pre=saved is not None)
         kernels.gemm2(h, backward=False)
         if saved is not None:
@@ -244,7 +244,7 @@ def no_rows(like: Tensor) -> Tensor:
 
 
 def no_scale(device) -> Tensor:
-    """An empty fp32 tensor: 'no per-route scale' for the dispatch and the combine."""
+    """An empty fp32 tensor: 'no gates' for the combine (every route weighs 1)."""
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
