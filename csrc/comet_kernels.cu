@@ -495,13 +495,15 @@ __device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64
             const int64_t row = entry >> 32, pos = entry & 0xFFFFFFFF;
             copy_row<T, true>(src, reinterpret_cast<int4*>(recv + row * row_bytes), row_bytes / sizeof(int4), lane,
                               scale_rows, scale_rows ? __ldcg(stage_scale + at * top_k + j) : 1.f);
-            __syncwarp();  // the lanes' stores before lane 0's release
+            if (lane == 0) origin[row] = (static_cast<int64_t>(q) << 32) | pos;
+            // Each lane makes its own stores visible to the GPU before lane 0 counts the row, as the
+            // route-by-route path does with a block barrier and a fence before its release.
+            __threadfence();
+            __syncwarp();
             if (lane == 0) {
-                origin[row] = (static_cast<int64_t>(q) << 32) | pos;
                 const int l = part_of(layout + lo.expert_start, L, row);
                 const int64_t tile = layout[lo.tile_start + l] + (row - layout[lo.expert_start + l]) / tile_m;
-                __threadfence();
-                atomicAdd(meta + shape.meta.tile_counter + tile, 1);
+                atomicAdd_system(meta + shape.meta.tile_counter + tile, 1);
             }
         }
     }
