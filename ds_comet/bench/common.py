@@ -1,5 +1,6 @@
 """What the benchmarks share: timing, peak memory, the layers they compare and one training step."""
 
+import json
 import statistics
 import time
 
@@ -127,3 +128,21 @@ def train_step(layer, x, dy):
     x.grad = None
     out, l_aux, _ = layer(x)
     torch.autograd.backward([out, l_aux], [dy, torch.ones_like(l_aux)])
+
+
+def run_shapes(shapes, bench_shape, report, out_dir):
+    """Every rank benchmarks each of ``shapes`` ({name: shape}) with ``bench_shape(name, shape)``;
+    rank 0 prints each shape's results as they come (floats to 4 places) and ``report(results,
+    out_dir)`` at the end; then the process group ends."""
+    all_results = {}
+    for name, shape in shapes.items():
+        all_results[name] = bench_shape(name, shape)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the shape's layers are gone; give the next shape room
+        if dist.get_rank() == 0:
+            rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in all_results[name].items()}
+            print(name, json.dumps(rounded), flush=True)
+    if dist.get_rank() == 0:
+        report(all_results, out_dir)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -28,7 +28,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 import ds_comet
-from ds_comet.bench.common import timed, train_step
+from ds_comet.bench.common import run_shapes, timed, train_step
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.experts import FeedForward, GatedFeedForward, reset_expert_
 from ds_comet.pipelines.policy import RANKS_PER_NODE_VAR
@@ -116,15 +116,8 @@ def main():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device(accelerator.device_name(), accelerator.current_device()) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    all_results = {}
-    for name, shape in selected_shapes(args.shape, args.custom).items():
-        all_results[name] = bench_shape(name, *shape, args, device, dtype)
-        if dist.get_rank() == 0:
-            print(name, json.dumps(all_results[name]), flush=True)
-    if dist.get_rank() == 0:
-        report(all_results, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_shapes(selected_shapes(args.shape, args.custom),
+               lambda name, shape: bench_shape(name, *shape, args, device, dtype), report, args.out)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 from deepspeed import comm as dist
 
 from ds_comet.bench import autoep
-from ds_comet.bench.common import build, expert_ffn, grouped_ffn, peak_mib, timed, train_step
+from ds_comet.bench.common import build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed, train_step
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
 from ds_comet.pipelines.fused import FusedPipeline, no_rows, no_scale
@@ -313,18 +313,8 @@ def main():
     args = parse_args()
     deepspeed.init_distributed()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    shapes = selected_shapes(args.shape, args.custom)
-    all_results = {}
-    for name, shape in shapes.items():
-        all_results[name] = bench_shape(name, *shape, args)
-        torch.cuda.empty_cache()  # the shape's layers are gone; give the next shape room
-        if dist.get_rank() == 0:
-            rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in all_results[name].items()}
-            print(name, json.dumps(rounded), flush=True)
-    if dist.get_rank() == 0:
-        report(all_results, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_shapes(selected_shapes(args.shape, args.custom), lambda name, shape: bench_shape(name, *shape, args), report,
+               args.out)
 
 
 if __name__ == "__main__":
