@@ -6,7 +6,12 @@
 // Per expert-parallel group every rank owns the same symmetric buffers, addressable by all ranks:
 //   recv       [max_recv_rows, H]  rows dispatched to this rank, grouped by local expert
 //   origin     [max_recv_rows]     int64 (source rank << 32 | position in the source's send list)
-//   expert_out [max_recv_rows, H]  GEMM2's output rows, by recv row; each source's combine pulls its own
+//   expert_out [max_recv_rows, H]  GEMM2's output rows, by recv row; each source's combine pulls its own.
+//                                  Before GEMM2 writes them, its first rows stage the dispatch's rows
+//                                  from other ranks: each token once (see launch_dispatch)
+//   stage_routes [max_recv_rows * top_k] int64 (recv row << 32 | send position) of each staged row's
+//                                  routes here, top_k slots a staged row, -1 past its last route
+//   stage_scale  [max_recv_rows * top_k] fp32 each such route's scale (the backward's gate)
 //   meta       int32               exchanged counts, flags and arrival counters (MetaOffsets)
 // and two local arrays: the int32 layout the exchange kernel fills each call (LayoutOffsets; the
 // combine also counts its claimed work units in one of its words), and
@@ -30,6 +35,9 @@ namespace ds_comet {
     X(WaitDispatchTile, 2)   /* the rows of a GEMM1 row tile (waited on in the Triton GEMM) */          \
     X(WaitCombineChunk, 3)   /* expert outputs of a column chunk finished for this rank */              \
     X(WorkspaceOverflow, 4)  /* more rows or tiles than the workspace holds */                          \
+    X(WaitDispatchStage, 5)  /* a peer's staged rows for this rank (one staging piece) */               \
+    /* Rows of one staging piece: what a peer's dispatch publishes with one release. */                 \
+    X(StagePieceRows, 32)                                                                               \
     /* The int64 error record in host memory the device can write (pinned, mapped through UVA), */      \
     /* and the word that holds each of its fields. */                                                   \
     X(ErrorRecordWords, 8)                                                                              \
@@ -64,10 +72,12 @@ DS_COMET_CONSTANTS(DS_COMET_DECLARE_CONSTANT)
 // Offsets (in int32 words) of the parts of the symmetric meta buffer. ds_comet/kernels/layout.py computes
 // them (the one statement of the layout) and the binding passes them in.
 struct MetaOffsets {
-    int64_t counts;          // [2][P][E] expert counts of every source, double-buffered by call parity
+    int64_t counts;          // [2][P][E + P] every source's expert counts, then its staged rows per
+                             // destination; double-buffered by call parity
     int64_t exchange_flag;   // [P] call generation each source published its counts for
     int64_t tile_counter;    // [max_tiles] rows arrived per GEMM1 row tile
     int64_t chunk_counter;   // [max_chunks] (row, column tile) pairs of this rank's routes finished, per column chunk
+    int64_t stage_counter;   // [max_stage_pieces] rows staged here per staging piece (by source, then piece)
     int64_t generation;      // [1] this rank's call counter (only the owner touches it)
 };
 
@@ -84,7 +94,14 @@ struct LayoutOffsets {
     int64_t dest_rel;        // [E] the same row relative to the start of e's region there
     int64_t dest_tile;       // [E] the destination's first row tile of e's region
     int64_t send_order;      // [E] experts in sending order: own rank first, then the next ranks
-    int64_t piece_start;     // [E+1] prefix of dispatch pieces (one per destination tile touched)
+    int64_t piece_start;     // [E+1] prefix of dispatch pieces (one per own row tile touched; other ranks
+                             // get their rows through staging)
+    int64_t stage_send;      // [P] prefix of the staging pieces this rank sends, over the other ranks in
+                             // sending order (rank + 1 first); the last entry is their total
+    int64_t stage_dest_row;  // [P] first staging row of this rank's on each destination
+    int64_t stage_dest_piece;  // [P] its first staging piece there
+    int64_t stage_recv_row;  // [P+1] prefix of the staging rows this rank receives, by source rank
+    int64_t stage_recv_piece;  // [P+1] prefix of the staging pieces this rank receives, by source rank
     int64_t totals;          // [kTotalsWords] indexed by kTotal*
 };
 
@@ -96,6 +113,7 @@ struct GroupShape {
     int64_t max_recv_rows;
     int64_t max_tiles;
     int64_t max_chunks;
+    int64_t max_stage_pieces;
     int64_t timeout_ns;    // bound of every wait
     MetaOffsets meta;
     LayoutOffsets layout;
@@ -108,21 +126,47 @@ struct GroupShape {
 cudaError_t launch_plan(const int32_t* indices, int64_t routes, int num_experts, int64_t* route_order,
                         int64_t* route_position, int64_t* expert_counts, cudaStream_t stream);
 
-// Publishes this rank's expert counts to every peer, waits for theirs, and computes the layout.
-// One block. Zeroes this rank's arrival counters first: peers only write them after they saw
+// Which tokens go to each rank, once a token: rank_tokens [P][S] int32 lists, for each rank d, the
+// tokens with at least one kept route to one of d's experts, in token order (the rest of the row is
+// not written); rank_counts [P] int64 counts them. indices as for launch_plan ([k][S]).
+cudaError_t launch_rank_tokens(const int32_t* indices, int64_t num_tokens, int top_k, int num_experts, int ep_size,
+                               int32_t* rank_tokens, int64_t* rank_counts, cudaStream_t stream);
+
+// Publishes this rank's expert counts and its staged rows per destination (rank_counts of
+// launch_rank_tokens; its own entry is ignored) to every peer, waits for theirs, and computes the
+// layout. One block. Zeroes this rank's arrival counters first: peers only write them after they saw
 // this call's counts.
-cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, int32_t* meta,
-                            const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
+cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, const int64_t* rank_counts,
+                            int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
                             cudaStream_t stream);
 
-// Copies every kept route's token row into its destination's recv buffer, records its origin (there)
-// and its route_row (here), and bumps the destination's row-tile counter once per piece. With route_scale (indexed by flat
-// route id; may be null) each row is multiplied by its route's scale on the way (the backward).
+// Where each route's row goes, and the peers' tables the dispatch writes through.
+struct DispatchTables {
+    const int64_t* route_order;     // [k S] of the routing plan
+    const int64_t* route_position;  // [k S] its inverse
+    const int32_t* rank_tokens;     // [P][S] of launch_rank_tokens
+    const int64_t* rank_counts;     // [P] of launch_rank_tokens
+    const int64_t* peer_recv;       // [P] each rank's recv
+    const int64_t* peer_origin;     // [P] each rank's origin
+    const int64_t* peer_stage;      // [P] each rank's staging rows (its expert_out)
+    const int64_t* peer_stage_routes;  // [P] each rank's stage_routes
+    const int64_t* peer_stage_scale;   // [P] each rank's stage_scale
+    const int64_t* peer_meta;       // [P] each rank's meta
+};
+
+// Puts every kept route's token row in its destination's recv buffer, records its origin (there) and
+// its route_row (here), and bumps the destination's row-tile counter as rows land. Rows for this rank
+// are copied route by route, one release per piece. A token's rows for another rank cross the link
+// once: its row goes to that rank's staging rows with the list of its routes there, one release a
+// staging piece; each rank's dispatch then copies the rows staged for it to its routes' recv rows
+// (waiting, boundedly, for each piece). With `scaled` (the backward; the same on every rank of the
+// group) each route's row is multiplied by its route_scale (indexed by flat route id; null only on
+// a rank without routes), where it is written to recv.
 // dtype_code: 0 = bf16, 1 = fp16.
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
-                            int dtype_code, const int64_t* route_order, const float* route_scale,
-                            const int32_t* layout, const int64_t* peer_recv, const int64_t* peer_origin,
-                            const int64_t* peer_meta, int64_t* route_row, int blocks, cudaStream_t stream);
+                            int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
+                            const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
+                            cudaStream_t stream);
 
 // Weighted top-k sum of the expert outputs, column chunk by column chunk: each chunk, once every
 // expert rank has counted it finished for this rank, is read from the expert ranks' expert_out

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <initializer_list>
+#include <utility>
 
 #include "comet.h"
 
@@ -50,17 +51,21 @@ c10::Device one_device(const char* what, std::initializer_list<std::reference_wr
 
 int64_t* as_record(int64_t address) { return reinterpret_cast<int64_t*>(address); }
 
-void exchange(const GroupShape& shape, const torch::Tensor& expert_counts, torch::Tensor& meta,
-              const torch::Tensor& peer_meta, torch::Tensor& layout, int64_t error_record) {
+void exchange(const GroupShape& shape, const torch::Tensor& expert_counts, const torch::Tensor& rank_counts,
+              torch::Tensor& meta, const torch::Tensor& peer_meta, torch::Tensor& layout, int64_t error_record) {
     check_cuda(expert_counts, "expert_counts", at::kLong);
+    check_cuda(rank_counts, "rank_counts", at::kLong);
+    TORCH_CHECK(rank_counts.numel() == shape.ep_size, "rank_counts must have ep_size entries");
     check_cuda(meta, "meta", at::kInt);
     check_cuda(peer_meta, "peer_meta", at::kLong);
     check_cuda(layout, "layout", at::kInt);
     TORCH_CHECK(expert_counts.numel() == shape.num_experts, "expert_counts must have num_experts entries");
     TORCH_CHECK(peer_meta.numel() == shape.ep_size, "peer_meta must have ep_size entries");
-    const c10::cuda::CUDAGuard device_guard(one_device("exchange", {expert_counts, meta, peer_meta, layout}));
-    check_launch(ds_comet::launch_exchange(shape, expert_counts.data_ptr<int64_t>(), meta.data_ptr<int32_t>(),
-                                           peer_meta.data_ptr<int64_t>(), layout.data_ptr<int32_t>(),
+    const c10::cuda::CUDAGuard device_guard(
+        one_device("exchange", {expert_counts, rank_counts, meta, peer_meta, layout}));
+    check_launch(ds_comet::launch_exchange(shape, expert_counts.data_ptr<int64_t>(), rank_counts.data_ptr<int64_t>(),
+                                           meta.data_ptr<int32_t>(), peer_meta.data_ptr<int64_t>(),
+                                           layout.data_ptr<int32_t>(),
                                            as_record(error_record), at::cuda::getCurrentCUDAStream()),
                  "exchange");
 }
@@ -79,6 +84,23 @@ void plan(const torch::Tensor& indices, int64_t num_experts, torch::Tensor& rout
                                        route_order.data_ptr<int64_t>(), route_position.data_ptr<int64_t>(),
                                        expert_counts.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()),
                  "plan");
+}
+
+void rank_tokens(const torch::Tensor& indices, int64_t top_k, int64_t num_experts, int64_t ep_size,
+                 torch::Tensor& tokens_of_rank, torch::Tensor& rank_counts) {
+    check_cuda(indices, "indices", at::kInt);
+    check_cuda(tokens_of_rank, "rank_tokens", at::kInt);
+    check_cuda(rank_counts, "rank_counts", at::kLong);
+    TORCH_CHECK(top_k > 0 && indices.numel() % top_k == 0, "indices must hold top_k routes per token");
+    TORCH_CHECK(ep_size > 0 && num_experts % ep_size == 0, "num_experts must be a multiple of ep_size");
+    TORCH_CHECK(tokens_of_rank.numel() == ep_size * (indices.numel() / top_k), "rank_tokens must be [ep_size, tokens]");
+    TORCH_CHECK(rank_counts.numel() == ep_size, "rank_counts must have ep_size entries");
+    const c10::cuda::CUDAGuard device_guard(one_device("rank_tokens", {indices, tokens_of_rank, rank_counts}));
+    check_launch(ds_comet::launch_rank_tokens(indices.data_ptr<int32_t>(), indices.numel() / top_k,
+                                              static_cast<int>(top_k), static_cast<int>(num_experts),
+                                              static_cast<int>(ep_size), tokens_of_rank.data_ptr<int32_t>(),
+                                              rank_counts.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()),
+                 "rank_tokens");
 }
 
 void check_sizes(const torch::Tensor& t, const char* name, at::IntArrayRef sizes) {
@@ -197,33 +219,53 @@ const float* optional_weights(const torch::Tensor& t, const char* name, int64_t 
 }
 
 void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch::Tensor& route_order,
-              const torch::Tensor& layout, const torch::Tensor& peer_recv, const torch::Tensor& peer_origin,
-              const torch::Tensor& peer_meta, torch::Tensor& route_row, const torch::Tensor& route_scale,
-              int64_t blocks) {
+              const torch::Tensor& route_position, const torch::Tensor& rank_tokens,
+              const torch::Tensor& rank_counts, torch::Tensor& layout, const torch::Tensor& peer_recv,
+              const torch::Tensor& peer_origin, const torch::Tensor& peer_stage, const torch::Tensor& peer_stage_routes,
+              const torch::Tensor& peer_stage_scale, const torch::Tensor& peer_meta, torch::Tensor& route_row,
+              const torch::Tensor& route_scale, bool scaled, int64_t top_k, int64_t error_record, int64_t blocks) {
     TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2, "tokens must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(tokens, "tokens");
     TORCH_CHECK(tokens.size(1) % 8 == 0, "a token row must be a multiple of 16 bytes");
     check_aligned(tokens, "tokens");
     check_cuda(route_order, "route_order", at::kLong);
+    check_cuda(route_position, "route_position", at::kLong);
+    check_cuda(rank_tokens, "rank_tokens", at::kInt);
+    check_cuda(rank_counts, "rank_counts", at::kLong);
     check_cuda(layout, "layout", at::kInt);
-    check_cuda(peer_recv, "peer_recv", at::kLong);
-    check_cuda(peer_origin, "peer_origin", at::kLong);
-    check_cuda(peer_meta, "peer_meta", at::kLong);
+    for (const auto& [table, name] : {std::pair<const torch::Tensor&, const char*>{peer_recv, "peer_recv"},
+                                      {peer_origin, "peer_origin"}, {peer_stage, "peer_stage"},
+                                      {peer_stage_routes, "peer_stage_routes"}, {peer_stage_scale, "peer_stage_scale"},
+                                      {peer_meta, "peer_meta"}}) {
+        check_cuda(table, name, at::kLong);
+        TORCH_CHECK(table.numel() == shape.ep_size, name, " must have ep_size entries");
+    }
     check_cuda(route_row, "route_row", at::kLong);
     TORCH_CHECK(route_row.numel() >= route_order.numel(), "route_row must have an entry per route");
-    // A rank may have no tokens (it still takes part in the exchange, sending nothing).
-    TORCH_CHECK(tokens.size(0) == 0 ? route_order.numel() == 0 : route_order.numel() % tokens.size(0) == 0,
-                "route_order must hold k routes per token");
-    const float* scale = optional_weights(route_scale, "route_scale", route_order.numel());
+    TORCH_CHECK(route_position.numel() == route_order.numel(), "route_position must have an entry per route");
+    // top_k is also the stride of every rank's stage_routes, so it is passed in: a rank with no
+    // tokens (which still receives staged rows) could not infer it from its routes.
+    TORCH_CHECK(top_k > 0 && route_order.numel() == top_k * tokens.size(0), "route_order must hold top_k routes per token");
+    TORCH_CHECK(rank_tokens.numel() == shape.ep_size * tokens.size(0), "rank_tokens must be [ep_size, tokens]");
+    TORCH_CHECK(rank_counts.numel() == shape.ep_size, "rank_counts must have ep_size entries");
+    // Whether rows are scaled must not depend on this rank's routes: with none, it has no scales,
+    // yet unstages its peers' scaled rows.
+    const float* scale = scaled ? optional_weights(route_scale, "route_scale", route_order.numel()) : nullptr;
+    TORCH_CHECK(scaled || route_scale.numel() == 0, "route_scale is given, but scaled is false");
     const c10::cuda::CUDAGuard device_guard(
-        one_device("dispatch",
-                   {tokens, route_order, layout, peer_recv, peer_origin, peer_meta, route_row, route_scale}));
-    check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1), dtype_code,
-                                           route_order.data_ptr<int64_t>(), scale, layout.data_ptr<int32_t>(),
-                                           peer_recv.data_ptr<int64_t>(), peer_origin.data_ptr<int64_t>(),
-                                           peer_meta.data_ptr<int64_t>(), route_row.data_ptr<int64_t>(),
-                                           static_cast<int>(blocks),
-                                           at::cuda::getCurrentCUDAStream()),
+        one_device("dispatch", {tokens, route_order, route_position, rank_tokens, rank_counts, layout, peer_recv,
+                                peer_origin, peer_stage, peer_stage_routes, peer_stage_scale, peer_meta, route_row,
+                                route_scale}));
+    ds_comet::DispatchTables tables{route_order.data_ptr<int64_t>(),     route_position.data_ptr<int64_t>(),
+                                    rank_tokens.data_ptr<int32_t>(),     rank_counts.data_ptr<int64_t>(),
+                                    peer_recv.data_ptr<int64_t>(),       peer_origin.data_ptr<int64_t>(),
+                                    peer_stage.data_ptr<int64_t>(),      peer_stage_routes.data_ptr<int64_t>(),
+                                    peer_stage_scale.data_ptr<int64_t>(), peer_meta.data_ptr<int64_t>()};
+    check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1),
+                                           static_cast<int>(top_k), dtype_code, scaled, scale,
+                                           layout.data_ptr<int32_t>(),
+                                           tables, route_row.data_ptr<int64_t>(), as_record(error_record),
+                                           static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
                  "dispatch");
 }
 
@@ -293,6 +335,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("max_recv_rows", &GroupShape::max_recv_rows)
         .def_readwrite("max_tiles", &GroupShape::max_tiles)
         .def_readwrite("max_chunks", &GroupShape::max_chunks)
+        .def_readwrite("max_stage_pieces", &GroupShape::max_stage_pieces)
         .def_readwrite("timeout_ns", &GroupShape::timeout_ns)
         .def_readwrite("meta", &GroupShape::meta)
         .def_readwrite("layout", &GroupShape::layout);
@@ -302,6 +345,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("exchange_flag", &ds_comet::MetaOffsets::exchange_flag)
         .def_readwrite("tile_counter", &ds_comet::MetaOffsets::tile_counter)
         .def_readwrite("chunk_counter", &ds_comet::MetaOffsets::chunk_counter)
+        .def_readwrite("stage_counter", &ds_comet::MetaOffsets::stage_counter)
         .def_readwrite("generation", &ds_comet::MetaOffsets::generation);
     py::class_<ds_comet::LayoutOffsets>(m, "LayoutOffsets")
         .def(py::init<>())
@@ -315,6 +359,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("dest_tile", &ds_comet::LayoutOffsets::dest_tile)
         .def_readwrite("send_order", &ds_comet::LayoutOffsets::send_order)
         .def_readwrite("piece_start", &ds_comet::LayoutOffsets::piece_start)
+        .def_readwrite("stage_send", &ds_comet::LayoutOffsets::stage_send)
+        .def_readwrite("stage_dest_row", &ds_comet::LayoutOffsets::stage_dest_row)
+        .def_readwrite("stage_dest_piece", &ds_comet::LayoutOffsets::stage_dest_piece)
+        .def_readwrite("stage_recv_row", &ds_comet::LayoutOffsets::stage_recv_row)
+        .def_readwrite("stage_recv_piece", &ds_comet::LayoutOffsets::stage_recv_piece)
         .def_readwrite("totals", &ds_comet::LayoutOffsets::totals);
     m.def("codes", &codes, "The constants of comet.h as compiled, by name");
     m.def("plan", &plan, "The routing plan (route order by expert, its inverse, kept routes per expert) of the "
@@ -323,8 +372,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gumbel_noise", &gumbel_noise, "The Gumbel noise top2_routes adds for each uniform draw (tests)");
     m.def("topk_masks", &topk_masks, "The top-k gate's one-hot masks, expert counts and (dropping) ranked gates");
     m.def("topk_keep", &topk_keep, "The top-k gate's capacity drop from the capacity topk's token indices");
+    m.def("rank_tokens", &rank_tokens, "The tokens each rank of the group gets (those with a kept route to one of "
+          "its experts), once a token, and their counts");
     m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout");
-    m.def("dispatch", &dispatch, "Send every kept route's token row (optionally scaled per route) to its destination");
+    m.def("dispatch", &dispatch, "Put every kept route's token row (optionally scaled per route) in its destination's "
+          "recv buffer, each token's row crossing to another rank once");
     m.def("combine", &combine, "Top-k sum of the routes' expert outputs, read from the expert ranks (gate-weighted "
           "unless gates is empty), chunk by chunk");
 }

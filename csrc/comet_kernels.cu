@@ -11,6 +11,7 @@ namespace ds_comet {
 namespace {
 
 constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
 constexpr int kCombineThreads = 512;
 
 __device__ __forceinline__ int32_t load_acquire_sys(const int32_t* ptr) {
@@ -78,9 +79,22 @@ __device__ __forceinline__ int64_t pieces_of(int64_t rel_start, int64_t count, i
     return count == 0 ? 0 : (rel_start + count - 1) / tile_m - rel_start / tile_m + 1;
 }
 
-__global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, int32_t* meta,
-                                const int64_t* peer_meta, int32_t* layout, int64_t* error_record) {
+// The largest i in [0, n) with prefix[i] <= value, for a non-decreasing prefix[0..n] with
+// prefix[0] <= value < prefix[n]: the part of a prefix-summed list that item `value` falls in
+// (empty parts, whose prefixes repeat, are skipped).
+__device__ __forceinline__ int part_of(const int32_t* prefix, int n, int64_t value) {
+    int lo = 0, hi = n;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (prefix[mid] <= value) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+__global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, const int64_t* rank_counts,
+                                int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record) {
     const int P = shape.ep_size, E = shape.num_experts, L = E / P, rank = shape.rank, tid = threadIdx.x;
+    const int W = E + P;  // a source's counts: its routes per expert, then its staged rows per destination
     const int64_t tile_m = shape.tile_m;
     const MetaOffsets& mo = shape.meta;
     const LayoutOffsets& lo = shape.layout;
@@ -91,12 +105,18 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
         meta[mo.generation] = generation;
     }
     // Counters first: peers add to them as soon as they see this call's counts.
-    for (int64_t i = tid; i < shape.max_tiles + shape.max_chunks; i += blockDim.x) meta[mo.tile_counter + i] = 0;
+    // (The tile, chunk and staging counters are one run of meta.)
+    for (int64_t i = tid; i < shape.max_tiles + shape.max_chunks + shape.max_stage_pieces; i += blockDim.x) {
+        meta[mo.tile_counter + i] = 0;
+    }
     __syncthreads();
     const int parity = generation & 1;
-    for (int i = tid; i < P * E; i += blockDim.x) {
-        int32_t* peer = reinterpret_cast<int32_t*>(peer_meta[i / E]);
-        peer[mo.counts + (parity * P + rank) * E + i % E] = static_cast<int32_t>(expert_counts[i % E]);
+    for (int i = tid; i < P * W; i += blockDim.x) {
+        int32_t* peer = reinterpret_cast<int32_t*>(peer_meta[i / W]);
+        const int j = i % W;
+        // Nothing is staged on the own rank: its rows are copied route by route.
+        const int64_t value = j < E ? expert_counts[j] : (j - E == rank ? 0 : rank_counts[j - E]);
+        peer[mo.counts + (parity * P + rank) * W + j] = static_cast<int32_t>(value);
     }
     __syncthreads();
     if (tid == 0) {
@@ -110,7 +130,7 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     }
     __syncthreads();
 
-    const volatile int32_t* counts = meta + mo.counts + parity * P * E;  // counts[source * E + expert]
+    const volatile int32_t* counts = meta + mo.counts + parity * P * W;  // counts[source * W + expert]
     // One thread per destination d: where this rank's rows for each of d's experts land.
     if (tid < P) {
         const int d = tid;
@@ -120,7 +140,7 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
             const int e = d * L + l;
             int64_t rows = 0, before_me = 0;
             for (int j = 0; j < P; ++j) {
-                const int64_t c = counts[((d - j + P) % P) * E + e];
+                const int64_t c = counts[((d - j + P) % P) * W + e];
                 rows += c;
                 if (j < steps) before_me += c;
             }
@@ -148,7 +168,7 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     layout[lo.local_tiles] = 0;
     layout[lo.remote_tiles] = 0;
     for (int l = 0; l < L; ++l) {
-        const int64_t own_rows = counts[rank * E + rank * L + l];  // own rows open each region
+        const int64_t own_rows = counts[rank * W + rank * L + l];  // own rows open each region
         const int64_t full_local = own_rows / tile_m;
         const int64_t tiles = layout[lo.tile_start + l + 1] - layout[lo.tile_start + l];
         layout[lo.local_tiles + l + 1] = static_cast<int32_t>(layout[lo.local_tiles + l] + full_local);
@@ -167,10 +187,38 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
             const int e = d * L + l;
             layout[lo.send_order + i] = e;
             layout[lo.piece_start + i] = static_cast<int32_t>(pieces);
-            pieces += pieces_of(layout[lo.dest_rel + e], expert_counts[e], tile_m);
+            if (d == rank) pieces += pieces_of(layout[lo.dest_rel + e], expert_counts[e], tile_m);
         }
     }
     layout[lo.piece_start + E] = static_cast<int32_t>(pieces);
+
+    // Staging. Each source's rows on a destination follow those of the lower source ranks; a
+    // source sends to the next ranks in turn (rank + 1 first), so that the sources start on
+    // different destinations.
+    int64_t sent = 0;
+    for (int r = 0; r + 1 < P; ++r) {
+        layout[lo.stage_send + r] = static_cast<int32_t>(sent);
+        sent += ceil_div(counts[rank * W + E + (rank + 1 + r) % P], kStagePieceRows);
+    }
+    layout[lo.stage_send + P - 1] = static_cast<int32_t>(sent);
+    for (int d = 0; d < P; ++d) {
+        int64_t row = 0, piece = 0;
+        for (int q = 0; q < rank; ++q) {
+            row += counts[q * W + E + d];
+            piece += ceil_div(counts[q * W + E + d], kStagePieceRows);
+        }
+        layout[lo.stage_dest_row + d] = static_cast<int32_t>(row);
+        layout[lo.stage_dest_piece + d] = static_cast<int32_t>(piece);
+    }
+    int64_t staged_rows = 0, staged_pieces = 0;
+    for (int q = 0; q < P; ++q) {
+        layout[lo.stage_recv_row + q] = static_cast<int32_t>(staged_rows);
+        layout[lo.stage_recv_piece + q] = static_cast<int32_t>(staged_pieces);
+        staged_rows += counts[q * W + E + rank];
+        staged_pieces += ceil_div(counts[q * W + E + rank], kStagePieceRows);
+    }
+    layout[lo.stage_recv_row + P] = static_cast<int32_t>(staged_rows);
+    layout[lo.stage_recv_piece + P] = static_cast<int32_t>(staged_pieces);
     layout[lo.totals + kTotalKept] = static_cast<int32_t>(kept);
     layout[lo.totals + kTotalPieces] = static_cast<int32_t>(pieces);
     layout[lo.totals + kTotalGeneration] = generation;
@@ -182,6 +230,11 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
         fail(shape, layout, error_record, kWorkspaceOverflow, 0, shape.max_recv_rows, recv_rows, 0);
     }
     if (tiles > shape.max_tiles) fail(shape, layout, error_record, kWorkspaceOverflow, 1, shape.max_tiles, tiles, 0);
+    // Every staged row has a route here, so the staged rows fit the expert_out rows they borrow
+    // whenever the routes fit recv; their pieces get their own check.
+    if (staged_pieces > shape.max_stage_pieces) {
+        fail(shape, layout, error_record, kWorkspaceOverflow, 2, shape.max_stage_pieces, staged_pieces, 0);
+    }
 }
 
 // The sort key of a route: its expert, or num_experts for a dropped one. An id past the last
@@ -275,80 +328,233 @@ __device__ __forceinline__ int4 scaled(int4 raw, float scale) {
     return Vec8<T>::from_float(values);
 }
 
+// Loads a 16-byte vector; FRESH: written by another GPU during this kernel, so read past L1, which
+// does not see such stores.
+template <bool FRESH>
+__device__ __forceinline__ int4 load_vector(const int4* at) {
+    return FRESH ? __ldcg(at) : *at;
+}
+
+// One warp copies a row of `vectors` 16-byte vectors, four loads in flight per lane (one at a time
+// ran the backward's dispatch at a third of the forward's rate). With scale_it, each element is
+// multiplied by `scale` in fp32 and rounded once.
+template <typename T, bool FRESH>
+__device__ __forceinline__ void copy_row(const int4* src, int4* dst, int64_t vectors, int lane, bool scale_it,
+                                         float scale) {
+    int64_t v = lane;
+    if (scale_it) {
+        for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
+            int4 raw[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) raw[j] = load_vector<FRESH>(src + v + j * kWarp);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) dst[v + j * kWarp] = scaled<T>(raw[j], scale);
+        }
+        for (; v < vectors; v += kWarp) dst[v] = scaled<T>(load_vector<FRESH>(src + v), scale);
+        return;
+    }
+    for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
+        int4 raw[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) raw[j] = load_vector<FRESH>(src + v + j * kWarp);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dst[v + j * kWarp] = raw[j];
+    }
+    for (; v < vectors; v += kWarp) dst[v] = load_vector<FRESH>(src + v);
+}
+
+// Own rows, route by route. A piece is the part of one own expert's segment that falls in one row
+// tile: copy its rows, then publish them with one release on that tile's counter.
 template <typename T>
-__global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes,
-                                const int64_t* route_order, const float* route_scale, const int32_t* layout,
-                                const int64_t* peer_recv, const int64_t* peer_origin, const int64_t* peer_meta,
-                                int64_t* route_row) {
-    const int P = shape.ep_size, E = shape.num_experts, L = E / P;
+__device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const char* tokens, int64_t num_tokens,
+                               int64_t row_bytes, bool scaled, const float* route_scale, const int32_t* layout,
+                               const DispatchTables& tables, int64_t* route_row) {
+    const int E = shape.num_experts, d = shape.rank;
     const int64_t tile_m = shape.tile_m;
-    const MetaOffsets& mo = shape.meta;
     const LayoutOffsets& lo = shape.layout;
     const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, num_warps = blockDim.x / kWarp;
     const int32_t* piece_start = layout + lo.piece_start;
-    const int64_t total_pieces = layout[lo.totals + kTotalPieces];
+    const int i = part_of(piece_start, E, piece);
+    const int e = layout[lo.send_order + i];
+    const int64_t rel = layout[lo.dest_rel + e];
+    const int64_t first_pos = layout[lo.send_offset + e];
+    const int64_t count = layout[lo.send_offset + e + 1] - first_pos;
+    const int64_t tile = rel / tile_m + (piece - piece_start[i]);
+    const int64_t r0 = max(rel, tile * tile_m), r1 = min(rel + count, (tile + 1) * tile_m);
+    const int64_t region_row = layout[lo.dest_row + e] - rel;  // recv row of the region's start
+    char* recv = reinterpret_cast<char*>(tables.peer_recv[d]);
+    int64_t* origin = reinterpret_cast<int64_t*>(tables.peer_origin[d]);
 
-    // A piece is the part of one (destination, expert) segment that falls in one destination row
-    // tile: copy its rows, then publish them with one release on that tile's counter.
-    for (int64_t piece = blockIdx.x; piece < total_pieces; piece += gridDim.x) {
-        int lo_i = 0, hi_i = E;  // largest i with piece_start[i] <= piece
-        while (hi_i - lo_i > 1) {
-            const int mid = (lo_i + hi_i) / 2;
-            if (piece_start[mid] <= piece) lo_i = mid; else hi_i = mid;
-        }
-        const int e = layout[lo.send_order + lo_i];
-        const int d = e / L;
-        const int64_t rel = layout[lo.dest_rel + e];
-        const int64_t first_pos = layout[lo.send_offset + e];
-        const int64_t count = layout[lo.send_offset + e + 1] - first_pos;
-        const int64_t tile = rel / tile_m + (piece - piece_start[lo_i]);
-        const int64_t r0 = max(rel, tile * tile_m), r1 = min(rel + count, (tile + 1) * tile_m);
-        const int64_t region_row = layout[lo.dest_row + e] - rel;  // recv row of the region's start
-        char* recv = reinterpret_cast<char*>(peer_recv[d]);
-        int64_t* origin = reinterpret_cast<int64_t*>(peer_origin[d]);
-
-        for (int64_t r = r0 + warp; r < r1; r += num_warps) {
-            const int64_t pos = first_pos + (r - rel);
-            const int64_t route = route_order[pos];
-            const int64_t token = route % num_tokens;
-            const int4* src = reinterpret_cast<const int4*>(tokens + token * row_bytes);
-            int4* dst = reinterpret_cast<int4*>(recv + (region_row + r) * row_bytes);
-            const int64_t vectors = row_bytes / sizeof(int4);
-            int64_t v = lane;
-            if (route_scale != nullptr) {  // backward: each route carries its gate times the gradient
-                const float scale = route_scale[route];
-                // Four loads in flight per lane, as in the plain copy below: one at a time ran the
-                // backward's dispatch at a third of the forward's rate.
-                for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
-                    int4 raw[4];
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) raw[j] = src[v + j * kWarp];
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) dst[v + j * kWarp] = scaled<T>(raw[j], scale);
-                }
-                for (; v < vectors; v += kWarp) dst[v] = scaled<T>(src[v], scale);
-            }
-            for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
-                const int4 a = src[v], b = src[v + kWarp], c = src[v + 2 * kWarp], f = src[v + 3 * kWarp];
-                dst[v] = a;
-                dst[v + kWarp] = b;
-                dst[v + 2 * kWarp] = c;
-                dst[v + 3 * kWarp] = f;
-            }
-            for (; v < vectors; v += kWarp) dst[v] = src[v];
-            if (lane == 0) {
-                origin[region_row + r] = (static_cast<int64_t>(shape.rank) << 32) | pos;
-                route_row[pos] = (static_cast<int64_t>(d) << 32) | (region_row + r);
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence_system();
-            int32_t* counter = reinterpret_cast<int32_t*>(peer_meta[d]) + mo.tile_counter +
-                               layout[lo.dest_tile + e] + tile;
-            atomicAdd_system(counter, static_cast<int32_t>(r1 - r0));
+    for (int64_t r = r0 + warp; r < r1; r += num_warps) {
+        const int64_t pos = first_pos + (r - rel);
+        const int64_t route = tables.route_order[pos];
+        const int64_t token = route % num_tokens;
+        // The backward: each route carries its gate times the gradient.
+        copy_row<T, false>(reinterpret_cast<const int4*>(tokens + token * row_bytes),
+                           reinterpret_cast<int4*>(recv + (region_row + r) * row_bytes), row_bytes / sizeof(int4),
+                           lane, scaled, scaled ? route_scale[route] : 1.f);
+        if (lane == 0) {
+            origin[region_row + r] = (static_cast<int64_t>(shape.rank) << 32) | pos;
+            route_row[pos] = (static_cast<int64_t>(d) << 32) | (region_row + r);
         }
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        int32_t* counter = reinterpret_cast<int32_t*>(tables.peer_meta[d]) + shape.meta.tile_counter +
+                           layout[lo.dest_tile + e] + tile;
+        atomicAdd_system(counter, static_cast<int32_t>(r1 - r0));
+    }
+}
+
+// Staging piece `piece` of this rank's rows for another rank: each token's row once, unscaled, with
+// the recv rows (and scales) of its routes there; then one release on the piece's counter there.
+template <typename T>
+__device__ void send_staged_piece(const GroupShape& shape, int64_t piece_item, const char* tokens, int64_t num_tokens,
+                                  int64_t row_bytes, int top_k, bool scaled, const float* route_scale,
+                                  const int32_t* layout, const DispatchTables& tables, int64_t* route_row) {
+    const int P = shape.ep_size, E = shape.num_experts, L = E / P, rank = shape.rank;
+    const LayoutOffsets& lo = shape.layout;
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, num_warps = blockDim.x / kWarp;
+    const int r = part_of(layout + lo.stage_send, P - 1, piece_item);
+    const int d = (rank + 1 + r) % P;
+    const int64_t piece = piece_item - layout[lo.stage_send + r];
+    const int64_t first = piece * kStagePieceRows, last = min(tables.rank_counts[d], first + kStagePieceRows);
+    const int64_t base = layout[lo.stage_dest_row + d];
+    const int64_t kept = layout[lo.totals + kTotalKept];
+    char* stage = reinterpret_cast<char*>(tables.peer_stage[d]);
+    int64_t* stage_routes = reinterpret_cast<int64_t*>(tables.peer_stage_routes[d]);
+    float* stage_scale = reinterpret_cast<float*>(tables.peer_stage_scale[d]);
+
+    for (int64_t slot = first + warp; slot < last; slot += num_warps) {
+        const int64_t token = tables.rank_tokens[d * num_tokens + slot];
+        const int64_t at = base + slot;
+        copy_row<T, false>(reinterpret_cast<const int4*>(tokens + token * row_bytes),
+                           reinterpret_cast<int4*>(stage + at * row_bytes), row_bytes / sizeof(int4), lane, false,
+                           1.f);
+        // The token's routes to d, a lane each, listed in top-k order.
+        int64_t found = 0;
+        for (int j0 = 0; j0 < top_k; j0 += kWarp) {
+            const int64_t route = static_cast<int64_t>(j0 + lane) * num_tokens + token;
+            const int64_t pos = j0 + lane < top_k ? tables.route_position[route] : kept;
+            const int e = pos < kept ? part_of(layout + lo.send_offset, E, pos) : -1;
+            const bool here = e >= 0 && e / L == d;
+            const unsigned ballot = __ballot_sync(kFullMask, here);
+            if (here) {
+                const int64_t entry = at * top_k + found + __popc(ballot & ((1u << lane) - 1u));
+                const int64_t recv_row = layout[lo.dest_row + e] + (pos - layout[lo.send_offset + e]);
+                stage_routes[entry] = (recv_row << 32) | pos;
+                if (scaled) stage_scale[entry] = route_scale[route];
+                route_row[pos] = (static_cast<int64_t>(d) << 32) | recv_row;
+            }
+            found += __popc(ballot);
+        }
+        for (int64_t j = found + lane; j < top_k; j += kWarp) stage_routes[at * top_k + j] = -1;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        int32_t* counter = reinterpret_cast<int32_t*>(tables.peer_meta[d]) + shape.meta.stage_counter +
+                           layout[lo.stage_dest_piece + d] + piece;
+        atomicAdd_system(counter, static_cast<int32_t>(last - first));
+    }
+}
+
+// Staging piece `piece_item` of those this rank receives: waits for it, then copies each staged row
+// to its routes' recv rows (scaled per route in the backward), records their origins and counts
+// each row on its GEMM1 row tile.
+template <typename T>
+__device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64_t row_bytes, int top_k,
+                              bool scale_rows, int32_t* layout, const DispatchTables& tables, int64_t* error_record) {
+    const int P = shape.ep_size, L = shape.num_experts / P, rank = shape.rank;
+    const int64_t tile_m = shape.tile_m;
+    const LayoutOffsets& lo = shape.layout;
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, num_warps = blockDim.x / kWarp;
+    const int q = part_of(layout + lo.stage_recv_piece, P, piece_item);  // the source rank
+    const int64_t piece = piece_item - layout[lo.stage_recv_piece + q];
+    const int64_t rows = layout[lo.stage_recv_row + q + 1] - layout[lo.stage_recv_row + q];
+    const int64_t first = piece * kStagePieceRows, last = min(rows, first + kStagePieceRows);
+    int32_t* meta = reinterpret_cast<int32_t*>(tables.peer_meta[rank]);
+    if (threadIdx.x == 0) {
+        wait_at_least(meta + shape.meta.stage_counter + piece_item, static_cast<int32_t>(last - first), shape,
+                      kWaitDispatchStage, q, layout, error_record);
+    }
+    __syncthreads();
+    const char* stage = reinterpret_cast<const char*>(tables.peer_stage[rank]);
+    const int64_t* stage_routes = reinterpret_cast<const int64_t*>(tables.peer_stage_routes[rank]);
+    const float* stage_scale = reinterpret_cast<const float*>(tables.peer_stage_scale[rank]);
+    char* recv = reinterpret_cast<char*>(tables.peer_recv[rank]);
+    int64_t* origin = reinterpret_cast<int64_t*>(tables.peer_origin[rank]);
+
+    for (int64_t r = first + warp; r < last; r += num_warps) {
+        const int64_t at = layout[lo.stage_recv_row + q] + r;
+        const int4* src = reinterpret_cast<const int4*>(stage + at * row_bytes);
+        for (int j = 0; j < top_k; ++j) {
+            const int64_t entry = __ldcg(stage_routes + at * top_k + j);  // the same in every lane
+            if (entry < 0) break;
+            const int64_t row = entry >> 32, pos = entry & 0xFFFFFFFF;
+            copy_row<T, true>(src, reinterpret_cast<int4*>(recv + row * row_bytes), row_bytes / sizeof(int4), lane,
+                              scale_rows, scale_rows ? __ldcg(stage_scale + at * top_k + j) : 1.f);
+            if (lane == 0) origin[row] = (static_cast<int64_t>(q) << 32) | pos;
+            // Release, as the route-by-route path does with its block barrier: the warp barrier
+            // orders every lane's stores before lane 0's fence, and the fence before its count.
+            __syncwarp();
+            if (lane == 0) {
+                __threadfence();
+                const int l = part_of(layout + lo.expert_start, L, row);
+                const int64_t tile = layout[lo.tile_start + l] + (row - layout[lo.expert_start + l]) / tile_m;
+                atomicAdd_system(meta + shape.meta.tile_counter + tile, 1);
+            }
+        }
+    }
+}
+
+// Work items, in this order: the own rank's pieces, the staging pieces this rank sends, those it
+// receives. A block takes its items in increasing order, so every block has sent all it sends
+// before it waits for anything: a rank's dispatch never waits on a peer's that is itself waiting.
+template <typename T>
+__global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes,
+                                int top_k, bool scaled, const float* route_scale, int32_t* layout,
+                                DispatchTables tables, int64_t* route_row, int64_t* error_record) {
+    const LayoutOffsets& lo = shape.layout;
+    const int64_t own_pieces = layout[lo.totals + kTotalPieces];
+    const int64_t sent_pieces = layout[lo.stage_send + shape.ep_size - 1];
+    const int64_t items = own_pieces + sent_pieces + layout[lo.stage_recv_piece + shape.ep_size];
+    for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+        if (item < own_pieces) {
+            copy_own_piece<T>(shape, item, tokens, num_tokens, row_bytes, scaled, route_scale, layout, tables,
+                              route_row);
+        } else if (item < own_pieces + sent_pieces) {
+            send_staged_piece<T>(shape, item - own_pieces, tokens, num_tokens, row_bytes, top_k, scaled, route_scale,
+                                 layout, tables, route_row);
+        } else {
+            // `scaled`, not route_scale: a rank without routes has no scales but unstages scaled rows.
+            unstage_piece<T>(shape, item - own_pieces - sent_pieces, row_bytes, top_k, scaled, layout, tables,
+                             error_record);
+        }
+        __syncthreads();  // every thread is done with this item before the next one's waits and copies
+    }
+}
+
+// Which tokens each rank gets (launch_rank_tokens): block d lists, in token order, the tokens with a
+// kept route to one of d's experts.
+__global__ void rank_tokens_kernel(const int32_t* indices, int64_t num_tokens, int top_k, int num_experts,
+                                   int ep_size, int32_t* rank_tokens, int64_t* rank_counts) {
+    const int d = blockIdx.x, L = num_experts / ep_size;
+    int64_t listed = 0;
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += blockDim.x) {
+        const int64_t t = t0 + threadIdx.x;
+        int64_t here = 0;
+        for (int j = 0; t < num_tokens && j < top_k && !here; ++j) {
+            const int e = indices[j * num_tokens + t];
+            here = e >= 0 && e < num_experts && e / L == d;
+        }
+        int64_t total;
+        const int64_t place = listed + block_inclusive_sum(here, &total) - here;
+        if (here) rank_tokens[d * num_tokens + place] = static_cast<int32_t>(t);
+        listed += total;
+    }
+    if (threadIdx.x == 0) rank_counts[d] = listed;
 }
 
 // The combine's work is claimed in units of one column chunk x unit_tokens tokens, in chunk order,
@@ -540,26 +746,33 @@ cudaError_t launch_plan(const int32_t* indices, int64_t routes, int num_experts,
     return cudaGetLastError();
 }
 
-cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, int32_t* meta,
-                            const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
+cudaError_t launch_rank_tokens(const int32_t* indices, int64_t num_tokens, int top_k, int num_experts, int ep_size,
+                               int32_t* rank_tokens, int64_t* rank_counts, cudaStream_t stream) {
+    rank_tokens_kernel<<<ep_size, 1024, 0, stream>>>(indices, num_tokens, top_k, num_experts, ep_size, rank_tokens,
+                                                     rank_counts);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, const int64_t* rank_counts,
+                            int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
                             cudaStream_t stream) {
-    exchange_kernel<<<1, 256, 0, stream>>>(shape, expert_counts, meta, peer_meta, layout, error_record);
+    exchange_kernel<<<1, 256, 0, stream>>>(shape, expert_counts, rank_counts, meta, peer_meta, layout, error_record);
     return cudaGetLastError();
 }
 
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
-                            int dtype_code, const int64_t* route_order, const float* route_scale,
-                            const int32_t* layout, const int64_t* peer_recv, const int64_t* peer_origin,
-                            const int64_t* peer_meta, int64_t* route_row, int blocks, cudaStream_t stream) {
+                            int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
+                            const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
+                            cudaStream_t stream) {
     const int64_t row_bytes = hidden * 2;  // bf16 and fp16 alike
+    const char* rows = static_cast<const char*>(tokens);
     if (dtype_code == 0) {
-        dispatch_kernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(shape, static_cast<const char*>(tokens), num_tokens,
-                                                                    row_bytes, route_order, route_scale, layout,
-                                                                    peer_recv, peer_origin, peer_meta, route_row);
+        dispatch_kernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(shape, rows, num_tokens, row_bytes, top_k, scaled,
+                                                                    route_scale, layout, tables, route_row,
+                                                                    error_record);
     } else {
-        dispatch_kernel<__half><<<blocks, 512, 0, stream>>>(shape, static_cast<const char*>(tokens), num_tokens,
-                                                             row_bytes, route_order, route_scale, layout, peer_recv,
-                                                             peer_origin, peer_meta, route_row);
+        dispatch_kernel<__half><<<blocks, 512, 0, stream>>>(shape, rows, num_tokens, row_bytes, top_k, scaled,
+                                                             route_scale, layout, tables, route_row, error_record);
     }
     return cudaGetLastError();
 }

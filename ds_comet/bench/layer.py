@@ -35,7 +35,7 @@ from ds_comet.bench import autoep
 from ds_comet.bench.common import build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed, train_step
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
-from ds_comet.pipelines.fused import FusedPipeline, no_rows, no_scale
+from ds_comet.pipelines.fused import FusedPipeline, no_rows
 from ds_comet.pipelines.routing import RoutingPlan, plan_routes_cuda, remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
@@ -84,7 +84,7 @@ def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
         kernels.reduce(plan, gates, out, no_rows(tokens), blocks)
 
     def dispatch(blocks):  # the same rows to the same places; the tile counts only grow
-        kernels.send(tokens, plan, no_scale(tokens.device), blocks)
+        kernels.send(tokens, plan, None, blocks)
 
     return dict(gemm1=lambda: kernels.gemm1(workspace.recv, h, h, backward=False, store_pre=False),
                 gemm2=lambda: kernels.gemm2(h, backward=False), combine=lambda: combine(workspace.num_sms),
@@ -172,8 +172,8 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
         if graphs is not None:
             results["gate_routes_graphed"] = timed(lambda: graphs.routes(gate, x[0], None, op), args.iters, args.warmup)
         _, _, indices, gates, _ = gate_routes(gate, x[0], op=op)
-        results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts), args.iters, args.warmup)
-        plan = plan_routes_cuda(op, indices, experts)
+        results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts, ep_size), args.iters, args.warmup)
+        plan = plan_routes_cuda(op, indices, experts, ep_size)
         # What crosses the links in each of the four exchanges of a training step, from this rank.
         route_rows, once_rows = remote_rows(indices, experts, ep_size, dist.get_rank())
         results["sent_mb_per_route"] = route_rows * hidden * x.element_size() / 1e6
@@ -261,8 +261,9 @@ def report(all_results, out_dir):
     print("forward: times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
     lines = [f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
              f"{r['sent_mb_per_route'] / max(r['sent_mb_once_per_rank'], 1e-9):10.2f}" for name, r in all_results.items()]
-    print("MB one rank sends to the others per exchange (max over ranks): route by route, once per (token, rank), "
-          "their ratio\n" + "\n".join(lines), flush=True)
+    print("MB one rank sends to the others per exchange (max over ranks): route by route (the fused combine's), "
+          "once per (token, rank) (every dispatch's, and the reference combine's), their ratio\n" + "\n".join(lines),
+          flush=True)
     autoep_rows = {name: results for name, results in all_results.items() if "autoep" in results}
     if autoep_rows:
         columns = (("AutoEP", "autoep"), ("AutoEP+comet", "autoep_comet"), ("AutoEP/comet", "autoep_over_comet"),

@@ -167,7 +167,7 @@ def main():
                 "gate_routes (torch)": lambda: gate_routes(gate, x[0]),
                 "gate_routes (kernels)": lambda: gate_routes(gate, x[0], op=op),
                 "plan (torch)": lambda: plan_routes(indices, experts),
-                "plan (kernel)": lambda: plan_routes_cuda(op, indices, experts),
+                "plan (kernel)": lambda: plan_routes_cuda(op, indices, experts, dist.get_world_size()),
                 "stock layer": lambda: layers["stock"](x),
                 "fused layer": lambda: layers["fused"](x),
             }

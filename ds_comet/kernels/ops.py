@@ -65,7 +65,9 @@ _WHAT = {
     constants.WAIT_EXCHANGE_FLAG: "the expert counts of peer rank {index}",
     constants.WAIT_DISPATCH_TILE: "the rows of GEMM1 row tile {index}",
     constants.WAIT_COMBINE_CHUNK: "the expert outputs of column chunk {index}",
+    constants.WAIT_DISPATCH_STAGE: "the rows peer rank {index} staged for it",
 }
+_OVERFLOWING = {0: "receive rows", 1: "GEMM1 row tiles", 2: "staging pieces"}
 
 
 def describe_error_record(record: torch.Tensor) -> Optional[str]:
@@ -77,7 +79,7 @@ def describe_error_record(record: torch.Tensor) -> Optional[str]:
     target, observed = words[constants.ERROR_TARGET], words[constants.ERROR_OBSERVED]
     waited_ns = words[constants.ERROR_WAITED_NS]
     if kind == constants.WORKSPACE_OVERFLOW:
-        what = "receive rows" if index == 0 else "GEMM1 row tiles"
+        what = _OVERFLOWING.get(index, f"workspace part {index}")
         return (f"ds_comet: rank {rank} needed {observed} {what} but the call allows {target} (the workspace, or "
                 "the gate's capacity in its current mode, for the most tokens per rank); raise \"moe\": "
                 "{\"max_tokens_per_rank\"} in the ds_config if a rank got more tokens than the first call")

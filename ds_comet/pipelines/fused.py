@@ -1,7 +1,8 @@
 """The fused COMET pipeline: layer0 = dispatch + GEMM1, layer1 = GEMM2 + combine, both ways.
 
-Forward: the dispatch sends token rows, GEMM1 (with the activation) runs per row tile as rows
-arrive, GEMM2 stores its output rows locally chunk by chunk and counts each finished chunk on the
+Forward: the dispatch sends token rows (a token's row crosses to a rank once, staged there with the
+list of its routes, and that rank's dispatch copies it to each route's row), GEMM1 (with the
+activation) runs per row tile as rows arrive, GEMM2 stores its output rows locally chunk by chunk and counts each finished chunk on the
 rows' source ranks, and each source's combine reads its routes' rows from the expert ranks over
 NVLink and sums them, weighted, as chunks finish.
 
@@ -23,8 +24,9 @@ In the forward the combine is launched a second time on the caller's stream, aft
 GEMM2's grid; both launches claim the same work units, so every SM reduces what is left once GEMM2
 is done. No step reads anything back to the host.
 
-Progress: the dispatch waits for nothing; GEMM1 tiles wait only for dispatches, GEMM2 waits for
-nothing, and the combine waits only for GEMM2s. Every rank launches in the order exchange,
+Progress: the dispatch waits only for the rows peers' dispatches stage here, and a block of it waits
+only once it has sent all it sends; GEMM1 tiles wait only for dispatches, GEMM2 waits for nothing,
+and the combine waits only for GEMM2s. Every rank launches in the order exchange,
 dispatch, GEMM1, GEMM2, combine, so each spinning kernel's producers are launched on every rank
 before anything that could block a host behind it. GEMM1's grid leaves ``comm_blocks``
 multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled. The
@@ -99,7 +101,10 @@ class FusedPipeline:
         # The kernels weight routes in fp32; autocast makes the top-2 gate's weights bf16 (exact in fp32).
         weights = weights.float()
         try:
-            plan = plan_routes_cuda(self.workspace.op, indices, self.num_experts)
+            plan = plan_routes_cuda(self.workspace.op, indices, self.num_experts, self.workspace.shape.ep_size)
+            if plan.top_k != self.workspace.shape.top_k:
+                raise ValueError(f"the gate gave {plan.top_k} routes a token, but this layer's fused workspace was "
+                                 f"built for k={self.workspace.shape.top_k}")
             max_rows = self.row_bounds[train]
             if out is None and torch.is_grad_enabled():
                 params = self.experts.parameters()
@@ -158,7 +163,7 @@ class FusedPipeline:
                                                        device=tokens.device)
 
         kernels.exchange(plan, rows)
-        kernels.dispatch(tokens, plan, no_scale(tokens.device))
+        kernels.dispatch(tokens, plan, None)
         kernels.gemm1(buffer.recv, h, pre, backward=False, store_pre=saved is not None)
         kernels.gemm2(h, backward=False)
         if saved is not None:
@@ -239,7 +244,7 @@ def no_rows(like: Tensor) -> Tensor:
 
 
 def no_scale(device) -> Tensor:
-    """An empty fp32 tensor: 'no per-route scale' for the dispatch and the combine."""
+    """An empty fp32 tensor: 'no gates' for the combine (every route weighs 1)."""
     return torch.empty(0, dtype=torch.float32, device=device)
 
 

@@ -119,10 +119,13 @@ class FusedKernels:
         """Shares the counts and lays out the call; more than row_limit received rows stops the kernel."""
         b = self.buffer
         b.kernel_shape.max_recv_rows = row_limit  # what the exchange checks; the other kernels ignore it
-        b.op.exchange(b.kernel_shape, plan.expert_counts, b.meta, b.peer_meta, b.layout, b.error_address)
+        b.op.exchange(b.kernel_shape, plan.expert_counts, plan.rank_token_counts, b.meta, b.peer_meta, b.layout,
+                      b.error_address)
 
-    def dispatch(self, rows: Tensor, plan: RoutingPlan, scale: Tensor):
-        """Sends rows[route token] (times scale[route], if scale is not empty) for every kept route."""
+    def dispatch(self, rows: Tensor, plan: RoutingPlan, scale: Optional[Tensor]):
+        """Puts rows[route token] (times scale[route], unless scale is None) in the recv row of every
+        kept route; a token's row crosses to another rank once, however many of its routes go there.
+        Every rank of the group passes a scale or none (the backward does, the forward does not)."""
         if self.alone:
             self.send(rows, plan, scale, self.buffer.num_sms)
             return
@@ -131,11 +134,16 @@ class FusedKernels:
         with torch.cuda.stream(self.buffer.comm_stream):
             self.send(rows, plan, scale, self.params.comm_blocks)
 
-    def send(self, rows: Tensor, plan: RoutingPlan, scale: Tensor, blocks: int):
+    def send(self, rows: Tensor, plan: RoutingPlan, scale: Optional[Tensor], blocks: int):
         """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks."""
         b = self.buffer
-        b.op.dispatch(b.kernel_shape, rows, plan.route_order, b.layout, b.peer_recv, b.peer_origin, b.peer_meta,
-                      b.route_row, scale, blocks)
+        scaled = scale is not None
+        if not scaled:
+            scale = torch.empty(0, dtype=torch.float32, device=rows.device)
+        b.op.dispatch(b.kernel_shape, rows, plan.route_order, plan.route_position, plan.rank_tokens,
+                      plan.rank_token_counts, b.layout, b.peer_recv, b.peer_origin, b.peer_stage, b.peer_stage_routes,
+                      b.peer_stage_scale, b.peer_meta, b.route_row, scale, scaled, b.shape.top_k, b.error_address,
+                      blocks)
 
     def combine(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor, finish_on_main: bool):
         """out[token] = sum over its kept routes of gate (1 if gates is empty) x the route's expert output;

@@ -8,7 +8,7 @@ device: building a plan needs no host sync and no dense ``[S, E, C]`` tensor.
 """
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -24,6 +24,11 @@ class RoutingPlan:
     """[E] int64: kept routes of this rank's tokens per global expert."""
     num_tokens: int
     top_k: int
+    rank_tokens: Optional[Tensor] = None
+    """[ep, S] int32 (``plan_routes_cuda``, for the fused dispatch): row d lists, in token order, the
+    tokens with a kept route to one of rank d's experts; only its first ``rank_token_counts[d]`` are set."""
+    rank_token_counts: Optional[Tensor] = None
+    """[ep] int64: how many tokens each rank gets, once a token."""
 
     def rank_counts(self, ep_size: int) -> Tensor:
         """[ep_size] int64: kept routes sent to each rank of the expert-parallel group."""
@@ -55,16 +60,20 @@ def plan_routes(indices: Tensor, num_experts: int) -> RoutingPlan:
     return RoutingPlan(route_order, route_position, expert_counts, num_tokens, top_k)
 
 
-def plan_routes_cuda(op, indices: Tensor, num_experts: int) -> RoutingPlan:
+def plan_routes_cuda(op, indices: Tensor, num_experts: int, ep_size: int) -> RoutingPlan:
     """``plan_routes`` in one launch of the fused op's plan kernel (a stable counting sort per expert):
-    the same plan, without the ~30 small kernels a radix sort and its scatters launch."""
+    the same plan, without the ~30 small kernels a radix sort and its scatters launch; and, in a
+    second launch, the tokens each of the ``ep_size`` ranks gets once (``rank_tokens``)."""
     top_k, num_tokens = _routes_shape(indices)
     flat = indices.reshape(-1).to(torch.int32).contiguous()
     route_order = torch.empty(flat.numel(), dtype=torch.int64, device=flat.device)
     route_position = torch.empty_like(route_order)
     expert_counts = torch.empty(num_experts, dtype=torch.int64, device=flat.device)
     op.plan(flat, num_experts, route_order, route_position, expert_counts)
-    return RoutingPlan(route_order, route_position, expert_counts, num_tokens, top_k)
+    rank_tokens = torch.empty((ep_size, num_tokens), dtype=torch.int32, device=flat.device)
+    rank_token_counts = torch.empty(ep_size, dtype=torch.int64, device=flat.device)
+    op.rank_tokens(flat, top_k, num_experts, ep_size, rank_tokens, rank_token_counts)
+    return RoutingPlan(route_order, route_position, expert_counts, num_tokens, top_k, rank_tokens, rank_token_counts)
 
 
 @dataclass(frozen=True)
@@ -152,8 +161,8 @@ def host_to_device(tensor: Tensor, device: torch.device) -> Tensor:
 
 def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> Tuple[int, int]:
     """Rows this rank's tokens send to other ranks of the group: one per kept route (what the fused
-    pipeline sends), and one per (token, destination rank) with a kept route there (what the
-    reference pipeline sends, whole or in chunks). ``indices`` as for ``plan_routes``. Reads the counts
+    pipeline's combine brings back), and one per (token, destination rank) with a kept route there
+    (what both pipelines' dispatches send, and the reference pipeline's combine brings back). ``indices`` as for ``plan_routes``. Reads the counts
     back to the host: for benchmarks and reports, not for the layer's call."""
     plan = plan_rank_rows(indices, num_experts, ep_size)
     per_rank_routes = plan.route_counts.sum(dim=(1, 2))

@@ -1,8 +1,9 @@
 """CometBuffer: the fused pipeline's workspace for one expert-parallel group inside one node.
 
 One object owns everything the kernels share across ranks: the receive buffer the dispatch writes
-and GEMM1 reads, the expert-output buffer GEMM2 writes and the source ranks' combines read, the row
-origins, and the int32 meta array of exchanged counts, flags and arrival counters. All of it is one allocation of
+and GEMM1 reads, the expert-output buffer GEMM2 writes and the source ranks' combines read (whose
+first rows stage the dispatch's rows from other ranks before GEMM2 writes them), the routes of each
+staged row, the row origins, and the int32 meta array of exchanged counts, flags and arrival counters. All of it is one allocation of
 torch symmetric memory (peer pointers through CUDA IPC), made once from the largest token count
 the layers will see and reused every call; the kernels reset the counters they use each call.
 
@@ -24,7 +25,7 @@ import torch.distributed as torch_dist
 from deepspeed.utils import logger
 
 from ..kernels import layout
-from ..kernels.constants import ERROR_RECORD_WORDS, ERROR_WAITED_NS
+from ..kernels.constants import ERROR_RECORD_WORDS, ERROR_WAITED_NS, STAGE_PIECE_ROWS
 from ..kernels.ops import CometWaitTimeout, describe_error_record, load_op
 from .collective_waits import describe_failures, failure_notes, group_ranks
 
@@ -50,6 +51,12 @@ class BufferShape:
     @property
     def max_tiles(self) -> int:
         return math.ceil(self.max_recv_rows / self.tile_m) + self.num_experts // self.ep_size
+
+    @property
+    def max_stage_pieces(self) -> int:
+        """Staging pieces a rank can receive in one call: its staged rows (at most its received rows,
+        since each has a route here) in pieces of ``STAGE_PIECE_ROWS`` a source."""
+        return math.ceil(self.max_recv_rows / STAGE_PIECE_ROWS) + self.ep_size
 
 
 def _align(nbytes: int) -> int:
@@ -111,14 +118,19 @@ class CometBuffer:
         self.rank = torch_dist.get_rank(group) if group is not None else 0
         P, E, H = shape.ep_size, shape.num_experts, shape.hidden
         elem = torch.empty((), dtype=shape.dtype).element_size()
-        self.meta_offsets = layout.meta_offsets(P, E, shape.max_tiles, shape.max_chunks)
+        self.meta_offsets = layout.meta_offsets(P, E, shape.max_tiles, shape.max_chunks, shape.max_stage_pieces)
         self.layout_offsets = layout.layout_offsets(E // P, E)
 
         # expert_out is as large as recv (GEMM2 writes one row per received row), so the pull-model
         # combine doubles the receiving side: up to ep_size x top_k x max_tokens rows each without
         # token dropping. It cannot share recv: the backward's weight gradients read recv after GEMM2.
+        # The staged rows borrow expert_out's: every rank's dispatch has consumed them before its GEMM2
+        # starts, and a peer stages into them only after every rank's previous combine has read them
+        # (fused.py: reuse across calls). Their route lists take top_k entries a row.
+        stage_entries = shape.max_recv_rows * shape.top_k
         parts = [("recv", shape.max_recv_rows * H * elem), ("expert_out", shape.max_recv_rows * H * elem),
-                 ("origin", shape.max_recv_rows * 8), ("meta", self.meta_offsets.total * 4)]
+                 ("origin", shape.max_recv_rows * 8), ("stage_routes", stage_entries * 8),
+                 ("stage_scale", stage_entries * 4), ("meta", self.meta_offsets.total * 4)]
         self._byte_offset, total = {}, 0
         for name, nbytes in parts:
             self._byte_offset[name] = total
@@ -152,6 +164,9 @@ class CometBuffer:
         self.peer_recv = table("recv")
         self.peer_expert_out = table("expert_out")
         self.peer_origin = table("origin")
+        self.peer_stage = self.peer_expert_out
+        self.peer_stage_routes = table("stage_routes")
+        self.peer_stage_scale = table("stage_scale")
         self.peer_meta = table("meta")
         self.peer_chunk_counters = table("meta", 4 * self.meta_offsets.chunk_counter)
         self.tile_counters = self.meta[self.meta_offsets.tile_counter:]
@@ -177,13 +192,15 @@ class CometBuffer:
         ks.rank, ks.ep_size, ks.num_experts = self.rank, self.shape.ep_size, self.shape.num_experts
         ks.tile_m, ks.max_recv_rows = self.shape.tile_m, self.shape.max_recv_rows
         ks.max_tiles, ks.max_chunks = self.shape.max_tiles, self.shape.max_chunks
+        ks.max_stage_pieces = self.shape.max_stage_pieces
         ks.timeout_ns = int(timeout_s * 1e9)
         meta = self.op.MetaOffsets()
-        for field in ("counts", "exchange_flag", "tile_counter", "chunk_counter", "generation"):
+        for field in ("counts", "exchange_flag", "tile_counter", "chunk_counter", "stage_counter", "generation"):
             setattr(meta, field, getattr(self.meta_offsets, field))
         offsets = self.op.LayoutOffsets()
         for field in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row",
-                      "dest_rel", "dest_tile", "send_order", "piece_start", "totals"):
+                      "dest_rel", "dest_tile", "send_order", "piece_start", "stage_send", "stage_dest_row",
+                      "stage_dest_piece", "stage_recv_row", "stage_recv_piece", "totals"):
             setattr(offsets, field, getattr(self.layout_offsets, field))
         ks.meta, ks.layout = meta, offsets
         return ks

@@ -142,8 +142,11 @@ def test_layout_parts_do_not_overlap():
     offsets = layout.layout_offsets(num_local=3, num_experts=6)
     starts = sorted((v, k) for k, v in vars(offsets).items() if k != "total")
     assert starts[0][0] == 0 and offsets.total > starts[-1][0]
-    meta = layout.meta_offsets(ep_size=2, num_experts=6, max_tiles=10, max_chunks=4)
-    assert meta.exchange_flag - meta.counts == 2 * 2 * 6 and meta.chunk_counter - meta.tile_counter == 10
+    assert offsets.stage_dest_row - offsets.stage_send == 2 and offsets.totals - offsets.stage_recv_piece == 3
+    meta = layout.meta_offsets(ep_size=2, num_experts=6, max_tiles=10, max_chunks=4, max_stage_pieces=5)
+    assert meta.exchange_flag - meta.counts == 2 * 2 * (6 + 2) and meta.chunk_counter - meta.tile_counter == 10
+    # The exchange zeroes the three arrival counters as one run.
+    assert (meta.stage_counter - meta.chunk_counter, meta.generation - meta.stage_counter) == (4, 5)
 
 
 def test_report_runs_and_names_the_pipeline():

@@ -21,7 +21,7 @@ from ds_comet.experts import reset_expert_
 from ds_comet.kernels.ops import CometWaitTimeout
 from ds_comet.pipelines.routing import plan_routes
 from tests.support.dist_pool import RANKS_PER_GPU_VAR, ranks_per_gpu
-from tests.support.layout_reference import reference_layout
+from tests.support.layout_reference import STAGE_KEYS, reference_layout
 from tests.support.moe_helpers import make_expert, rel, reset_experts_
 
 BF16_REL = 1e-2  # bf16 operands and outputs against float64 (fp16 cases are held to the same bound)
@@ -141,10 +141,17 @@ def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_k
             counts = plan_routes(idx, num).expert_counts
             everyone = [torch.empty_like(counts) for _ in range(ep_size)]
             dist.all_gather(everyone, counts)
-            expected_layout = reference_layout([c.tolist() for c in everyone], rank, pipeline.params.tile_m)
+            # Tokens with a kept route to each rank: what this rank stages there, once a token.
+            kept = (idx >= 0) & (idx < num)
+            staged = torch.stack([(kept & (idx.long() // (num // ep_size) == d)).any(dim=0).sum()
+                                  for d in range(ep_size)])
+            staged_by_all = [torch.empty_like(staged) for _ in range(ep_size)]
+            dist.all_gather(staged_by_all, staged)
+            expected_layout = reference_layout([c.tolist() for c in everyone], rank, pipeline.params.tile_m,
+                                               [s.tolist() for s in staged_by_all])
             lo, layout = pipeline.workspace.layout_offsets, pipeline.workspace.layout.tolist()
             for key in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row",
-                        "dest_rel", "dest_tile", "send_order", "piece_start"):
+                        "dest_rel", "dest_tile", "send_order", "piece_start") + STAGE_KEYS:
                 start = getattr(lo, key)
                 assert layout[start:start + len(expected_layout[key])] == expected_layout[key], key
         stats.append(dict(err=err, dropped=int((indices < 0).sum()), no_route=int(no_route.sum()),
@@ -192,8 +199,10 @@ FORWARD_CASES = [
     dict(hidden=64, ffn=96, experts_per_rank=4, k=3, tokens_per_rank=(48, 60), expert_kind="swiglu",
          drop_tokens=False),
     # Bias-free bf16 experts take the library's grouped GEMM for their weight gradients: every token
-    # on one expert leaves the others' groups empty, which must give zero gradients.
-    dict(hidden=512, ffn=768, experts_per_rank=4, k=1, tokens_per_rank=(300, 211), expert_kind="swiglu",
+    # on one expert leaves the others' groups empty, which must give zero gradients. Equal token
+    # counts: without drops stock caps its capacity at the rank's own token count, so ranks with
+    # fewer tokens than the busiest expert's routes would post all-to-alls of different sizes.
+    dict(hidden=512, ffn=768, experts_per_rank=4, k=1, tokens_per_rank=(300, 300), expert_kind="swiglu",
          drop_tokens=False, skew=50.0),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
@@ -475,7 +484,8 @@ def zero2_case(seed, hidden=256, ffn=512, steps=2, precision="bf16", scale_power
 
 
 def plan_case(seed):
-    """The plan kernel against plan_routes on the same gate indices: equal, entry for entry."""
+    """The plan kernel against plan_routes on the same gate indices: equal, entry for entry; and the
+    tokens each rank gets once, against a list made here."""
     from ds_comet.kernels.ops import load_op
     from ds_comet.pipelines.routing import plan_routes_cuda
     op = load_op()
@@ -496,10 +506,17 @@ def plan_case(seed):
             indices[0, :5] = experts
             indices[-1, 5:8] = experts + 7
             indices[-1, 8] = -2**31
-        want, got = plan_routes(indices, experts), plan_routes_cuda(op, indices, experts)
+        ranks = max(p for p in (1, 2, 3, 4, 8) if experts % p == 0)
+        want, got = plan_routes(indices, experts), plan_routes_cuda(op, indices, experts, ranks)
         for field in ("route_order", "route_position", "expert_counts"):
             assert torch.equal(getattr(got, field), getattr(want, field)), (k, tokens, experts, field)
         assert (got.num_tokens, got.top_k) == (want.num_tokens, want.top_k)
+        kept = (indices >= 0) & (indices < experts)
+        for d in range(ranks):
+            here = (kept & (indices.long() // (experts // ranks) == d)).any(dim=0)
+            listed = here.nonzero().flatten()
+            assert got.rank_token_counts[d].item() == listed.numel(), (k, tokens, experts, d)
+            assert torch.equal(got.rank_tokens[d, :listed.numel()].long(), listed), (k, tokens, experts, d)
 
 
 def test_plan_kernel_matches_plan_routes(gpu_pool):

@@ -2,12 +2,19 @@
 
 counts[q][e]: routes source rank q sends to global expert e. Each destination d holds, per local
 expert l, one region of rows filled by the sources in the order d, d-1, d-2, ... (own rows first).
+staged[q][d]: tokens of source rank q with a kept route to rank d, which q stages on d once a
+token (nothing is staged on the own rank); each source's staged rows on d follow those of the lower
+source ranks, in pieces of STAGE_PIECE_ROWS.
 """
 
 from math import ceil
 
+from ds_comet.kernels.constants import STAGE_PIECE_ROWS
 
-def reference_layout(counts, rank, tile_m):
+STAGE_KEYS = ("stage_send", "stage_dest_row", "stage_dest_piece", "stage_recv_row", "stage_recv_piece")
+
+
+def reference_layout(counts, rank, tile_m, staged=None):
     ep_size, num_experts = len(counts), len(counts[0])
     num_local = num_experts // ep_size
     out = {k: [] for k in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row",
@@ -52,8 +59,21 @@ def reference_layout(counts, rank, tile_m):
             out["send_order"].append(e)
             out["piece_start"].append(pieces)
             c, o = counts[rank][e], dest_rel[e]
-            pieces += 0 if c == 0 else (o + c - 1) // tile_m - o // tile_m + 1
+            if d == rank:  # rows for other ranks travel through staging
+                pieces += 0 if c == 0 else (o + c - 1) // tile_m - o // tile_m + 1
     out["piece_start"].append(pieces)
+
+    staged = [[0 if q == d or staged is None else staged[q][d] for d in range(ep_size)] for q in range(ep_size)]
+    pieces_of = [[ceil(rows / STAGE_PIECE_ROWS) for rows in row] for row in staged]
+    sent, out["stage_send"] = 0, []
+    for r in range(ep_size - 1):
+        out["stage_send"].append(sent)
+        sent += pieces_of[rank][(rank + 1 + r) % ep_size]
+    out["stage_send"].append(sent)
+    out["stage_dest_row"] = [sum(staged[q][d] for q in range(rank)) for d in range(ep_size)]
+    out["stage_dest_piece"] = [sum(pieces_of[q][d] for q in range(rank)) for d in range(ep_size)]
+    out["stage_recv_row"] = [sum(staged[q][rank] for q in range(p)) for p in range(ep_size + 1)]
+    out["stage_recv_piece"] = [sum(pieces_of[q][rank] for q in range(p)) for p in range(ep_size + 1)]
     out["totals"] = dict(tiles=out["tile_start"][-1], kept=offset, recv_rows=out["expert_start"][-1], pieces=pieces)
     return out
 
