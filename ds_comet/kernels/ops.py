@@ -10,6 +10,7 @@ import torch
 from deepspeed.utils import logger
 
 from . import constants
+from .jit_build import guarded_build, torch_build_directory
 from ..op_builder import CometBuilder
 
 
@@ -18,32 +19,28 @@ class CometWaitTimeout(RuntimeError):
     signal, or the reference pipeline for one of its exchanges (``pipelines/collective_waits.py``)."""
 
 
-def _jit_build_directory(name: str) -> str:
-    from torch.utils.cpp_extension import _get_build_directory
-    return _get_build_directory(name, verbose=False)
-
-
 @functools.lru_cache(maxsize=None)
 def load_op():
     """The compiled ds_comet op: the ahead-of-time build if there is one, else a JIT build, made once
-    into $TORCH_EXTENSIONS_DIR (a minute or two) and loaded from there afterwards."""
+    into $TORCH_EXTENSIONS_DIR (a minute or two) and loaded from there afterwards, under the guard
+    that keeps a killed build from hanging later loads (jit_build.py)."""
     builder = CometBuilder()
     try:
         op = importlib.import_module(builder.absolute_name())
     except ImportError:
-        directory = _jit_build_directory(builder.NAME)
+        directory = torch_build_directory(builder.NAME)
         cached = os.path.exists(os.path.join(directory, f"{builder.NAME}.so"))
         if not cached:
             logger.warning(f"ds_comet: building the CUDA op {builder.NAME} into {directory} (once; about a "
                            "minute, cached afterwards)")
         started = time.perf_counter()
-        op = builder.jit_load(verbose=False)
+        op = guarded_build(directory, lambda: builder.jit_load(verbose=False))
         if not cached:
             logger.warning(f"ds_comet: built the CUDA op {builder.NAME} in {time.perf_counter() - started:.0f} s")
     compiled = dict(op.codes())
     if compiled != constants.CONSTANTS:
         raise RuntimeError(f"the compiled ds_comet op disagrees with csrc/{constants.HEADER}: {compiled} vs "
-                           f"{constants.CONSTANTS}; rebuild it (remove {_jit_build_directory(builder.NAME)}, or "
+                           f"{constants.CONSTANTS}; rebuild it (remove {torch_build_directory(builder.NAME)}, or "
                            "reinstall with DS_BUILD_COMET=1)")
     return op
 

@@ -72,11 +72,14 @@ def _build_cpu_comm_op():
     """JIT-build DeepSpeed's CPU shm comm op here, before any rank starts (a minute on two cores).
 
     Each rank's init_distributed would build it otherwise. A rank that a start timeout kills
-    mid-build leaves torch's build lock behind, and every later start would wait on that lock
-    until it timed out in turn: one slow build would fail the rest of the session.
+    mid-build would leave torch's build lock behind, on which every later build waits without a
+    limit; the build runs under ds_comet's guard, which removes such a lock (jit_build.py).
     """
     from deepspeed.comm.torch import build_shm_op
-    build_shm_op()
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    from ds_comet.kernels.jit_build import guarded_build, torch_build_directory
+    guarded_build(torch_build_directory(ShareMemCommBuilder.NAME), build_shm_op)
 
 
 def _unlink_matching(pattern: str):
