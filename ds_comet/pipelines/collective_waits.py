@@ -140,9 +140,11 @@ def ask_store(call: Callable, timeout_s: float):
     return result[0]
 
 
-def post_failure(layer_name: str, error: BaseException) -> None:
+def post_failure(layer_name: str, error: BaseException, ep_size: int) -> None:
     """Notes in the store that this rank raised ``error`` inside ``layer_name``'s call, for the
-    peers it leaves waiting (``failure_notes``)."""
+    peers of its expert-parallel group (``ep_size`` ranks) it leaves waiting (``failure_notes``)."""
+    if ep_size == 1:  # no peer waits
+        return
     try:
         me = torch.distributed.get_rank()
     except (RuntimeError, ValueError):  # no process group: nobody waits

@@ -122,8 +122,7 @@ class FusedPipeline:
         if isinstance(error, CometWaitTimeout):
             return  # the wait's own error, already told
         self.workspace.raise_if_failed()
-        if self.workspace.shape.ep_size > 1:
-            post_failure(self.layer_name, error)
+        post_failure(self.layer_name, error, self.workspace.shape.ep_size)
 
     def kernels(self, tokens: Tensor) -> FusedKernels:
         """The kernel launches of one call on ``tokens`` ([S, H]), with the experts' current weights."""

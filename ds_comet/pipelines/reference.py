@@ -122,8 +122,7 @@ class ReferencePipeline:
         except CometWaitTimeout:
             raise  # this rank is the one left waiting
         except Exception as error:  # its peers will wait for it: tell them why
-            if self.ep_size > 1:
-                post_failure(self.layer_name, error)
+            post_failure(self.layer_name, error, self.ep_size)
             raise
 
     def _forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool) -> Tensor:

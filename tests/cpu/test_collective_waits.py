@@ -93,8 +93,14 @@ def noted(monkeypatch, rank, error, at=None):
     with monkeypatch.context() as clock:
         if at is not None:
             clock.setattr(collective_waits.time, "time", lambda: at)
-        post_failure("blocks.0.moe", error)
+        post_failure("blocks.0.moe", error, ep_size=4)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+
+
+def test_a_layer_without_peers_notes_nothing(group_of_four, monkeypatch):
+    store = group_of_four(Store(present=[]))
+    post_failure("blocks.0.moe", ValueError("alone"), ep_size=1)
+    assert not store.check([f"{FAILURE_KEY}0"])
 
 
 def test_a_silent_rank_that_noted_its_error_is_named_with_it(group_of_four, monkeypatch):
