@@ -110,7 +110,7 @@ run_step() {
         note "OK   $name ($took s)"
         {
             grep -E '^(final loss|throughput|peak memory|eval loss|resumed|ds_comet op|shm comm op)' "$OUT/$name.log"
-            grep -oE 'ds_comet: MoE layer runs the (fused|reference) pipeline.*' "$OUT/$name.log" | sort -u
+            grep -oE 'ds_comet: .* runs the (fused|reference) pipeline.*' "$OUT/$name.log" | sort -u
         } | sed 's/^/         /' || true
         return 0
     fi

@@ -143,6 +143,10 @@ class LocalExperts:
         """The modules whose hooks the reference pipeline runs and the fused kernels would skip."""
         raise NotImplementedError
 
+    def uncalled_modules(self) -> List[nn.Module]:
+        """Modules of the experts that neither pipeline calls, so that hooks on them never run."""
+        return []
+
     def structure(self) -> tuple:
         """What must be alike on every rank of the group for the exchange to line up (checked by the
         group's agreement): the kind and sizes of the experts."""
@@ -188,7 +192,12 @@ class ModuleExperts(LocalExperts):
         return reason if reason is not None else ModuleFusedExperts(specs)
 
     def hookable_modules(self):
-        return [self.container] + [m for expert in self.modules for m in expert.modules()]
+        return [m for expert in self.modules for m in expert.modules()]
+
+    def uncalled_modules(self):
+        # Stock calls its Experts container on the [ep, L, C, M] capacity buffer, which ds_comet never
+        # builds (it sends uneven rows): each expert is called on its own rows instead.
+        return [self.container]
 
     def structure(self):
         first = self.modules[0]

@@ -119,9 +119,13 @@ def hooks_reason(modules: List[torch.nn.Module]) -> Optional[str]:
             return (f"a global module hook is registered ({name[8:]}); the fused kernels do not call the experts, "
                     "so it would not run")
     for module in modules:
-        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or \
-                module._backward_pre_hooks:
-            hooked = [name[1:] for name in MODULE_HOOKS if getattr(module, name)]
+        hooked = module_hooks(module)
+        if hooked:
             return (f"an expert's {type(module).__name__} has {' and '.join(hooked)}, which the fused kernels would "
                     "not run: they compute the experts without calling them")
     return None
+
+
+def module_hooks(module: torch.nn.Module) -> List[str]:
+    """The kinds of hooks registered on ``module`` ("forward_hooks", ...), none when it has none."""
+    return [name[1:] for name in MODULE_HOOKS if getattr(module, name)]

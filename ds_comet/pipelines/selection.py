@@ -30,7 +30,7 @@ from .expert_weights import LocalExperts
 from .fused import FusedPipeline
 from .parameters import choose_parameters, offsets_overflow
 from .chunked import rule_chunks
-from .policy import group_reason, hooks_reason, local_reason, node_name, structure_reason
+from .policy import group_reason, hooks_reason, local_reason, module_hooks, node_name, structure_reason
 from .reference import ReferencePipeline
 from .workspace import BufferShape, get_buffer
 
@@ -120,6 +120,7 @@ class PipelineSelection:
         if key != self._agreed_key:
             self._agreed_reason = self._agree(tokens)
             self._agreed_key = key
+            self._warn_uncalled_hooks()
         reason = self._agreed_reason
         self.reason = reason
         if reason is None:
@@ -136,6 +137,20 @@ class PipelineSelection:
         if self._hooked is None:  # walked once: it costs more than checking the hooks on every call
             self._hooked = self.experts.hookable_modules()
         return self._hooked
+
+    def _warn_uncalled_hooks(self) -> None:
+        """Hooks on modules that no comet pipeline calls (stock's ``Experts`` container) never run:
+        said once, on the rank that has them, with where to put them instead."""
+        for module in self.experts.uncalled_modules():
+            hooked = module_hooks(module)
+            message = (f"ds_comet: {self.name}: its {type(module).__name__} container has {' and '.join(hooked)}, "
+                       "which never run under the comet backend: stock calls the container on its capacity buffer, "
+                       "which comet does not build. Register them on the expert modules (deepspeed_experts[i]), "
+                       "which the reference pipeline calls: hooks there at the layer's first call keep it on that "
+                       "pipeline")
+            if hooked and message not in self._said:
+                self._said.add(message)
+                logger.warning(message)
 
     def _warn_skipped_hooks(self, hooks: str) -> None:
         """Hooks that appeared after the group agreed on the fused pipeline are skipped, with a warning:

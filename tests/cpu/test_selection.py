@@ -13,7 +13,7 @@ from ds_comet.kernels.ops import describe_error_record
 from ds_comet.pipelines.expert_weights import ModuleExperts, ModuleFusedExperts
 from ds_comet.pipelines.fused_kernels import PointerTables
 from ds_comet.pipelines.parameters import choose_parameters, max_received_rows, offsets_overflow
-from ds_comet.pipelines.policy import runtime_reason, structure_reason
+from ds_comet.pipelines.policy import hooks_reason, runtime_reason, structure_reason
 from ds_comet.pipelines.routing import plan_routes
 
 
@@ -359,6 +359,24 @@ def test_hooks_at_the_agreement_keep_the_group_on_the_reference_pipeline(monkeyp
     else:
         assert moe.pipelines.pipeline_for(tokens) is moe.pipelines.reference
         assert "an expert's FeedForward has forward_pre_hooks" in moe.pipelines.reason
+
+
+def test_hooks_on_the_experts_container_are_named_and_do_not_keep_the_layer_off_the_fused_pipeline(monkeypatch):
+    # Stock calls its Experts container on the capacity buffer, which comet does not build: neither
+    # pipeline calls the container, so its hooks cannot be run, and holding the group on the
+    # reference pipeline for them would only cost speed. The user is told where hooks do run.
+    said = _Said(monkeypatch)
+    moe = layer("auto").deepspeed_moe
+    calls = []
+    moe.experts.register_forward_hook(lambda module, args, out: calls.append(module))
+    monkeypatch.setattr(selection_module, "local_reason", lambda *args: _KernelsCanRun())
+    assert hooks_reason(moe.pipelines._hookable()) is None
+    moe.pipelines.pipeline_for(torch.randn(8, 16))
+    moe.pipelines.pipeline_for(torch.randn(8, 16))
+    warned = [line for line in said.lines if "container has forward_hooks" in line]
+    assert len(warned) == 1 and "deepspeed_experts[i]" in warned[0], said.lines
+    moe.pipelines.reference.forward(torch.randn(8, 16), torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8))
+    assert calls == [], "the reference pipeline calls each expert, not the container"
 
 
 def test_static_checks_run_again_for_new_dtype_or_width(monkeypatch):

@@ -21,11 +21,12 @@ from ...pipelines.expert_weights import StackedExperts
 from ...pipelines.selection import LayerSpec, PipelineSelection
 
 
-# "expert_parallel" keys that choose how AutoEP itself exchanges rows, runs the experts or combines:
-# the comet backend replaces those parts, so they do nothing under it. What stands in for each.
+# "expert_parallel" keys that choose how AutoEP itself exchanges rows or combines: the comet backend
+# replaces those parts, so they do nothing under it. What stands in for each. The keys that choose
+# how GroupedExperts computes (use_grouped_mm, disable_triton_grouped_mm, gate_up_impl) are not
+# here: the reference pipeline calls GroupedExperts, which follows them.
 REPLACED_KEYS = {
-    "use_grouped_mm": "the experts' GEMMs", "disable_triton_grouped_mm": "the experts' GEMMs",
-    "gate_up_impl": "the experts' GEMMs", "combine_impl": "the combine", "row_weighting_impl": "the combine",
+    "combine_impl": "the combine", "row_weighting_impl": "the combine",
     "async_split_plan": "the exchange", "comm_qp_margin": "the exchange",
     "comm_num_sm": "the exchange (\"moe\": {\"comm_blocks\"} sets the fused dispatch's SMs)",
     "comm_max_tokens_per_rank": "the exchange (\"moe\": {\"max_tokens_per_rank\"} sizes the fused workspace)",
