@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ds_comet.kernels.jit_build import GUARD_NAME, guarded_build
+from ds_comet.kernels.jit_build import FAILURE_NAME, GUARD_NAME, guarded_build
 
 # A builder that takes the guard, leaves torch's lock file as a build in progress does, says so and
 # then builds "forever": the test kills it there, as a Ctrl-C or a job's time limit would.
@@ -73,3 +73,30 @@ def test_a_waiting_build_proceeds_once_the_builder_dies(tmp_path):
         builder.kill()
         builder.wait(timeout=30)
         killer.wait(timeout=30)
+
+
+# A builder that takes the guard, says so, and fails after a moment, as a build with a compiler error does.
+FAILING_BUILDER = """
+import sys, time
+from ds_comet.kernels.jit_build import guarded_build
+def build():
+    print("building", flush=True)
+    time.sleep(1.5)
+    raise RuntimeError("nvcc: error in comet_kernels.cu")
+try:
+    guarded_build(sys.argv[1], build)
+except RuntimeError:
+    pass
+"""
+
+
+def test_processes_that_waited_for_a_failed_build_raise_its_error_and_later_ones_build_again(tmp_path):
+    builder = subprocess.Popen([sys.executable, "-c", FAILING_BUILDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert any(line.strip() == "building" for line in builder.stdout)
+        with pytest.raises(RuntimeError, match=f"waited for failed.*process {builder.pid}: RuntimeError: nvcc: error"):
+            guarded_build(str(tmp_path), lambda: pytest.fail("repeated the build that had just failed"), wait_s=60)
+    finally:
+        builder.wait(timeout=60)
+    assert guarded_build(str(tmp_path), lambda: "rebuilt") == "rebuilt"  # a later process tries again
+    assert not os.path.exists(tmp_path / FAILURE_NAME), "a build that succeeds clears the failure"
