@@ -70,8 +70,8 @@ class CometMoEConfig(DeepSpeedConfigModel):
     wait_timeout_s: float = Field(60.0, ge=1e-3, le=1e6, allow_inf_nan=False)
     """Longest a layer waits for a peer rank before it raises: a fused kernel's wait (the kernels
     count it in 64-bit nanoseconds: between a millisecond and about eleven days), or any of the
-    reference pipeline's waits on its group (which then looks as long again for the ranks that
-    stalled, to name them)."""
+    reference pipeline's waits on its group or of the group's agreement at a layer's first call
+    (which then look as long again for the ranks that stalled, to name them)."""
 
     def __init__(self, **data):
         # strict: DeepSpeedConfigModel otherwise drops every value spelled "auto", which would

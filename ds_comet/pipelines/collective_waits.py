@@ -1,4 +1,5 @@
-"""Bounded waits on the reference pipeline's collectives, and an error that names the ranks that stalled.
+"""Bounded waits on a layer's host-side collectives (the reference pipeline's, and the group's
+agreement at a layer's first call), and an error that names the ranks that stalled.
 
 A collective waits for every rank of its group. When one rank stops calling the layer (it raised,
 returned early or is stuck in other work), its peers would wait out the process group's timeout,
@@ -17,6 +18,7 @@ the time it was written, and a waiting rank reads only the notes written since o
 before its own wait began: an error caught and survived long before is not blamed.
 """
 
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -115,6 +117,27 @@ class CollectiveWaits:
             return silent
 
         return ask_store(roll_call, self.timeout_s + STORE_SLACK_S)
+
+
+def gather_objects(obj, waits: CollectiveWaits, what: str) -> list:
+    """``torch.distributed.all_gather_object`` over ``waits.group`` with each wait bounded as
+    ``waits`` bounds it (``what`` names the objects in the error): every rank's ``obj``, by rank."""
+    group = waits.group
+    on_gpu = torch.distributed.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    world = torch.distributed.get_world_size(group)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    waits.wait(torch.distributed.all_gather(sizes, size, group=group, async_op=True), f"the sizes of {what}", on_gpu,
+               read_back=True)
+    lengths = torch.cat(sizes).tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[:payload.numel()] = payload
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    waits.wait(torch.distributed.all_gather(gathered, padded, group=group, async_op=True), what, on_gpu,
+               read_back=True)
+    return [pickle.loads(part[:length].cpu().numpy().tobytes()) for part, length in zip(gathered, lengths)]
 
 
 def group_ranks(group) -> List[int]:

@@ -30,6 +30,7 @@ from .expert_weights import LocalExperts
 from .fused import FusedPipeline
 from .parameters import choose_parameters, offsets_overflow
 from .chunked import rule_chunks
+from .collective_waits import gather_objects
 from .policy import group_reason, hooks_reason, local_reason, module_hooks, node_name, structure_reason
 from .reference import ReferencePipeline
 from .workspace import BufferShape, get_buffer
@@ -209,8 +210,9 @@ class PipelineSelection:
         if self.group is None and self.spec.ep_size == 1:
             everyone = [local]
         else:
-            everyone = [None] * torch_dist.get_world_size(self.group)
-            torch_dist.all_gather_object(everyone, local, group=self.group)
+            everyone = gather_objects(local, self.reference.waits(),
+                                      "the other ranks' settings for this layer (the group's agreement at its first "
+                                      "call)")
         self._check_settings([entry[0] for entry in everyone])
         self.reference.chunks = self._internode_chunks({entry[2] for entry in everyone},
                                                        max(entry[4] for entry in everyone))

@@ -86,6 +86,36 @@ def test_a_peer_that_stops_calling_ends_the_wait_with_a_named_error(cpu_pool):
     assert 2.0 <= waited < 60.0, waited
 
 
+def first_call_alone_case():
+    """Rank 0 makes the layer's first call alone (its peers stall before theirs): the group's
+    agreement must end within wait_timeout_s with an error naming the layer and the silent ranks."""
+    import time
+
+    from ds_comet.kernels.ops import CometWaitTimeout
+    world = dist.get_world_size()
+    config = {"moe": {"backend": "comet", "wait_timeout_s": 2.0}}
+    layer = ds_comet.MoE(16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, k=1, config=config)
+    layer.set_deepspeed_parallelism()
+    layer.deepspeed_moe.pipelines.name = "blocks.4.moe"
+    if dist.get_rank() != 0:
+        return None
+    start = time.monotonic()
+    with pytest.raises(CometWaitTimeout) as raised:
+        layer(torch.randn(1, 8, 16))
+    return str(raised.value), time.monotonic() - start
+
+
+def test_a_first_call_whose_peers_stall_ends_with_a_named_error(cpu_pool):
+    try:
+        message, waited = cpu_pool.run(first_call_alone_case)[0]
+    finally:
+        cpu_pool.stop()  # rank 0's gather is still posted: the next test starts afresh
+    assert "blocks.4.moe" in message and "the group's agreement at its first call" in message, message
+    others = ", ".join(str(rank) for rank in range(1, cpu_world_size()))
+    assert f"global rank(s) {others} of the group did not report" in message, message
+    assert 2.0 <= waited < 60.0, waited  # the bound, not the pool's 120 s group timeout
+
+
 def raising_peer_case():
     """Both ranks call the layer; in the next call every rank but 0 raises before its first
     exchange (as a rank out of memory would): rank 0's error must say why, not only who."""
