@@ -47,73 +47,70 @@ def test_ep_size_larger_than_the_world_is_named(cpu_pool):
     cpu_pool.run(oversized_ep_case)
 
 
-def called_layer(name):
-    """A reference-pipeline layer named ``name``, whose waits end after 2 s, called once by every rank."""
+def named_layer(name, overlap="none"):
+    """A layer named ``name``, whose waits end after 2 s, built by every rank."""
     world = dist.get_world_size()
-    config = {"moe": {"backend": "comet", "overlap": "none", "wait_timeout_s": 2.0}}
+    config = {"moe": {"backend": "comet", "overlap": overlap, "wait_timeout_s": 2.0}}
     layer = ds_comet.MoE(16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, k=1, config=config)
     layer.set_deepspeed_parallelism()
     layer.deepspeed_moe.pipelines.name = name
+    return layer
+
+
+def called_layer(name):
+    """``named_layer``, called once by every rank."""
+    layer = named_layer(name)
     layer(torch.randn(1, 8, 16))
     return layer
+
+
+def call_alone_on_rank_0(layer):
+    """Rank 0 calls ``layer`` while its peers return: (rank 0's error, how long it waited); None elsewhere."""
+    import time
+
+    from ds_comet.kernels.ops import CometWaitTimeout
+    if dist.get_rank() != 0:
+        return None
+    start = time.monotonic()
+    with pytest.raises(CometWaitTimeout) as raised:
+        layer(torch.randn(1, 8, 16))
+    return str(raised.value), time.monotonic() - start
 
 
 def stopped_peer_case():
     """Both ranks call the layer, then rank 0 calls it once more alone: its wait must end with an
     error naming the layer within the section's wait_timeout_s, not the process group's timeout."""
-    import time
-
-    from ds_comet.kernels.ops import CometWaitTimeout
-    layer = called_layer("blocks.3.moe")
-    if dist.get_rank() != 0:
-        return None
-    start = time.monotonic()
-    with pytest.raises(CometWaitTimeout) as raised:
-        layer(torch.randn(1, 8, 16))
-    return str(raised.value), time.monotonic() - start
+    return call_alone_on_rank_0(called_layer("blocks.3.moe"))
 
 
-def test_a_peer_that_stops_calling_ends_the_wait_with_a_named_error(cpu_pool):
+def first_call_alone_case():
+    """Rank 0 makes the layer's first call alone (its peers stall before theirs): the group's
+    agreement must end within wait_timeout_s with an error naming the layer."""
+    return call_alone_on_rank_0(named_layer("blocks.4.moe", overlap="auto"))
+
+
+def rank_0_alone(cpu_pool, case):
+    """``case``'s answer on rank 0, checked to name the other ranks and to come after the bound."""
     try:
-        message, waited = cpu_pool.run(stopped_peer_case)[0]
+        message, waited = cpu_pool.run(case)[0]
     finally:
-        cpu_pool.stop()  # rank 0's exchange is still posted: the next test starts afresh
-    assert "blocks.3.moe" in message and "expert counts" in message and "wait_timeout_s" in message, message
+        cpu_pool.stop()  # rank 0's collective is still posted: the next test starts afresh
     # The other ranks returned from the test function and report no wait of their own: they are named.
     others = ", ".join(str(rank) for rank in range(1, cpu_world_size()))
     assert f"global rank(s) {others} of the group did not report" in message, message
     # The behaviour under test is the bound itself: 2 s asked for, the pool's group timeout is 120 s.
     assert 2.0 <= waited < 60.0, waited
+    return message
 
 
-def first_call_alone_case():
-    """Rank 0 makes the layer's first call alone (its peers stall before theirs): the group's
-    agreement must end within wait_timeout_s with an error naming the layer and the silent ranks."""
-    import time
-
-    from ds_comet.kernels.ops import CometWaitTimeout
-    world = dist.get_world_size()
-    config = {"moe": {"backend": "comet", "wait_timeout_s": 2.0}}
-    layer = ds_comet.MoE(16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, k=1, config=config)
-    layer.set_deepspeed_parallelism()
-    layer.deepspeed_moe.pipelines.name = "blocks.4.moe"
-    if dist.get_rank() != 0:
-        return None
-    start = time.monotonic()
-    with pytest.raises(CometWaitTimeout) as raised:
-        layer(torch.randn(1, 8, 16))
-    return str(raised.value), time.monotonic() - start
+def test_a_peer_that_stops_calling_ends_the_wait_with_a_named_error(cpu_pool):
+    message = rank_0_alone(cpu_pool, stopped_peer_case)
+    assert "blocks.3.moe" in message and "expert counts" in message and "wait_timeout_s" in message, message
 
 
 def test_a_first_call_whose_peers_stall_ends_with_a_named_error(cpu_pool):
-    try:
-        message, waited = cpu_pool.run(first_call_alone_case)[0]
-    finally:
-        cpu_pool.stop()  # rank 0's gather is still posted: the next test starts afresh
+    message = rank_0_alone(cpu_pool, first_call_alone_case)
     assert "blocks.4.moe" in message and "the group's agreement at its first call" in message, message
-    others = ", ".join(str(rank) for rank in range(1, cpu_world_size()))
-    assert f"global rank(s) {others} of the group did not report" in message, message
-    assert 2.0 <= waited < 60.0, waited  # the bound, not the pool's 120 s group timeout
 
 
 def raising_peer_case():
