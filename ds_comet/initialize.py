@@ -36,10 +36,10 @@ def initialize(*args, **kwargs):
     converted = convert_moe_layers(engine.module, config)
     section = (getattr(engine._config, "_param_dict", None) or {}).get("expert_parallel") or {}
     if converted and section.get("enabled"):
-        from .integrations.autoep.layer import replaced_keys_message
-        message = replaced_keys_message(section)
-        if message is not None:
-            log_dist(message, ranks=[0], level=logging.WARNING)
+        from .integrations.autoep.layer import moe_keys_message, replaced_keys_message
+        for message in (replaced_keys_message(section), moe_keys_message(config)):
+            if message is not None:
+                log_dist(message, ranks=[0], level=logging.WARNING)
     return (engine, *rest)
 
 

@@ -51,6 +51,14 @@ def test_autoep_keys_the_comet_backend_replaces_are_named():
     assert set(REPLACED_KEYS) <= set(_autoep_section_keys())
 
 
+def test_a_graphed_gate_asked_for_autoep_layers_is_named():
+    from ds_comet.config import CometMoEConfig
+    from ds_comet.integrations.autoep.layer import moe_keys_message
+    assert moe_keys_message(CometMoEConfig(backend="comet")) is None
+    assert "AutoEP's layers route with their own router" in moe_keys_message(
+        CometMoEConfig(backend="comet", cuda_graph_gate=True))
+
+
 def _autoep_section_keys():
     """The keys DeepSpeed's AutoEP parser reads, from its source (so a renamed key fails here)."""
     import inspect

@@ -423,3 +423,14 @@ def test_allocator_settings_that_cuda_ipc_cannot_share(monkeypatch, settings, ex
         monkeypatch.setenv(name, value)
     refusal = allocator_ipc_refusal()
     assert (refusal is None) if expected is None else (expected in refusal), refusal
+
+
+def test_wall_clock_breakdown_times_the_comet_layer_as_stock_does():
+    # DeepSpeed's engine sets wall_clock_breakdown on every MOELayer and prints the sum of their
+    # time_moe as fwd_moe: a comet layer must record its own, as stock's forward does.
+    moe = layer("none")
+    inner = moe.deepspeed_moe
+    inner.wall_clock_breakdown = True
+    assert inner.time_moe == 0.0
+    out, _, _ = moe(torch.randn(2, 64, 16))
+    assert out.shape == (2, 64, 16) and inner.time_moe > 0.0

@@ -42,6 +42,14 @@ def replaced_keys_message(section: dict) -> Optional[str]:
             "replaces, so they take no effect: " + "; ".join(found))
 
 
+def moe_keys_message(config: CometMoEConfig) -> Optional[str]:
+    """What to tell a user whose "moe" section sets keys that AutoEP's layers do not use."""
+    if not config.cuda_graph_gate:
+        return None
+    return ("ds_comet: \"moe\": {\"cuda_graph_gate\": true} replays DeepSpeed's TopKGate from CUDA graphs; "
+            "AutoEP's layers route with their own router, which runs as it is")
+
+
 def _layer_spec(layer: AutoEPMoELayer) -> LayerSpec:
     ep_size, num_local, top_k = layer.ep_size, layer.num_local_experts, layer.top_k
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import deepspeed.moe.layer
 from deepspeed import comm as dist
-from deepspeed.moe.sharded_moe import MOELayer
+from deepspeed.moe.sharded_moe import MOE_TIMER, MOELayer
 from deepspeed.utils import groups, log_dist
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import Tensor
@@ -77,6 +77,18 @@ class CometMOELayer(MOELayer):
         self.pipelines.set_group(ep_group)
 
     def forward(self, hidden_states: Tensor, used_token: Optional[Tensor] = None) -> Tensor:
+        # DeepSpeed's "wall_clock_breakdown" reads the layer's time as stock's forward records it
+        # (fwd_moe; with a device sync, as stock's timer makes). The all-to-alls have no time of
+        # their own here, overlapped or inside the pipeline: 1st_a2a and 2nd_a2a stay 0.
+        if self.wall_clock_breakdown:
+            self.timers(MOE_TIMER).start()
+        output = self._forward(hidden_states, used_token)
+        if self.wall_clock_breakdown:
+            self.timers(MOE_TIMER).stop()
+            self.time_moe = self.timers(MOE_TIMER).elapsed(reset=False)
+        return output
+
+    def _forward(self, hidden_states: Tensor, used_token: Optional[Tensor]) -> Tensor:
         if self.ep_size > 1 and self.ep_group is None:
             raise RuntimeError(f"the MoE layer has ep_size={self.ep_size} but no expert-parallel group: call "
                                "deepspeed.initialize(...) or the layer's set_deepspeed_parallelism() first")
