@@ -49,6 +49,11 @@ def tokens_reason(tokens: torch.Tensor) -> Optional[str]:
     """Why the fused kernels cannot take these tokens, or None."""
     if tokens.device.type != "cuda":
         return f"the tokens are on {tokens.device.type}; the fused kernels need CUDA"
+    current = torch.cuda.current_device()
+    if tokens.device.index is not None and tokens.device.index != current:
+        return (f"the tokens are on {tokens.device} but the current CUDA device is cuda:{current}, where the fused "
+                f"workspace is built (call torch.cuda.set_device({tokens.device.index}) first, as DeepSpeed's "
+                "launcher does for each rank)")
     if tokens.dtype not in FUSED_DTYPES:
         return (f"the tokens are {tokens.dtype}; the fused kernels run bf16 and fp16 (enable \"bf16\" or \"fp16\" "
                 "in the ds_config)")

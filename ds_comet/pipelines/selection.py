@@ -7,7 +7,8 @@ a GPU, where the user expects the fused one; INFO on CPU). With ``"overlap": "fu
 error instead, and the experts' structure is checked when the layer is built.
 
 The ranks of the group agree in one collective at the first call, and again whenever the tokens'
-dtype, width or device changes: on the layer's settings (a difference is an error on every rank
+dtype, width or device or the layer's settings (the gate's capacity factors, say) change: on the
+layer's settings (a difference is an error on every rank
 naming the field, the values and the ranks, before any exchange could misread rows), on every rank's
 answer to the local checks, and on the hosts and GPUs; the fused workspace is then built by all of
 them at once, so every rank takes the same path. Hooks on the experts (or global module hooks)
@@ -43,15 +44,16 @@ class LayerSpec:
     """What the pipelines need to know of a layer besides its experts.
 
     ``row_bound(max_tokens, train)``: the most rows one rank can receive when every rank feeds at
-    most ``max_tokens`` tokens, in training (True) or eval capacity. ``settings``: (name, value) pairs
-    every rank of the group must share (k, capacity, ...), checked by the group's agreement.
+    most ``max_tokens`` tokens, in training (True) or eval capacity. ``settings()``: (name, value)
+    pairs every rank of the group must share (k, capacity, ...), read at every call: the group agrees
+    again when they change (the row bound, for one, follows the gate's capacity factors).
     ``scale_before``: the routes' weights scale the rows before the experts (AutoEP's "pre").
     """
     num_experts: int
     ep_size: int
     top_k: int
     row_bound: Callable[[int, bool], int]
-    settings: Tuple[Tuple[str, object], ...] = ()
+    settings: Callable[[], Tuple[Tuple[str, object], ...]] = tuple
     scale_before: bool = False
 
 
@@ -84,7 +86,7 @@ class PipelineSelection:
         self.fused: Optional[FusedPipeline] = None
         self.name = name or f"MoE layer {next(_LAYER_NUMBERS)}"
         self.reason: Optional[str] = None
-        self._agreed_key = None  # what the agreement was made for: the tokens' dtype, width and device
+        self._agreed_key = None  # what the agreement was made for: the tokens' dtype, width, device, settings
         self._agreed_reason: Optional[str] = None
         self._hooked: Optional[List[torch.nn.Module]] = None
         self._said = set()
@@ -116,8 +118,8 @@ class PipelineSelection:
 
     def pipeline_for(self, tokens: torch.Tensor) -> Pipeline:
         """The pipeline for a call on ``tokens`` ([S, H]); the first call (and one on tokens of another
-        dtype, width or device) makes the group agree, collectively."""
-        key = (tokens.dtype, tokens.shape[-1], tokens.device)
+        dtype, width or device, or with other layer settings) makes the group agree, collectively."""
+        key = (tokens.dtype, tokens.shape[-1], tokens.device, self.spec.settings())
         if key != self._agreed_key:
             self._agreed_reason = self._agree(tokens)
             self._agreed_key = key
@@ -181,7 +183,7 @@ class PipelineSelection:
     def _settings(self, tokens: torch.Tensor) -> Tuple[Tuple[str, object], ...]:
         return (("overlap", self.config.overlap), ("num_experts", self.spec.num_experts),
                 ("ep_size", self.spec.ep_size), ("k", self.spec.top_k),
-                ("internode_chunks", self.config.internode_chunks)) + tuple(self.spec.settings) + (
+                ("internode_chunks", self.config.internode_chunks)) + self.spec.settings() + (
                     ("hidden size", tokens.shape[-1]), ("dtype", str(tokens.dtype)),
                     ("experts", self.experts.structure()))
 

@@ -163,6 +163,15 @@ def test_unsupported_refused_at_construction(kwargs, error, words):
     assert words in str(raised.value)
 
 
+def test_a_stock_layer_with_more_routes_than_experts_stays_stock():
+    # Stock's top-2 gate with one expert routes a token to it twice: ds_comet.initialize's conversion
+    # refuses it as the comet MoE's constructor does, and the refused layer is left as it was.
+    stock = build_moe({"moe": {"backend": "deepspeed"}}, expert=expert(), **{**MOE_KWARGS, "num_experts": 1})
+    with pytest.raises(ValueError, match=r"k \(2\) must be between 1 and num_experts \(1\)"):
+        CometMOELayer.adopt(stock.deepspeed_moe, CometMoEConfig(backend="comet"))
+    assert type(stock.deepspeed_moe) is deepspeed.moe.sharded_moe.MOELayer
+
+
 def test_forward_without_group_says_what_to_do():
     layer = ds_comet.MoE(16, expert(), num_experts=4, ep_size=2, k=1)
     with pytest.raises(RuntimeError, match="set_deepspeed_parallelism"):

@@ -392,6 +392,34 @@ def test_static_checks_run_again_for_new_dtype_or_width(monkeypatch):
     assert agreed == [(torch.float32, 16), (torch.float16, 16), (torch.float32, 16)]
 
 
+def test_tokens_on_another_gpu_than_the_current_one_are_a_reason(monkeypatch):
+    # The workspace is allocated on the current device: tokens elsewhere would meet it in the
+    # exchange as an error about mixed devices rather than this one, which says what to call.
+    from types import SimpleNamespace
+
+    from ds_comet.pipelines.policy import tokens_reason
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    on_gpu_1 = SimpleNamespace(device=torch.device("cuda", 1), dtype=torch.bfloat16)
+    assert "call torch.cuda.set_device(1) first" in tokens_reason(on_gpu_1)
+    assert tokens_reason(SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)) is None
+
+
+def test_the_group_agrees_again_when_the_gates_capacity_changes(monkeypatch):
+    # The fused workspace's row bound comes from the gate's capacity factors at the agreement: a
+    # raised factor must be agreed again (and the workspace sized for it), not overflow the old one.
+    moe = layer("auto").deepspeed_moe
+    pipelines, tokens = moe.pipelines, torch.randn(8, 16)
+    bounds = []
+    monkeypatch.setattr(pipelines, "_agree", lambda t: bounds.append(pipelines.spec.row_bound(64, True)) or "stub")
+    moe.gate.capacity_factor = moe.gate.eval_capacity_factor = 0.25
+    pipelines.pipeline_for(tokens)
+    pipelines.pipeline_for(tokens)
+    moe.gate.capacity_factor = 4.0
+    pipelines.pipeline_for(tokens)
+    pipelines.pipeline_for(tokens)
+    assert len(bounds) == 2 and bounds[1] > bounds[0], bounds
+
+
 def test_expert_tables_refuse_weights_converted_after_the_choice():
     modules = [FeedForward(8, 16) for _ in range(2)]
     fused = ModuleFusedExperts([fused_expert(m) for m in modules])

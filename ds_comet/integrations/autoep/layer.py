@@ -59,7 +59,7 @@ def _layer_spec(layer: AutoEPMoELayer) -> LayerSpec:
 
     settings = (("integration", "AutoEP"), ("model family", layer.model_family), ("score_apply", layer.score_apply))
     return LayerSpec(num_experts=layer.num_experts, ep_size=ep_size, top_k=top_k, row_bound=row_bound,
-                     settings=settings, scale_before=layer.score_apply == "pre")
+                     settings=lambda: settings, scale_before=layer.score_apply == "pre")
 
 
 class CometAutoEPMoELayer(AutoEPMoELayer):

@@ -33,10 +33,12 @@ def _layer_spec(moe: MOELayer) -> LayerSpec:
         return max_received_rows(max_tokens, gate.k, num_experts, moe.ep_size, gate.drop_tokens, factor, factor,
                                  gate.min_capacity)
 
-    settings = (("integration", "deepspeed.moe.layer.MoE"), ("capacity_factor", gate.capacity_factor),
+    def settings():  # read at every call: the row bound follows a change of the capacity factors
+        return (("integration", "deepspeed.moe.layer.MoE"), ("capacity_factor", gate.capacity_factor),
                 ("eval_capacity_factor", gate.eval_capacity_factor), ("min_capacity", gate.min_capacity),
                 ("drop_tokens", gate.drop_tokens), ("use_rts", gate.use_rts),
                 ("noisy_gate_policy", gate.noisy_gate_policy))
+
     return LayerSpec(num_experts=num_experts, ep_size=moe.ep_size, top_k=gate.k, row_bound=row_bound,
                      settings=settings)
 
@@ -58,6 +60,7 @@ class CometMOELayer(MOELayer):
         if layer.ep_group is not None:
             _refuse_tensor_parallel()
         # Everything that can refuse runs before the class changes: a refused layer stays stock's.
+        _refuse_top_k(layer.num_local_experts * layer.ep_size, layer.gate.k)
         reason = row_mixing_reason(layer.experts.deepspeed_experts[0])
         if reason is not None:
             raise ValueError(reason)
@@ -164,11 +167,17 @@ def _refuse_tensor_parallel():
                                   "(mpu tensor parallel size > 1); use \"moe\": {\"backend\": \"deepspeed\"}")
 
 
+def _refuse_top_k(num_experts: int, k: int) -> None:
+    # Stock's top-2 gate with one expert sends both routes to it, which the fused workspace's row
+    # bound (a token at most once per local expert) does not admit.
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
+
+
 def _refuse_unsupported(num_experts, ep_size, k, use_tutel, enable_expert_tensor_parallelism):
     if ep_size < 1 or num_experts < 1 or num_experts % ep_size:
         raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of ep_size ({ep_size})")
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
+    _refuse_top_k(num_experts, k)
     if use_tutel:
         raise ValueError("use_tutel=True replaces stock DeepSpeed's dispatch; the comet backend has its own. "
                          "Drop use_tutel, or use \"moe\": {\"backend\": \"deepspeed\"}")
