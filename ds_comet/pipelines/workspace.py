@@ -233,7 +233,9 @@ _BUFFERS: Dict[tuple, CometBuffer] = {}
 
 def get_buffer(group, shape: BufferShape, timeout_s: float, shared_device: bool = False) -> CometBuffer:
     """The group's buffer for this shape, built (collectively) the first time it is asked for."""
-    key = (group.group_name if group is not None else None, shape, timeout_s)
+    # The group object, not its name: torch numbers group names from 0 again after
+    # destroy_process_group, so a group made after a re-initialisation may reuse a dead group's name.
+    key = (group, shape, timeout_s)
     if key not in _BUFFERS:
         _BUFFERS[key] = CometBuffer(group, shape, timeout_s, shared_device)
     return _BUFFERS[key]

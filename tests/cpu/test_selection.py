@@ -462,3 +462,19 @@ def test_wall_clock_breakdown_times_the_comet_layer_as_stock_does():
     assert inner.time_moe == 0.0
     out, _, _ = moe(torch.randn(2, 64, 16))
     assert out.shape == (2, 64, 16) and inner.time_moe > 0.0
+
+
+def test_a_group_made_after_a_reinitialisation_gets_its_own_workspace(monkeypatch):
+    # torch numbers group names from 0 again after destroy_process_group: a new group with a dead
+    # one's name must not be handed the dead group's workspace (its peers' memory, its rendezvous).
+    import ds_comet.pipelines.workspace as workspace
+
+    class Group:
+        group_name = "1"
+
+    monkeypatch.setattr(workspace, "_BUFFERS", {})
+    monkeypatch.setattr(workspace, "CometBuffer", lambda group, shape, timeout_s, shared: (group, shape))
+    shape = "a buffer shape"
+    dead, alive = Group(), Group()
+    assert workspace.get_buffer(dead, shape, 60.0) is workspace.get_buffer(dead, shape, 60.0)
+    assert workspace.get_buffer(alive, shape, 60.0)[0] is alive
