@@ -725,3 +725,19 @@ def test_capacity_is_remembered_per_type_of_factor(monkeypatch):
             gate.wg.weight.zero_()  # every token ties, so expert 0 gets all 50 and the capacity binds
         assert_bitwise_equal(run_gate(gate_routes, gate, tokens, None, 3, 4), run_gate(stock_routes, gate, tokens,
                                                                                         None, 3, 4))
+
+
+def test_graphs_captured_for_moved_parameters_are_dropped():
+    # After model.half() (or a move, or a reload into new tensors) a graph captured for the gate's
+    # old parameter storage can never replay: it must not hold its memory pool and one of the
+    # layer's MAX_SIGNATURES slots, which would send the current storage to the eager gate for good.
+    from ds_comet.integrations.legacy.gate_graph import GateGraphs, _signature
+    gate = TopKGate(16, 4, k=2)
+    graphs, tokens = GateGraphs(), torch.randn(8, 16)
+    old = _signature(gate, tokens, None, list(gate.parameters()), True)
+    graphs._captured[old] = "captured for the fp32 weights"
+    gate.half()
+    current = _signature(gate, tokens.half(), None, list(gate.parameters()), True)
+    graphs._captured[current] = "captured for the fp16 weights"
+    graphs._forget_moved(list(gate.parameters()))
+    assert list(graphs._captured) == [current]

@@ -27,6 +27,7 @@ offloading of activations would be bypassed), while another capture is under way
 Each captured signature holds its activations and the backward's temporaries permanently: at
 the bench's three shapes 129-192 MiB allocated and 218-326 MiB reserved per layer, mostly the fp32
 features and their gradient and the bf16 gradient of the tokens (about 6 bytes x tokens x hidden).
+Signatures captured for the parameters' old storage are dropped at the next capture.
 """
 
 import contextlib
@@ -54,11 +55,17 @@ def _fp32_matmul_precision():
         return torch.backends.cuda.matmul.allow_tf32
 
 
+def _parameter_storage(params) -> tuple:
+    """Where and in which dtype the gate's parameters live: a graph captured for other storage can never
+    replay again (after ``model.half()``, a move, a reload into new tensors)."""
+    return tuple(p.data_ptr() for p in params), tuple(p.dtype for p in params)
+
+
 def _signature(gate, tokens: Tensor, op, params, needs_grad: bool) -> tuple:
-    """What a captured graph is only valid for."""
-    return (gate.training, needs_grad, torch.is_inference_mode_enabled(), tokens.requires_grad,
-            tuple(p.requires_grad for p in params), tuple(p.data_ptr() for p in params),
-            tuple(p.dtype for p in params), tuple(tokens.shape), tokens.dtype, tokens.device, op is None,
+    """What a captured graph is only valid for; its first entry is ``_parameter_storage``."""
+    return (_parameter_storage(params), gate.training, needs_grad, torch.is_inference_mode_enabled(),
+            tokens.requires_grad, tuple(p.requires_grad for p in params), tuple(tokens.shape), tokens.dtype,
+            tokens.device, op is None,
             torch.are_deterministic_algorithms_enabled(), _fp32_matmul_precision(),
             id(sharded_moe.gumbel_rsample), gate.k,
             gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy,
@@ -205,6 +212,7 @@ class GateGraphs:
         key = _signature(gate, tokens, op, params, needs_grad)
         captured = self._captured.get(key)
         if captured is None:
+            self._forget_moved(params)
             if len(self._captured) >= MAX_SIGNATURES:
                 return gate_routes(gate, tokens, used_token, op)
             captured = self._captured[key] = self._capture(gate, tokens, op, params, needs_grad)
@@ -212,6 +220,13 @@ class GateGraphs:
             return gate_routes(gate, tokens, used_token, op)
         l_aux, indices, gates, counts = ReplayRoutes.apply(captured, tokens, *params)
         return l_aux, captured.num_experts, indices, gates, counts
+
+    def _forget_moved(self, params) -> None:
+        """Drops the graphs captured for the parameters' old storage, with their memory pools: they
+        can never replay, and they would hold signature slots the current storage needs."""
+        storage = _parameter_storage(params)
+        for key in [key for key in self._captured if key[0] != storage]:
+            del self._captured[key]
 
     @staticmethod
     def _capture(gate, tokens, op, params, needs_grad) -> _Captured:
