@@ -58,8 +58,11 @@ def guarded_build(directory: str, build: Callable[[], T], wait_s: float = BUILD_
         try:
             built = build()
         except Exception as error:
-            with open(failure_path, "w") as failure:
-                failure.write(f"{time.time():.3f} process {os.getpid()}: {type(error).__name__}: {error}"[:4000])
+            try:
+                with open(failure_path, "w") as failure:
+                    failure.write(f"{time.time():.3f} process {os.getpid()}: {type(error).__name__}: {error}"[:4000])
+            except OSError:  # the build's own error matters more than this note for the waiters
+                pass
             raise
         if os.path.exists(failure_path):
             os.unlink(failure_path)
