@@ -41,12 +41,6 @@ def cpu_pool():
 
 
 @pytest.fixture(scope="session")
-def dist2(cpu_pool):
-    """cpu_pool under its old name, from when it always held two ranks."""
-    return cpu_pool
-
-
-@pytest.fixture(scope="session")
 def gpu_pool():
     """One NCCL rank per visible GPU, at most DS_COMET_TEST_WORLD_SIZE, for the fused kernels; skips without CUDA.
 

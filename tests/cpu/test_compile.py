@@ -10,7 +10,7 @@ eagerly: see ``ds_comet.pipelines.reference.exchange``) and the data-dependent `
 orders the received rows by expert, plus, on a first call, the "runs the reference pipeline" log
 line and the capacity's ``int()``. Stock breaks at its capacity's ``int()``; its all-to-alls are
 traced, and on torch 2.11 their compiled backward gives wrong gradients (the input gradient off
-by as much as itself; 2.12 was not tried), so stock's compiled step is held to its eager one only
+by as much as itself; 2.12 is not checked), so stock's compiled step is held to its eager one only
 from 2.13, where it is right.
 
 GPU (skipped without CUDA): the fused pipeline compiled with "aot_eager", with and without the

@@ -94,7 +94,7 @@ def remove_shm_buffers(port: int):
     """Unlink the /dev/shm all-reduce buffers DeepSpeed's CPU comm op made for a job on this port.
 
     The op never unlinks them, and killed ranks cannot: every pool start would otherwise leave
-    2 x 66 MiB behind in memory-backed /dev/shm (21 GB after a day of test runs on this machine).
+    2 x 66 MiB behind in memory-backed /dev/shm (21 GB after about 160 pool starts).
     """
     _unlink_matching(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*")
 
