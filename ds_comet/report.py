@@ -6,7 +6,6 @@ layer with a given ds_config would run here, and why.
 
 import argparse
 import importlib
-import os
 
 import torch
 
@@ -31,7 +30,7 @@ def pipeline_verdict(config) -> str:
     if not torch.cuda.is_available():
         reason = "no CUDA device is visible"
     elif _version("triton") == "not installed":
-        reason = "triton is not installed (pip install ds_comet[triton])"
+        reason = "triton is not installed (pip install 'ds_comet[triton]')"
     else:
         reason = op_unavailable_reason()
     if reason is None:
@@ -45,6 +44,7 @@ def pipeline_verdict(config) -> str:
 def report(config=None) -> str:
     import deepspeed
 
+    from ds_comet.kernels.jit_build import build_state
     from ds_comet.op_builder import CometBuilder
 
     lines = ["ds_comet report", "-" * 60]
@@ -56,8 +56,7 @@ def report(config=None) -> str:
         importlib.import_module(builder.absolute_name())
         built = "built ahead of time"
     except ImportError:
-        cache = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
-        built = "not built" if reason else f"JIT-built on first use into {cache}"
+        built = "not built" if reason else f"JIT-built on first use: {build_state(builder.NAME)}"
     lines.append(f"op {builder.NAME}: {'compatible' if reason is None else 'NOT compatible: ' + reason}; {built}")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     lines.append(f"GPUs: {count}")

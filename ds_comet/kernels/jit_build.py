@@ -36,6 +36,22 @@ def torch_build_directory(name: str) -> str:
     return _get_build_directory(name, verbose=False)
 
 
+def build_state(name: str) -> str:
+    """What the JIT build directory of extension ``name`` holds, in words, for reports: where it is,
+    whether the op is built there, and what a killed or failed build left behind."""
+    directory = torch_build_directory(name)
+    parts = [f"{'built' if os.path.exists(os.path.join(directory, f'{name}.so')) else 'not built yet'} in {directory}"]
+    if os.path.exists(os.path.join(directory, "lock")):
+        parts.append("torch's build lock is there: a build is running, or one was killed (the next load removes "
+                     "a killed build's lock)")
+    try:
+        with open(os.path.join(directory, FAILURE_NAME)) as failure:
+            parts.append(f"the last build failed: {failure.read().partition(' ')[2]}")
+    except FileNotFoundError:
+        pass
+    return "; ".join(parts)
+
+
 def guarded_build(directory: str, build: Callable[[], T], wait_s: float = BUILD_WAIT_S) -> T:
     """``build()`` (a JIT build or load into ``directory``) under this module's flock there.
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ds_comet.kernels.jit_build import FAILURE_NAME, GUARD_NAME, guarded_build
+from ds_comet.kernels.jit_build import FAILURE_NAME, GUARD_NAME, build_state, guarded_build
 
 # A builder that takes the guard, leaves torch's lock file as a build in progress does, says so and
 # then builds "forever": the test kills it there, as a Ctrl-C or a job's time limit would.
@@ -100,3 +100,14 @@ def test_processes_that_waited_for_a_failed_build_raise_its_error_and_later_ones
         builder.wait(timeout=60)
     assert guarded_build(str(tmp_path), lambda: "rebuilt") == "rebuilt"  # a later process tries again
     assert not os.path.exists(tmp_path / FAILURE_NAME), "a build that succeeds clears the failure"
+
+
+def test_the_report_says_what_a_killed_or_failed_build_left(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert build_state("an_op") == f"not built yet in {tmp_path / 'an_op'}"
+    (tmp_path / "an_op" / "lock").touch()
+    (tmp_path / "an_op" / FAILURE_NAME).write_text("1.0 process 7: RuntimeError: nvcc: error")
+    (tmp_path / "an_op" / "an_op.so").touch()
+    state = build_state("an_op")
+    assert state.startswith("built in") and "torch's build lock is there" in state, state
+    assert state.endswith("the last build failed: process 7: RuntimeError: nvcc: error"), state
