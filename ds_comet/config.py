@@ -60,6 +60,13 @@ class CometMoEConfig(DeepSpeedConfigModel):
     run while the next is exchanged (default: a rule, 2 to 8 by the routes a rank sends; 1 sends
     them whole)."""
 
+    internode_forwarding: bool = False
+    """Where the expert-parallel group spans nodes: send each token once to each node that holds one
+    of its experts (to that node's rank in the sender's lane) and forward it inside the node, rather
+    than once to each rank; each node returns one row a token. Fewer rows cross between nodes (the
+    cost model in docs/design.md), for two exchanges each way. Needs the group's ranks to fill its
+    nodes in order, the same number each; otherwise the rows go to each rank, with a warning."""
+
     cuda_graph_gate: bool = False
     """Replay the gate's routing from CUDA graphs on the fused path: bit for bit the same routes,
     gates, aux loss and gradients, 0.24-0.53 ms less per forward and 0.43-0.59 ms less per training

@@ -102,6 +102,9 @@ class ReferencePipeline:
         self.wait_timeout_s = wait_timeout_s
         self.layer_name = layer_name
         self.chunks = 1  # the exchange's chunks: more than 1 only where the group spans nodes (selection.py)
+        # Ranks a node holds, where a group that spans nodes forwards each token inside the
+        # destination node ("internode_forwarding", selection.py); None: straight to each rank.
+        self.ranks_per_node = None
 
     def forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool = False) -> Tensor:
         """The experts' combined output for ``tokens`` ([S, H]).
@@ -131,6 +134,13 @@ class ReferencePipeline:
         # either way, so that every rank exchanges as many and can check that they all agree.
         planned = self.chunks if self.ep_size > 1 else 1
         chunks = 1 if saved_tensor_hooks_active() else planned
+        if self.ranks_per_node is not None:
+            return self._forward_by_node(tokens, indices, weights, scale_before, planned, chunks)
+        return self._forward_by_rank(tokens, indices, weights, scale_before, planned, chunks)
+
+    def _forward_by_rank(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool, planned: int,
+                         chunks: int) -> Tensor:
+        """Each token once to each rank that holds one of its routes (``forward``)."""
         plan = plan_rank_rows(indices, self.num_experts, self.ep_size, planned)
         send_rows, recv_rows, routes_per_expert = self._splits(plan.route_counts, plan.rank_rows, chunks)
         num_sent = sum(send_rows)
@@ -143,17 +153,65 @@ class ReferencePipeline:
 
         if self.ep_size == 1:
             returned = work(rows, routes, 0)
-        elif chunks > 1:
-            returned = chunked_exchange(rows, routes, send_rows, recv_rows, chunks, work, self.experts.parameters(),
-                                        self.waits())
         else:
-            waits = self.waits()
-            received_rows = exchange(rows, send_rows, recv_rows, waits, "the rows the other ranks send it")
-            received_routes = exchange(routes, send_rows, recv_rows, waits, "the routes of those rows")
-            returned = exchange(work(received_rows, received_routes, 0), recv_rows, send_rows, waits,
-                                "its rows, back from their experts' ranks")
+            returned = self._there_and_back(rows, routes, send_rows, recv_rows, chunks, work, "ranks")
         slots = min(weights.shape[0], self.ep_size)
         return sum_rows(returned, pair_token, plan.pair_slot[:num_sent], tokens.shape[0], slots).to(returned.dtype)
+
+    def _forward_by_node(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool, planned: int,
+                         chunks: int) -> Tensor:
+        """Each token once to each node that holds one of its routes, then inside that node once to
+        each rank that holds one (``"internode_forwarding"``).
+
+        The group's ranks fill its nodes in order, ``ranks_per_node`` each: group rank ``r`` is rank
+        ``r % ranks_per_node`` (its lane) of node ``r // ranks_per_node``. A token crosses to node m
+        once, to the rank of node m in its sender's lane, with its routes' experts on node m (-1
+        elsewhere) and gates; that rank passes it on inside node m as ``_forward_by_rank`` passes a
+        token to ranks, and returns the node's sum of the token's routes, one row a node.
+        """
+        per_node = self.ranks_per_node
+        nodes = self.ep_size // per_node
+        node, lane = divmod(dist.get_rank(group=self.group), per_node)
+        plan = plan_rank_rows(indices, self.num_experts, nodes, planned)  # destinations: nodes
+        send_rows, recv_rows = self._lane_splits(plan.rank_rows, lane, chunks)
+        num_sent = sum(send_rows)
+        pair_token = plan.pair_token[:num_sent]
+        rows = tokens.index_select(0, pair_token)
+        routes = pack_routes(plan.local_experts[:num_sent], weights.t().index_select(0, pair_token))
+        first_expert = node * (self.num_experts // nodes)
+
+        def work(received_rows: Tensor, received_routes: Tensor, chunk: int) -> Tensor:
+            node_experts, gates = unpack_routes(received_routes)
+            experts = torch.where(node_experts >= 0, node_experts + first_expert, node_experts)
+            return self._forward_by_rank(received_rows, experts.t(), gates.t(), scale_before, 1, 1)
+
+        returned = self._there_and_back(rows, routes, send_rows, recv_rows, chunks, work, "nodes")
+        slots = min(weights.shape[0], nodes)
+        return sum_rows(returned, pair_token, plan.pair_slot[:num_sent], tokens.shape[0], slots).to(returned.dtype)
+
+    def _there_and_back(self, rows: Tensor, routes: Tensor, send_rows: List[int], recv_rows: List[int], chunks: int,
+                        work, peers: str) -> Tensor:
+        """``work``'s rows for ``rows`` and their ``routes`` (grouped by destination rank as
+        ``send_rows`` says), exchanged over the group there and back, whole or in ``chunks``;
+        ``peers`` ("ranks" or "nodes") names the destinations in the errors of the whole exchange."""
+        if chunks > 1:
+            return chunked_exchange(rows, routes, send_rows, recv_rows, chunks, work, self.experts.parameters(),
+                                    self.waits())
+        waits = self.waits()
+        received_rows = exchange(rows, send_rows, recv_rows, waits, f"the rows the other {peers} send it")
+        received_routes = exchange(routes, send_rows, recv_rows, waits, "the routes of those rows")
+        return exchange(work(received_rows, received_routes, 0), recv_rows, send_rows, waits,
+                        f"its rows, back from their experts' {peers}")
+
+    def _lane_splits(self, node_rows: Tensor, lane: int, chunks: int) -> Tuple[List[int], List[int]]:
+        """The host splits of the exchange between nodes: ``node_rows`` ([nodes]) rows go to the rank
+        of each node in this rank's ``lane``, none to the others; and the rows each rank sends here."""
+        rows_to_rank = torch.zeros(self.ep_size, dtype=node_rows.dtype, device=node_rows.device)
+        rows_to_rank[torch.arange(lane, self.ep_size, self.ranks_per_node, device=node_rows.device)] = node_rows
+        sends = torch.stack([rows_to_rank, torch.full_like(rows_to_rank, chunks)], dim=1).view(-1)
+        sent, received = torch.cat([sends, self.exchange_counts(sends)]).view(2, self.ep_size, 2).cpu()
+        self._check_chunks_agree(received[:, 1].tolist())
+        return sent[:, 0].tolist(), received[:, 0].tolist()
 
     def _splits(self, route_counts: Tensor, rank_rows: Tensor,
                 chunks: int) -> Tuple[List[int], List[int], List[List[int]]]:
@@ -212,11 +270,11 @@ class ReferencePipeline:
         return CollectiveWaits(self.group, self.wait_timeout_s, self.layer_name)
 
     def exchange_counts(self, send_counts: Tensor) -> Tensor:
-        """What every rank sends this one (``send_counts``: [ep * (C * L + 2)] int64, per rank: the
-        routes for each local expert in each chunk, the rows, and the chunks they travel in),
-        waiting at most ``wait_timeout_s`` for the group.
+        """What every rank sends this one (``send_counts``: [ep * n] int64, n per rank: the routes for
+        each local expert in each chunk, the rows, and the chunks they travel in; between nodes
+        (``_lane_splits``), the rows and the chunks), waiting at most ``wait_timeout_s`` for the group.
 
-        Every rank reaches this exchange once per call, so a peer that stopped calling the layer
+        Every rank reaches this exchange at least once per call, so a peer that stopped calling the layer
         (it raised, returned early or was stopped) is noticed here. The call already reads the
         counts back to the host, so the bounded wait adds no host sync. On CUDA the wait also
         covers the work queued before the exchange, as that read-back does.

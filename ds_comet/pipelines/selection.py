@@ -19,6 +19,7 @@ profiler is such a case: it hooks rank 0's modules for its profile step only.
 """
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -183,7 +184,8 @@ class PipelineSelection:
     def _settings(self, tokens: torch.Tensor) -> Tuple[Tuple[str, object], ...]:
         return (("overlap", self.config.overlap), ("num_experts", self.spec.num_experts),
                 ("ep_size", self.spec.ep_size), ("k", self.spec.top_k),
-                ("internode_chunks", self.config.internode_chunks)) + self.spec.settings() + (
+                ("internode_chunks", self.config.internode_chunks),
+                ("internode_forwarding", self.config.internode_forwarding)) + self.spec.settings() + (
                     ("hidden size", tokens.shape[-1]), ("dtype", str(tokens.dtype)),
                     ("experts", self.experts.structure()))
 
@@ -218,6 +220,7 @@ class PipelineSelection:
         self._check_settings([entry[0] for entry in everyone])
         self.reference.chunks = self._internode_chunks({entry[2] for entry in everyone},
                                                        max(entry[4] for entry in everyone))
+        self.reference.ranks_per_node = self._forwarding_ranks([entry[2] for entry in everyone])
         failures = [(rank, entry[1]) for rank, entry in enumerate(everyone) if isinstance(entry[1], RankFailure)]
         if failures:
             raise RuntimeError(f"ds_comet: {self.name}: checking the fused pipeline failed on "
@@ -238,6 +241,27 @@ class PipelineSelection:
         if self.config.internode_chunks is not None:
             return self.config.internode_chunks
         return rule_chunks(self.spec.top_k, self.config.max_tokens_per_rank or most_tokens)
+
+    def _forwarding_ranks(self, nodes: List[str]) -> Optional[int]:
+        """Ranks a node holds, where the reference pipeline forwards tokens inside nodes
+        (``"internode_forwarding"`` on a group that spans nodes); else None."""
+        if not self.config.internode_forwarding or len(set(nodes)) == 1:
+            return None
+        per_node = nodes.count(nodes[0])
+        if per_node == 1:
+            return None  # one rank a node: forwarding inside it would send the same rows
+        filled = len(nodes) % per_node == 0 and all(
+            nodes[rank] == nodes[rank - rank % per_node] and nodes.count(nodes[rank]) == per_node
+            for rank in range(len(nodes)))
+        if filled:
+            return per_node
+        message = (f"ds_comet: {self.name}: \"internode_forwarding\" needs the expert-parallel group's ranks to fill "
+                   f"its nodes in order, the same number each; its ranks' nodes are {nodes}: each token goes to each "
+                   "rank instead")
+        if message not in self._said:
+            self._said.add(message)
+            log_dist(message, ranks=[0], level=logging.WARNING)
+        return None
 
     def _check_settings(self, settings: List[Tuple[Tuple[str, object], ...]]) -> None:
         for index, (field, value) in enumerate(settings[0]):

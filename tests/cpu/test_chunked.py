@@ -17,7 +17,7 @@ from deepspeed import comm as dist
 import ds_comet
 from ds_comet.pipelines.chunked import ChunkPlan, rule_chunks
 from ds_comet.pipelines.policy import RANKS_PER_NODE_VAR, node_name
-from tests.support.dist_pool import cpu_world_size
+from tests.support.dist_pool import DistPool, cpu_world_size
 from tests.support.moe_helpers import assert_parameter_grad_close, make_expert, per_rank, rel, reset_experts_
 
 
@@ -60,51 +60,65 @@ def chunked_case(seed, expert_kind, k, chunks, input_grad, tokens_per_rank, auto
         reference.chunked_exchange = chunked_exchange
     whole, chunked = results[None], results["1"]
     assert len(chunked_calls) == 1, chunked_calls  # the declared nodes' call, not the whole one
+    assert whole.pop("ranks_per_node") is None and chunked.pop("ranks_per_node") is None
     assert whole.pop("chunks") == 1
     assert chunked.pop("chunks") == (chunks or rule_chunks(k, max(tokens_per_rank))), "declared nodes, chunks"
-    for name, value in whole.items():
+    assert_same_results(chunked, whole, autocast, seed)
+
+
+def assert_same_results(got, want, autocast, seed):
+    """``_layer_results`` of two ways to run one layer, equal: to fp32's rounding for other row counts
+    (1e-5), or to bf16's under autocast."""
+    for name, value in want.items():
         if value is None:
-            assert chunked[name] is None, name
+            assert got[name] is None, name
         elif autocast:
             # The experts' bf16 GEMMs round once per call, and the chunks call them on fewer rows: a
             # weight gradient is then a sum of rounded parts. Held to bf16's bound, as a whole.
-            distance = rel(chunked[name], value)
+            distance = rel(got[name], value)
             assert distance < 2e-2, (name, seed, distance)
         elif name in ("out", "input"):
-            torch.testing.assert_close(chunked[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} (seed {seed})")
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} (seed {seed})")
         else:  # a parameter's gradient, summed over the chunks in another order
-            assert_parameter_grad_close(chunked[name], value, f"{name} (seed {seed})")
+            assert_parameter_grad_close(got[name], value, f"{name} (seed {seed})")
 
 
 def _with_and_without_nodes(seed, expert_kind, k, chunks, input_grad, tokens_per_rank, autocast=False):
-    rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for per_node in (None, "1"):
-        if per_node is None:
-            os.environ.pop(RANKS_PER_NODE_VAR, None)
-        else:
-            os.environ[RANKS_PER_NODE_VAR] = per_node
-        try:
-            torch.manual_seed(seed)
-            moe = {"backend": "comet", "overlap": "none", "internode_chunks": chunks}
-            layer = ds_comet.MoE(24, make_expert(expert_kind, 24, 40), num_experts=3 * world, ep_size=world, k=k,
-                                 drop_tokens=False, config={"moe": moe})
-            layer.set_deepspeed_parallelism()
-            reset_experts_(layer, seed)
-            generator = torch.Generator().manual_seed(seed * 7 + rank)
-            tokens = torch.randn(1, per_rank(tokens_per_rank, rank), 24, generator=generator)
-            tokens.requires_grad_(input_grad)
-            grad_out = torch.randn(tokens.shape, generator=generator)
-            torch.manual_seed(seed + 1)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out, l_aux, _ = layer(tokens)
-            torch.autograd.backward([out, l_aux], [grad_out, torch.tensor(0.01)])
-            results[per_node] = dict(out=out.detach(), input=tokens.grad,
-                                     **{name: p.grad for name, p in layer.named_parameters()},
-                                     chunks=layer.deepspeed_moe.pipelines.reference.chunks)
-        finally:
-            os.environ.pop(RANKS_PER_NODE_VAR, None)
+        moe = {"backend": "comet", "overlap": "none", "internode_chunks": chunks}
+        results[per_node] = _layer_results(per_node, moe, seed, expert_kind, k, input_grad, tokens_per_rank, autocast)
     return results
+
+
+def _layer_results(per_node, moe, seed, expert_kind, k, input_grad, tokens_per_rank, autocast=False):
+    """One layer's output, input gradient and parameter gradients on this rank, with ``per_node``
+    ranks a declared node (None: one host, one node), the "moe" section ``moe``, and the seed's
+    weights and tokens; with the reference pipeline's chunks and ranks a node it forwards within."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if per_node is None:
+        os.environ.pop(RANKS_PER_NODE_VAR, None)
+    else:
+        os.environ[RANKS_PER_NODE_VAR] = per_node
+    try:
+        torch.manual_seed(seed)
+        layer = ds_comet.MoE(24, make_expert(expert_kind, 24, 40), num_experts=3 * world, ep_size=world, k=k,
+                             drop_tokens=False, config={"moe": moe})
+        layer.set_deepspeed_parallelism()
+        reset_experts_(layer, seed)
+        generator = torch.Generator().manual_seed(seed * 7 + rank)
+        tokens = torch.randn(1, per_rank(tokens_per_rank, rank), 24, generator=generator)
+        tokens.requires_grad_(input_grad)
+        grad_out = torch.randn(tokens.shape, generator=generator)
+        torch.manual_seed(seed + 1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, l_aux, _ = layer(tokens)
+        torch.autograd.backward([out, l_aux], [grad_out, torch.tensor(0.01)])
+        reference = layer.deepspeed_moe.pipelines.reference
+        return dict(out=out.detach(), input=tokens.grad, **{name: p.grad for name, p in layer.named_parameters()},
+                    chunks=reference.chunks, ranks_per_node=reference.ranks_per_node)
+    finally:
+        os.environ.pop(RANKS_PER_NODE_VAR, None)
 
 
 @pytest.mark.parametrize("expert_kind,k,chunks,input_grad,tokens_per_rank,autocast", [
@@ -117,6 +131,51 @@ def test_chunked_exchange_equals_the_whole_one(cpu_pool, expert_kind, k, chunks,
                                                autocast):
     cpu_pool.run(chunked_case, seed=torch.randint(1, 10**6, ()).item(), expert_kind=expert_kind, k=k, chunks=chunks,
                  input_grad=input_grad, tokens_per_rank=tokens_per_rank, autocast=autocast)
+
+
+def forwarding_case(seed, expert_kind, k, chunks, tokens_per_rank, autocast):
+    """Two ranks a declared node: each token forwarded inside its destination nodes gives what sending
+    it to each rank gives, outputs and every gradient; the rows a rank sends go to its own lane only."""
+    import ds_comet.pipelines.reference as reference
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results, splits = {}, []
+    exchange = reference.exchange
+    reference.exchange = lambda rows, send, recv, *rest: splits.append(list(send)) or exchange(rows, send, recv, *rest)
+    try:
+        for forwarding in (False, True):
+            moe = {"backend": "comet", "overlap": "none", "internode_chunks": chunks,
+                   "internode_forwarding": forwarding}
+            splits.clear()
+            results[forwarding] = _layer_results("2", moe, seed, expert_kind, k, True, tokens_per_rank, autocast)
+    finally:
+        reference.exchange = exchange
+    assert results[False].pop("ranks_per_node") is None and results[True].pop("ranks_per_node") == 2
+    assert results[False].pop("chunks") == results[True].pop("chunks") == chunks
+    assert_same_results(results[True], results[False], autocast, seed)
+    if chunks == 1:  # the exchanges between nodes reach this rank's lane only (rank % 2)
+        between_nodes = splits[0]
+        assert all(rows == 0 for peer, rows in enumerate(between_nodes) if peer % 2 != rank % 2), between_nodes
+        assert len(splits) == 6, len(splits)  # rows, routes and return: between nodes, then inside one
+    return world
+
+
+@pytest.fixture(scope="module")
+def pool_of_four():
+    """Four gloo ranks, two a declared node: forwarding inside a node needs two nodes of two."""
+    pool = DistPool(4)
+    yield pool
+    pool.stop()
+
+
+@pytest.mark.parametrize("expert_kind,k,chunks,tokens_per_rank,autocast", [
+    ("gelu", 3, 1, (40, 17, 0, 25), False),
+    ("swiglu", 2, 3, (33, 8, 21, 40), False),
+    ("swiglu", 4, 2, (24, 30, 9, 16), True),
+], ids=["gelu-k3-whole-empty-rank", "swiglu-k2-3chunks", "bf16-autocast-k4-2chunks"])
+def test_forwarding_inside_nodes_equals_sending_to_each_rank(pool_of_four, expert_kind, k, chunks, tokens_per_rank,
+                                                              autocast):
+    assert pool_of_four.run(forwarding_case, seed=torch.randint(1, 10**6, ()).item(), expert_kind=expert_kind, k=k,
+                            chunks=chunks, tokens_per_rank=tokens_per_rank, autocast=autocast) == [4] * 4
 
 
 def autoep_chunked_case(seed):

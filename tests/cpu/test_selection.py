@@ -478,3 +478,20 @@ def test_a_group_made_after_a_reinitialisation_gets_its_own_workspace(monkeypatc
     dead, alive = Group(), Group()
     assert workspace.get_buffer(dead, shape, 60.0) is workspace.get_buffer(dead, shape, 60.0)
     assert workspace.get_buffer(alive, shape, 60.0)[0] is alive
+
+
+def test_forwarding_inside_nodes_needs_nodes_filled_in_order(monkeypatch):
+    warned = []
+    monkeypatch.setattr(selection_module, "log_dist", lambda message, ranks=None, level=None: warned.append(message))
+    moe = ds_comet.MoE(16, FeedForward(16, 32), num_experts=4, k=2,
+                       config={"moe": {"backend": "comet", "internode_forwarding": True}})
+    pipelines = moe.deepspeed_moe.pipelines
+    assert pipelines._forwarding_ranks(["a", "a", "b", "b"]) == 2
+    assert pipelines._forwarding_ranks(["a", "a", "a", "a"]) is None  # one node: nothing crosses
+    assert pipelines._forwarding_ranks(["a", "b", "c", "d"]) is None  # one rank a node: the same rows
+    assert warned == []
+    for nodes in (["a", "b", "a", "b"], ["a", "a", "a", "b"]):  # interleaved; nodes of unequal size
+        assert pipelines._forwarding_ranks(nodes) is None
+    assert len(warned) == 2 and all("fill its nodes in order" in line for line in warned), warned
+    off = ds_comet.MoE(16, FeedForward(16, 32), num_experts=4, k=2, config={"moe": {"backend": "comet"}})
+    assert off.deepspeed_moe.pipelines._forwarding_ranks(["a", "a", "b", "b"]) is None
