@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 -m ds_comet.bench.internode [--shape NAME ...] [--custom H,F,E,K,T ...]
                                                             [--chunks 1,rule,2,4,8] [--ranks-per-node 1]
-                                                            [--no-backward] [--out DIR]
+                                                            [--forwarding] [--no-backward] [--out DIR]
 
 The group's ranks are declared to sit on nodes of ``--ranks-per-node`` ranks (``DS_COMET_RANKS_PER_NODE``),
 so that one host runs the path of a group that spans nodes: the reference pipeline, its rows in
@@ -10,8 +10,10 @@ chunks. For each chunk count (1: the whole exchange, blocking; ``rule``: the cou
 itself) the comet layer, with the same weights and tokens, times its forward and, unless
 ``--no-backward``, its training step (forward and backward of the output and the aux loss): the
 median of many calls, every rank starting each call together (CUDA events on a GPU, the host's
-clock on CPU). Rank 0 prints each count's times and their ratio to the whole exchange's, and writes
-internode.json under ``--out``.
+clock on CPU). With ``--forwarding`` each count runs a second time with ``"internode_forwarding"``
+(each token once to each node, forwarded inside it; its arms are named "<count> fwd"). Rank 0 prints
+each arm's times and their ratio to the whole per-rank exchange's, and writes internode.json under
+``--out``.
 
 On one host the link between declared nodes is the host's own (NVLink between GPUs, shared memory
 for gloo on CPU), not a NIC: the ratios show what the chunks hide at that link's rate. A GPU
@@ -41,6 +43,8 @@ def parse_args():
     parser.add_argument("--chunks", type=lambda text: text.split(","), default=["1", "rule", "2", "4", "8"],
                         help="chunk counts, 1 (the whole exchange) first; rule: the layer's own")
     parser.add_argument("--ranks-per-node", type=int, default=1)
+    parser.add_argument("--forwarding", action="store_true",
+                        help="also run each count with \"internode_forwarding\" (needs 2 or more ranks a node)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-backward", dest="backward", action="store_false")
@@ -54,7 +58,8 @@ def parse_args():
 
 
 def bench_shape(name, hidden, ffn, experts, k, tokens, args, device, dtype):
-    """Times of each chunk count on one shape: {count: {"forward": ms, "step": ms, "chunks": used}}."""
+    """Times of each arm on one shape: {arm: {"forward": ms, "step": ms, "chunks": used, "ranks_per_node":
+    the ranks a node forwarding spans, or None}}; an arm is a chunk count, and "<count> fwd" with forwarding."""
     world = dist.get_world_size()
     gated = name in SWIGLU
     torch.manual_seed(0)
@@ -63,8 +68,9 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args, device, dtype):
     x = torch.randn(1, tokens, hidden, generator=generator).to(device=device, dtype=dtype)
     dy = torch.randn(1, tokens, hidden, generator=generator).to(device=device, dtype=dtype)
     results, state = {}, None
-    for count in args.chunks:
-        section = {"backend": "comet", "overlap": "none"}
+    arms = [(count, False) for count in args.chunks] + [(count, True) for count in args.chunks if args.forwarding]
+    for count, forwarding in arms:
+        section = {"backend": "comet", "overlap": "none", "internode_forwarding": forwarding}
         if count != "rule":
             section["internode_chunks"] = int(count)
         layer = ds_comet.MoE(hidden, template, num_experts=experts, ep_size=world, k=k, min_capacity=4,
@@ -79,12 +85,13 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args, device, dtype):
         layer.to(device=device, dtype=dtype).eval()
         with torch.no_grad():
             forward = timed(lambda: layer(x), args.iters, args.warmup)
-        entry = {"forward": forward, "chunks": layer.deepspeed_moe.pipelines.reference.chunks}
+        reference = layer.deepspeed_moe.pipelines.reference
+        entry = {"forward": forward, "chunks": reference.chunks, "ranks_per_node": reference.ranks_per_node}
         if args.backward:
             layer.train()
             inputs = x.clone().requires_grad_()
             entry["step"] = timed(lambda: train_step(layer, inputs, dy), args.iters, args.warmup)
-        results[count] = entry
+        results[f"{count} fwd" if forwarding else count] = entry
     return results
 
 
@@ -108,6 +115,8 @@ def main():
     if world <= args.ranks_per_node:
         raise SystemExit(f"{world} ranks at {args.ranks_per_node} a node are one node: nothing crosses between "
                          "nodes (lower --ranks-per-node)")
+    if args.forwarding and args.ranks_per_node < 2:
+        raise SystemExit("--forwarding passes tokens on inside nodes: it needs --ranks-per-node 2 or more")
     os.environ[RANKS_PER_NODE_VAR] = str(args.ranks_per_node)
     deepspeed.init_distributed()
     accelerator = get_accelerator()

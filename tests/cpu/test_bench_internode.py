@@ -15,13 +15,18 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def test_internode_bench_times_each_chunk_count(tmp_path):
+def bench(ranks, *args):
+    """ds_comet.bench.internode on ``ranks`` CPU ranks with ``args``: the finished process."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), "-m", "ds_comet.bench.internode", "--custom", "64,96,4,2,48",
-                           "--chunks", "1,rule,3", "--iters", "2", "--warmup", "1", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                           "--master_port", str(free_port()), "-m", "ds_comet.bench.internode",
+                           "--custom", "64,96,4,2,48", *args], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=REPO)
+
+
+def test_internode_bench_times_each_chunk_count(tmp_path):
+    done = bench(2, "--chunks", "1,rule,3", "--iters", "2", "--warmup", "1", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.load(open(tmp_path / "internode.json"))["H64-F96-E4-k2-T48"]
     assert {count: entry["chunks"] for count, entry in results.items()} == {"1": 1, "rule": 2, "3": 3}
@@ -30,10 +35,17 @@ def test_internode_bench_times_each_chunk_count(tmp_path):
 
 
 def test_internode_bench_refuses_one_node(tmp_path):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), "-m", "ds_comet.bench.internode", "--custom", "64,96,4,2,48",
-                           "--ranks-per-node", "2", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    done = bench(2, "--ranks-per-node", "2", "--out", str(tmp_path))
     assert done.returncode != 0 and "are one node" in done.stdout + done.stderr
+    done = bench(2, "--forwarding", "--out", str(tmp_path))
+    assert done.returncode != 0 and "needs --ranks-per-node 2 or more" in done.stdout + done.stderr
+
+
+def test_internode_bench_times_forwarding_inside_nodes(tmp_path):
+    done = bench(4, "--ranks-per-node", "2", "--forwarding", "--chunks", "1,2", "--iters", "2", "--warmup", "1",
+                 "--no-backward", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.load(open(tmp_path / "internode.json"))["H64-F96-E4-k2-T48"]
+    assert {arm: (entry["chunks"], entry["ranks_per_node"]) for arm, entry in results.items()} == {
+        "1": (1, None), "2": (2, None), "1 fwd": (1, 2), "2 fwd": (2, 2)}
+    assert "1 fwd" in done.stdout
