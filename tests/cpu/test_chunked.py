@@ -178,6 +178,17 @@ def test_forwarding_inside_nodes_equals_sending_to_each_rank(pool_of_four, exper
                             chunks=chunks, tokens_per_rank=tokens_per_rank, autocast=autocast) == [4] * 4
 
 
+def test_a_stalled_rank_ends_forwarding_waits_with_an_error_naming_it(pool_of_four):
+    try:
+        answers = pool_of_four.run(stalled_rank_case, per_node="2", forwarding=True)
+    finally:
+        pool_of_four.stop()  # exchanges are still posted: the next test starts afresh
+    assert answers[1] is None
+    for message, waited in answers[:1] + answers[2:]:
+        assert "blocks.1.moe" in message and "global rank(s) 1 of the group did not report" in message, message
+        assert 2.0 <= waited < 7.0, waited  # the bound and the search for the stalled rank, not its 8 s
+
+
 def autoep_chunked_case(seed):
     """AutoEP on ds_comet across declared nodes (one rank a node) against AutoEP itself."""
     import ds_comet.pipelines.reference as reference
@@ -201,7 +212,7 @@ def test_autoep_layers_across_declared_nodes_match_autoep(cpu_pool):
         assert worst[1]["comet_vs_autoep"] < 1e-5 and loss_diff < 1e-5, (worst, loss_diff)
 
 
-def stalled_rank_case(per_node):
+def stalled_rank_case(per_node, forwarding=False):
     """Rank 1 stalls inside its experts (chunk 2 of 3 across declared nodes, else the whole call):
     every other rank's wait for the rows coming back must end within wait_timeout_s, naming rank 1."""
     import time
@@ -211,7 +222,8 @@ def stalled_rank_case(per_node):
     if per_node:
         os.environ[RANKS_PER_NODE_VAR] = per_node
     try:
-        moe = {"backend": "comet", "overlap": "none", "internode_chunks": 3, "wait_timeout_s": 2.0}
+        moe = {"backend": "comet", "overlap": "none", "internode_chunks": 3, "wait_timeout_s": 2.0,
+               "internode_forwarding": forwarding}
         layer = ds_comet.MoE(24, make_expert("gelu", 24, 40), num_experts=2 * world, ep_size=world, k=2,
                              drop_tokens=False, config={"moe": moe})
         layer.set_deepspeed_parallelism()
@@ -230,7 +242,12 @@ def stalled_rank_case(per_node):
                 expert.register_forward_pre_hook(stall)
         tokens = torch.randn(1, 30, 24)
         if rank == 1:
-            layer(tokens)
+            try:
+                layer(tokens)
+            except CometWaitTimeout:
+                # Forwarding: rank 1 meets its peers' next exchange only after they gave up and left.
+                if not forwarding:
+                    raise
             return None
         start = time.monotonic()
         with pytest.raises(CometWaitTimeout) as raised:
