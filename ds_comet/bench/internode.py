@@ -102,10 +102,13 @@ def report(all_results, out_dir):
     for name, results in all_results.items():
         whole = results["1"]
         print(f"\n{name} (ms; ratio: the whole exchange's time over this one's, above 1 is faster)")
-        print(f"{'chunks':>10}{'used':>6}{'forward':>10}{'ratio':>8}{'step':>10}{'ratio':>8}")
+        print(f"{'chunks':>10}{'used':>6}{'node':>6}{'forward':>10}{'ratio':>8}{'step':>10}{'ratio':>8}"
+              "   (node: the ranks a node forwarding spans; -: each token to each rank)")
         for count, entry in results.items():
             step = entry.get("step")
-            print(f"{count:>10}{entry['chunks']:>6}{entry['forward']:>10.3f}{whole['forward'] / entry['forward']:>8.2f}"
+            node = entry.get("ranks_per_node") or "-"
+            print(f"{count:>10}{entry['chunks']:>6}{node:>6}{entry['forward']:>10.3f}"
+                  f"{whole['forward'] / entry['forward']:>8.2f}"
                   + (f"{step:>10.3f}{whole['step'] / step:>8.2f}" if step is not None else ""))
 
 

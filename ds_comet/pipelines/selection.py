@@ -19,7 +19,6 @@ profiler is such a case: it hooks rank 0's modules for its profile step only.
 """
 
 import itertools
-import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -258,9 +257,10 @@ class PipelineSelection:
         message = (f"ds_comet: {self.name}: \"internode_forwarding\" needs the expert-parallel group's ranks to fill "
                    f"its nodes in order, the same number each; its ranks' nodes are {nodes}: each token goes to each "
                    "rank instead")
-        if message not in self._said:
+        # Said by the group's first rank: global rank 0 may be in another group.
+        if message not in self._said and torch_dist.get_rank(self.group) == 0:
             self._said.add(message)
-            log_dist(message, ranks=[0], level=logging.WARNING)
+            logger.warning(message)
         return None
 
     def _check_settings(self, settings: List[Tuple[Tuple[str, object], ...]]) -> None:

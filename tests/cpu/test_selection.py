@@ -482,7 +482,8 @@ def test_a_group_made_after_a_reinitialisation_gets_its_own_workspace(monkeypatc
 
 def test_forwarding_inside_nodes_needs_nodes_filled_in_order(monkeypatch):
     warned = []
-    monkeypatch.setattr(selection_module, "log_dist", lambda message, ranks=None, level=None: warned.append(message))
+    monkeypatch.setattr(selection_module.logger, "warning", warned.append)
+    monkeypatch.setattr(selection_module.torch_dist, "get_rank", lambda group=None: 0)  # the group's first rank
     moe = ds_comet.MoE(16, FeedForward(16, 32), num_experts=4, k=2,
                        config={"moe": {"backend": "comet", "internode_forwarding": True}})
     pipelines = moe.deepspeed_moe.pipelines
