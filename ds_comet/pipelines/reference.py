@@ -20,7 +20,7 @@ from .chunked import chunked_exchange
 from .collective_waits import CollectiveWaits, post_failure
 from .expert_weights import LocalExperts
 from .policy import saved_tensor_hooks_active
-from .routing import plan_rank_rows
+from .routing import RankPlan, plan_rank_rows
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -143,10 +143,7 @@ class ReferencePipeline:
         """Each token once to each rank that holds one of its routes (``forward``)."""
         plan = plan_rank_rows(indices, self.num_experts, self.ep_size, planned)
         send_rows, recv_rows, routes_per_expert = self._splits(plan.route_counts, plan.rank_rows, chunks)
-        num_sent = sum(send_rows)
-        pair_token = plan.pair_token[:num_sent]
-        rows = tokens.index_select(0, pair_token)
-        routes = pack_routes(plan.local_experts[:num_sent], weights.t().index_select(0, pair_token))
+        rows, routes = self._pair_rows(plan, sum(send_rows), tokens, weights)
 
         def work(received_rows: Tensor, received_routes: Tensor, chunk: int) -> Tensor:
             return self._local_routes(received_rows, received_routes, routes_per_expert[chunk], scale_before)
@@ -155,8 +152,7 @@ class ReferencePipeline:
             returned = work(rows, routes, 0)
         else:
             returned = self._there_and_back(rows, routes, send_rows, recv_rows, chunks, work, "ranks")
-        slots = min(weights.shape[0], self.ep_size)
-        return sum_rows(returned, pair_token, plan.pair_slot[:num_sent], tokens.shape[0], slots).to(returned.dtype)
+        return self._sum_pairs(returned, plan, tokens.shape[0], min(weights.shape[0], self.ep_size))
 
     def _forward_by_node(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool, planned: int,
                          chunks: int) -> Tensor:
@@ -174,10 +170,7 @@ class ReferencePipeline:
         node, lane = divmod(dist.get_rank(group=self.group), per_node)
         plan = plan_rank_rows(indices, self.num_experts, nodes, planned)  # destinations: nodes
         send_rows, recv_rows = self._lane_splits(plan.rank_rows, lane, chunks)
-        num_sent = sum(send_rows)
-        pair_token = plan.pair_token[:num_sent]
-        rows = tokens.index_select(0, pair_token)
-        routes = pack_routes(plan.local_experts[:num_sent], weights.t().index_select(0, pair_token))
+        rows, routes = self._pair_rows(plan, sum(send_rows), tokens, weights)
         first_expert = node * (self.num_experts // nodes)
 
         def work(received_rows: Tensor, received_routes: Tensor, chunk: int) -> Tensor:
@@ -186,8 +179,23 @@ class ReferencePipeline:
             return self._forward_by_rank(received_rows, experts.t(), gates.t(), scale_before, 1, 1)
 
         returned = self._there_and_back(rows, routes, send_rows, recv_rows, chunks, work, "nodes")
-        slots = min(weights.shape[0], nodes)
-        return sum_rows(returned, pair_token, plan.pair_slot[:num_sent], tokens.shape[0], slots).to(returned.dtype)
+        return self._sum_pairs(returned, plan, tokens.shape[0], min(weights.shape[0], nodes))
+
+    @staticmethod
+    def _pair_rows(plan: RankPlan, num_sent: int, tokens: Tensor, weights: Tensor) -> Tuple[Tensor, Tensor]:
+        """The first ``num_sent`` pairs of ``plan`` as they travel: their tokens' rows, and their
+        routes (``pack_routes``: the destination's experts and the gates)."""
+        pair_token = plan.pair_token[:num_sent]
+        return (tokens.index_select(0, pair_token),
+                pack_routes(plan.local_experts[:num_sent], weights.t().index_select(0, pair_token)))
+
+    @staticmethod
+    def _sum_pairs(returned: Tensor, plan: RankPlan, num_tokens: int, slots: int) -> Tensor:
+        """Each token's returned rows ([pairs sent, H], at most ``slots`` a token) summed in fp32, in
+        their dtype."""
+        pairs = returned.shape[0]
+        return sum_rows(returned, plan.pair_token[:pairs], plan.pair_slot[:pairs], num_tokens,
+                        slots).to(returned.dtype)
 
     def _there_and_back(self, rows: Tensor, routes: Tensor, send_rows: List[int], recv_rows: List[int], chunks: int,
                         work, peers: str) -> Tensor:

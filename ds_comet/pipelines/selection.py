@@ -146,12 +146,14 @@ class PipelineSelection:
         said once, on the rank that has them, with where to put them instead."""
         for module in self.experts.uncalled_modules():
             hooked = module_hooks(module)
+            if not hooked:
+                continue
             message = (f"ds_comet: {self.name}: its {type(module).__name__} container has {' and '.join(hooked)}, "
                        "which never run under the comet backend: stock calls the container on its capacity buffer, "
                        "which comet does not build. Register them on the expert modules (deepspeed_experts[i]), "
                        "which the reference pipeline calls: hooks there at the layer's first call keep it on that "
                        "pipeline")
-            if hooked and message not in self._said:
+            if message not in self._said:
                 self._said.add(message)
                 logger.warning(message)
 
@@ -249,10 +251,8 @@ class PipelineSelection:
         per_node = nodes.count(nodes[0])
         if per_node == 1:
             return None  # one rank a node: forwarding inside it would send the same rows
-        filled = len(nodes) % per_node == 0 and all(
-            nodes[rank] == nodes[rank - rank % per_node] and nodes.count(nodes[rank]) == per_node
-            for rank in range(len(nodes)))
-        if filled:
+        blocks = nodes[::per_node]  # each node's name once, if its ranks come together
+        if len(set(blocks)) == len(blocks) and nodes == [name for name in blocks for _ in range(per_node)]:
             return per_node
         message = (f"ds_comet: {self.name}: \"internode_forwarding\" needs the expert-parallel group's ranks to fill "
                    f"its nodes in order, the same number each; its ranks' nodes are {nodes}: each token goes to each "
