@@ -535,13 +535,17 @@ def test_cuda_graph_gate_runs_eagerly_while_a_backward_is_due_and_recaptures_mov
     # the capture (on a side stream) must not differentiate through it.
     accumulator = gate.wg.weight.expand_as(gate.wg.weight).grad_fn.next_functions[0][0]
     graphed(gate, tokens.clone().requires_grad_(), None)  # capture
+    storages = []
     for _ in range(2):
+        storages.append(gate.wg.weight.data_ptr())
         expected = two_forwards_then_backwards(stock_routes)
         actual = two_forwards_then_backwards(graphed)
         assert all(torch.equal(a, e) for a, e in zip(actual, expected))
         with torch.no_grad():  # ZeRO may move a parameter: the next call captures anew
             gate.wg.weight.data = gate.wg.weight.data.clone()
-    assert len(graphs._captured) == 2 and accumulator is not None
+    # The second round recaptured for the moved weight and dropped the first round's graph.
+    assert [key[0][0] for key in graphs._captured] == [(storages[1], )] and storages[0] != storages[1]
+    assert accumulator is not None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
