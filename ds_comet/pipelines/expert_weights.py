@@ -46,6 +46,11 @@ class FusedExperts:
     def parameters(self) -> List[Tensor]:
         raise NotImplementedError
 
+    def stacked(self) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+        """``(w1, w3, w2)`` as ``[L, F, H]``, ``[L, F, H]`` and ``[L, H, F]`` tensors where the experts
+        are stored so (what ``torch._grouped_mm`` takes), else None."""
+        return None
+
     def gradients(self, dw1: Tensor, db1: Optional[Tensor], dw3: Optional[Tensor], db3: Optional[Tensor], dw2: Tensor,
                   db2: Optional[Tensor]) -> List[Tensor]:
         raise NotImplementedError
@@ -117,6 +122,9 @@ class StackedFusedExperts(FusedExperts):
 
     def parameters(self) -> List[Tensor]:
         return list(self._weights())
+
+    def stacked(self) -> Tuple[Tensor, Tensor, Tensor]:
+        return self._weights()
 
     def gradients(self, dw1, db1, dw3, db3, dw2, db2) -> List[Tensor]:
         return [dw1, dw3, dw2]

@@ -11,7 +11,8 @@ gate-scaled output gradient travels to its expert's rank), overlapped with the G
 gradient of the activation input (dY @ W2, times act'); the gradient of the dispatch is a combine
 (the rows' input gradients dA @ W1, stored chunk by chunk on the expert ranks, are read by the
 source ranks and summed per token). The weight gradients are grouped GEMMs that run while the
-combine moves data.
+combine moves data. Alone in the group, where no row waits for a link, stacked bf16 experts on
+sm_90 take the library's grouped GEMM for GEMM1, both ways (``FusedKernels.first_layer``).
 
 Reuse across calls: a rank's next call writes ``recv`` and ``expert_out`` only after its next
 exchange, which waits until every rank has published that call's counts, which each rank does only
@@ -147,10 +148,6 @@ class FusedPipeline:
         tokens, weights = rows_for_kernels(tokens), weights.contiguous()
         rows = min(max_rows, buffer.shape.max_recv_rows)
         h = torch.empty((rows, kernels.ffn), dtype=tokens.dtype, device=tokens.device)
-        pre = h
-        if saved is not None:
-            pre = torch.empty((rows, kernels.ffn * (2 if kernels.gated else 1)), dtype=tokens.dtype,
-                              device=tokens.device)
         if out is None:
             out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
         # Allocated before the dispatch orders the communication stream after the main one, as
@@ -163,7 +160,7 @@ class FusedPipeline:
 
         kernels.exchange(plan, rows)
         kernels.dispatch(tokens, plan, None)
-        kernels.gemm1(buffer.recv, h, pre, backward=False, store_pre=saved is not None)
+        pre = kernels.first_layer(buffer.recv, h, keep_pre=saved is not None)
         kernels.gemm2(h, backward=False)
         if saved is not None:
             # GEMM1 waited for every received row; keep them before the next call overwrites them.
@@ -191,7 +188,7 @@ class FusedPipeline:
         # same kernels (a rank whose tokens need no gradient must still return its peers' rows).
         weights = weights.detach().contiguous()
         width = kernels.ffn * (2 if kernels.gated else 1)
-        rows = saved["pre"].shape[0]
+        rows = saved["rows"].shape[0]
         grad_pre = torch.empty((rows, width), dtype=dtype, device=device)
         h = torch.empty((rows, kernels.ffn), dtype=dtype, device=device) if need_params else None
         # Allocated before the dispatch, which orders the communication stream after everything queued
@@ -204,7 +201,7 @@ class FusedPipeline:
         kernels.dispatch(grad_out, plan, weights)
         # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
         # reuses its memory only for work queued after it on this stream, so the peak stays low.
-        kernels.gemm1(buffer.recv, grad_pre, saved.pop("pre"), backward=True, store_pre=False, act=h)
+        kernels.first_layer_backward(buffer.recv, grad_pre, saved.pop("pre"), act=h)
         kernels.gemm2(grad_pre, backward=True)
         # Not finished on the main stream: the weight gradients queued there next hide its tail.
         kernels.combine(plan, no_scale(device), grad_tokens, no_rows(grad_out), finish_on_main=False)

@@ -9,12 +9,12 @@ one at a time (``ds_comet.bench``).
 import contextvars
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from ..kernels.constants import TOTAL_COMBINE_CLAIM, TOTAL_TILES
+from ..kernels.constants import TOTAL_COMBINE_CLAIM, TOTAL_RECV_ROWS, TOTAL_TILES
 from .expert_weights import POINTER_NAMES, FusedExperts
 from .parameters import FusedParameters
 from .routing import RoutingPlan
@@ -59,8 +59,9 @@ class PointerTables:
 class FusedKernels:
     """What every kernel launch of one call shares, and the launches.
 
-    Each method queues one kernel (or, for ``dispatch`` and ``combine``, the launches of one
-    step on the streams it runs on); none waits for the device.
+    Each method queues the launches of one step (one kernel, or, for ``dispatch`` and ``combine``,
+    one on each stream the step runs on; the library's first layer: a grouped GEMM and an
+    elementwise kernel); none waits for the device.
     """
     buffer: CometBuffer
     experts: FusedExperts
@@ -184,6 +185,74 @@ class FusedKernels:
             for tensor in used_on_comm:
                 tensor.record_stream(self.buffer.comm_stream)
         main.wait_stream(self.buffer.comm_stream)
+
+    def first_layer(self, rows: Tensor, h: Tensor, keep_pre: bool) -> Union[Tensor, Tuple[Tensor, Tensor], None]:
+        """The experts' first layer on the received ``rows``: their activations into ``h`` ([R, F]).
+
+        Returns, with ``keep_pre``, the products before the activation that ``first_layer_backward``
+        reads (an [R, 2F] tensor for gated experts on the Triton GEMM, else [R, F]; a pair of [R, F]
+        tensors from the library's GEMM), else None.
+        """
+        if self.library_first_layer:
+            first, up = self._library_products(rows[:h.shape[0]], "w1", "w3")
+            self._gated_activation(first, up, h)
+            return (first, up) if keep_pre else None
+        pre = h
+        if keep_pre:
+            pre = torch.empty((h.shape[0], self.ffn * (2 if self.gated else 1)), dtype=h.dtype, device=h.device)
+        self.gemm1(rows, h, pre, backward=False, store_pre=keep_pre)
+        return pre if keep_pre else None
+
+    def first_layer_backward(self, rows: Tensor, grad_pre: Tensor, pre: Union[Tensor, Tuple[Tensor, Tensor]],
+                             act: Optional[Tensor]):
+        """From the received output gradients ``rows`` ([R, H]): the gradient of the first layer's
+        products into ``grad_pre`` ([R, F], gated [R, 2F]) and, unless ``act`` is None, the activations
+        again into ``act`` ([R, F]) for W2's gradient. ``pre`` is what ``first_layer`` returned."""
+        if isinstance(pre, tuple):
+            from ..kernels.triton_activation import gated_activation_backward_kernel
+            (grad_h, ), (first, up) = self._library_products(rows[:grad_pre.shape[0]], "w2"), pre
+            self._elementwise(gated_activation_backward_kernel, grad_h, first, up, grad_pre,
+                              first if act is None else act, STORE_ACT=act is not None)
+            return
+        self.gemm1(rows, grad_pre, pre, backward=True, store_pre=False, act=act)
+
+    @property
+    def library_first_layer(self) -> bool:
+        """Whether the first layer runs as ``torch._grouped_mm`` and an elementwise activation: alone
+        in the group (no tile waits for a dispatch) with stacked, gated bf16 experts on sm_90. It
+        made EP=1 training steps of AutoEP's Mixtral- and Qwen3-like blocks 2-4 % faster than the
+        Triton GEMM1, whose epilogue holds up its MMAs (docs/decisions.md)."""
+        return (self.alone and self.gated and self.library_wgrad and self.experts.stacked() is not None)
+
+    @torch.no_grad()  # the fused autograd function differentiates the layer, not autograd's graph of it
+    def _library_products(self, rows: Tensor, *names: str) -> Tuple[Tensor, ...]:
+        """Per local expert, over its rows (the layout's expert ends group them): ``rows @ W^T`` for
+        ``w1`` and ``w3`` ([L, F, H]), ``rows @ W2`` for ``w2`` ([L, H, F]; the output gradient's product).
+        Rows past the last expert's end are not computed."""
+        weights = dict(zip(("w1", "w3", "w2"), self.experts.stacked()))
+        start = self.buffer.layout_offsets.expert_start
+        ends = self.buffer.layout[start + 1:start + 1 + self.num_local]
+        return tuple(torch._grouped_mm(rows, weights[name] if name == "w2" else weights[name].transpose(-2, -1),
+                                       offs=ends) for name in names)
+
+    def _gated_activation(self, first: Tensor, up: Tensor, h: Tensor):
+        from ..kernels.triton_activation import gated_activation_kernel
+        self._elementwise(gated_activation_kernel, first, up, h)
+
+    def _elementwise(self, kernel, *tensors: Tensor, **constants):
+        """One launch of an elementwise kernel of ``kernels.triton_activation`` over [R, F] blocks, R
+        the first tensor's rows; the kernel stops at the rows received this call (a layout word)."""
+        from ..kernels.triton_gemm import ACTIVATION_CODES
+        rows, block_m, block_n = tensors[0].shape[0], 32, 128
+        if rows == 0:
+            return
+        if not all(t.is_contiguous() for t in tensors):  # the kernels index rows of F (or 2F) elements
+            raise RuntimeError(f"ds_comet: the first layer's elementwise kernel needs contiguous rows, got strides "
+                               f"{[t.stride() for t in tensors]} (FFN size {self.ffn})")
+        received = self.buffer.layout_offsets.totals + TOTAL_RECV_ROWS
+        kernel[(-(-rows // block_m), -(-self.ffn // block_n))](
+            *tensors, self.buffer.layout[received:received + 1], self.ffn, ACTIVATION=ACTIVATION_CODES[self.activation],
+            BM=block_m, BN=block_n, num_warps=4, **constants)
 
     def gemm1(self, rows: Tensor, out: Tensor, pre: Tensor, backward: bool, store_pre: bool,
               act: Optional[Tensor] = None):

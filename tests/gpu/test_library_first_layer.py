@@ -1,0 +1,103 @@
+"""The first layer on the library's grouped GEMM (alone in the group, stacked bf16 experts, sm_90):
+its elementwise activation kernels against torch in fp32, and the fused layer that uses it against
+the same layer on the Triton GEMM1 (skipped without CUDA, Triton or transformers)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support.moe_helpers import rel
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+BF16_REL = 1e-2  # a few bf16 roundings of the same fp32 values
+
+
+def _cuda_and_triton():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(activation):
+    _cuda_and_triton()
+    from ds_comet.kernels.triton_activation import gated_activation_backward_kernel, gated_activation_kernel
+    from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
+
+    seed = torch.randint(1, 10**6, ()).item()
+    torch.manual_seed(seed)
+    rows, received, ffn = 301, 259, 392  # odd sizes; rows past `received` are not this call's
+    z, u, g = ((3 * torch.randn(rows, ffn, device="cuda")).to(torch.bfloat16) for _ in range(3))
+    total = torch.tensor([received], dtype=torch.int32, device="cuda")
+    h, h_again, h_unasked = (torch.full((rows, ffn), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    grad_pre, grad_pre_again = (torch.full((rows, 2 * ffn), 7.0, dtype=torch.bfloat16, device="cuda")
+                                for _ in range(2))
+    grid, blocks = (-(-rows // 32), -(-ffn // 128)), dict(BM=32, BN=128)
+    code = ACTIVATION_CODES[activation]
+    gated_activation_kernel[grid](z, u, h, total, ffn, ACTIVATION=code, **blocks)
+    gated_activation_backward_kernel[grid](g, z, u, grad_pre, h_again, total, ffn, ACTIVATION=code, STORE_ACT=True,
+                                           **blocks)
+    gated_activation_backward_kernel[grid](g, z, u, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code,
+                                           STORE_ACT=False, **blocks)
+
+    zf, uf = z.float().requires_grad_(), u.float().requires_grad_()
+    want = ACTIVATIONS[activation](zf) * uf
+    dz, du = torch.autograd.grad(want, [zf, uf], g.float())
+    n = received
+    assert rel(h[:n], want[:n].detach()) < BF16_REL, seed
+    assert torch.equal(h_again, h), seed
+    assert rel(grad_pre[:n, :ffn], dz[:n]) < BF16_REL and rel(grad_pre[:n, ffn:], du[:n]) < BF16_REL, seed
+    assert (h[n:] == 7).all() and (grad_pre[n:] == 7).all(), seed
+    assert torch.equal(grad_pre_again, grad_pre) and (h_unasked == 7).all(), seed
+
+
+def library_against_triton_case(seed: int):
+    """One forward and backward of an AutoEP block on ds_comet at EP=1 (every rank its own group)
+    with the library's first layer, and again with the Triton GEMM1 (same weights and tokens): how
+    far apart the output, input and parameter gradients are, and how often the library's products
+    ran."""
+    from ds_comet.bench.autoep import autoep_layer
+    from ds_comet.pipelines.fused_kernels import FusedKernels
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = torch.randn(1, 333, 256, generator=generator, device=device).to(torch.bfloat16)
+    grad_out = torch.randn(1, 333, 256, generator=generator, device=device).to(torch.bfloat16)
+    library_calls = []
+    products = FusedKernels._library_products
+
+    def counted(self, *args):
+        library_calls.append(args[1:])
+        return products(self, *args)
+
+    results = {}
+    for library in (True, False):
+        layer = autoep_layer("mixtral", 256, 384, 8, 2, 1, device, torch.bfloat16, seed,
+                             {"backend": "comet", "overlap": "fused"}).train()
+        x = tokens.clone().requires_grad_()
+        saved = FusedKernels.library_first_layer, FusedKernels._library_products
+        FusedKernels._library_products = counted
+        if not library:
+            FusedKernels.library_first_layer = property(lambda self: False)
+        try:
+            out = layer(x)
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(grad_out)
+        finally:
+            FusedKernels.library_first_layer, FusedKernels._library_products = saved
+        results[library] = {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    errors = {name: rel(results[True][name], value) for name, value in results[False].items() if value is not None}
+    return errors, len(library_calls), torch.cuda.get_device_capability()
+
+
+def test_library_first_layer_matches_the_triton_gemm1(gpu_pool):
+    _cuda_and_triton()
+    pytest.importorskip("transformers")
+    seed = torch.randint(1, 10**6, ()).item()
+    for errors, calls, capability in gpu_pool.run(library_against_triton_case, seed=seed):
+        if capability != (9, 0):
+            pytest.skip(f"the library's first layer is for sm_90; this GPU is sm_{capability[0]}{capability[1]}")
+        assert calls == 2, f"the library's products ran {calls} times, not once forward and once backward (seed {seed})"
+        assert len(errors) >= 5, errors  # output, input and the experts' and router's gradients
+        worse = {name: e for name, e in errors.items() if e > 2 * BF16_REL}
+        assert not worse, (seed, worse)
