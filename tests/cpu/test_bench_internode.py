@@ -2,9 +2,12 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,10 +22,19 @@ def bench(ranks, *args):
     """ds_comet.bench.internode on ``ranks`` CPU ranks with ``args``: the finished process."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                           "--master_port", str(free_port()), "-m", "ds_comet.bench.internode",
-                           "--custom", "64,96,4,2,48", *args], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=REPO)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+           str(free_port()), "-m", "ds_comet.bench.internode", "--custom", "64,96,4,2,48", *args]
+    # A session of its own, so that a run past its time is killed with its ranks (which could be
+    # building an op: left running, they would race the next build in the same directory).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"timed out after 300 s: {stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def test_internode_bench_times_each_chunk_count(tmp_path):

@@ -1,13 +1,16 @@
 """A JIT build killed mid-way must not hang the next one (ds_comet/kernels/jit_build.py)."""
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+from ds_comet.kernels import jit_build
 from ds_comet.kernels.jit_build import FAILURE_NAME, GUARD_NAME, build_state, guarded_build
 
 # A builder that takes the guard, leaves torch's lock file as a build in progress does, says so and
@@ -24,13 +27,39 @@ guarded_build(directory, build)
 """
 
 
-def start_builder(directory):
-    builder = subprocess.Popen([sys.executable, "-c", KILLED_BUILDER, str(directory)], stdout=subprocess.PIPE,
-                               text=True)
-    for line in builder.stdout:  # DeepSpeed's import may log first
-        if line.strip() == "building":
-            return builder
-    raise AssertionError(f"the builder ended before it built (exit code {builder.wait()})")
+def start_builder(directory, script=KILLED_BUILDER):
+    builder = subprocess.Popen([sys.executable, "-c", script, str(directory)], stdout=subprocess.PIPE,
+                               stdin=subprocess.PIPE, text=True)
+    said = []
+    reader = threading.Thread(target=lambda: said.extend(line.strip() for line in builder.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120  # imports torch and DeepSpeed first: seconds on two cores
+    while "building" not in said and builder.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if "building" not in said:
+        builder.kill()
+        raise AssertionError(f"the builder did not start building (exit code {builder.wait()}): {said}")
+    return builder
+
+
+def tell(builder):
+    """Sends the builder the line it waits for."""
+    builder.stdin.write("go\n")
+    builder.stdin.flush()
+
+
+def on_wait(monkeypatch, action):
+    """Runs ``action()`` when guarded_build starts to wait for the flock; returns the list of its
+    waits (True: it had to wait)."""
+    waits, lock = [], jit_build._lock
+
+    def spy(*args):
+        threading.Timer(0.2, action).start()
+        waits.append(lock(*args))
+        return waits[-1]
+
+    monkeypatch.setattr(jit_build, "_lock", spy)
+    return waits
 
 
 def test_build_runs_and_returns_its_result(tmp_path):
@@ -64,24 +93,24 @@ def test_a_live_builder_is_waited_for_boundedly_and_named(tmp_path):
         builder.wait(timeout=30)
 
 
-def test_a_waiting_build_proceeds_once_the_builder_dies(tmp_path):
+def test_a_waiting_build_proceeds_once_the_builder_dies(tmp_path, monkeypatch):
     builder = start_builder(tmp_path)
-    killer = subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(1.5); os.kill({builder.pid}, 9)"])
+    waits = on_wait(monkeypatch, builder.kill)
     try:
         assert guarded_build(str(tmp_path), lambda: not os.path.exists(tmp_path / "lock"), wait_s=60) is True
+        assert waits == [True]
     finally:
         builder.kill()
         builder.wait(timeout=30)
-        killer.wait(timeout=30)
 
 
-# A builder that takes the guard, says so, and fails after a moment, as a build with a compiler error does.
+# A builder that takes the guard, says so, and fails when told to, as a build with a compiler error does.
 FAILING_BUILDER = """
-import sys, time
+import sys
 from ds_comet.kernels.jit_build import guarded_build
 def build():
     print("building", flush=True)
-    time.sleep(1.5)
+    sys.stdin.readline()
     raise RuntimeError("nvcc: error in comet_kernels.cu")
 try:
     guarded_build(sys.argv[1], build)
@@ -90,16 +119,81 @@ except RuntimeError:
 """
 
 
-def test_processes_that_waited_for_a_failed_build_raise_its_error_and_later_ones_build_again(tmp_path):
-    builder = subprocess.Popen([sys.executable, "-c", FAILING_BUILDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+def test_processes_that_waited_for_a_failed_build_raise_its_error_and_later_ones_build_again(tmp_path, monkeypatch):
+    builder = start_builder(tmp_path, FAILING_BUILDER)
+    waits = on_wait(monkeypatch, lambda: tell(builder))
     try:
-        assert any(line.strip() == "building" for line in builder.stdout)
         with pytest.raises(RuntimeError, match=f"waited for failed.*process {builder.pid}: RuntimeError: nvcc: error"):
             guarded_build(str(tmp_path), lambda: pytest.fail("repeated the build that had just failed"), wait_s=60)
+        assert waits == [True]
     finally:
+        builder.kill()
         builder.wait(timeout=60)
+    monkeypatch.undo()
     assert guarded_build(str(tmp_path), lambda: "rebuilt") == "rebuilt"  # a later process tries again
     assert not os.path.exists(tmp_path / FAILURE_NAME), "a build that succeeds clears the failure"
+
+
+def hold_guard(directory):
+    """The guard held through a second open file (as another process would hold it)."""
+    guard = open(directory / GUARD_NAME, "a+")
+    fcntl.flock(guard, fcntl.LOCK_EX)
+    return guard
+
+
+@pytest.mark.parametrize("note", ["", "garbage", "12.5 process 3: RuntimeError: an older failure"])
+def test_a_note_that_was_there_before_the_wait_or_is_no_note_does_not_stop_the_build(tmp_path, monkeypatch, note):
+    # Unchanged while this process waited (an older failure, whatever the clocks say), or written by
+    # the builder it waited for but unreadable: either way it builds.
+    guard = hold_guard(tmp_path)
+    if note.startswith("12.5"):
+        (tmp_path / FAILURE_NAME).write_text(note)
+        release = guard.close
+    else:
+        def release():
+            (tmp_path / FAILURE_NAME).write_text(note)
+            guard.close()
+    waits = on_wait(monkeypatch, release)
+    assert guarded_build(str(tmp_path), lambda: "built", wait_s=30) == "built"
+    assert waits == [True] and not os.path.exists(tmp_path / FAILURE_NAME)
+
+
+# Holds torch's build lock as torch's FileBaton does (created exclusively, kept open), without the
+# guard, as DeepSpeed's own init_distributed builds its shm op; removes it when told to.
+TORCH_BUILDER = """
+import os, sys
+lock = os.path.join(sys.argv[1], "lock")
+fd = os.open(lock, os.O_CREAT | os.O_EXCL)
+print("building", flush=True)
+sys.stdin.readline()
+os.close(fd)
+os.remove(lock)
+"""
+
+
+def test_a_torch_build_that_holds_its_lock_is_waited_for_not_broken(tmp_path):
+    builder = start_builder(tmp_path, TORCH_BUILDER)
+    try:
+        with pytest.raises(TimeoutError, match=f"processes \\[{builder.pid}\\] on .* still build in"):
+            guarded_build(str(tmp_path), lambda: pytest.fail("built beside a live torch build"), wait_s=1.0)
+        assert os.path.exists(tmp_path / "lock"), "a live build's lock must stay"
+        threading.Timer(0.5, tell, args=(builder, )).start()
+        assert guarded_build(str(tmp_path), lambda: "built", wait_s=60) == "built"
+        assert builder.wait(timeout=30) == 0, "the torch build could not release its own lock"
+    finally:
+        builder.kill()
+        builder.wait(timeout=30)
+
+
+def test_without_flock_the_build_runs_unguarded_with_a_warning(tmp_path, monkeypatch):
+    def no_flock(*args):
+        raise OSError(38, "Function not implemented")
+
+    warnings = []
+    monkeypatch.setattr(jit_build.fcntl, "flock", no_flock)
+    monkeypatch.setattr(jit_build.logger, "warning", warnings.append)
+    assert guarded_build(str(tmp_path), lambda: "built") == "built"
+    assert len(warnings) == 1 and "has no flock" in warnings[0] and "TORCH_EXTENSIONS_DIR" in warnings[0], warnings
 
 
 def test_the_report_says_what_a_killed_or_failed_build_left(tmp_path, monkeypatch):

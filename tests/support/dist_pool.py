@@ -68,7 +68,7 @@ def gpu_world_size(device_count: int) -> int:
     return ranks if requested is None else min(ranks, requested)
 
 
-def _build_cpu_comm_op():
+def _build_cpu_comm_op(wait_s: float):
     """JIT-build DeepSpeed's CPU shm comm op here, before any rank starts (a minute on two cores).
 
     Each rank's init_distributed would build it otherwise. A rank that a start timeout kills
@@ -79,7 +79,7 @@ def _build_cpu_comm_op():
     from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 
     from ds_comet.kernels.jit_build import guarded_build, torch_build_directory
-    guarded_build(torch_build_directory(ShareMemCommBuilder.NAME), build_shm_op)
+    guarded_build(torch_build_directory(ShareMemCommBuilder.NAME), build_shm_op, wait_s=wait_s)
 
 
 def _unlink_matching(pattern: str):
@@ -162,7 +162,7 @@ class DistPool:
 
     def _start(self):
         if self.backend == "gloo" and self.gpu_ranks == 1:
-            _build_cpu_comm_op()
+            _build_cpu_comm_op(self.start_timeout)
         ctx = mp.get_context("spawn")
         port = self.port = free_port()
         self.results = ctx.Queue()
