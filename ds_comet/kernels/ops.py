@@ -29,14 +29,20 @@ def load_op():
         op = importlib.import_module(builder.absolute_name())
     except ImportError:
         directory = torch_build_directory(builder.NAME)
-        cached = os.path.exists(os.path.join(directory, f"{builder.NAME}.so"))
-        if not cached:
-            logger.warning(f"ds_comet: building the CUDA op {builder.NAME} into {directory} (once; about a "
-                           "minute, cached afterwards)")
-        started = time.perf_counter()
-        op = guarded_build(directory, lambda: builder.jit_load(verbose=False))
-        if not cached:
-            logger.warning(f"ds_comet: built the CUDA op {builder.NAME} in {time.perf_counter() - started:.0f} s")
+
+        def build():
+            # Looked at under the guard: a process that waited for another's build only loads it.
+            fresh = not os.path.exists(os.path.join(directory, f"{builder.NAME}.so"))
+            if fresh:
+                logger.warning(f"ds_comet: building the CUDA op {builder.NAME} into {directory} (once; about a "
+                               "minute, cached afterwards)")
+            started = time.perf_counter()
+            built = builder.jit_load(verbose=False)
+            if fresh:
+                logger.warning(f"ds_comet: built the CUDA op {builder.NAME} in {time.perf_counter() - started:.0f} s")
+            return built
+
+        op = guarded_build(directory, build)
     compiled = dict(op.codes())
     if compiled != constants.CONSTANTS:
         raise RuntimeError(f"the compiled ds_comet op disagrees with csrc/{constants.HEADER}: {compiled} vs "
