@@ -27,8 +27,9 @@ from deepspeed.utils import logger
 
 GUARD_NAME = "ds_comet_build.flock"
 FAILURE_NAME = "ds_comet_build.failed"  # the last failed build's time and error
-# Processes whose working directory is a build directory and whose name is one of these are still
-# compiling there (torch runs ninja there, and ninja the compilers): a killed build's leftovers.
+# Processes whose working directory is a build directory and whose name starts with one of these
+# (after a target prefix) are still compiling there (torch runs ninja there, and ninja the
+# compilers): a killed build's leftovers.
 BUILD_TOOLS = ("ninja", "nvcc", "cicc", "ptxas", "cudafe", "fatbinary", "nvlink", "cc1", "c++", "g++", "gcc", "clang",
                "collect2", "ld")
 NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
@@ -160,7 +161,7 @@ def _processes_building(directory: str) -> List[int]:
             if os.readlink(f"/proc/{pid}/cwd") == real_directory:
                 with open(f"/proc/{pid}/comm") as comm:
                     name = comm.read().strip()
-                if any(tool in name for tool in BUILD_TOOLS):
+                if name.rsplit("-", 1)[-1].startswith(BUILD_TOOLS):  # x86_64-linux-gnu-g++, cc1plus, ld.gold
                     found.append(pid)
                     continue
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") == lock for fd in os.listdir(f"/proc/{pid}/fd")):

@@ -2,6 +2,7 @@
 
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,3 +206,22 @@ def test_the_report_says_what_a_killed_or_failed_build_left(tmp_path, monkeypatc
     state = build_state("an_op")
     assert state.startswith("built in") and "torch's build lock is there" in state, state
     assert state.endswith("the last build failed: process 7: RuntimeError: nvcc: error"), state
+
+
+def test_compilers_a_killed_build_left_running_are_waited_for(tmp_path):
+    # A killed build's ninja (here: sleep under that name) still compiles in the directory, beside the
+    # lock it left: building there now would race it.
+    ninja = tmp_path / "tools" / "ninja"
+    ninja.parent.mkdir()
+    shutil.copy(shutil.which("sleep"), ninja)
+    (tmp_path / "lock").touch()
+    compiler = subprocess.Popen([str(ninja), "600"], cwd=tmp_path)
+    try:
+        time.sleep(0.2)  # until it runs under its name
+        with pytest.raises(TimeoutError, match=f"processes \\[{compiler.pid}\\] on .* still build in"):
+            guarded_build(str(tmp_path), lambda: pytest.fail("built beside a running compiler"), wait_s=1.0)
+        threading.Timer(0.5, compiler.kill).start()
+        assert guarded_build(str(tmp_path), lambda: not os.path.exists(tmp_path / "lock"), wait_s=60) is True
+    finally:
+        compiler.kill()
+        compiler.wait(timeout=30)
