@@ -6,17 +6,24 @@
 // Per expert-parallel group every rank owns the same symmetric buffers, addressable by all ranks:
 //   recv       [max_recv_rows, H]  rows dispatched to this rank, grouped by local expert
 //   origin     [max_recv_rows]     int64 (source rank << 32 | position in the source's send list)
-//   expert_out [max_recv_rows, H]  GEMM2's output rows, by recv row; each source's combine pulls its own.
-//                                  Before GEMM2 writes them, its first rows stage the dispatch's rows
-//                                  from other ranks: each token once (see launch_dispatch)
+//   expert_out [max_recv_rows, H]  GEMM2's output rows, by recv row; the own rank's combine pulls its own
+//                                  routes' rows. Before GEMM2 writes them, its first rows stage the
+//                                  dispatch's rows from other ranks: each token once (see launch_dispatch)
 //   stage_routes [max_recv_rows * top_k] int64 (recv row << 32 | send position) of each staged row's
 //                                  routes here, top_k slots a staged row, -1 past its last route
-//   stage_scale  [max_recv_rows * top_k] fp32 each such route's scale (the backward's gate)
+//   stage_scale  [max_recv_rows * top_k] fp32 each such route's gate
+//   reduced    [max_staged_rows, H] by staged row: the sum of that token's routes here (gate-weighted
+//                                  in the forward), which its source's combine pulls, one row a token
+//   row_dot    [max_recv_rows] fp32 the backward's dot product of each recv row's saved expert output
+//                                  with its token's output gradient (the gate's gradient), pulled by
+//                                  the row's source
 //   meta       int32               exchanged counts, flags and arrival counters (MetaOffsets)
-// and two local arrays: the int32 layout the exchange kernel fills each call (LayoutOffsets; the
-// combine also counts its claimed work units in one of its words), and
-// route_row [max_routes] int64 (destination rank << 32 | recv row there) per send position, which
-// the dispatch writes and the combine reads to find each route's output on its expert's rank.
+// and local arrays: the int32 layout the exchange kernel fills each call (LayoutOffsets; the
+// combine also counts its claimed work units in one of its words); route_row [max_routes] int64
+// (destination rank << 32 | recv row there) per send position, which the dispatch writes and the
+// combine reads to find each route's output on its expert's rank; route_stage [max_routes] int32,
+// for a route to another rank, its token's staged row there if it is the token's first route to
+// that rank, else -1 (the token's other routes there are summed into that row's reduced row).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +43,7 @@ namespace ds_comet {
     X(WaitCombineChunk, 3)   /* expert outputs of a column chunk finished for this rank */              \
     X(WorkspaceOverflow, 4)  /* more rows or tiles than the workspace holds */                          \
     X(WaitDispatchStage, 5)  /* a peer's staged rows for this rank (one staging piece) */               \
+    X(WaitCombineReduce, 6)  /* this rank's GEMM2 rows of other ranks' tokens in a column chunk */      \
     /* Rows of one staging piece: what a peer's dispatch publishes with one release. */                 \
     X(StagePieceRows, 32)                                                                               \
     /* The int64 error record in host memory the device can write (pinned, mapped through UVA), */      \
@@ -54,7 +62,7 @@ namespace ds_comet {
     /* a launch takes without opting in to more): a token can have at most this many. */                \
     X(MaxCombineTopK, 3000)                                                                             \
     /* Words of layout[totals:], and what each holds. */                                                \
-    X(TotalsWords, 8)                                                                                   \
+    X(TotalsWords, 10)                                                                                  \
     X(TotalTiles, 0)         /* GEMM1 row tiles on this rank */                                         \
     X(TotalKept, 1)          /* routes this rank sends (kept by the gate) */                            \
     X(TotalRecvRows, 2)      /* rows this rank receives */                                              \
@@ -63,7 +71,9 @@ namespace ds_comet {
     X(TotalCombineClaim, 5)  /* combine work units claimed so far (zeroed by the exchange) */           \
     /* 1 once a wait that gave up owns the error record (never reset: its trap ends the process's */    \
     /* CUDA context). */                                                                                \
-    X(TotalErrorClaim, 6)
+    X(TotalErrorClaim, 6)                                                                               \
+    X(TotalOwnRoutes, 7)     /* routes this rank sends to its own experts */                            \
+    X(TotalStagedSent, 8)    /* rows this rank stages on other ranks (a token once a rank) */
 
 #define DS_COMET_DECLARE_CONSTANT(name, value) constexpr int64_t k##name = value;
 DS_COMET_CONSTANTS(DS_COMET_DECLARE_CONSTANT)
@@ -76,8 +86,12 @@ struct MetaOffsets {
                              // destination; double-buffered by call parity
     int64_t exchange_flag;   // [P] call generation each source published its counts for
     int64_t tile_counter;    // [max_tiles] rows arrived per GEMM1 row tile
-    int64_t chunk_counter;   // [max_chunks] (row, column tile) pairs of this rank's routes finished, per column chunk
+    int64_t chunk_counter;   // [max_chunks] per column chunk: (row, column tile) pairs of this rank's routes to
+                             // itself finished, plus rows of its tokens reduced on other ranks
     int64_t stage_counter;   // [max_stage_pieces] rows staged here per staging piece (by source, then piece)
+    int64_t reduce_counter;  // [max_chunks] (row, column tile) pairs of other ranks' rows GEMM2 finished here,
+                             // per column chunk; the chunk counters then count this rank's own routes and
+                             // its tokens' reduced rows on other ranks
     int64_t generation;      // [1] this rank's call counter (only the owner touches it)
 };
 
@@ -152,6 +166,12 @@ struct DispatchTables {
     const int64_t* peer_stage_routes;  // [P] each rank's stage_routes
     const int64_t* peer_stage_scale;   // [P] each rank's stage_scale
     const int64_t* peer_meta;       // [P] each rank's meta
+    int32_t* route_stage;           // [k S] this rank's route_stage
+    // The backward's gate gradient, or both null: the forward's expert outputs by recv row ([recv
+    // rows, H], kept by the caller), and this rank's row_dot, which receives each route's dot
+    // product of its token's (unscaled) row with them.
+    const void* outputs;
+    float* row_dot;
 };
 
 // Puts every kept route's token row in its destination's recv buffer, records its origin (there) and
@@ -159,28 +179,47 @@ struct DispatchTables {
 // are copied route by route, one release per piece. A token's rows for another rank cross the link
 // once: its row goes to that rank's staging rows with the list of its routes there, one release a
 // staging piece; each rank's dispatch then copies the rows staged for it to its routes' recv rows
-// (waiting, boundedly, for each piece). With `scaled` (the backward; the same on every rank of the
-// group) each route's row is multiplied by its route_scale (indexed by flat route id; null only on
-// a rank without routes), where it is written to recv.
+// (waiting, boundedly, for each piece). route_scale (indexed by flat route id; null only on a rank
+// without routes) is each route's gate: it goes with the staged routes, for the combine's sums there.
+// With `scaled` (the backward; the same on every rank of the group) each route's row is also
+// multiplied by it where it is written to recv.
 // dtype_code: 0 = bf16, 1 = fp16.
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
                             int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
                             const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
                             cudaStream_t stream);
 
-// Weighted top-k sum of the expert outputs, column chunk by column chunk: each chunk, once every
-// expert rank has counted it finished for this rank, is read from the expert ranks' expert_out
-// (peer_expert_out[d] + route_row) over NVLink. gates may be null: every weight is 1 (the backward's
-// sum of input gradients). returned may be null; else it receives every kept route's output row
-// by send position (what the gate gradient needs). dtype_code as above. Launched more than once
-// between two exchanges (on different streams, any grid, every other argument the same), the
-// launches share the work: each unit is reduced once, by whichever launch claims it first.
-cudaError_t launch_combine(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
-                           const int64_t* route_position, const float* gates, void* out, void* returned,
-                           int64_t top_k, int64_t num_tokens, int64_t hidden,
-                           int dtype_code, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
-                           const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks,
-                           cudaStream_t stream);
+// Where the combine reads each route's output, and what it writes besides the sums.
+struct CombineTables {
+    const int64_t* peer_expert_out;  // [P] each rank's expert_out (only the own one is read)
+    const int64_t* peer_reduced;     // [P] each rank's reduced
+    const int64_t* peer_row_dot;     // [P] each rank's row_dot (read only with route_grad)
+    const int64_t* peer_meta;        // [P] each rank's meta
+    const int64_t* route_row;        // [max_routes] of the dispatch
+    const int32_t* route_stage;      // [max_routes] of the dispatch
+    const int64_t* route_position;   // [k S] of the routing plan
+    const int64_t* stage_routes;     // this rank's stage_routes
+    const float* stage_scale;        // this rank's stage_scale
+    float* route_grad;               // [k S] by flat route id, or null: each route's row_dot (0 if dropped)
+};
+
+// Weighted top-k sum of the expert outputs, column chunk by column chunk, a token's routes on one
+// rank summed there first. Per chunk, each rank first sums, for every row other ranks staged here,
+// that token's routes here (weighted by their gates, unless gates is null) into its reduced row,
+// once GEMM2 has finished the chunk's rows from other ranks, and counts them on the token's source;
+// then each source, once its chunk counter says every rank is done with its rows, adds its own
+// routes' rows (from its expert_out) and one reduced row per other rank that holds a route of the
+// token (read over NVLink). With `weighted` (the forward; the same on every rank of the group) each
+// route weighs its gate: gates ([k S] by flat route id; null only on a rank without routes) here,
+// the staged gates on the other ranks; else every weight is 1 (the backward's sum of input
+// gradients). With route_grad (the backward), each route's row_dot is
+// collected too. dtype_code as above. Launched more than once between two exchanges (on different
+// streams, any grid, every other argument the same), the launches share the work: each unit is
+// reduced once, by whichever launch claims it first.
+cudaError_t launch_combine(const GroupShape& shape, const CombineTables& tables, bool weighted, const float* gates,
+                           void* out, int64_t top_k, int64_t num_tokens, int64_t hidden, int dtype_code,
+                           int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int32_t* layout, int64_t* error_record,
+                           int blocks, cudaStream_t stream);
 
 // The gate's integer bookkeeping (gate_kernels.cu; ds_comet/integrations/legacy/gate.py says what each replaces).
 // Top-2: gates [S, E] fp32; logits [S, E] of logits_code (0 = bf16, 1 = fp16: dtype_code; 2 =

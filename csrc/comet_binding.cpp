@@ -218,12 +218,25 @@ const float* optional_weights(const torch::Tensor& t, const char* name, int64_t 
     return t.data_ptr<float>();
 }
 
+// The forward's expert outputs the backward's dispatch takes its dot products with: [rows, hidden]
+// in the tokens' dtype, or empty for none; row_dot then has a float per row.
+const void* optional_outputs(const torch::Tensor& outputs, const torch::Tensor& row_dot, const torch::Tensor& tokens) {
+    if (outputs.numel() == 0) return nullptr;
+    check_cuda(outputs, "outputs", tokens.scalar_type());
+    TORCH_CHECK(outputs.dim() == 2 && outputs.size(1) == tokens.size(1), "outputs must be [rows, hidden]");
+    check_aligned(outputs, "outputs");
+    check_cuda(row_dot, "row_dot", at::kFloat);
+    TORCH_CHECK(row_dot.numel() >= outputs.size(0), "row_dot must have an entry per row of outputs");
+    return outputs.data_ptr();
+}
+
 void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch::Tensor& route_order,
               const torch::Tensor& route_position, const torch::Tensor& rank_tokens,
               const torch::Tensor& rank_counts, torch::Tensor& layout, const torch::Tensor& peer_recv,
               const torch::Tensor& peer_origin, const torch::Tensor& peer_stage, const torch::Tensor& peer_stage_routes,
               const torch::Tensor& peer_stage_scale, const torch::Tensor& peer_meta, torch::Tensor& route_row,
-              const torch::Tensor& route_scale, bool scaled, int64_t top_k, int64_t error_record, int64_t blocks) {
+              torch::Tensor& route_stage, const torch::Tensor& route_scale, bool scaled, const torch::Tensor& outputs,
+              torch::Tensor& row_dot, int64_t top_k, int64_t error_record, int64_t blocks) {
     TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2, "tokens must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(tokens, "tokens");
     TORCH_CHECK(tokens.size(1) % 8 == 0, "a token row must be a multiple of 16 bytes");
@@ -242,6 +255,8 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     }
     check_cuda(route_row, "route_row", at::kLong);
     TORCH_CHECK(route_row.numel() >= route_order.numel(), "route_row must have an entry per route");
+    check_cuda(route_stage, "route_stage", at::kInt);
+    TORCH_CHECK(route_stage.numel() >= route_order.numel(), "route_stage must have an entry per route");
     TORCH_CHECK(route_position.numel() == route_order.numel(), "route_position must have an entry per route");
     // top_k is also the stride of every rank's stage_routes, so it is passed in: a rank with no
     // tokens (which still receives staged rows) could not infer it from its routes.
@@ -250,17 +265,20 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     TORCH_CHECK(rank_counts.numel() == shape.ep_size, "rank_counts must have ep_size entries");
     // Whether rows are scaled must not depend on this rank's routes: with none, it has no scales,
     // yet unstages its peers' scaled rows.
-    const float* scale = scaled ? optional_weights(route_scale, "route_scale", route_order.numel()) : nullptr;
-    TORCH_CHECK(scaled || route_scale.numel() == 0, "route_scale is given, but scaled is false");
+    const float* scale = optional_weights(route_scale, "route_scale", route_order.numel());
+    TORCH_CHECK(!scaled || scale != nullptr || route_order.numel() == 0, "scaled rows need a route_scale");
+    const void* kept_outputs = optional_outputs(outputs, row_dot, tokens);
     const c10::cuda::CUDAGuard device_guard(
         one_device("dispatch", {tokens, route_order, route_position, rank_tokens, rank_counts, layout, peer_recv,
                                 peer_origin, peer_stage, peer_stage_routes, peer_stage_scale, peer_meta, route_row,
-                                route_scale}));
+                                route_stage, route_scale, outputs, row_dot}));
     ds_comet::DispatchTables tables{route_order.data_ptr<int64_t>(),     route_position.data_ptr<int64_t>(),
                                     rank_tokens.data_ptr<int32_t>(),     rank_counts.data_ptr<int64_t>(),
                                     peer_recv.data_ptr<int64_t>(),       peer_origin.data_ptr<int64_t>(),
                                     peer_stage.data_ptr<int64_t>(),      peer_stage_routes.data_ptr<int64_t>(),
-                                    peer_stage_scale.data_ptr<int64_t>(), peer_meta.data_ptr<int64_t>()};
+                                    peer_stage_scale.data_ptr<int64_t>(), peer_meta.data_ptr<int64_t>(),
+                                    route_stage.data_ptr<int32_t>(),     kept_outputs,
+                                    kept_outputs == nullptr ? nullptr : row_dot.data_ptr<float>()};
     check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1),
                                            static_cast<int>(top_k), dtype_code, scaled, scale,
                                            layout.data_ptr<int32_t>(),
@@ -269,46 +287,64 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
                  "dispatch");
 }
 
-// An empty tensor stands for "do not keep the routes' outputs".
-void* optional_rows(torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t routes, int64_t hidden) {
-    if (t.numel() == 0) return nullptr;
-    check_cuda(t, name, dtype);
-    TORCH_CHECK(t.dim() == 2 && t.size(0) >= routes && t.size(1) == hidden, name, " must be [routes, hidden]");
-    check_aligned(t, name);
-    return t.data_ptr();
-}
-
-void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, const torch::Tensor& route_row,
-             const torch::Tensor& route_position, const torch::Tensor& gates, torch::Tensor& out,
-             torch::Tensor& returned, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
-             const torch::Tensor& meta, torch::Tensor& layout, int64_t error_record, int64_t blocks) {
+void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, const torch::Tensor& peer_reduced,
+             const torch::Tensor& peer_row_dot, const torch::Tensor& peer_meta, const torch::Tensor& route_row,
+             const torch::Tensor& route_stage, const torch::Tensor& route_position, const torch::Tensor& stage_routes,
+             const torch::Tensor& stage_scale, bool weighted, const torch::Tensor& gates, torch::Tensor& out,
+             torch::Tensor& route_grad, int64_t top_k, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
+             torch::Tensor& layout, int64_t error_record, int64_t blocks) {
     TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2, "out must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(out, "out");
     check_aligned(out, "out");
-    check_cuda(peer_expert_out, "peer_expert_out", at::kLong);
-    TORCH_CHECK(peer_expert_out.numel() == shape.ep_size, "peer_expert_out must have ep_size entries");
+    for (const auto& [table, name] : {std::pair<const torch::Tensor&, const char*>{peer_expert_out, "peer_expert_out"},
+                                      {peer_reduced, "peer_reduced"}, {peer_row_dot, "peer_row_dot"},
+                                      {peer_meta, "peer_meta"}}) {
+        check_cuda(table, name, at::kLong);
+        TORCH_CHECK(table.numel() == shape.ep_size, name, " must have ep_size entries");
+    }
     check_cuda(route_row, "route_row", at::kLong);
+    check_cuda(route_stage, "route_stage", at::kInt);
     check_cuda(route_position, "route_position", at::kLong);
-    check_cuda(meta, "meta", at::kInt);
+    check_cuda(stage_routes, "stage_routes", at::kLong);
+    check_cuda(stage_scale, "stage_scale", at::kFloat);
     check_cuda(layout, "layout", at::kInt);
     TORCH_CHECK(out.size(0) == 0 ? route_position.numel() == 0 : route_position.numel() % out.size(0) == 0,
                 "route_position must hold k routes per token");
-    TORCH_CHECK(route_row.numel() >= route_position.numel(), "route_row must have an entry per route");
+    TORCH_CHECK(route_row.numel() >= route_position.numel() && route_stage.numel() >= route_position.numel(),
+                "route_row and route_stage must have an entry per route");
     // The kernel keeps tokens and send positions in int32, as the layout keeps its counts.
     TORCH_CHECK(std::max(out.size(0), route_position.numel()) < (int64_t{1} << 31),
                 "at most 2^31 - 1 tokens and routes per call");
-    const int64_t top_k = out.size(0) == 0 ? 0 : route_position.numel() / out.size(0);
+    // top_k is also the stride of stage_routes, so it is passed in: a rank with no tokens (which
+    // still reduces the rows its peers staged here) could not infer it from its routes.
+    TORCH_CHECK(top_k > 0 && route_position.numel() == top_k * out.size(0), "route_position must hold top_k routes "
+                "per token");
     TORCH_CHECK(top_k <= ds_comet::kMaxCombineTopK, "the fused combine takes at most ", ds_comet::kMaxCombineTopK,
                 " routes per token, got ", top_k);
+    TORCH_CHECK(stage_routes.numel() == stage_scale.numel() && stage_routes.numel() % top_k == 0,
+                "stage_routes and stage_scale must have top_k entries per staged row");
+    // Whether routes are weighted must not depend on this rank's routes: with none, it has no gates,
+    // yet sums its peers' staged routes with theirs.
     const float* weights = optional_weights(gates, "gates", route_position.numel());
-    void* kept_rows = optional_rows(returned, "returned", out.scalar_type(), route_position.numel(), out.size(1));
+    TORCH_CHECK(!weighted || weights != nullptr || route_position.numel() == 0, "weighted sums need gates");
+    TORCH_CHECK(weighted || gates.numel() == 0, "gates are given, but weighted is false");
+    float* grads = nullptr;
+    if (route_grad.numel() != 0) {
+        check_cuda(route_grad, "route_grad", at::kFloat);
+        TORCH_CHECK(route_grad.numel() == route_position.numel(), "route_grad must have one entry per route");
+        grads = route_grad.data_ptr<float>();
+    }
     TORCH_CHECK(out.size(1) % 8 == 0 && chunk_cols % 8 == 0, "hidden size and chunk width must be multiples of 8");
     const c10::cuda::CUDAGuard device_guard(
-        one_device("combine", {out, peer_expert_out, route_row, route_position, gates, returned, meta, layout}));
-    check_launch(ds_comet::launch_combine(shape, peer_expert_out.data_ptr<int64_t>(), route_row.data_ptr<int64_t>(),
-                                          route_position.data_ptr<int64_t>(), weights, out.data_ptr(), kept_rows,
-                                          top_k, out.size(0), out.size(1), dtype_code, chunk_cols, tile_n,
-                                          num_chunks, meta.data_ptr<int32_t>(), layout.data_ptr<int32_t>(),
+        one_device("combine", {out, peer_expert_out, peer_reduced, peer_row_dot, peer_meta, route_row, route_stage,
+                               route_position, stage_routes, stage_scale, gates, route_grad, layout}));
+    ds_comet::CombineTables tables{peer_expert_out.data_ptr<int64_t>(), peer_reduced.data_ptr<int64_t>(),
+                                   peer_row_dot.data_ptr<int64_t>(),    peer_meta.data_ptr<int64_t>(),
+                                   route_row.data_ptr<int64_t>(),       route_stage.data_ptr<int32_t>(),
+                                   route_position.data_ptr<int64_t>(),  stage_routes.data_ptr<int64_t>(),
+                                   stage_scale.data_ptr<float>(),       grads};
+    check_launch(ds_comet::launch_combine(shape, tables, weighted, weights, out.data_ptr(), top_k, out.size(0),
+                                          out.size(1), dtype_code, chunk_cols, tile_n, num_chunks, layout.data_ptr<int32_t>(),
                                           as_record(error_record), static_cast<int>(blocks),
                                           at::cuda::getCurrentCUDAStream()),
                  "combine");
@@ -346,6 +382,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("tile_counter", &ds_comet::MetaOffsets::tile_counter)
         .def_readwrite("chunk_counter", &ds_comet::MetaOffsets::chunk_counter)
         .def_readwrite("stage_counter", &ds_comet::MetaOffsets::stage_counter)
+        .def_readwrite("reduce_counter", &ds_comet::MetaOffsets::reduce_counter)
         .def_readwrite("generation", &ds_comet::MetaOffsets::generation);
     py::class_<ds_comet::LayoutOffsets>(m, "LayoutOffsets")
         .def(py::init<>())
@@ -377,6 +414,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout");
     m.def("dispatch", &dispatch, "Put every kept route's token row (optionally scaled per route) in its destination's "
           "recv buffer, each token's row crossing to another rank once");
-    m.def("combine", &combine, "Top-k sum of the routes' expert outputs, read from the expert ranks (gate-weighted "
-          "unless gates is empty), chunk by chunk");
+    m.def("combine", &combine, "Top-k sum of the routes' expert outputs (gate-weighted unless gates is empty), a "
+          "token's routes on one rank summed there first, chunk by chunk; optionally each route's gate gradient");
 }

@@ -105,8 +105,8 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
         meta[mo.generation] = generation;
     }
     // Counters first: peers add to them as soon as they see this call's counts.
-    // (The tile, chunk and staging counters are one run of meta.)
-    for (int64_t i = tid; i < shape.max_tiles + shape.max_chunks + shape.max_stage_pieces; i += blockDim.x) {
+    // (The tile, chunk, staging and reduce counters are one run of meta.)
+    for (int64_t i = tid; i < shape.max_tiles + 2 * shape.max_chunks + shape.max_stage_pieces; i += blockDim.x) {
         meta[mo.tile_counter + i] = 0;
     }
     __syncthreads();
@@ -174,10 +174,11 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
         layout[lo.local_tiles + l + 1] = static_cast<int32_t>(layout[lo.local_tiles + l] + full_local);
         layout[lo.remote_tiles + l + 1] = static_cast<int32_t>(layout[lo.remote_tiles + l] + tiles - full_local);
     }
-    int64_t kept = 0;
+    int64_t kept = 0, own_routes = 0;
     for (int e = 0; e < E; ++e) {
         layout[lo.send_offset + e] = static_cast<int32_t>(kept);
         kept += expert_counts[e];
+        if (e / L == rank) own_routes += expert_counts[e];
     }
     layout[lo.send_offset + E] = static_cast<int32_t>(kept);
     int64_t pieces = 0, i = 0;
@@ -195,10 +196,12 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     // Staging. Each source's rows on a destination follow those of the lower source ranks; a
     // source sends to the next ranks in turn (rank + 1 first), so that the sources start on
     // different destinations.
-    int64_t sent = 0;
+    int64_t sent = 0, staged_sent = 0;
     for (int r = 0; r + 1 < P; ++r) {
         layout[lo.stage_send + r] = static_cast<int32_t>(sent);
-        sent += ceil_div(counts[rank * W + E + (rank + 1 + r) % P], kStagePieceRows);
+        const int64_t rows = counts[rank * W + E + (rank + 1 + r) % P];
+        sent += ceil_div(rows, kStagePieceRows);
+        staged_sent += rows;
     }
     layout[lo.stage_send + P - 1] = static_cast<int32_t>(sent);
     for (int d = 0; d < P; ++d) {
@@ -223,6 +226,8 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     layout[lo.totals + kTotalPieces] = static_cast<int32_t>(pieces);
     layout[lo.totals + kTotalGeneration] = generation;
     layout[lo.totals + kTotalCombineClaim] = 0;
+    layout[lo.totals + kTotalOwnRoutes] = static_cast<int32_t>(own_routes);
+    layout[lo.totals + kTotalStagedSent] = static_cast<int32_t>(staged_sent);
 
     const int64_t recv_rows = layout[lo.totals + kTotalRecvRows];
     const int64_t tiles = layout[lo.totals + kTotalTiles];
@@ -363,6 +368,23 @@ __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int64_t vec
     for (; v < vectors; v += kWarp) dst[v] = load_vector<FRESH>(src + v);
 }
 
+// The dot product in fp32 of two rows of `vectors` 16-byte vectors, by one warp; every lane gets it.
+// FRESH as for load_vector, for `a`.
+template <typename T, bool FRESH>
+__device__ __forceinline__ float row_dot_product(const int4* a, const int4* b, int64_t vectors, int lane) {
+    float sum = 0.f;
+    for (int64_t v = lane; v < vectors; v += kWarp) {
+        float x[8], y[8];
+        Vec8<T>::to_float(load_vector<FRESH>(a + v), x);
+        Vec8<T>::to_float(b[v], y);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum += x[i] * y[i];
+    }
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
+    return sum;
+}
+
 // Own rows, route by route. A piece is the part of one own expert's segment that falls in one row
 // tile: copy its rows, then publish them with one release on that tile's counter.
 template <typename T>
@@ -390,9 +412,15 @@ __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const cha
         const int64_t route = tables.route_order[pos];
         const int64_t token = route % num_tokens;
         // The backward: each route carries its gate times the gradient.
-        copy_row<T, false>(reinterpret_cast<const int4*>(tokens + token * row_bytes),
-                           reinterpret_cast<int4*>(recv + (region_row + r) * row_bytes), row_bytes / sizeof(int4),
+        const int4* src = reinterpret_cast<const int4*>(tokens + token * row_bytes);
+        copy_row<T, false>(src, reinterpret_cast<int4*>(recv + (region_row + r) * row_bytes), row_bytes / sizeof(int4),
                            lane, scaled, scaled ? route_scale[route] : 1.f);
+        if (tables.outputs != nullptr) {
+            const char* output = static_cast<const char*>(tables.outputs) + (region_row + r) * row_bytes;
+            const float dot = row_dot_product<T, false>(src, reinterpret_cast<const int4*>(output),
+                                                        row_bytes / sizeof(int4), lane);
+            if (lane == 0) tables.row_dot[region_row + r] = dot;
+        }
         if (lane == 0) {
             origin[region_row + r] = (static_cast<int64_t>(shape.rank) << 32) | pos;
             route_row[pos] = (static_cast<int64_t>(d) << 32) | (region_row + r);
@@ -408,10 +436,11 @@ __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const cha
 }
 
 // Staging piece `piece` of this rank's rows for another rank: each token's row once, unscaled, with
-// the recv rows (and scales) of its routes there; then one release on the piece's counter there.
+// the recv rows (and gates) of its routes there; then one release on the piece's counter there. The
+// token's first route there gets the staged row in route_stage, the others -1.
 template <typename T>
 __device__ void send_staged_piece(const GroupShape& shape, int64_t piece_item, const char* tokens, int64_t num_tokens,
-                                  int64_t row_bytes, int top_k, bool scaled, const float* route_scale,
+                                  int64_t row_bytes, int top_k, const float* route_scale,
                                   const int32_t* layout, const DispatchTables& tables, int64_t* route_row) {
     const int P = shape.ep_size, E = shape.num_experts, L = E / P, rank = shape.rank;
     const LayoutOffsets& lo = shape.layout;
@@ -441,11 +470,13 @@ __device__ void send_staged_piece(const GroupShape& shape, int64_t piece_item, c
             const bool here = e >= 0 && e / L == d;
             const unsigned ballot = __ballot_sync(kFullMask, here);
             if (here) {
-                const int64_t entry = at * top_k + found + __popc(ballot & ((1u << lane) - 1u));
+                const int before = __popc(ballot & ((1u << lane) - 1u));
+                const int64_t entry = at * top_k + found + before;
                 const int64_t recv_row = layout[lo.dest_row + e] + (pos - layout[lo.send_offset + e]);
                 stage_routes[entry] = (recv_row << 32) | pos;
-                if (scaled) stage_scale[entry] = route_scale[route];
+                if (route_scale != nullptr) stage_scale[entry] = route_scale[route];
                 route_row[pos] = (static_cast<int64_t>(d) << 32) | recv_row;
+                tables.route_stage[pos] = found + before == 0 ? static_cast<int32_t>(at) : -1;
             }
             found += __popc(ballot);
         }
@@ -461,8 +492,9 @@ __device__ void send_staged_piece(const GroupShape& shape, int64_t piece_item, c
 }
 
 // Staging piece `piece_item` of those this rank receives: waits for it, then copies each staged row
-// to its routes' recv rows (scaled per route in the backward), records their origins and counts
-// each row on its GEMM1 row tile.
+// to its routes' recv rows (scaled per route in the backward), records their origins, keeps each
+// route's dot product with the saved outputs (the backward, with tables.outputs) and counts each row
+// on its GEMM1 row tile.
 template <typename T>
 __device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64_t row_bytes, int top_k,
                               bool scale_rows, int32_t* layout, const DispatchTables& tables, int64_t* error_record) {
@@ -495,6 +527,12 @@ __device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64
             const int64_t row = entry >> 32, pos = entry & 0xFFFFFFFF;
             copy_row<T, true>(src, reinterpret_cast<int4*>(recv + row * row_bytes), row_bytes / sizeof(int4), lane,
                               scale_rows, scale_rows ? __ldcg(stage_scale + at * top_k + j) : 1.f);
+            if (tables.outputs != nullptr) {
+                const char* output = static_cast<const char*>(tables.outputs) + row * row_bytes;
+                const float dot = row_dot_product<T, true>(src, reinterpret_cast<const int4*>(output),
+                                                           row_bytes / sizeof(int4), lane);
+                if (lane == 0) tables.row_dot[row] = dot;
+            }
             if (lane == 0) origin[row] = (static_cast<int64_t>(q) << 32) | pos;
             // Release, as the route-by-route path does with its block barrier: the warp barrier
             // orders every lane's stores before lane 0's fence, and the fence before its count.
@@ -525,8 +563,8 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
             copy_own_piece<T>(shape, item, tokens, num_tokens, row_bytes, scaled, route_scale, layout, tables,
                               route_row);
         } else if (item < own_pieces + sent_pieces) {
-            send_staged_piece<T>(shape, item - own_pieces, tokens, num_tokens, row_bytes, top_k, scaled, route_scale,
-                                 layout, tables, route_row);
+            send_staged_piece<T>(shape, item - own_pieces, tokens, num_tokens, row_bytes, top_k, route_scale, layout,
+                                 tables, route_row);
         } else {
             // `scaled`, not route_scale: a rank without routes has no scales but unstages scaled rows.
             unstage_piece<T>(shape, item - own_pieces - sent_pieces, row_bytes, top_k, scaled, layout, tables,
@@ -557,36 +595,106 @@ __global__ void rank_tokens_kernel(const int32_t* indices, int64_t num_tokens, i
     if (threadIdx.x == 0) rank_counts[d] = listed;
 }
 
-// The combine's work is claimed in units of one column chunk x unit_tokens tokens, in chunk order,
-// through a counter the exchange zeroes: the communication blocks start on a chunk as soon as it is
-// finished, and a second launch on the GEMM stream (all SMs, once GEMM2 is done) takes whatever is
-// left, so the last chunks are not reduced by the few communication blocks alone.
+// The combine's work is claimed in units of one column chunk, in chunk order, through a counter the
+// exchange zeroes: the communication blocks start on a chunk as soon as it is finished, and a second
+// launch on the GEMM stream (all SMs, once GEMM2 is done) takes whatever is left, so the last chunks
+// are not reduced by the few communication blocks alone. A chunk's units are first its reduce units
+// (one per staging piece this rank received: the rows other ranks staged here, each summed over its
+// token's routes here), then its source units (unit_tokens of this rank's tokens each). A source
+// unit waits for reduce units of other ranks, which wait only for their own rank's GEMM2; every rank
+// claims a chunk's reduce units before its source units, so a claimed unit never waits on a unit no
+// block can claim.
 //
-// A unit first looks up where each of its routes' rows lies (route position, then the row the
-// dispatch placed it in, then that rank's buffer) into shared memory, once for all its passes: looked
-// up in every pass, that chain of dependent loads came before every read of a row and bounded the
-// kernel by latency (about 10 GB/s per SM, docs/decisions.md). Per pass a thread then reads ROUTES
-// routes of ITEMS (token, 8-column) vectors, issuing all ROUTES x ITEMS loads before using any: a
-// read over NVLink takes microseconds, and k alone (2 on many models) would leave too few in flight.
+// A unit first looks up the rows it sums (per output row, top_k of them) into shared memory, once for
+// all its passes: looked up in every pass, that chain of dependent loads came before every read of a
+// row and bounded the kernel by latency (about 10 GB/s per SM, docs/decisions.md). Per pass a thread
+// then reads ROUTES routes of ITEMS (output row, 8-column) vectors, issuing all ROUTES x ITEMS loads
+// before using any: a read over NVLink takes microseconds, and k alone (2 on many models) would leave
+// too few in flight.
+
+// out[t][columns of the pass] = sum over j of staged_gate[j][t] x staged_row[j][t] for the n rows
+// staged ([route j][row t], stride `stride`; a null row adds nothing), columns [col0, col0 + 8 vectors).
+template <typename T, int ROUTES, int ITEMS>
+__device__ __forceinline__ void sum_staged_rows(const T* const* staged_row, const float* staged_gate, int64_t n,
+                                                int64_t stride, int64_t top_k, int64_t col0, int64_t vectors, T* out,
+                                                int64_t hidden) {
+    const int64_t work = n * vectors;
+    for (int64_t w0 = threadIdx.x; w0 < work; w0 += static_cast<int64_t>(ITEMS) * blockDim.x) {
+        int32_t token[ITEMS], col[ITEMS];  // row within the unit (-1: no item); int32: fewer registers
+        float acc[ITEMS][8];
+#pragma unroll
+        for (int it = 0; it < ITEMS; ++it) {
+            const int64_t w = w0 + static_cast<int64_t>(it) * blockDim.x;
+            token[it] = w < work ? static_cast<int32_t>(w / vectors) : -1;
+            col[it] = static_cast<int32_t>(col0 + (w % vectors) * 8);
+#pragma unroll
+            for (int v = 0; v < 8; ++v) acc[it][v] = 0.f;
+        }
+        for (int64_t j0 = 0; j0 < top_k; j0 += ROUTES) {
+            int4 raw[ITEMS][ROUTES];
+            static_assert(ITEMS * ROUTES <= 32, "one bit per read in `present`");
+            uint32_t present = 0;  // bit it * ROUTES + i: that item's route read a row
+#pragma unroll
+            for (int it = 0; it < ITEMS; ++it) {
+#pragma unroll
+                for (int i = 0; i < ROUTES; ++i) {
+                    const T* row =
+                        token[it] >= 0 && j0 + i < top_k ? staged_row[(j0 + i) * stride + token[it]] : nullptr;
+                    if (row != nullptr) {
+                        // Written by another GPU, or by GEMM2 beside this kernel: read past L1, which
+                        // does not see such stores.
+                        raw[it][i] = __ldcg(reinterpret_cast<const int4*>(row + col[it]));
+                        present |= 1u << (it * ROUTES + i);
+                    }
+                }
+            }
+#pragma unroll
+            for (int it = 0; it < ITEMS; ++it) {
+#pragma unroll
+                for (int i = 0; i < ROUTES; ++i) {
+                    if (!(present & (1u << (it * ROUTES + i)))) continue;
+                    float values[8];
+                    Vec8<T>::to_float(raw[it][i], values);
+                    const float gate = staged_gate[(j0 + i) * stride + token[it]];
+#pragma unroll
+                    for (int v = 0; v < 8; ++v) acc[it][v] += gate * values[v];
+                }
+            }
+        }
+#pragma unroll
+        for (int it = 0; it < ITEMS; ++it) {
+            if (token[it] >= 0) {
+                *reinterpret_cast<int4*>(out + token[it] * hidden + col[it]) = Vec8<T>::from_float(acc[it]);
+            }
+        }
+    }
+}
+
 template <typename T, int ROUTES, int ITEMS>
 __global__ void __launch_bounds__(kCombineThreads, 1)
-combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* route_row, const int64_t* route_position,
-               const float* gates, T* out, T* returned, int64_t top_k, int64_t num_tokens, int64_t hidden,
-               int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int64_t unit_tokens, const int32_t* meta,
-               int32_t* layout, int64_t* error_record) {
+combine_kernel(GroupShape shape, CombineTables tables, bool weighted, const float* gates, T* out, int64_t top_k, int64_t num_tokens,
+               int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int64_t unit_tokens,
+               int64_t reduce_rows, int32_t* layout, int64_t* error_record) {
     const MetaOffsets& mo = shape.meta;
-    const int64_t kept = layout[shape.layout.totals + kTotalKept];
+    const LayoutOffsets& lo = shape.layout;
+    const int P = shape.ep_size, rank = shape.rank;
+    const int64_t kept = layout[lo.totals + kTotalKept];
     const int64_t chunks = min(num_chunks, ceil_div(hidden, chunk_cols));
-    const int64_t units_per_chunk = ceil_div(num_tokens, unit_tokens);
+    // A reduce unit: reduce_rows (a power of two <= unit_tokens, dividing kStagePieceRows) of one
+    // staging piece received (a source's last piece may leave some units empty).
+    const int64_t units_per_piece = kStagePieceRows / reduce_rows;
+    const int64_t reduce_units = layout[lo.stage_recv_piece + P] * units_per_piece;
+    const int64_t units_per_chunk = reduce_units + ceil_div(num_tokens, unit_tokens);
     const int64_t total_units = chunks * units_per_chunk;
-    int32_t* claim = layout + shape.layout.totals + kTotalCombineClaim;
+    int32_t* claim = layout + lo.totals + kTotalCombineClaim;
+    const int32_t* meta = reinterpret_cast<const int32_t*>(tables.peer_meta[rank]);
+    const T* expert_out = reinterpret_cast<const T*>(tables.peer_expert_out[rank]);
     __shared__ int64_t claimed;
-    // A unit's routes, [route j][token of the unit]: the row (null for a dropped route), the gate and
-    // the send position (where `returned` keeps the row).
+    __shared__ int32_t release_rank, release_rows;  // a reduce unit's count on its source (shared: fewer registers)
+    // A unit's rows to sum, [route j][output row of the unit]: the row (null: nothing) and its weight.
     extern __shared__ int64_t staged[];
     const T** staged_row = reinterpret_cast<const T**>(staged);
     float* staged_gate = reinterpret_cast<float*>(staged_row + top_k * unit_tokens);
-    int32_t* staged_pos = reinterpret_cast<int32_t*>(staged_gate + top_k * unit_tokens);
 
     for (;;) {
         if (threadIdx.x == 0) {
@@ -594,8 +702,18 @@ combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* 
             if (u < total_units) {
                 const int64_t c = u / units_per_chunk;
                 const int64_t tiles = ceil_div(min(hidden, (c + 1) * chunk_cols) - c * chunk_cols, tile_n);
-                wait_at_least(meta + mo.chunk_counter + c, static_cast<int32_t>(kept * tiles), shape,
-                              kWaitCombineChunk, c, layout, error_record);
+                const int64_t own_routes = layout[lo.totals + kTotalOwnRoutes];
+                const int64_t staged_sent = layout[lo.totals + kTotalStagedSent];
+                const int64_t others_rows = layout[lo.totals + kTotalRecvRows] - own_routes;  // other ranks' rows here
+                if (u % units_per_chunk < reduce_units) {
+                    // This rank's GEMM2 has finished the chunk for every row of another rank.
+                    wait_at_least(meta + mo.reduce_counter + c, static_cast<int32_t>(others_rows * tiles), shape,
+                                  kWaitCombineReduce, c, layout, error_record);
+                } else {
+                    // The own routes' rows, and every rank's reduced rows of this rank's tokens.
+                    wait_at_least(meta + mo.chunk_counter + c, static_cast<int32_t>(own_routes * tiles + staged_sent),
+                                  shape, kWaitCombineChunk, c, layout, error_record);
+                }
             }
             claimed = u;
         }
@@ -604,87 +722,78 @@ combine_kernel(GroupShape shape, const int64_t* peer_expert_out, const int64_t* 
         const int64_t u = claimed;
         __syncthreads();  // every thread has read it before thread 0 claims the next unit
         if (u >= total_units) return;
-        const int64_t c = u / units_per_chunk;
-        const int64_t t0 = (u % units_per_chunk) * unit_tokens, t1 = min(num_tokens, t0 + unit_tokens);
-        const int64_t n = t1 - t0;
-        for (int64_t e = threadIdx.x; e < top_k * n; e += blockDim.x) {
-            const int64_t j = e / n, t = e % n;  // consecutive threads, consecutive tokens: coalesced
-            const int64_t route = j * num_tokens + t0 + t;
-            const int64_t pos = route_position[route];
-            const T* row = nullptr;  // a dropped route adds nothing
-            if (pos < kept) {
-                const int64_t where = route_row[pos];
-                row = reinterpret_cast<const T*>(peer_expert_out[where >> 32]) + (where & 0xFFFFFFFF) * hidden;
+        const int64_t c = u / units_per_chunk, i = u % units_per_chunk;
+        const int64_t col0 = c * chunk_cols, vectors = (min(hidden, col0 + chunk_cols) - col0) / 8;
+        int64_t n;
+        T* sums;
+        if (threadIdx.x == 0) release_rows = 0;
+        if (i < reduce_units) {
+            // Rows other ranks staged here: each the sum of its token's routes here.
+            const int64_t piece_item = i / units_per_piece;
+            const int source = part_of(layout + lo.stage_recv_piece, P, piece_item);
+            const int64_t base = layout[lo.stage_recv_row + source];
+            const int64_t rel = (piece_item - layout[lo.stage_recv_piece + source]) * kStagePieceRows +
+                                (i % units_per_piece) * reduce_rows;
+            const int64_t first = base + rel;
+            n = max(int64_t{0}, min(reduce_rows, layout[lo.stage_recv_row + source + 1] - first));
+            for (int64_t e = threadIdx.x; e < top_k * n; e += blockDim.x) {
+                const int64_t j = e / n, t = e % n;
+                // Written by the source's dispatch: read past L1.
+                const int64_t entry = __ldcg(tables.stage_routes + (first + t) * top_k + j);
+                staged_row[j * unit_tokens + t] = entry < 0 ? nullptr : expert_out + (entry >> 32) * hidden;
+                staged_gate[j * unit_tokens + t] =
+                    weighted && entry >= 0 ? __ldcg(tables.stage_scale + (first + t) * top_k + j) : 1.f;
             }
-            staged_row[j * unit_tokens + t] = row;
-            staged_gate[j * unit_tokens + t] = gates == nullptr ? 1.f : gates[route];
-            staged_pos[j * unit_tokens + t] = static_cast<int32_t>(pos);
+            sums = reinterpret_cast<T*>(tables.peer_reduced[rank]) + first * hidden;
+            if (threadIdx.x == 0) {
+                release_rank = source;
+                release_rows = static_cast<int32_t>(n);
+            }
+        } else {
+            // This rank's tokens: its own routes' rows and one reduced row per other rank.
+            const int64_t t0 = (i - reduce_units) * unit_tokens;
+            n = min(num_tokens, t0 + unit_tokens) - t0;
+            const bool collect_grad = tables.route_grad != nullptr && c == 0;  // once a route
+            for (int64_t e = threadIdx.x; e < top_k * n; e += blockDim.x) {
+                const int64_t j = e / n, t = e % n;  // consecutive threads, consecutive tokens: coalesced
+                const int64_t route = j * num_tokens + t0 + t;
+                const int64_t pos = tables.route_position[route];
+                const T* row = nullptr;  // a dropped route adds nothing, nor one summed into another's row
+                float gate = 1.f, grad = 0.f;
+                if (pos < kept) {
+                    const int64_t where = tables.route_row[pos];
+                    const int d = static_cast<int>(where >> 32);
+                    const int64_t recv_row = where & 0xFFFFFFFF;
+                    if (d == rank) {
+                        row = expert_out + recv_row * hidden;
+                        if (weighted) gate = gates[route];
+                    } else {
+                        const int64_t stage_row = tables.route_stage[pos];
+                        if (stage_row >= 0) row = reinterpret_cast<const T*>(tables.peer_reduced[d]) + stage_row * hidden;
+                    }
+                    if (collect_grad) grad = __ldcg(reinterpret_cast<const float*>(tables.peer_row_dot[d]) + recv_row);
+                }
+                if (collect_grad) tables.route_grad[route] = grad;
+                staged_row[j * unit_tokens + t] = row;
+                staged_gate[j * unit_tokens + t] = gate;
+            }
+            sums = out + t0 * hidden;
         }
         __syncthreads();
-        const int64_t col0 = c * chunk_cols, vectors = (min(hidden, col0 + chunk_cols) - col0) / 8;
-        const int64_t work = n * vectors;
-
-        for (int64_t w0 = threadIdx.x; w0 < work; w0 += static_cast<int64_t>(ITEMS) * blockDim.x) {
-            int32_t token[ITEMS], col[ITEMS];  // token within the unit (-1: no item); int32: fewer registers
-            float acc[ITEMS][8];
-#pragma unroll
-            for (int it = 0; it < ITEMS; ++it) {
-                const int64_t w = w0 + static_cast<int64_t>(it) * blockDim.x;
-                token[it] = w < work ? static_cast<int32_t>(w / vectors) : -1;
-                col[it] = static_cast<int32_t>(col0 + (w % vectors) * 8);
-#pragma unroll
-                for (int v = 0; v < 8; ++v) acc[it][v] = 0.f;
-            }
-            for (int64_t j0 = 0; j0 < top_k; j0 += ROUTES) {
-                int4 raw[ITEMS][ROUTES];
-                static_assert(ITEMS * ROUTES <= 32, "one bit per read in `present`");
-                uint32_t present = 0;  // bit it * ROUTES + i: that item's route read a row
-#pragma unroll
-                for (int it = 0; it < ITEMS; ++it) {
-#pragma unroll
-                    for (int i = 0; i < ROUTES; ++i) {
-                        const T* row = token[it] >= 0 && j0 + i < top_k ? staged_row[(j0 + i) * unit_tokens + token[it]]
-                                                                        : nullptr;
-                        if (row != nullptr) {
-                            // Written by another GPU: read past L1, which does not see its stores.
-                            raw[it][i] = __ldcg(reinterpret_cast<const int4*>(row + col[it]));
-                            present |= 1u << (it * ROUTES + i);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int it = 0; it < ITEMS; ++it) {
-#pragma unroll
-                    for (int i = 0; i < ROUTES; ++i) {
-                        if (!(present & (1u << (it * ROUTES + i)))) continue;
-                        const int64_t e = (j0 + i) * unit_tokens + token[it];
-                        float values[8];
-                        Vec8<T>::to_float(raw[it][i], values);
-                        const float gate = staged_gate[e];
-#pragma unroll
-                        for (int v = 0; v < 8; ++v) acc[it][v] += gate * values[v];
-                        if (returned != nullptr) {
-                            *reinterpret_cast<int4*>(returned + static_cast<int64_t>(staged_pos[e]) * hidden + col[it]) =
-                                raw[it][i];
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int it = 0; it < ITEMS; ++it) {
-                if (token[it] >= 0) {
-                    *reinterpret_cast<int4*>(out + (t0 + token[it]) * hidden + col[it]) = Vec8<T>::from_float(acc[it]);
-                }
-            }
+        sum_staged_rows<T, ROUTES, ITEMS>(staged_row, staged_gate, n, unit_tokens, top_k, col0, vectors, sums, hidden);
+        __syncthreads();  // every thread's sums are stored before the release
+        if (threadIdx.x == 0 && release_rows > 0) {
+            __threadfence_system();
+            int32_t* counter = reinterpret_cast<int32_t*>(tables.peer_meta[release_rank]) + mo.chunk_counter + c;
+            atomicAdd_system(counter, release_rows);
         }
     }
 }
 
 template <typename T, int ROUTES, int ITEMS>
-void launch_combine_as(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
-                       const int64_t* route_position, const float* gates, void* out, void* returned, int64_t top_k,
-                       int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
-                       const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks, cudaStream_t stream) {
+void launch_combine_as(const GroupShape& shape, const CombineTables& tables, bool weighted, const float* gates,
+                       void* out, int64_t top_k, int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n,
+                       int64_t num_chunks, int32_t* layout, int64_t* error_record, int blocks, cudaStream_t stream) {
     // About eight passes of a block per unit (fewer where a unit's routes would not fit the staging):
     // long enough to hide the claim and the staging, short enough that the last units spread over
     // every block.
@@ -693,34 +802,32 @@ void launch_combine_as(const GroupShape& shape, const int64_t* peer_expert_out, 
     const int64_t unit_tokens = max(int64_t{1}, min(unit_vectors / max(int64_t{1}, chunk_cols / 8),
                                                     kMaxCombineTopK / routes_per_token));
     const size_t staging = static_cast<size_t>(routes_per_token * unit_tokens) * 16;
+    // A reduce unit's rows fit the same staging: the most that divide a staging piece.
+    int64_t reduce_rows = kStagePieceRows;
+    while (reduce_rows > unit_tokens) reduce_rows /= 2;
     combine_kernel<T, ROUTES, ITEMS><<<blocks, kCombineThreads, staging, stream>>>(
-        shape, peer_expert_out, route_row, route_position, gates, static_cast<T*>(out), static_cast<T*>(returned), top_k,
-        num_tokens, hidden, chunk_cols, tile_n, num_chunks, unit_tokens, meta, layout, error_record);
+        shape, tables, weighted, gates, static_cast<T*>(out), top_k, num_tokens, hidden, chunk_cols, tile_n,
+        num_chunks, unit_tokens, reduce_rows, layout, error_record);
 }
 
 template <typename T>
-void launch_combine_for_k(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
-                          const int64_t* route_position, const float* gates, void* out, void* returned, int64_t top_k,
-                          int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
-                          const int32_t* meta, int32_t* layout, int64_t* error_record, int blocks, cudaStream_t stream) {
+void launch_combine_for_k(const GroupShape& shape, const CombineTables& tables, bool weighted, const float* gates,
+                          void* out, int64_t top_k, int64_t num_tokens, int64_t hidden, int64_t chunk_cols,
+                          int64_t tile_n, int64_t num_chunks, int32_t* layout, int64_t* error_record, int blocks, cudaStream_t stream) {
     // Eight loads in flight per thread and pass for k = 2, 4 and 8; four for k = 1, six for k = 3, k
     // for k = 5-7; a k above 8 leaves its last pass partly empty.
     if (top_k <= 1) {
-        launch_combine_as<T, 1, 4>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
-                                   num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
-                                   blocks, stream);
+        launch_combine_as<T, 1, 4>(shape, tables, weighted, gates, out, top_k, num_tokens, hidden, chunk_cols, tile_n,
+                                   num_chunks, layout, error_record, blocks, stream);
     } else if (top_k == 2) {
-        launch_combine_as<T, 2, 4>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
-                                   num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
-                                   blocks, stream);
+        launch_combine_as<T, 2, 4>(shape, tables, weighted, gates, out, top_k, num_tokens, hidden, chunk_cols, tile_n,
+                                   num_chunks, layout, error_record, blocks, stream);
     } else if (top_k <= 4) {
-        launch_combine_as<T, 4, 2>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
-                                   num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
-                                   blocks, stream);
+        launch_combine_as<T, 4, 2>(shape, tables, weighted, gates, out, top_k, num_tokens, hidden, chunk_cols, tile_n,
+                                   num_chunks, layout, error_record, blocks, stream);
     } else {
-        launch_combine_as<T, 8, 1>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
-                                   num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
-                                   blocks, stream);
+        launch_combine_as<T, 8, 1>(shape, tables, weighted, gates, out, top_k, num_tokens, hidden, chunk_cols, tile_n,
+                                   num_chunks, layout, error_record, blocks, stream);
     }
 }
 
@@ -777,19 +884,16 @@ cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t
     return cudaGetLastError();
 }
 
-cudaError_t launch_combine(const GroupShape& shape, const int64_t* peer_expert_out, const int64_t* route_row,
-                           const int64_t* route_position, const float* gates, void* out, void* returned,
-                           int64_t top_k, int64_t num_tokens, int64_t hidden, int dtype_code, int64_t chunk_cols,
-                           int64_t tile_n, int64_t num_chunks, const int32_t* meta, int32_t* layout,
-                           int64_t* error_record, int blocks, cudaStream_t stream) {
+cudaError_t launch_combine(const GroupShape& shape, const CombineTables& tables, bool weighted, const float* gates,
+                           void* out, int64_t top_k, int64_t num_tokens, int64_t hidden, int dtype_code,
+                           int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int32_t* layout, int64_t* error_record,
+                           int blocks, cudaStream_t stream) {
     if (dtype_code == 0) {
-        launch_combine_for_k<__nv_bfloat16>(shape, peer_expert_out, route_row, route_position, gates, out, returned,
-                                            top_k, num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout,
-                                            error_record, blocks, stream);
+        launch_combine_for_k<__nv_bfloat16>(shape, tables, weighted, gates, out, top_k, num_tokens, hidden, chunk_cols, tile_n,
+                                            num_chunks, layout, error_record, blocks, stream);
     } else {
-        launch_combine_for_k<__half>(shape, peer_expert_out, route_row, route_position, gates, out, returned, top_k,
-                                     num_tokens, hidden, chunk_cols, tile_n, num_chunks, meta, layout, error_record,
-                                     blocks, stream);
+        launch_combine_for_k<__half>(shape, tables, weighted, gates, out, top_k, num_tokens, hidden, chunk_cols, tile_n,
+                                     num_chunks, layout, error_record, blocks, stream);
     }
     return cudaGetLastError();
 }

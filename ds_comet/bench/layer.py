@@ -35,7 +35,7 @@ from ds_comet.bench import autoep
 from ds_comet.bench.common import build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed, train_step
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
-from ds_comet.pipelines.fused import FusedPipeline, no_rows
+from ds_comet.pipelines.fused import FusedPipeline, no_route_grad
 from ds_comet.pipelines.routing import RoutingPlan, plan_routes_cuda, remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
@@ -81,10 +81,10 @@ def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
 
     def combine(blocks):
         kernels.reset_combine_claims()
-        kernels.reduce(plan, gates, out, no_rows(tokens), blocks)
+        kernels.reduce(plan, gates, out, no_route_grad(tokens.device), blocks)
 
     def dispatch(blocks):  # the same rows to the same places; the tile counts only grow
-        kernels.send(tokens, plan, None, blocks)
+        kernels.send(tokens, plan, gates, False, None, blocks)
 
     return dict(gemm1=lambda: kernels.gemm1(workspace.recv, h, h, backward=False, store_pre=False),
                 gemm2=lambda: kernels.gemm2(h, backward=False), combine=lambda: combine(workspace.num_sms),
@@ -261,8 +261,8 @@ def report(all_results, out_dir):
     print("forward: times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
     lines = [f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
              f"{r['sent_mb_per_route'] / max(r['sent_mb_once_per_rank'], 1e-9):10.2f}" for name, r in all_results.items()]
-    print("MB one rank sends to the others per exchange (max over ranks): route by route (the fused combine's), "
-          "once per (token, rank) (every dispatch's, and the reference combine's), their ratio\n" + "\n".join(lines),
+    print("MB one rank sends to the others per exchange (max over ranks): route by route, once per (token, rank) "
+          "(every exchange of both ds_comet pipelines, dispatch and combine), their ratio\n" + "\n".join(lines),
           flush=True)
     autoep_rows = {name: results for name, results in all_results.items() if "autoep" in results}
     if autoep_rows:

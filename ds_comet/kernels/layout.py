@@ -17,6 +17,7 @@ class MetaOffsets:
     tile_counter: int
     chunk_counter: int
     stage_counter: int
+    reduce_counter: int
     generation: int
     total: int
 
@@ -47,11 +48,13 @@ def meta_offsets(ep_size: int, num_experts: int, max_tiles: int, max_chunks: int
     counts = 0  # per call parity and source: its routes per expert, then its staged rows per destination
     exchange_flag = counts + 2 * ep_size * (num_experts + ep_size)
     tile_counter = exchange_flag + ep_size
-    # The three arrival counters are one run, which the exchange kernel zeroes in one loop.
+    # The four arrival counters are one run, which the exchange kernel zeroes in one loop.
     chunk_counter = tile_counter + max_tiles
     stage_counter = chunk_counter + max_chunks
-    generation = stage_counter + max_stage_pieces
-    return MetaOffsets(counts, exchange_flag, tile_counter, chunk_counter, stage_counter, generation, generation + 1)
+    reduce_counter = stage_counter + max_stage_pieces
+    generation = reduce_counter + max_chunks
+    return MetaOffsets(counts, exchange_flag, tile_counter, chunk_counter, stage_counter, reduce_counter, generation,
+                       generation + 1)
 
 
 def layout_offsets(num_local: int, num_experts: int) -> LayoutOffsets:

@@ -69,6 +69,7 @@ _WHAT = {
     constants.WAIT_DISPATCH_TILE: "the rows of GEMM1 row tile {index}",
     constants.WAIT_COMBINE_CHUNK: "the expert outputs of column chunk {index}",
     constants.WAIT_DISPATCH_STAGE: "the rows peer rank {index} staged for it",
+    constants.WAIT_COMBINE_REDUCE: "its own GEMM2's rows of other ranks' tokens in column chunk {index}",
 }
 _OVERFLOWING = {0: "receive rows", 1: "GEMM1 row tiles", 2: "staging pieces"}
 

@@ -9,11 +9,11 @@ The two primitives each run in both directions:
   the activation's input (``dY @ W2``, times act').
 - ``gemm2_kernel`` computes column chunk by column chunk, each across all experts, stores its rows
   locally (a plain row-major store, which needs no more registers than the tile; docs/decisions.md) and
-  tells each rank the tile's rows came from how many of its rows the chunk now holds; that rank's
-  combine then reads them over NVLink. Forward it is GEMM2 (``h @ W2^T``); backward it gives the
-  rows' input gradients (``dA @ W1``), which the combine sums per token.
+  counts, per source rank of the tile's rows, how many of them the chunk now holds, on the counter
+  the caller's table gives for that source (the combine's counters on this rank). Forward it is
+  GEMM2 (``h @ W2^T``); backward it gives the rows' input gradients (``dA @ W1``), which the
+  combine sums per token.
 - ``wgrad_kernel`` gives every local expert's weight gradient (``A_l^T @ B_l`` over its rows) and
-  ``route_dot_kernel`` the gate values' gradient (a dot product per route).
 
 Expert weights stay where the integration keeps them (one module per expert, or AutoEP's stacked
 tensors): the kernels read them through device tables of per-expert pointers (ZeRO may move
@@ -383,8 +383,8 @@ def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, out, chunk_coun
     projection W3 for gated experts), so y is the rows' input gradient.
 
     Tiles go column chunk by column chunk (CHUNK_TILES column tiles each), every chunk across all
-    experts; after storing a tile, the program adds to each source's counter of that chunk the
-    number of the tile's rows that came from it (origin holds each row's source rank).
+    experts; after storing a tile, the program adds the number of the tile's rows that came from
+    each source rank (origin holds it) to that chunk's counter of ``chunk_counter_table[source]``.
     """
     dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
@@ -464,27 +464,3 @@ def wgrad_kernel(a, lda, b, ldb, out, bias_out, layout, off_expert_start, M, N, 
                                 mask=r_mask[:, None] & m_mask[None, :], other=0.0)
                     column_sum += tl.sum(x.to(tl.float32), axis=0)
                 tl.store(bias_out + expert * M + offs_m, column_sum.to(bias_out.dtype.element_ty), mask=m_mask)
-
-
-@triton.jit
-def route_dot_kernel(outputs, grad, route_position, expert_counts, out, num_tokens, num_experts, hidden,
-                     E_POW2: tl.constexpr, BLOCK: tl.constexpr):
-    """out[route] = <outputs[position of route], grad[token of route]> in fp32; 0 for dropped routes.
-
-    ``outputs`` holds each route's expert output by position in the send list, of which the first
-    sum(expert_counts) are kept routes: the gate values' gradient of the weighted combine.
-    """
-    route = tl.program_id(0)
-    lanes = tl.arange(0, E_POW2)
-    kept = tl.sum(tl.load(expert_counts + lanes, mask=lanes < num_experts, other=0))
-    position = tl.load(route_position + route)
-    token = route % num_tokens
-    cols = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK, ), dtype=tl.float32)
-    if position < kept:
-        for c in range(0, hidden, BLOCK):
-            mask = c + cols < hidden
-            x = tl.load(outputs + position * hidden + c + cols, mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(grad + token * hidden + c + cols, mask=mask, other=0.0).to(tl.float32)
-            acc += x * y
-    tl.store(out + route, tl.sum(acc))

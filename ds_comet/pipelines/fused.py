@@ -1,16 +1,20 @@
 """The fused COMET pipeline: layer0 = dispatch + GEMM1, layer1 = GEMM2 + combine, both ways.
 
 Forward: the dispatch sends token rows (a token's row crosses to a rank once, staged there with the
-list of its routes, and that rank's dispatch copies it to each route's row), GEMM1 (with the
-activation) runs per row tile as rows arrive, GEMM2 stores its output rows locally chunk by chunk and counts each finished chunk on the
-rows' source ranks, and each source's combine reads its routes' rows from the expert ranks over
-NVLink and sums them, weighted, as chunks finish.
+list of its routes and their gates, and that rank's dispatch copies it to each route's row), GEMM1
+(with the activation) runs per row tile as rows arrive, GEMM2 stores its output rows locally chunk
+by chunk and counts them, and the combine, as chunks finish, first sums on each expert rank the
+gate-weighted rows of each staged token's routes there into one row, then has each source read,
+over NVLink, one such row per (token, rank) besides its own routes' rows, and sum them. A token
+crosses each link at most once each way, however many of its k routes share a rank.
 
-Backward, through the same two primitives: the gradient of the combine is a dispatch (each route's
-gate-scaled output gradient travels to its expert's rank), overlapped with the GEMM for the
-gradient of the activation input (dY @ W2, times act'); the gradient of the dispatch is a combine
-(the rows' input gradients dA @ W1, stored chunk by chunk on the expert ranks, are read by the
-source ranks and summed per token). The weight gradients are grouped GEMMs that run while the
+Backward, through the same two primitives: the gradient of the combine is a dispatch (each token's
+output gradient travels once to each rank holding one of its routes and becomes each route's
+gate-scaled row there, where its dot product with the route's saved output, the gate's gradient,
+is taken too), overlapped with the GEMM for the gradient of the activation input (dY @ W2, times
+act'); the gradient of the dispatch is a combine (the rows' input gradients dA @ W1, stored chunk by
+chunk on the expert ranks, are summed there per staged token and read by the source ranks, which
+collect the gate gradients as they go). The weight gradients are grouped GEMMs that run while the
 combine moves data. Alone in the group, where no row waits for a link, stacked bf16 experts on
 sm_90 take the library's grouped GEMM for GEMM1, both ways (``FusedKernels.first_layer``).
 
@@ -26,8 +30,9 @@ GEMM2's grid; both launches claim the same work units, so every SM reduces what 
 is done. No step reads anything back to the host.
 
 Progress: the dispatch waits only for the rows peers' dispatches stage here, and a block of it waits
-only once it has sent all it sends; GEMM1 tiles wait only for dispatches, GEMM2 waits for nothing,
-and the combine waits only for GEMM2s. Every rank launches in the order exchange,
+only once it has sent all it sends; GEMM1 tiles wait only for dispatches, GEMM2 waits for nothing;
+the combine's sums on an expert rank wait only for its own GEMM2, and a source's reads only for
+those sums, which each rank claims before its own reads of the same chunk. Every rank launches in the order exchange,
 dispatch, GEMM1, GEMM2, combine, so each spinning kernel's producers are launched on every rank
 before anything that could block a host behind it. GEMM1's grid leaves ``comm_blocks``
 multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled. The
@@ -134,9 +139,9 @@ class FusedPipeline:
                     out: Optional[Tensor] = None, saved: Optional[dict] = None) -> Tensor:
         """The forward's kernels: exchange, dispatch, GEMM1, GEMM2, combine (see the module's docstring).
 
-        ``saved``, if given, receives what ``run_backward`` needs: a copy of the received rows (the
-        workspace is reused by the next call), each route's expert output (the combine writes them) and
-        the products before the activation. Not the activations: the backward's GEMM1 recomputes them
+        ``saved``, if given, receives what ``run_backward`` needs: copies of the received rows and of
+        their expert outputs (the workspace is reused by the next call) and the products before the
+        activation. Not the activations: the backward's GEMM1 recomputes them
         from those products as it reads them: a layer holds half the FFN-wide memory it would (a third
         less for gated experts, whose products are twice as wide).
         """
@@ -149,27 +154,24 @@ class FusedPipeline:
         rows = min(max_rows, buffer.shape.max_recv_rows)
         h = torch.empty((rows, kernels.ffn), dtype=tokens.dtype, device=tokens.device)
         if out is None:
+            # Allocated before the dispatch orders the communication stream after the main one, as
+            # everything the combine writes there must be: memory freed on the main stream before that
+            # point may still be read by kernels queued before it.
             out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
-        # Allocated before the dispatch orders the communication stream after the main one, as
-        # everything the combine writes there must be: memory freed on the main stream before that
-        # point may still be read by kernels queued before it.
-        returned = no_rows(tokens)
-        if saved is not None:
-            returned = saved["returned"] = torch.empty((plan.route_order.numel(), hidden), dtype=tokens.dtype,
-                                                       device=tokens.device)
 
         kernels.exchange(plan, rows)
-        kernels.dispatch(tokens, plan, None)
+        kernels.dispatch(tokens, plan, weights, scale_rows=False)
         pre = kernels.first_layer(buffer.recv, h, keep_pre=saved is not None)
         kernels.gemm2(h, backward=False)
         if saved is not None:
-            # GEMM1 waited for every received row; keep them before the next call overwrites them.
-            saved.update(rows=buffer.recv[:rows].clone(), pre=pre)
+            # GEMM1 waited for every received row and GEMM2 wrote every output row; keep both before
+            # the next call overwrites them (the backward's gate gradient is taken on the expert's rank).
+            saved.update(rows=buffer.recv[:rows].clone(), outputs=buffer.expert_out[:rows].clone(), pre=pre)
         # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
         # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
         # whose producers this rank has not launched yet.
-        kernels.combine(plan, weights, out, returned, finish_on_main=True)
-        kernels.join(tokens.device, tokens, plan.route_order, plan.route_position, weights, out, returned)
+        kernels.combine(plan, weights, out, no_route_grad(tokens.device), finish_on_main=True)
+        kernels.join(tokens.device, tokens, plan.route_order, plan.route_position, weights, out)
         return out
 
     def run_backward(self, grad_out: Tensor, plan: RoutingPlan, weights: Tensor, saved: dict, need_tokens: bool,
@@ -192,19 +194,23 @@ class FusedPipeline:
         grad_pre = torch.empty((rows, width), dtype=dtype, device=device)
         h = torch.empty((rows, kernels.ffn), dtype=dtype, device=device) if need_params else None
         # Allocated before the dispatch, which orders the communication stream after everything queued
-        # so far: the combine writes it there, and a block freed later (``pre``) may still be read by
+        # so far: the combine writes them there, and a block freed later (``pre``) may still be read by
         # GEMM1 when the combine runs.
         grad_tokens = torch.empty_like(grad_out)
+        route_grad = torch.empty(weights.shape if need_weights else (0, ), dtype=torch.float32, device=device)
         kernels.exchange(plan, rows)
         # The combine weighted each route by its gate, so each route's output gradient is the gate
-        # times the token's gradient (rounded like stock's fp32 combine rounds it).
-        kernels.dispatch(grad_out, plan, weights)
+        # times the token's gradient (rounded like stock's fp32 combine rounds it). Each route's
+        # gate gradient, the dot product of the token's gradient with the route's output, is taken
+        # where that output is, on every rank (a peer may need it even where this rank does not).
+        outputs = saved.pop("outputs")
+        kernels.dispatch(grad_out, plan, weights, scale_rows=True, outputs=outputs)
         # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
         # reuses its memory only for work queued after it on this stream, so the peak stays low.
         kernels.first_layer_backward(buffer.recv, grad_pre, saved.pop("pre"), act=h)
         kernels.gemm2(grad_pre, backward=True)
         # Not finished on the main stream: the weight gradients queued there next hide its tail.
-        kernels.combine(plan, no_scale(device), grad_tokens, no_rows(grad_out), finish_on_main=False)
+        kernels.combine(plan, None, grad_tokens, route_grad, finish_on_main=False)
         if need_params:
             # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
             dw2, db2 = kernels.wgrad(buffer.recv, h)
@@ -218,11 +224,12 @@ class FusedPipeline:
             dw3, db3 = kernels.wgrad(grad_pre[:, ffn:], x) if kernels.gated else (None, None)
             param_grads = self.experts.gradients(dw1, db1, dw3, db3, dw2, db2)
         del grad_pre
-        kernels.join(device, grad_out, weights, plan.route_order, plan.route_position, grad_tokens)
+        kernels.join(device, grad_out, weights, plan.route_order, plan.route_position, outputs, grad_tokens,
+                     route_grad)
         if not need_tokens:
             grad_tokens = None
         if need_weights:
-            grad_weights = kernels.route_dots(saved["returned"], grad_out, plan)
+            grad_weights = route_grad
         saved.clear()
         return grad_tokens, grad_weights, param_grads
 
@@ -234,13 +241,8 @@ def rows_for_kernels(rows: Tensor) -> Tensor:
     return rows if rows.data_ptr() % 16 == 0 else rows.clone()
 
 
-def no_rows(like: Tensor) -> Tensor:
-    """An empty tensor: 'do not keep the routes' outputs' for the combine."""
-    return like.new_empty((0, like.shape[1]))
-
-
-def no_scale(device) -> Tensor:
-    """An empty fp32 tensor: 'no gates' for the combine (every route weighs 1)."""
+def no_route_grad(device) -> Tensor:
+    """An empty fp32 tensor: 'no gate gradients' for the combine."""
     return torch.empty(0, dtype=torch.float32, device=device)
 
 

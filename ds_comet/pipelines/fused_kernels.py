@@ -123,51 +123,66 @@ class FusedKernels:
         b.op.exchange(b.kernel_shape, plan.expert_counts, plan.rank_token_counts, b.meta, b.peer_meta, b.layout,
                       b.error_address)
 
-    def dispatch(self, rows: Tensor, plan: RoutingPlan, scale: Optional[Tensor]):
-        """Puts rows[route token] (times scale[route], unless scale is None) in the recv row of every
-        kept route; a token's row crosses to another rank once, however many of its routes go there.
-        Every rank of the group passes a scale or none (the backward does, the forward does not)."""
+    def dispatch(self, rows: Tensor, plan: RoutingPlan, gates: Tensor, scale_rows: bool,
+                 outputs: Optional[Tensor] = None):
+        """Puts rows[route token] (times gates[route] with ``scale_rows``) in the recv row of every kept
+        route; a token's row crosses to another rank once, however many of its routes go there, with
+        its routes' gates ([k, S] fp32), for the combine's sums there. Every rank of the group passes
+        the same ``scale_rows`` (the backward does, the forward does not).
+
+        ``outputs`` (the backward, on every rank of the group or on none): the forward's expert outputs
+        by recv row ([R, H]); each route's dot product of its token's row with its output is kept for
+        the combine's ``route_grad``.
+        """
         if self.alone:
-            self.send(rows, plan, scale, self.buffer.num_sms)
+            self.send(rows, plan, gates, scale_rows, outputs, self.buffer.num_sms)
             return
         main = torch.cuda.current_stream(rows.device)
         self.buffer.comm_stream.wait_stream(main)
         with torch.cuda.stream(self.buffer.comm_stream):
-            self.send(rows, plan, scale, self.params.comm_blocks)
+            self.send(rows, plan, gates, scale_rows, outputs, self.params.comm_blocks)
 
-    def send(self, rows: Tensor, plan: RoutingPlan, scale: Optional[Tensor], blocks: int):
+    def send(self, rows: Tensor, plan: RoutingPlan, gates: Tensor, scale_rows: bool, outputs: Optional[Tensor],
+             blocks: int):
         """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks."""
         b = self.buffer
-        scaled = scale is not None
-        if not scaled:
-            scale = torch.empty(0, dtype=torch.float32, device=rows.device)
+        if outputs is None:
+            outputs = rows.new_empty((0, rows.shape[1]))
         b.op.dispatch(b.kernel_shape, rows, plan.route_order, plan.route_position, plan.rank_tokens,
                       plan.rank_token_counts, b.layout, b.peer_recv, b.peer_origin, b.peer_stage, b.peer_stage_routes,
-                      b.peer_stage_scale, b.peer_meta, b.route_row, scale, scaled, b.shape.top_k, b.error_address,
-                      blocks)
+                      b.peer_stage_scale, b.peer_meta, b.route_row, b.route_stage, gates, scale_rows, outputs,
+                      b.row_dot, b.shape.top_k, b.error_address, blocks)
 
-    def combine(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor, finish_on_main: bool):
-        """out[token] = sum over its kept routes of gate (1 if gates is empty) x the route's expert output;
-        each route's output row also goes to returned[send position] unless returned is empty.
+    def combine(self, plan: RoutingPlan, gates: Optional[Tensor], out: Tensor, route_grad: Tensor,
+                finish_on_main: bool):
+        """out[token] = sum over its kept routes of gate (1 if gates is None) x the route's expert output.
+        A token's routes on another rank are summed there (with the gates the dispatch took along),
+        and one row a token and rank crosses back. Every rank of the group passes gates ([k, S]
+        fp32, empty on a rank without tokens) or none (the forward does, the backward does not). Unless ``route_grad`` ([k, S] fp32) is empty, it
+        receives each route's dot product that the backward's dispatch kept (0 for a dropped route).
 
         With ``finish_on_main`` a second launch on the current stream, queued after GEMM2, shares the
         work with the communication blocks: what they have not reduced when GEMM2 ends is reduced by
         every SM instead of by them alone. Alone in the group, it is one launch on every SM.
         """
         if self.alone:
-            self.reduce(plan, gates, out, returned, self.buffer.num_sms)
+            self.reduce(plan, gates, out, route_grad, self.buffer.num_sms)
             return
         with torch.cuda.stream(self.buffer.comm_stream):
-            self.reduce(plan, gates, out, returned, self.params.combine_blocks)
+            self.reduce(plan, gates, out, route_grad, self.params.combine_blocks)
         if finish_on_main:
-            self.reduce(plan, gates, out, returned, self.gemm2_grid)
+            self.reduce(plan, gates, out, route_grad, self.gemm2_grid)
 
-    def reduce(self, plan: RoutingPlan, gates: Tensor, out: Tensor, returned: Tensor, blocks: int):
+    def reduce(self, plan: RoutingPlan, gates: Optional[Tensor], out: Tensor, route_grad: Tensor, blocks: int):
         """One launch of the combine kernel, on the current stream, over ``blocks`` thread blocks."""
         b = self.buffer
+        weighted = gates is not None
+        if not weighted:
+            gates = torch.empty(0, dtype=torch.float32, device=out.device)
         chunk_tiles, num_chunks = self.chunking
-        b.op.combine(b.kernel_shape, b.peer_expert_out, b.route_row, plan.route_position, gates, out, returned,
-                     chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.meta, b.layout,
+        b.op.combine(b.kernel_shape, b.peer_expert_out, b.peer_reduced, b.peer_row_dot, b.peer_meta, b.route_row,
+                     b.route_stage, plan.route_position, b.stage_routes, b.stage_scale, weighted, gates, out, route_grad,
+                     b.shape.top_k, chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.layout,
                      b.error_address, blocks)
 
     def reset_combine_claims(self):
@@ -280,7 +295,7 @@ class FusedKernels:
         else:  # rows = h @ W2^T; W2 is [H, F], i.e. [N, K]
             w, w3, bias, lda, second = t["w2"], t["w2"], t["b2"], self.ffn, False
         with_descriptor_scratch(lambda: gemm2_kernel[(self.gemm2_grid, )](
-            rows, lda, w, w3, bias, b.origin, b.expert_out, b.peer_chunk_counters, b.layout, self.ffn, self.hidden,
+            rows, lda, w, w3, bias, b.origin, b.expert_out, b.gemm2_counters, b.layout, self.ffn, self.hidden,
             self.num_local, lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
             EP_SIZE=b.shape.ep_size, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K,
             GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.gemm2_grid,
@@ -313,19 +328,6 @@ class FusedKernels:
                                     GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, num_warps=8,
                                     num_stages=3)
         return out, (bias if self.has_bias else None)
-
-    def route_dots(self, returned: Tensor, grad_out: Tensor, plan: RoutingPlan) -> Tensor:
-        """The route weights' gradient, [k, S] fp32: for each kept route, the dot product of its expert's
-        output row (``returned``, as the forward's combine saved it) with its token's output gradient
-        (``grad_out``, [S, H]); 0 for a dropped route."""
-        from ..kernels.triton_gemm import route_dot_kernel
-        num_tokens, hidden = grad_out.shape
-        top_k, num_experts = plan.top_k, plan.expert_counts.numel()
-        out = torch.empty((top_k * num_tokens, ), dtype=torch.float32, device=grad_out.device)
-        route_dot_kernel[(top_k * num_tokens, )](returned, grad_out, plan.route_position, plan.expert_counts, out,
-                                                 num_tokens, num_experts, hidden, E_POW2=next_power_of_2(num_experts),
-                                                 BLOCK=min(1024, next_power_of_2(hidden)), num_warps=4)
-        return out.view(top_k, num_tokens)
 
     @property
     def library_wgrad(self) -> bool:

@@ -1,9 +1,11 @@
 """CometBuffer: the fused pipeline's workspace for one expert-parallel group inside one node.
 
 One object owns everything the kernels share across ranks: the receive buffer the dispatch writes
-and GEMM1 reads, the expert-output buffer GEMM2 writes and the source ranks' combines read (whose
-first rows stage the dispatch's rows from other ranks before GEMM2 writes them), the routes of each
-staged row, the row origins, and the int32 meta array of exchanged counts, flags and arrival counters. All of it is one allocation of
+and GEMM1 reads, the expert-output buffer GEMM2 writes (whose first rows stage the dispatch's rows
+from other ranks before GEMM2 writes them), the routes and gates of each staged row, the rows the
+combine sums per staged token and the source ranks read, the row origins, the backward's
+gate-gradient dot products, and the int32 meta array of exchanged counts, flags and arrival
+counters. All of it is one allocation of
 torch symmetric memory (peer pointers through CUDA IPC), made once from the largest token count
 the layers will see and reused every call; the kernels reset the counters they use each call.
 
@@ -51,6 +53,12 @@ class BufferShape:
     @property
     def max_tiles(self) -> int:
         return math.ceil(self.max_recv_rows / self.tile_m) + self.num_experts // self.ep_size
+
+    @property
+    def max_staged_rows(self) -> int:
+        """Rows other ranks can stage on a rank in one call: each a token of another rank (at most
+        ``max_tokens`` a rank) with a route there (at most its received rows)."""
+        return min(self.max_recv_rows, (self.ep_size - 1) * self.max_tokens)
 
     @property
     def max_stage_pieces(self) -> int:
@@ -126,10 +134,14 @@ class CometBuffer:
         # token dropping. It cannot share recv: the backward's weight gradients read recv after GEMM2.
         # The staged rows borrow expert_out's: every rank's dispatch has consumed them before its GEMM2
         # starts, and a peer stages into them only after every rank's previous combine has read them
-        # (fused.py: reuse across calls). Their route lists take top_k entries a row.
+        # (fused.py: reuse across calls). Their route lists take top_k entries a row. The combine
+        # sums each staged row's routes into its own row of `reduced` (the routes' rows stay where
+        # GEMM2 put them, so the sums cannot overwrite them), which the row's source pulls; `row_dot`
+        # keeps the backward's gate-gradient dot product of each received row.
         stage_entries = shape.max_recv_rows * shape.top_k
         parts = [("recv", shape.max_recv_rows * H * elem), ("expert_out", shape.max_recv_rows * H * elem),
-                 ("origin", shape.max_recv_rows * 8), ("stage_routes", stage_entries * 8),
+                 ("reduced", shape.max_staged_rows * H * elem), ("origin", shape.max_recv_rows * 8),
+                 ("row_dot", shape.max_recv_rows * 4), ("stage_routes", stage_entries * 8),
                  ("stage_scale", stage_entries * 4), ("meta", self.meta_offsets.total * 4)]
         self._byte_offset, total = {}, 0
         for name, nbytes in parts:
@@ -153,7 +165,11 @@ class CometBuffer:
 
         self.recv = self._part("recv", shape.dtype, (shape.max_recv_rows, H))
         self.expert_out = self._part("expert_out", shape.dtype, (shape.max_recv_rows, H))
+        self.reduced = self._part("reduced", shape.dtype, (shape.max_staged_rows, H))
         self.origin = self._part("origin", torch.int64, (shape.max_recv_rows, ))
+        self.row_dot = self._part("row_dot", torch.float32, (shape.max_recv_rows, ))
+        self.stage_routes = self._part("stage_routes", torch.int64, (stage_entries, ))
+        self.stage_scale = self._part("stage_scale", torch.float32, (stage_entries, ))
         self.meta = self._part("meta", torch.int32, (self.meta_offsets.total, ))
         self.meta.zero_()
 
@@ -163,15 +179,24 @@ class CometBuffer:
 
         self.peer_recv = table("recv")
         self.peer_expert_out = table("expert_out")
+        self.peer_reduced = table("reduced")
         self.peer_origin = table("origin")
+        self.peer_row_dot = table("row_dot")
         self.peer_stage = self.peer_expert_out
         self.peer_stage_routes = table("stage_routes")
         self.peer_stage_scale = table("stage_scale")
         self.peer_meta = table("meta")
-        self.peer_chunk_counters = table("meta", 4 * self.meta_offsets.chunk_counter)
+        # Where GEMM2 counts its finished rows, by the rows' source rank: this rank's own routes on its
+        # chunk counters, every other rank's on its reduce counters, which the combine's sums here
+        # wait for before they count on the sources (all of it this rank's meta).
+        own_meta = bases[self.rank] + self._byte_offset["meta"]
+        self.gemm2_counters = torch.tensor(
+            [own_meta + 4 * (self.meta_offsets.chunk_counter if p == self.rank else self.meta_offsets.reduce_counter)
+             for p in range(P)], dtype=torch.int64, device=self.device)
         self.tile_counters = self.meta[self.meta_offsets.tile_counter:]
         self.layout = torch.zeros(self.layout_offsets.total, dtype=torch.int32, device=self.device)
         self.route_row = torch.zeros(shape.max_routes, dtype=torch.int64, device=self.device)
+        self.route_stage = torch.zeros(shape.max_routes, dtype=torch.int32, device=self.device)
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         self.kernel_shape = self._kernel_shape(timeout_s)
         self.comm_stream = torch.cuda.Stream(self.device, priority=-1)
@@ -195,7 +220,8 @@ class CometBuffer:
         ks.max_stage_pieces = self.shape.max_stage_pieces
         ks.timeout_ns = int(timeout_s * 1e9)
         meta = self.op.MetaOffsets()
-        for field in ("counts", "exchange_flag", "tile_counter", "chunk_counter", "stage_counter", "generation"):
+        for field in ("counts", "exchange_flag", "tile_counter", "chunk_counter", "stage_counter", "reduce_counter",
+                      "generation"):
             setattr(meta, field, getattr(self.meta_offsets, field))
         offsets = self.op.LayoutOffsets()
         for field in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row",

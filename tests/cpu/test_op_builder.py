@@ -145,8 +145,9 @@ def test_layout_parts_do_not_overlap():
     assert offsets.stage_dest_row - offsets.stage_send == 2 and offsets.totals - offsets.stage_recv_piece == 3
     meta = layout.meta_offsets(ep_size=2, num_experts=6, max_tiles=10, max_chunks=4, max_stage_pieces=5)
     assert meta.exchange_flag - meta.counts == 2 * 2 * (6 + 2) and meta.chunk_counter - meta.tile_counter == 10
-    # The exchange zeroes the three arrival counters as one run.
-    assert (meta.stage_counter - meta.chunk_counter, meta.generation - meta.stage_counter) == (4, 5)
+    # The exchange zeroes the four arrival counters as one run: max_tiles + 2 max_chunks + max_stage_pieces words.
+    assert (meta.stage_counter - meta.chunk_counter, meta.reduce_counter - meta.stage_counter) == (4, 5)
+    assert meta.generation - meta.tile_counter == 10 + 2 * 4 + 5
 
 
 def test_report_runs_and_names_the_pipeline():

@@ -169,6 +169,9 @@ def test_error_record_messages():
     record[list(fields)] = torch.tensor([1, 1, constants.WAIT_COMBINE_CHUNK, 3, 975, 0, 20 * 10**9])
     message = describe_error_record(record)
     assert "rank 1 waited 20.0 s for the expert outputs of column chunk 3 to reach 975" in message
+    record[constants.ERROR_KIND] = constants.WAIT_COMBINE_REDUCE
+    assert "waited 20.0 s for its own GEMM2's rows of other ranks' tokens in column chunk 3" in describe_error_record(
+        record)
     record[list(fields[2:6])] = torch.tensor([constants.WORKSPACE_OVERFLOW, 0, 100, 130])
     assert "max_tokens_per_rank" in describe_error_record(record)
 

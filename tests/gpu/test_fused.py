@@ -18,6 +18,7 @@ from deepspeed import comm as dist
 
 import ds_comet
 from ds_comet.experts import reset_expert_
+from ds_comet.kernels.constants import TOTAL_OWN_ROUTES, TOTAL_STAGED_SENT
 from ds_comet.kernels.ops import CometWaitTimeout
 from ds_comet.pipelines.routing import plan_routes
 from tests.support.dist_pool import RANKS_PER_GPU_VAR, ranks_per_gpu
@@ -75,6 +76,8 @@ def _poison(layer):
     workspace = _fused_pipeline(layer).workspace
     workspace.recv.fill_(float("nan"))
     workspace.expert_out.fill_(float("nan"))
+    workspace.reduced.fill_(float("nan"))
+    workspace.row_dot.fill_(float("nan"))
 
 
 def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,
@@ -138,7 +141,8 @@ def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_k
             again = pipeline.forward(tokens, idx, gates, train=False, out=poisoned)
             assert torch.equal(again, fused_out), "the fused forward is not deterministic or left rows unwritten"
 
-            counts = plan_routes(idx, num).expert_counts
+            plan = plan_routes(idx, num)
+            counts = plan.expert_counts
             everyone = [torch.empty_like(counts) for _ in range(ep_size)]
             dist.all_gather(everyone, counts)
             # Tokens with a kept route to each rank: what this rank stages there, once a token.
@@ -154,9 +158,38 @@ def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_k
                         "dest_rel", "dest_tile", "send_order", "piece_start") + STAGE_KEYS:
                 start = getattr(lo, key)
                 assert layout[start:start + len(expected_layout[key])] == expected_layout[key], key
+            # What the combine's waits count to: the own routes' rows and the rows staged on other ranks.
+            totals = expected_layout["totals"]
+            assert (layout[lo.totals + TOTAL_OWN_ROUTES], layout[lo.totals + TOTAL_STAGED_SENT]) == (
+                totals["own_routes"], totals["staged_sent"])
+            _check_one_row_a_rank(idx, num, plan, rank, ep_size, pipeline.workspace.route_stage.tolist(),
+                                  expected_layout["stage_dest_row"])
         stats.append(dict(err=err, dropped=int((indices < 0).sum()), no_route=int(no_route.sum()),
                           empty_experts=int((counts == 0).sum())))
     return stats
+
+
+def _check_one_row_a_rank(idx, num_experts, plan, rank, ep_size, route_stage, stage_dest_row):
+    """Each token's routes to another rank come back as one row: the token's first route there names
+    its staged (and so its reduced) row there, in token order from this rank's first staging row;
+    its other routes there name none (-1)."""
+    local, (top_k, num_tokens) = num_experts // ep_size, idx.shape
+    idx, position = idx.tolist(), plan.route_position.tolist()
+    named = {d: [] for d in range(ep_size) if d != rank}
+    for t in range(num_tokens):
+        seen = set()
+        for j in range(top_k):
+            e = idx[j][t]
+            if e < 0 or e >= num_experts or e // local == rank:
+                continue
+            stage_row = route_stage[position[j * num_tokens + t]]
+            if e // local in seen:
+                assert stage_row == -1, (t, j, stage_row)
+            else:
+                seen.add(e // local)
+                named[e // local].append(stage_row)
+    for d, rows in named.items():
+        assert rows == list(range(stage_dest_row[d], stage_dest_row[d] + len(rows))), d
 
 
 def _seed():
@@ -282,6 +315,10 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
             inputs = tokens.to(layer_dtype).unsqueeze(0).requires_grad_(input_grad)
             torch.manual_seed(seed * 7 + step)  # the gate's top-2 sampling
             out, l_aux, _ = layer(inputs)
+            if name == "fused":
+                # Other layers' calls reuse the workspace between a forward and its backward: the
+                # backward must read only what it saved or writes itself.
+                _poison(layer)
             torch.autograd.backward([out, l_aux], [grad_out.to(layer_dtype), torch.tensor(0.01, device=device)])
             if input_grad:
                 assert torch.isfinite(inputs.grad).all(), f"{name}: input gradient is not finite"

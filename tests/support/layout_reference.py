@@ -74,7 +74,9 @@ def reference_layout(counts, rank, tile_m, staged=None):
     out["stage_dest_piece"] = [sum(pieces_of[q][d] for q in range(rank)) for d in range(ep_size)]
     out["stage_recv_row"] = [sum(staged[q][rank] for q in range(p)) for p in range(ep_size + 1)]
     out["stage_recv_piece"] = [sum(pieces_of[q][rank] for q in range(p)) for p in range(ep_size + 1)]
-    out["totals"] = dict(tiles=out["tile_start"][-1], kept=offset, recv_rows=out["expert_start"][-1], pieces=pieces)
+    out["totals"] = dict(tiles=out["tile_start"][-1], kept=offset, recv_rows=out["expert_start"][-1], pieces=pieces,
+                         own_routes=sum(counts[rank][rank * num_local + l] for l in range(num_local)),
+                         staged_sent=sum(staged[rank]))
     return out
 
 
