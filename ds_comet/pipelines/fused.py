@@ -18,8 +18,8 @@ collect the gate gradients as they go). The weight gradients are grouped GEMMs t
 combine moves data. Alone in the group, where no row waits for a link, stacked bf16 experts on
 sm_90 take the library's grouped GEMM for GEMM1, both ways (``FusedKernels.first_layer``).
 
-Reuse across calls: a rank's next call writes ``recv`` and ``expert_out`` only after its next
-exchange, which waits until every rank has published that call's counts, which each rank does only
+Reuse across calls: a rank's next call writes ``recv``, ``expert_out``, ``reduced`` and ``row_dot``
+(and peers stage into its ``expert_out``) only after its next exchange, which waits until every rank has published that call's counts, which each rank does only
 after its previous call joined its combine; so no rank overwrites what a peer still reads.
 
 Streams: the exchange and the GEMMs run on the caller's stream; the dispatch and then the combine
