@@ -62,7 +62,7 @@ namespace ds_comet {
     /* a launch takes without opting in to more): a token can have at most this many. */                \
     X(MaxCombineTopK, 3000)                                                                             \
     /* Words of layout[totals:], and what each holds. */                                                \
-    X(TotalsWords, 10)                                                                                  \
+    X(TotalsWords, 9)                                                                                   \
     X(TotalTiles, 0)         /* GEMM1 row tiles on this rank */                                         \
     X(TotalKept, 1)          /* routes this rank sends (kept by the gate) */                            \
     X(TotalRecvRows, 2)      /* rows this rank receives */                                              \

@@ -39,7 +39,8 @@ multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from be
 communication stream's combine starts only after the dispatch and holds at most ``combine_blocks``
 <= ``comm_blocks`` SMs (parameters.py), so it and GEMM1 fit on the GPU together. The forward's
 second combine starts only after this rank's GEMM2, when the only work peers may still need from
-this GPU is its dispatch; it takes ``num_sms - combine_blocks`` SMs, and the SMs of the other
+this GPU is its dispatch and its combine's reduce units (which it claims, chunk by chunk, before
+the units that wait for peers); it takes ``num_sms - combine_blocks`` SMs, and the SMs of the other
 combine, which cannot start before the dispatch ends, stay for the dispatch. A unit is claimed only
 by a running block, so no unit waits on a block that is not scheduled.
 """
@@ -167,7 +168,8 @@ class FusedPipeline:
             # GEMM1 waited for every received row and GEMM2 wrote every output row; keep both before
             # the next call overwrites them (the backward's gate gradient is taken on the expert's rank).
             saved.update(rows=buffer.recv[:rows].clone(), outputs=buffer.expert_out[:rows].clone(), pre=pre)
-        # The combine spins until peers' GEMM2s deliver, so it is launched last: a launch that blocks the
+        # The combine spins until this rank's GEMM2 and peers' combines deliver, so it is launched last: a
+        # launch that blocks the
         # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
         # whose producers this rank has not launched yet.
         kernels.combine(plan, weights, out, no_route_grad(tokens.device), finish_on_main=True)
