@@ -19,8 +19,9 @@ combine moves data. Alone in the group, where no row waits for a link, stacked b
 sm_90 take the library's grouped GEMM for GEMM1, both ways (``FusedKernels.first_layer``).
 
 Reuse across calls: a rank's next call writes ``recv``, ``expert_out``, ``reduced`` and ``row_dot``
-(and peers stage into its ``expert_out``) only after its next exchange, which waits until every rank has published that call's counts, which each rank does only
-after its previous call joined its combine; so no rank overwrites what a peer still reads.
+(and peers stage into its ``expert_out``) only after its next exchange, which waits until every
+rank has published that call's counts, which each rank does only after its previous call joined
+its combine; so no rank overwrites what a peer still reads.
 
 Streams: the exchange and the GEMMs run on the caller's stream; the dispatch and then the combine
 run on the buffer's communication stream, the dispatch on ``comm_blocks`` thread blocks beside GEMM1
@@ -32,9 +33,9 @@ is done. No step reads anything back to the host.
 Progress: the dispatch waits only for the rows peers' dispatches stage here, and a block of it waits
 only once it has sent all it sends; GEMM1 tiles wait only for dispatches, GEMM2 waits for nothing;
 the combine's sums on an expert rank wait only for its own GEMM2, and a source's reads only for
-those sums, which each rank claims before its own reads of the same chunk. Every rank launches in the order exchange,
-dispatch, GEMM1, GEMM2, combine, so each spinning kernel's producers are launched on every rank
-before anything that could block a host behind it. GEMM1's grid leaves ``comm_blocks``
+those sums, which each rank claims before its own reads of the same chunk. Every rank launches in
+the order exchange, dispatch, GEMM1, GEMM2, combine, so each spinning kernel's producers are
+launched on every rank before anything that could block a host behind it. GEMM1's grid leaves ``comm_blocks``
 multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled. The
 communication stream's combine starts only after the dispatch and holds at most ``combine_blocks``
 <= ``comm_blocks`` SMs (parameters.py), so it and GEMM1 fit on the GPU together. The forward's

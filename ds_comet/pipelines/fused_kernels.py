@@ -158,8 +158,9 @@ class FusedKernels:
         """out[token] = sum over its kept routes of gate (1 if gates is None) x the route's expert output.
         A token's routes on another rank are summed there (with the gates the dispatch took along),
         and one row a token and rank crosses back. Every rank of the group passes gates ([k, S]
-        fp32, empty on a rank without tokens) or none (the forward does, the backward does not). Unless ``route_grad`` ([k, S] fp32) is empty, it
-        receives each route's dot product that the backward's dispatch kept (0 for a dropped route).
+        fp32, empty on a rank without tokens) or none (the forward does, the backward does not).
+        Unless ``route_grad`` ([k, S] fp32) is empty, it receives each route's dot product that the
+        backward's dispatch kept (0 for a dropped route).
 
         With ``finish_on_main`` a second launch on the current stream, queued after GEMM2, shares the
         work with the communication blocks: what they have not reduced when GEMM2 ends is reduced by
@@ -181,9 +182,9 @@ class FusedKernels:
             gates = torch.empty(0, dtype=torch.float32, device=out.device)
         chunk_tiles, num_chunks = self.chunking
         b.op.combine(b.kernel_shape, b.peer_expert_out, b.peer_reduced, b.peer_row_dot, b.peer_meta, b.route_row,
-                     b.route_stage, plan.route_position, b.stage_routes, b.stage_scale, weighted, gates, out, route_grad,
-                     b.shape.top_k, chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.layout,
-                     b.error_address, blocks)
+                     b.route_stage, plan.route_position, b.stage_routes, b.stage_scale, weighted, gates, out,
+                     route_grad, b.shape.top_k, chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks,
+                     b.layout, b.error_address, blocks)
 
     def reset_combine_claims(self):
         """Let the next ``reduce`` launches claim every work unit again (the exchange zeroes the claim
