@@ -6,9 +6,8 @@
 // Per expert-parallel group every rank owns the same symmetric buffers, addressable by all ranks:
 //   recv       [max_recv_rows, H]  rows dispatched to this rank, grouped by local expert
 //   origin     [max_recv_rows]     int64 (source rank << 32 | position in the source's send list)
-//   expert_out [max_recv_rows, H]  GEMM2's output rows, by recv row; the own rank's combine pulls its own
-//                                  routes' rows. Before GEMM2 writes them, its first rows stage the
-//                                  dispatch's rows from other ranks: each token once (see launch_dispatch)
+//   stage      [max_staged_rows, H] the dispatch's rows from other ranks, each token once (see
+//                                  launch_dispatch), which this rank's dispatch copies to their routes' rows
 //   stage_routes [max_recv_rows * top_k] int64 (recv row << 32 | send position) of each staged row's
 //                                  routes here, top_k slots a staged row, -1 past its last route
 //   stage_scale  [max_recv_rows * top_k] fp32 each such route's gate
@@ -17,6 +16,9 @@
 //   row_dot    [max_recv_rows] fp32 the backward's dot product of each recv row's saved expert output
 //                                  with its token's output gradient (the gate's gradient), pulled by
 //                                  the row's source
+// (max_staged_rows = min(max_recv_rows, (P - 1) x max tokens a rank): a staged row has a route here and
+// is a token of another rank.) GEMM2's output rows are not symmetric: each call writes them into a
+// tensor of its own, by recv row, which only this rank's combine reads.
 //   meta       int32               exchanged counts, flags and arrival counters (MetaOffsets)
 // and local arrays: the int32 layout the exchange kernel fills each call (LayoutOffsets; the
 // combine also counts its claimed work units in one of its words); route_row [max_routes] int64
@@ -162,7 +164,7 @@ struct DispatchTables {
     const int64_t* rank_counts;     // [P] of launch_rank_tokens
     const int64_t* peer_recv;       // [P] each rank's recv
     const int64_t* peer_origin;     // [P] each rank's origin
-    const int64_t* peer_stage;      // [P] each rank's staging rows (its expert_out)
+    const int64_t* peer_stage;      // [P] each rank's stage
     const int64_t* peer_stage_routes;  // [P] each rank's stage_routes
     const int64_t* peer_stage_scale;   // [P] each rank's stage_scale
     const int64_t* peer_meta;       // [P] each rank's meta
@@ -191,7 +193,7 @@ cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t
 
 // Where the combine reads each route's output, and what it writes besides the sums.
 struct CombineTables {
-    const int64_t* peer_expert_out;  // [P] each rank's expert_out (only the own one is read)
+    const void* expert_out;          // [recv rows, H] this call's GEMM2 output rows here, by recv row
     const int64_t* peer_reduced;     // [P] each rank's reduced
     const int64_t* peer_row_dot;     // [P] each rank's row_dot (read only with route_grad)
     const int64_t* peer_meta;        // [P] each rank's meta
@@ -208,7 +210,7 @@ struct CombineTables {
 // that token's routes here (weighted by their gates, unless gates is null) into its reduced row,
 // once GEMM2 has finished the chunk's rows from other ranks, and counts them on the token's source;
 // then each source, once its chunk counter says every rank is done with its rows, adds its own
-// routes' rows (from its expert_out) and one reduced row per other rank that holds a route of the
+// routes' rows (GEMM2's output here) and one reduced row per other rank that holds a route of the
 // token (read over NVLink). With `weighted` (the forward; the same on every rank of the group) each
 // route weighs its gate: gates ([k S] by flat route id; null only on a rank without routes) here,
 // the staged gates on the other ranks; else every weight is 1 (the backward's sum of input

@@ -287,7 +287,7 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
                  "dispatch");
 }
 
-void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, const torch::Tensor& peer_reduced,
+void combine(const GroupShape& shape, const torch::Tensor& expert_out, const torch::Tensor& peer_reduced,
              const torch::Tensor& peer_row_dot, const torch::Tensor& peer_meta, const torch::Tensor& route_row,
              const torch::Tensor& route_stage, const torch::Tensor& route_position, const torch::Tensor& stage_routes,
              const torch::Tensor& stage_scale, bool weighted, const torch::Tensor& gates, torch::Tensor& out,
@@ -296,8 +296,13 @@ void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, cons
     TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2, "out must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(out, "out");
     check_aligned(out, "out");
-    for (const auto& [table, name] : {std::pair<const torch::Tensor&, const char*>{peer_expert_out, "peer_expert_out"},
-                                      {peer_reduced, "peer_reduced"}, {peer_row_dot, "peer_row_dot"},
+    // GEMM2's rows of this call; a rank that received none may pass an empty tensor.
+    TORCH_CHECK(expert_out.is_cuda() && expert_out.is_contiguous() && expert_out.dim() == 2 &&
+                    expert_out.scalar_type() == out.scalar_type() && expert_out.size(1) == out.size(1),
+                "expert_out must be a contiguous 2-D CUDA tensor of out's dtype and width");
+    check_aligned(expert_out, "expert_out");
+    for (const auto& [table, name] : {std::pair<const torch::Tensor&, const char*>{peer_reduced, "peer_reduced"},
+                                      {peer_row_dot, "peer_row_dot"},
                                       {peer_meta, "peer_meta"}}) {
         check_cuda(table, name, at::kLong);
         TORCH_CHECK(table.numel() == shape.ep_size, name, " must have ep_size entries");
@@ -336,9 +341,9 @@ void combine(const GroupShape& shape, const torch::Tensor& peer_expert_out, cons
     }
     TORCH_CHECK(out.size(1) % 8 == 0 && chunk_cols % 8 == 0, "hidden size and chunk width must be multiples of 8");
     const c10::cuda::CUDAGuard device_guard(
-        one_device("combine", {out, peer_expert_out, peer_reduced, peer_row_dot, peer_meta, route_row, route_stage,
+        one_device("combine", {out, expert_out, peer_reduced, peer_row_dot, peer_meta, route_row, route_stage,
                                route_position, stage_routes, stage_scale, gates, route_grad, layout}));
-    ds_comet::CombineTables tables{peer_expert_out.data_ptr<int64_t>(), peer_reduced.data_ptr<int64_t>(),
+    ds_comet::CombineTables tables{expert_out.data_ptr(),              peer_reduced.data_ptr<int64_t>(),
                                    peer_row_dot.data_ptr<int64_t>(),    peer_meta.data_ptr<int64_t>(),
                                    route_row.data_ptr<int64_t>(),       route_stage.data_ptr<int32_t>(),
                                    route_position.data_ptr<int64_t>(),  stage_routes.data_ptr<int64_t>(),

@@ -235,8 +235,9 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
         fail(shape, layout, error_record, kWorkspaceOverflow, 0, shape.max_recv_rows, recv_rows, 0);
     }
     if (tiles > shape.max_tiles) fail(shape, layout, error_record, kWorkspaceOverflow, 1, shape.max_tiles, tiles, 0);
-    // Every staged row has a route here, so the staged rows fit the expert_out rows they borrow
-    // whenever the routes fit recv; their pieces get their own check.
+    // Every staged row has a route here and is a token of another rank (each rank checks its tokens
+    // against the workspace's bound), so the staged rows fit `stage` whenever the routes fit recv;
+    // their pieces get their own check.
     if (staged_pieces > shape.max_stage_pieces) {
         fail(shape, layout, error_record, kWorkspaceOverflow, 2, shape.max_stage_pieces, staged_pieces, 0);
     }
@@ -688,7 +689,7 @@ combine_kernel(GroupShape shape, CombineTables tables, bool weighted, const floa
     const int64_t total_units = chunks * units_per_chunk;
     int32_t* claim = layout + lo.totals + kTotalCombineClaim;
     const int32_t* meta = reinterpret_cast<const int32_t*>(tables.peer_meta[rank]);
-    const T* expert_out = reinterpret_cast<const T*>(tables.peer_expert_out[rank]);
+    const T* expert_out = reinterpret_cast<const T*>(tables.expert_out);
     __shared__ int64_t claimed;
     __shared__ int32_t release_rank, release_rows;  // a reduce unit's count on its source (shared: fewer registers)
     // A unit's rows to sum, [route j][output row of the unit]: the row (null: nothing) and its weight.

@@ -55,6 +55,15 @@ class CometMoEConfig(DeepSpeedConfigModel):
     max_tokens_per_rank: Optional[int] = Field(None, ge=1)
     """Most tokens one rank feeds one MoE layer; sizes the fused workspace (default: the first call's)."""
 
+    activation_rows: Literal["bound", "received"] = "bound"
+    """How the fused pipeline sizes a call's activations (kept for the backward when training: the
+    received rows, their expert outputs and the products before the activation).
+    ``"bound"``: by the most rows a rank can receive in one call (the gate's capacity; without
+    dropping, as AutoEP runs, every rank's tokens once per local expert they pick), with no host
+    sync. ``"received"``: by the rows the call received, read back to the host once per layer call
+    after the counts are exchanged (the fused path's one host sync; under CUDA graph capture the
+    bound). Without dropping at EP 4 and up the bound is several times the rows that arrive."""
+
     internode_chunks: Optional[int] = Field(None, ge=1, le=64)
     """Chunks the rows travel in when the expert-parallel group spans nodes: the experts of one chunk
     run while the next is exchanged (default: a rule, 2 to 8 by the routes a rank sends; 1 sends

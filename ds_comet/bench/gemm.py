@@ -110,17 +110,18 @@ def phase_calls(pipeline, tokens, indices, experts):
     pre = torch.randn(rows, width, device=device).to(dtype)
     h = torch.randn(rows, ffn, device=device).to(dtype)
     grad_pre = torch.empty_like(pre)
+    out = torch.empty(rows, hidden, device=device, dtype=dtype)  # GEMM2's rows, both ways
     w1 = torch.randn(num_local, width, hidden, device=device).to(dtype) / hidden**0.5
     w2 = torch.randn(num_local, hidden, ffn, device=device).to(dtype) / ffn**0.5
     mm = torch._grouped_mm
     return {
         "gemm1_fwd": (lambda: kernels.gemm1(x, h, pre, backward=False, store_pre=True),
                       lambda: mm(x, w1.transpose(1, 2), offs=offsets), 2 * rows * hidden * width),
-        "gemm2_fwd": (lambda: kernels.gemm2(h, backward=False), lambda: mm(h, w2.transpose(1, 2), offs=offsets),
+        "gemm2_fwd": (lambda: kernels.gemm2(h, out, backward=False), lambda: mm(h, w2.transpose(1, 2), offs=offsets),
                       2 * rows * ffn * hidden),
         "gemm1_bwd": (lambda: kernels.gemm1(x, grad_pre, pre, backward=True, store_pre=False, act=h),
                       lambda: mm(x, w2, offs=offsets), 2 * rows * hidden * ffn),
-        "gemm2_bwd": (lambda: kernels.gemm2(grad_pre, backward=True), lambda: mm(grad_pre, w1, offs=offsets),
+        "gemm2_bwd": (lambda: kernels.gemm2(grad_pre, out, backward=True), lambda: mm(grad_pre, w1, offs=offsets),
                       2 * rows * width * hidden),
         "wgrad_w2": (lambda: kernels.wgrad(x, h), lambda: mm(x.t(), h, offs=offsets), 2 * rows * hidden * ffn),
         "wgrad_w1": (lambda: [kernels.wgrad(grad_pre[:, part:part + ffn], x) for part in range(0, width, ffn)],

@@ -35,7 +35,7 @@ from ds_comet.bench import autoep
 from ds_comet.bench.common import build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed, train_step
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
-from ds_comet.pipelines.fused import FusedPipeline, no_route_grad
+from ds_comet.pipelines.fused import FusedPipeline
 from ds_comet.pipelines.routing import RoutingPlan, plan_routes_cuda, remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
@@ -53,6 +53,8 @@ def parse_args():
     parser.add_argument("--comm-blocks", type=int, default=None)
     parser.add_argument("--combine-blocks", type=int, default=None)
     parser.add_argument("--n-chunks", type=int, default=None)
+    parser.add_argument("--activation-rows", choices=("bound", "received"), default=None,
+                        help="how the comet layers size their activations (\"moe\": {\"activation_rows\"})")
     parser.add_argument("--cuda-graph-gate", action="store_true", help="the comet layers replay the gate from CUDA graphs")
     parser.add_argument("--no-autoep", dest="autoep", action="store_false",
                         help="skip DeepSpeed AutoEP's layer and ds_comet on it")
@@ -75,19 +77,21 @@ def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
     out = pipeline.run_forward(tokens, plan, gates, rows)
     kernels = pipeline.kernels(tokens)
     workspace, params = pipeline.workspace, pipeline.params
-    h = torch.empty((min(rows, workspace.shape.max_recv_rows), kernels.ffn), dtype=tokens.dtype,
-                    device=tokens.device)
+    rows = min(rows, workspace.shape.max_recv_rows)
+    h = torch.empty((rows, kernels.ffn), dtype=tokens.dtype, device=tokens.device)
+    expert_out = torch.empty((rows, tokens.shape[1]), dtype=tokens.dtype, device=tokens.device)
     kernels.gemm1(workspace.recv, h, h, backward=False, store_pre=False)
+    kernels.gemm2(h, expert_out, backward=False)
 
     def combine(blocks):
         kernels.reset_combine_claims()
-        kernels.reduce(plan, gates, out, no_route_grad(tokens.device), blocks)
+        kernels.reduce(plan, expert_out, gates, out, None, blocks)
 
     def dispatch(blocks):  # the same rows to the same places; the tile counts only grow
         kernels.send(tokens, plan, gates, False, None, blocks)
 
     return dict(gemm1=lambda: kernels.gemm1(workspace.recv, h, h, backward=False, store_pre=False),
-                gemm2=lambda: kernels.gemm2(h, backward=False), combine=lambda: combine(workspace.num_sms),
+                gemm2=lambda: kernels.gemm2(h, expert_out, backward=False), combine=lambda: combine(workspace.num_sms),
                 combine_comm=lambda: combine(params.combine_blocks), dispatch=lambda: dispatch(workspace.num_sms),
                 dispatch_comm=lambda: dispatch(params.comm_blocks))
 
@@ -141,7 +145,8 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
     ep_size = dist.get_world_size()
     overrides = {key: value for key, value in (("comm_blocks", args.comm_blocks),
                                                ("combine_blocks", args.combine_blocks), ("n_chunks", args.n_chunks),
-                                               ("cuda_graph_gate", args.cuda_graph_gate or None))
+                                               ("cuda_graph_gate", args.cuda_graph_gate or None),
+                                               ("activation_rows", args.activation_rows))
                  if value is not None}
     gated = args.gated or name in SWIGLU
     layers = build(hidden, ffn, experts, k, ep_size, gated, args.capacity_factor, overrides)

@@ -18,8 +18,8 @@ collect the gate gradients as they go). The weight gradients are grouped GEMMs t
 combine moves data. Alone in the group, where no row waits for a link, stacked bf16 experts on
 sm_90 take the library's grouped GEMM for GEMM1, both ways (``FusedKernels.first_layer``).
 
-Reuse across calls: a rank's next call writes ``recv``, ``expert_out``, ``reduced`` and ``row_dot``
-(and peers stage into its ``expert_out``) only after its next exchange, which waits until every
+Reuse across calls: a rank's next call writes ``recv``, ``reduced`` and ``row_dot`` (and peers stage
+into its ``stage``) only after its next exchange, which waits until every
 rank has published that call's counts, which each rank does only after its previous call joined
 its combine; so no rank overwrites what a peer still reads.
 
@@ -28,7 +28,8 @@ run on the buffer's communication stream, the dispatch on ``comm_blocks`` thread
 and the combine on ``combine_blocks`` beside GEMM2, and the GEMMs take every other multiprocessor.
 In the forward the combine is launched a second time on the caller's stream, after GEMM2, with
 GEMM2's grid; both launches claim the same work units, so every SM reduces what is left once GEMM2
-is done. No step reads anything back to the host.
+is done. No step reads anything back to the host, unless the layer sizes its activations by the
+rows each call receives (``size_by_received``): then the exchange's count, once a call.
 
 Progress: the dispatch waits only for the rows peers' dispatches stage here, and a block of it waits
 only once it has sent all it sends; GEMM1 tiles wait only for dispatches, GEMM2 waits for nothing;
@@ -72,19 +73,21 @@ class FusedPipeline:
 
     ``num_experts``: the layer's experts over the group; ``row_bounds``: the most rows this rank can
     receive in one call, by capacity mode (True: the gate's training capacity, False: its eval
-    capacity): activations are sized by it and the exchange kernel stops with an error rather than
-    let a call exceed it.
+    capacity): the exchange kernel stops with an error rather than let a call exceed it, and
+    activations are sized by it, or, with ``size_by_received``, by the rows each call receives
+    (read back to the host after the exchange: ``"activation_rows": "received"``).
     """
 
     name = "fused"
 
     def __init__(self, workspace: CometBuffer, experts: FusedExperts, params: FusedParameters, num_experts: int,
-                 row_bounds: Dict[bool, int]):
+                 row_bounds: Dict[bool, int], size_by_received: bool = False):
         self.workspace = workspace
         self.experts = experts
         self.params = params
         self.num_experts = num_experts
         self.row_bounds = row_bounds
+        self.size_by_received = size_by_received
         self.tables = PointerTables()
         self.layer_name = "MoE layer"  # in the note its peers read if this rank raises (the selection names it)
 
@@ -121,6 +124,11 @@ class FusedPipeline:
             return self.run_forward(tokens, plan, weights, max_rows, out=out)
         except Exception as error:
             self.note_error(error)
+            if isinstance(error, torch.OutOfMemoryError) and not self.size_by_received:
+                raise torch.OutOfMemoryError(f"{error}\nds_comet: {self.layer_name} sizes its activations by the most "
+                                             f"rows a rank can receive ({self.row_bounds[train]} a call); "
+                                             "\"moe\": {\"activation_rows\": \"received\"} sizes them by the rows "
+                                             "each call receives") from error
             raise
 
     def note_error(self, error: Exception) -> None:
@@ -141,9 +149,9 @@ class FusedPipeline:
                     out: Optional[Tensor] = None, saved: Optional[dict] = None) -> Tensor:
         """The forward's kernels: exchange, dispatch, GEMM1, GEMM2, combine (see the module's docstring).
 
-        ``saved``, if given, receives what ``run_backward`` needs: copies of the received rows and of
-        their expert outputs (the workspace is reused by the next call) and the products before the
-        activation. Not the activations: the backward's GEMM1 recomputes them
+        ``saved``, if given, receives what ``run_backward`` needs: a copy of the received rows (the
+        workspace is reused by the next call), their expert outputs (GEMM2 writes them into a
+        tensor of this call's) and the products before the activation. Not the activations: the backward's GEMM1 recomputes them
         from those products as it reads them: a layer holds half the FFN-wide memory it would (a third
         less for gated experts, whose products are twice as wide).
         """
@@ -154,27 +162,29 @@ class FusedPipeline:
         kernels = self.kernels(tokens)
         tokens, weights = rows_for_kernels(tokens), weights.contiguous()
         rows = min(max_rows, buffer.shape.max_recv_rows)
+        kernels.exchange(plan, rows)
+        if self.size_by_received and not torch.cuda.is_current_stream_capturing():
+            rows = max(kernels.received_rows(), 1)  # one row at least: the kernels take no null pointers
         h = torch.empty((rows, kernels.ffn), dtype=tokens.dtype, device=tokens.device)
+        expert_out = torch.empty((rows, hidden), dtype=tokens.dtype, device=tokens.device)
         if out is None:
             # Allocated before the dispatch orders the communication stream after the main one, as
             # everything the combine writes there must be: memory freed on the main stream before that
             # point may still be read by kernels queued before it.
             out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
 
-        kernels.exchange(plan, rows)
         kernels.dispatch(tokens, plan, weights, scale_rows=False)
         pre = kernels.first_layer(buffer.recv, h, keep_pre=saved is not None)
-        kernels.gemm2(h, backward=False)
+        kernels.gemm2(h, expert_out, backward=False)
         if saved is not None:
-            # GEMM1 waited for every received row and GEMM2 wrote every output row; keep both before
-            # the next call overwrites them (the backward's gate gradient is taken on the expert's rank).
-            saved.update(rows=buffer.recv[:rows].clone(), outputs=buffer.expert_out[:rows].clone(), pre=pre)
-        # The combine spins until this rank's GEMM2 and peers' combines deliver, so it is launched last: a
-        # launch that blocks the
-        # host (a lazily loaded module waits for the device) must never wait behind a spinning kernel
-        # whose producers this rank has not launched yet.
-        kernels.combine(plan, weights, out, no_route_grad(tokens.device), finish_on_main=True)
-        kernels.join(tokens.device, tokens, plan.route_order, plan.route_position, weights, out)
+            # GEMM1 waited for every received row: keep them before the next call overwrites them. The
+            # backward takes the gate gradient where the outputs are, on the expert's rank.
+            saved.update(rows=buffer.recv[:rows].clone(), outputs=expert_out, pre=pre)
+        # The combine spins until this rank's GEMM2 and peers' combines deliver, so it is launched last:
+        # a launch that blocks the host (a lazily loaded module waits for the device) must never wait
+        # behind a spinning kernel whose producers this rank has not launched yet.
+        kernels.combine(plan, expert_out, weights, out, None, finish_on_main=True)
+        kernels.join(tokens.device, tokens, plan.route_order, plan.route_position, weights, expert_out, out)
         return out
 
     def run_backward(self, grad_out: Tensor, plan: RoutingPlan, weights: Tensor, saved: dict, need_tokens: bool,
@@ -200,7 +210,8 @@ class FusedPipeline:
         # so far: the combine writes them there, and a block freed later (``pre``) may still be read by
         # GEMM1 when the combine runs.
         grad_tokens = torch.empty_like(grad_out)
-        route_grad = torch.empty(weights.shape if need_weights else (0, ), dtype=torch.float32, device=device)
+        grad_rows = torch.empty((rows, grad_out.shape[1]), dtype=dtype, device=device)
+        route_grad = torch.empty(weights.shape, dtype=torch.float32, device=device) if need_weights else None
         kernels.exchange(plan, rows)
         # The combine weighted each route by its gate, so each route's output gradient is the gate
         # times the token's gradient (rounded like stock's fp32 combine rounds it). Each route's
@@ -211,9 +222,9 @@ class FusedPipeline:
         # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
         # reuses its memory only for work queued after it on this stream, so the peak stays low.
         kernels.first_layer_backward(buffer.recv, grad_pre, saved.pop("pre"), act=h)
-        kernels.gemm2(grad_pre, backward=True)
+        kernels.gemm2(grad_pre, grad_rows, backward=True)
         # Not finished on the main stream: the weight gradients queued there next hide its tail.
-        kernels.combine(plan, None, grad_tokens, route_grad, finish_on_main=False)
+        kernels.combine(plan, grad_rows, None, grad_tokens, route_grad, finish_on_main=False)
         if need_params:
             # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
             dw2, db2 = kernels.wgrad(buffer.recv, h)
@@ -227,8 +238,8 @@ class FusedPipeline:
             dw3, db3 = kernels.wgrad(grad_pre[:, ffn:], x) if kernels.gated else (None, None)
             param_grads = self.experts.gradients(dw1, db1, dw3, db3, dw2, db2)
         del grad_pre
-        kernels.join(device, grad_out, weights, plan.route_order, plan.route_position, outputs, grad_tokens,
-                     route_grad)
+        kernels.join(device, grad_out, weights, plan.route_order, plan.route_position, outputs, grad_rows,
+                     grad_tokens, *([] if route_grad is None else [route_grad]))
         if not need_tokens:
             grad_tokens = None
         if need_weights:
@@ -242,11 +253,6 @@ def rows_for_kernels(rows: Tensor) -> Tensor:
     when it already is, else a copy (a view starting mid-vector would fault on the device)."""
     rows = rows.contiguous()
     return rows if rows.data_ptr() % 16 == 0 else rows.clone()
-
-
-def no_route_grad(device) -> Tensor:
-    """An empty fp32 tensor: 'no gate gradients' for the combine."""
-    return torch.empty(0, dtype=torch.float32, device=device)
 
 
 class FusedMoEFunction(torch.autograd.Function):

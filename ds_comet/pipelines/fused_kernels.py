@@ -123,6 +123,12 @@ class FusedKernels:
         b.op.exchange(b.kernel_shape, plan.expert_counts, plan.rank_token_counts, b.meta, b.peer_meta, b.layout,
                       b.error_address)
 
+    def received_rows(self) -> int:
+        """The rows this rank receives this call, read back to the host from the layout that
+        ``exchange`` fills (a host sync: it waits for the group's exchange)."""
+        word = self.buffer.layout_offsets.totals + TOTAL_RECV_ROWS
+        return int(self.buffer.layout[word].item())
+
     def dispatch(self, rows: Tensor, plan: RoutingPlan, gates: Tensor, scale_rows: bool,
                  outputs: Optional[Tensor] = None):
         """Puts rows[route token] (times gates[route] with ``scale_rows``) in the recv row of every kept
@@ -153,38 +159,39 @@ class FusedKernels:
                       b.peer_stage_scale, b.peer_meta, b.route_row, b.route_stage, gates, scale_rows, outputs,
                       b.row_dot, b.shape.top_k, b.error_address, blocks)
 
-    def combine(self, plan: RoutingPlan, gates: Optional[Tensor], out: Tensor, route_grad: Tensor,
-                finish_on_main: bool):
-        """out[token] = sum over its kept routes of gate (1 if gates is None) x the route's expert output.
-        A token's routes on another rank are summed there (with the gates the dispatch took along),
-        and one row a token and rank crosses back. Every rank of the group passes gates ([k, S]
-        fp32, empty on a rank without tokens) or none (the forward does, the backward does not).
-        Unless ``route_grad`` ([k, S] fp32) is empty, it receives each route's dot product that the
-        backward's dispatch kept (0 for a dropped route).
+    def combine(self, plan: RoutingPlan, expert_out: Tensor, gates: Optional[Tensor], out: Tensor,
+                route_grad: Optional[Tensor], finish_on_main: bool):
+        """out[token] = sum over its kept routes of gate (1 if gates is None) x the route's expert output,
+        ``expert_out`` ([R, H]) holding GEMM2's rows here by recv row. A token's routes on another rank
+        are summed there (with the gates the dispatch took along), and one row a token and rank crosses
+        back. Every rank of the group passes gates ([k, S] fp32, empty on a rank without tokens) or
+        none (the forward does, the backward does not). ``route_grad`` ([k, S] fp32), if given,
+        receives each route's dot product that the backward's dispatch kept (0 for a dropped route).
 
         With ``finish_on_main`` a second launch on the current stream, queued after GEMM2, shares the
         work with the communication blocks: what they have not reduced when GEMM2 ends is reduced by
         every SM instead of by them alone. Alone in the group, it is one launch on every SM.
         """
         if self.alone:
-            self.reduce(plan, gates, out, route_grad, self.buffer.num_sms)
+            self.reduce(plan, expert_out, gates, out, route_grad, self.buffer.num_sms)
             return
         with torch.cuda.stream(self.buffer.comm_stream):
-            self.reduce(plan, gates, out, route_grad, self.params.combine_blocks)
+            self.reduce(plan, expert_out, gates, out, route_grad, self.params.combine_blocks)
         if finish_on_main:
-            self.reduce(plan, gates, out, route_grad, self.gemm2_grid)
+            self.reduce(plan, expert_out, gates, out, route_grad, self.gemm2_grid)
 
-    def reduce(self, plan: RoutingPlan, gates: Optional[Tensor], out: Tensor, route_grad: Tensor, blocks: int):
+    def reduce(self, plan: RoutingPlan, expert_out: Tensor, gates: Optional[Tensor], out: Tensor,
+               route_grad: Optional[Tensor], blocks: int):
         """One launch of the combine kernel, on the current stream, over ``blocks`` thread blocks."""
         b = self.buffer
         weighted = gates is not None
-        if not weighted:
-            gates = torch.empty(0, dtype=torch.float32, device=out.device)
+        none = torch.empty(0, dtype=torch.float32, device=out.device)  # "none" to the binding
         chunk_tiles, num_chunks = self.chunking
-        b.op.combine(b.kernel_shape, b.peer_expert_out, b.peer_reduced, b.peer_row_dot, b.peer_meta, b.route_row,
-                     b.route_stage, plan.route_position, b.stage_routes, b.stage_scale, weighted, gates, out,
-                     route_grad, b.shape.top_k, chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks,
-                     b.layout, b.error_address, blocks)
+        b.op.combine(b.kernel_shape, expert_out, b.peer_reduced, b.peer_row_dot, b.peer_meta, b.route_row,
+                     b.route_stage, plan.route_position, b.stage_routes, b.stage_scale, weighted,
+                     gates if weighted else none, out, none if route_grad is None else route_grad, b.shape.top_k,
+                     chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.layout, b.error_address,
+                     blocks)
 
     def reset_combine_claims(self):
         """Let the next ``reduce`` launches claim every work unit again (the exchange zeroes the claim
@@ -233,6 +240,13 @@ class FusedKernels:
         self.gemm1(rows, grad_pre, pre, backward=True, store_pre=False, act=act)
 
     @property
+    def expert_ends(self) -> Tensor:
+        """[L] int32 on the device: where each local expert's received rows end (the layout's words,
+        the groups' offsets for ``torch._grouped_mm``)."""
+        start = self.buffer.layout_offsets.expert_start
+        return self.buffer.layout[start + 1:start + 1 + self.num_local]
+
+    @property
     def library_first_layer(self) -> bool:
         """Whether the first layer runs as ``torch._grouped_mm`` and an elementwise activation: alone
         in the group (no tile waits for a dispatch) with stacked, gated bf16 experts on sm_90. It
@@ -246,10 +260,8 @@ class FusedKernels:
         ``w1`` and ``w3`` ([L, F, H]), ``rows @ W2`` for ``w2`` ([L, H, F]; the output gradient's product).
         Rows past the last expert's end are not computed."""
         weights = dict(zip(("w1", "w3", "w2"), self.experts.stacked()))
-        start = self.buffer.layout_offsets.expert_start
-        ends = self.buffer.layout[start + 1:start + 1 + self.num_local]
         return tuple(torch._grouped_mm(rows, weights[name] if name == "w2" else weights[name].transpose(-2, -1),
-                                       offs=ends) for name in names)
+                                       offs=self.expert_ends) for name in names)
 
     def _gated_activation(self, first: Tensor, up: Tensor, h: Tensor):
         from ..kernels.triton_activation import gated_activation_kernel
@@ -287,7 +299,10 @@ class FusedKernels:
             STORE_ACT=act is not None, WAIT=True, INTERPRET=_interpreting(),
             QUARTERS=backward and self.gated and tile_n > 128, num_warps=8, num_stages=3))
 
-    def gemm2(self, rows: Tensor, backward: bool):
+    def gemm2(self, rows: Tensor, out: Tensor, backward: bool):
+        """GEMM2 on ``rows`` (the activations [R, F], or the backward's first-layer gradients [R, F] or
+        [R, 2F]) into ``out`` ([R, H], by recv row), column chunk by column chunk, each finished row
+        counted for the combine (here for this rank's routes, on a reduce counter for the others')."""
         from ..kernels.triton_gemm import gemm2_kernel
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         chunk_tiles, _ = self.chunking
@@ -296,7 +311,7 @@ class FusedKernels:
         else:  # rows = h @ W2^T; W2 is [H, F], i.e. [N, K]
             w, w3, bias, lda, second = t["w2"], t["w2"], t["b2"], self.ffn, False
         with_descriptor_scratch(lambda: gemm2_kernel[(self.gemm2_grid, )](
-            rows, lda, w, w3, bias, b.origin, b.expert_out, b.gemm2_counters, b.layout, self.ffn, self.hidden,
+            rows, lda, w, w3, bias, b.origin, out, b.gemm2_counters, b.layout, self.ffn, self.hidden,
             self.num_local, lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
             EP_SIZE=b.shape.ep_size, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K,
             GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.gemm2_grid,
@@ -315,10 +330,8 @@ class FusedKernels:
             # Nothing waits in this phase, so the library's kernel serves: the Triton one ran at
             # 0.79-1.05x its rate on the SwiGLU shapes (docs/decisions.md). Rows past the last
             # group's end are not read.
-            start = self.buffer.layout_offsets.expert_start
-            ends = self.buffer.layout[start + 1:start + 1 + num_local]
             rows = min(a.shape[0], b.shape[0])
-            return torch._grouped_mm(a[:rows].t(), b[:rows], offs=ends), None
+            return torch._grouped_mm(a[:rows].t(), b[:rows], offs=self.expert_ends), None
         from ..kernels.triton_gemm import wgrad_kernel
         out = torch.empty((num_local, M, N), dtype=a.dtype, device=a.device)
         bias = torch.empty((num_local, M), dtype=a.dtype, device=a.device) if self.has_bias else out

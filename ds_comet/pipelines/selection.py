@@ -19,12 +19,13 @@ profiler is such a case: it hooks rank 0's modules for its profile step only.
 """
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as torch_dist
-from deepspeed.utils import log_dist, logger
+from deepspeed.utils import log_dist, log_dist_once, logger
 
 from ..config import CometMoEConfig
 from .expert_weights import LocalExperts
@@ -35,6 +36,10 @@ from .collective_waits import gather_objects
 from .policy import group_reason, hooks_reason, local_reason, module_hooks, node_name, structure_reason
 from .reference import ReferencePipeline
 from .workspace import BufferShape, get_buffer
+
+# Activations sized by the row bound warn from this multiple of a balanced router's rows a rank:
+# without dropping, EP 4 and up (ep_size x min(k, local experts) x tokens against k x tokens).
+BOUND_ROWS_WARN = 4
 
 _LAYER_NUMBERS = itertools.count()
 
@@ -290,8 +295,27 @@ class PipelineSelection:
         shape = BufferShape(ep_size=spec.ep_size, num_experts=spec.num_experts, hidden=hidden, dtype=tokens.dtype,
                             max_tokens=max_tokens, max_recv_rows=rows, top_k=spec.top_k, tile_m=params.tile_m)
         workspace = get_buffer(self.group, shape, config.wait_timeout_s, shared_device)
-        self.fused = FusedPipeline(workspace, experts, params, spec.num_experts, row_bounds)
+        by_received = config.activation_rows == "received"
+        self.fused = FusedPipeline(workspace, experts, params, spec.num_experts, row_bounds, by_received)
         self.fused.layer_name = self.name
+        if not by_received:
+            row_bytes = (2 * hidden + experts.ffn * (2 if experts.gated else 1)) * tokens.element_size()
+            message = bound_rows_warning(row_bounds[True], spec.top_k * max_tokens, row_bytes)
+            if message is not None:
+                log_dist_once(message, ranks=[0], level=logging.WARNING)  # once a job, not once a layer
         log_dist(f"ds_comet: {self.name} runs the fused pipeline ({params}, workspace for {max_tokens} tokens per "
                  "rank)", ranks=[0])
         return None
+
+
+def bound_rows_warning(rows: int, balanced: int, row_bytes: int) -> Optional[str]:
+    """What to tell a user whose layer keeps activations for ``rows`` received rows a training call
+    (``"activation_rows": "bound"``), where a balanced router sends a rank ``balanced``, each row
+    keeping ``row_bytes`` (its input, its output and the products before the activation); None
+    below BOUND_ROWS_WARN times."""
+    if rows < BOUND_ROWS_WARN * balanced:
+        return None
+    return (f"ds_comet: a training call of an MoE layer of this shape keeps activations for up to {rows} received "
+            f"rows ({rows * row_bytes / 2**30:.2f} GiB a layer), {rows / balanced:.0f}x the {balanced} a balanced "
+            "router sends a rank; \"moe\": {\"activation_rows\": \"received\"} sizes them by the rows each call "
+            "receives (one host sync a layer call)")

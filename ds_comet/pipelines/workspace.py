@@ -1,11 +1,10 @@
 """CometBuffer: the fused pipeline's workspace for one expert-parallel group inside one node.
 
 One object owns everything the kernels share across ranks: the receive buffer the dispatch writes
-and GEMM1 reads, the expert-output buffer GEMM2 writes (whose first rows stage the dispatch's rows
-from other ranks before GEMM2 writes them), the routes and gates of each staged row, the rows the
-combine sums per staged token and the source ranks read, the row origins, the backward's
-gate-gradient dot products, and the int32 meta array of exchanged counts, flags and arrival
-counters. All of it is one allocation of
+and GEMM1 reads, the rows the dispatch stages from other ranks (each token once) with the routes
+and gates of each, the rows the combine sums per staged token and the source ranks read, the row
+origins, the backward's gate-gradient dot products, and the int32 meta array of exchanged counts,
+flags and arrival counters. All of it is one allocation of
 torch symmetric memory (peer pointers through CUDA IPC), made once from the largest token count
 the layers will see and reused every call; the kernels reset the counters they use each call.
 
@@ -129,17 +128,14 @@ class CometBuffer:
         self.meta_offsets = layout.meta_offsets(P, E, shape.max_tiles, shape.max_chunks, shape.max_stage_pieces)
         self.layout_offsets = layout.layout_offsets(E // P, E)
 
-        # expert_out is as large as recv (GEMM2 writes one row per received row), so the pull-model
-        # combine doubles the receiving side: up to ep_size x top_k x max_tokens rows each without
-        # token dropping. It cannot share recv: the backward's weight gradients read recv after GEMM2.
-        # The staged rows borrow expert_out's: every rank's dispatch has consumed them before its GEMM2
-        # starts, and a peer stages into them only after every rank's previous combine has read them
-        # (fused.py: reuse across calls). Their route lists take top_k entries a row. The combine
-        # sums each staged row's routes into its own row of `reduced` (the routes' rows stay where
-        # GEMM2 put them, so the sums cannot overwrite them), which the row's source pulls; `row_dot`
-        # keeps the backward's gate-gradient dot product of each received row.
-        stage_entries = shape.max_recv_rows * shape.top_k
-        parts = [("recv", shape.max_recv_rows * H * elem), ("expert_out", shape.max_recv_rows * H * elem),
+        # GEMM2's output rows are not here: each call writes them into a tensor of its own, which
+        # only this rank's combine reads and the forward keeps for the backward (fused.py). The staged
+        # rows (each token of another rank once, at most max_staged_rows) and their route lists (top_k
+        # entries a row) are read by this rank's dispatch. The combine sums each staged row's routes
+        # into its own row of `reduced`, which the row's source pulls; `row_dot` keeps the backward's
+        # gate-gradient dot product of each received row.
+        stage_entries = shape.max_staged_rows * shape.top_k
+        parts = [("recv", shape.max_recv_rows * H * elem), ("stage", shape.max_staged_rows * H * elem),
                  ("reduced", shape.max_staged_rows * H * elem), ("origin", shape.max_recv_rows * 8),
                  ("row_dot", shape.max_recv_rows * 4), ("stage_routes", stage_entries * 8),
                  ("stage_scale", stage_entries * 4), ("meta", self.meta_offsets.total * 4)]
@@ -164,7 +160,7 @@ class CometBuffer:
             bases = _peer_pointers(handle, self._storage, P)
 
         self.recv = self._part("recv", shape.dtype, (shape.max_recv_rows, H))
-        self.expert_out = self._part("expert_out", shape.dtype, (shape.max_recv_rows, H))
+        self.stage = self._part("stage", shape.dtype, (shape.max_staged_rows, H))
         self.reduced = self._part("reduced", shape.dtype, (shape.max_staged_rows, H))
         self.origin = self._part("origin", torch.int64, (shape.max_recv_rows, ))
         self.row_dot = self._part("row_dot", torch.float32, (shape.max_recv_rows, ))
@@ -178,11 +174,10 @@ class CometBuffer:
                                 device=self.device)
 
         self.peer_recv = table("recv")
-        self.peer_expert_out = table("expert_out")
         self.peer_reduced = table("reduced")
         self.peer_origin = table("origin")
         self.peer_row_dot = table("row_dot")
-        self.peer_stage = self.peer_expert_out
+        self.peer_stage = table("stage")
         self.peer_stage_routes = table("stage_routes")
         self.peer_stage_scale = table("stage_scale")
         self.peer_meta = table("meta")

@@ -95,6 +95,22 @@ def test_workspaces_past_32_bit_offsets_are_refused():
     assert "32-bit" in offsets_overflow(1000, 300000, 8192, 1024, gated=False)
 
 
+@pytest.mark.parametrize("ep_size,warned", [(1, False), (2, False), (4, True), (8, True)])
+def test_activations_sized_by_a_dropless_bound_warn_from_ep4(ep_size, warned):
+    # AutoEP's dropless bound (k = 8 of 16 local experts) against what a balanced router sends a rank.
+    k, tokens, row_bytes = 8, 4096, (2 * 2048 + 2 * 768) * 2
+    rows = ep_size * min(k, 16) * tokens
+    message = selection_module.bound_rows_warning(rows, k * tokens, row_bytes)
+    assert (message is not None) == warned
+    if warned:
+        assert f"{ep_size}x the {k * tokens}" in message and '"activation_rows": "received"' in message
+        assert f"{rows * row_bytes / 2**30:.2f} GiB" in message
+    config = CometMoEConfig(activation_rows="received")
+    assert config.activation_rows == "received"
+    with pytest.raises(Exception, match="activation_rows"):
+        ds_comet.config.moe_config_from({"moe": {"backend": "comet", "activation_rows": "exact"}})
+
+
 @pytest.mark.parametrize("ep_size", [2, 4, 8])
 @pytest.mark.parametrize("k,drop_tokens,capacity_factor,skew", [(1, True, 1.0, 0.0), (2, True, 1.25, 3.0),
                                                                 (4, True, 0.5, 0.0), (2, False, 1.0, 4.0),

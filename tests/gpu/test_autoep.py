@@ -16,12 +16,12 @@ def _seed():
     return torch.randint(1, 10**6, ()).item()
 
 
-@pytest.mark.parametrize("trial", range(2))
+@pytest.mark.parametrize("activation_rows", ["bound", "received"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_fused_outputs_and_gradients_match_autoep(gpu_pool, preset, trial):
+def test_fused_outputs_and_gradients_match_autoep(gpu_pool, preset, activation_rows):
     pytest.importorskip("transformers")
     for errors, loss_diff, ran_fused in gpu_pool.run(gradients_case, preset=preset, seed=_seed(), dtype_name="bf16",
-                                                     overlap="fused"):
+                                                     overlap="fused", activation_rows=activation_rows):
         assert ran_fused == {True}, "the comet layers did not run the fused pipeline"
         # Both round the same fp32 computation to bf16: comet may not stray further from it than
         # AutoEP does (twice, or a bf16 rounding's worth, whichever is larger).

@@ -18,7 +18,7 @@ from deepspeed import comm as dist
 
 import ds_comet
 from ds_comet.experts import reset_expert_
-from ds_comet.kernels.constants import TOTAL_OWN_ROUTES, TOTAL_STAGED_SENT
+from ds_comet.kernels.constants import TOTAL_OWN_ROUTES, TOTAL_RECV_ROWS, TOTAL_STAGED_SENT
 from ds_comet.kernels.ops import CometWaitTimeout
 from ds_comet.pipelines.routing import plan_routes
 from tests.support.dist_pool import RANKS_PER_GPU_VAR, ranks_per_gpu
@@ -75,7 +75,7 @@ def _fused_pipeline(layer):
 def _poison(layer):
     workspace = _fused_pipeline(layer).workspace
     workspace.recv.fill_(float("nan"))
-    workspace.expert_out.fill_(float("nan"))
+    workspace.stage.fill_(float("nan"))
     workspace.reduced.fill_(float("nan"))
     workspace.row_dot.fill_(float("nan"))
 
@@ -237,11 +237,18 @@ FORWARD_CASES = [
     # fewer tokens than the busiest expert's routes would post all-to-alls of different sizes.
     dict(hidden=512, ffn=768, experts_per_rank=4, k=1, tokens_per_rank=(300, 300), expert_kind="swiglu",
          drop_tokens=False, skew=50.0),
+    # Activations sized by the rows each call receives: without dropping, and with every row on one
+    # rank's expert (the other rank receives none and keeps one row).
+    dict(hidden=384, ffn=768, experts_per_rank=8, k=8, tokens_per_rank=(300, 257), drop_tokens=False,
+         moe=dict(activation_rows="received")),
+    dict(hidden=512, ffn=768, experts_per_rank=4, k=1, tokens_per_rank=(300, 300), expert_kind="swiglu",
+         drop_tokens=False, skew=50.0, moe=dict(activation_rows="received")),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
                "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units",
                "extreme-sm-splits", "graphed-gate", "graphed-gate-k3-skewed", "fp16-skewed-drops",
-               "fp16-swiglu-odd-sizes", "swiglu-narrow-k3", "swiglu-empty-experts"]
+               "fp16-swiglu-odd-sizes", "swiglu-narrow-k3", "swiglu-empty-experts", "k8-received-rows",
+               "swiglu-empty-experts-received-rows"]
 
 
 def _experts_or_skip(gpu_pool, case) -> int:
@@ -605,6 +612,59 @@ def graph_case(seed):
 
 def test_fused_forward_in_cuda_graph(gpu_pool):
     gpu_pool.run(graph_case, seed=_seed())
+
+
+def _saved_activations(out):
+    """The fused autograd node's saved tensors behind ``out`` (the layer's output)."""
+    pending, seen = [out.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "FusedMoEFunctionBackward":
+            return node.saved
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    raise AssertionError("no fused autograd node behind the layer's output")
+
+
+def activation_rows_case(seed):
+    """Without dropping, activations sized by the received rows against the bound: kept at the rows
+    each call receives (one at least), the bound's otherwise, with the same output and gradients."""
+    rank, ep_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    results = {}
+    for mode in ("bound", "received"):
+        layers = _layers(seed, 256, 384, "swiglu", moe={"activation_rows": mode}, num_experts=4 * ep_size,
+                         ep_size=ep_size, k=4, drop_tokens=False)
+        layer = layers["fused"].train()
+        generator = torch.Generator(device=device).manual_seed(seed + rank)
+        # Skewed toward one expert, and a different token count on each rank.
+        tokens = torch.randn(1, 200 + 37 * rank, 256, generator=generator, device=device)
+        tokens += 3.0 * layer.deepspeed_moe.gate.wg.weight[0].detach().float()
+        tokens = tokens.to(torch.bfloat16).requires_grad_()
+        torch.manual_seed(seed)
+        out, l_aux, _ = layer(tokens)
+        saved = _saved_activations(out)
+        pipeline = _fused_pipeline(layers["fused"])
+        workspace = pipeline.workspace
+        received = int(workspace.layout[workspace.layout_offsets.totals + TOTAL_RECV_ROWS])
+        kept = {name: saved[name].shape[0] for name in ("rows", "outputs")}
+        kept["pre"] = (saved["pre"][0] if isinstance(saved["pre"], tuple) else saved["pre"]).shape[0]
+        want = max(received, 1) if mode == "received" else min(pipeline.row_bounds[True], workspace.shape.max_recv_rows)
+        assert set(kept.values()) == {want}, (mode, kept, received)
+        grad_out = torch.randn(out.shape, generator=generator, device=device).to(out.dtype)
+        torch.autograd.backward([out, l_aux], [grad_out, torch.ones_like(l_aux)])
+        results[mode] = [out.detach(), tokens.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+    # The same kernels over the same rows: only the tensors' unused tails differ.
+    assert len(results["bound"]) == len(results["received"]) > 3
+    for bound, received in zip(results["bound"], results["received"]):
+        assert torch.isfinite(received).all() and rel(received, bound) < 1e-3, rel(received, bound)
+    return rank
+
+
+def test_activations_sized_by_received_rows(gpu_pool):
+    gpu_pool.run(activation_rows_case, seed=_seed())
 
 
 def shared_expandable_case(seed):

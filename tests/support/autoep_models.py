@@ -41,22 +41,25 @@ def tiny_model(preset: str, hidden: int = 64, ffn: int = 96, experts_per_rank: i
     raise ValueError(preset)
 
 
-def ds_config(preset: str, backend: str, zero_stage: int, dtype: torch.dtype, overlap: str = "auto") -> Dict:
+def ds_config(preset: str, backend: str, zero_stage: int, dtype: torch.dtype, overlap: str = "auto",
+              activation_rows: str = "bound") -> Dict:
     config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
               "zero_optimization": {"stage": zero_stage},
               "expert_parallel": {"enabled": True, "autoep_size": dist.get_world_size(), "preset_model": preset,
                                   "use_grouped_mm": torch.cuda.is_available()},
-              "moe": {"backend": backend, "overlap": overlap} if backend == "comet" else {"backend": backend}}
+              "moe": ({"backend": backend, "overlap": overlap, "activation_rows": activation_rows}
+                      if backend == "comet" else {"backend": backend})}
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
     return config
 
 
-def engine_for(preset: str, backend: str, seed: int, zero_stage: int, dtype: torch.dtype, overlap: str = "auto"):
+def engine_for(preset: str, backend: str, seed: int, zero_stage: int, dtype: torch.dtype, overlap: str = "auto",
+               activation_rows: str = "bound"):
     torch.manual_seed(seed)
     model = tiny_model(preset)
-    config = ds_config(preset, backend, zero_stage, dtype, overlap)
+    config = ds_config(preset, backend, zero_stage, dtype, overlap, activation_rows)
     engine, *_ = ds_comet.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -71,8 +74,9 @@ def comet_layers(engine):
     return [m for m in engine.module.modules() if type(m).__name__ == "CometAutoEPMoELayer"]
 
 
-def _forward_backward(preset: str, backend: str, seed: int, dtype: torch.dtype, overlap: str):
-    engine = engine_for(preset, backend, seed, 0, dtype, overlap)
+def _forward_backward(preset: str, backend: str, seed: int, dtype: torch.dtype, overlap: str,
+                      activation_rows: str = "bound"):
+    engine = engine_for(preset, backend, seed, 0, dtype, overlap, activation_rows)
     ids = batch(seed, 0, engine.device)
     # The converted model called directly and torch.autograd.grad, not the engine's forward and
     # backward: the gradients as autograd computes them, before any optimizer hook (DeepSpeed's bf16
@@ -84,9 +88,10 @@ def _forward_backward(preset: str, backend: str, seed: int, dtype: torch.dtype, 
     return engine, {"logits": out.logits.detach().float(), **grads}, out.loss.item()
 
 
-def gradients_case(preset: str, seed: int, dtype_name: str = "fp32", overlap: str = "auto"):
-    """One forward and backward of AutoEP and of AutoEP on ds_comet: the logits and every parameter's
-    gradient, by name.
+def gradients_case(preset: str, seed: int, dtype_name: str = "fp32", overlap: str = "auto",
+                   activation_rows: str = "bound"):
+    """One forward and backward of AutoEP and of AutoEP on ds_comet (its activations sized as
+    ``activation_rows`` says): the logits and every parameter's gradient, by name.
 
     Returns, per tensor, comet's relative difference from AutoEP and, in bf16, both backends'
     differences from AutoEP in fp32 (the same weights: the ground truth both round away from);
@@ -94,7 +99,7 @@ def gradients_case(preset: str, seed: int, dtype_name: str = "fp32", overlap: st
     """
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     _, stock, loss = _forward_backward(preset, "deepspeed", seed, dtype, overlap)
-    engine, comet, comet_loss = _forward_backward(preset, "comet", seed, dtype, overlap)
+    engine, comet, comet_loss = _forward_backward(preset, "comet", seed, dtype, overlap, activation_rows)
     layers = comet_layers(engine)
     assert layers, "ds_comet.initialize converted no AutoEP layer"
     ran = {layer.pipelines.reason is None for layer in layers}
