@@ -8,17 +8,14 @@
 //   origin     [max_recv_rows]     int64 (source rank << 32 | position in the source's send list)
 //   stage      [max_staged_rows, H] the dispatch's rows from other ranks, each token once (see
 //                                  launch_dispatch), which this rank's dispatch copies to their routes' rows
-//   stage_routes [max_recv_rows * top_k] int64 (recv row << 32 | send position) of each staged row's
+//   stage_routes [max_staged_rows * top_k] int64 (recv row << 32 | send position) of each staged row's
 //                                  routes here, top_k slots a staged row, -1 past its last route
-//   stage_scale  [max_recv_rows * top_k] fp32 each such route's gate
+//   stage_scale  [max_staged_rows * top_k] fp32 each such route's gate
 //   reduced    [max_staged_rows, H] by staged row: the sum of that token's routes here (gate-weighted
 //                                  in the forward), which its source's combine pulls, one row a token
 //   row_dot    [max_recv_rows] fp32 the backward's dot product of each recv row's saved expert output
 //                                  with its token's output gradient (the gate's gradient), pulled by
 //                                  the row's source
-// (max_staged_rows = min(max_recv_rows, (P - 1) x max tokens a rank): a staged row has a route here and
-// is a token of another rank.) GEMM2's output rows are not symmetric: each call writes them into a
-// tensor of its own, by recv row, which only this rank's combine reads.
 //   meta       int32               exchanged counts, flags and arrival counters (MetaOffsets)
 // and local arrays: the int32 layout the exchange kernel fills each call (LayoutOffsets; the
 // combine also counts its claimed work units in one of its words); route_row [max_routes] int64
@@ -26,6 +23,9 @@
 // combine reads to find each route's output on its expert's rank; route_stage [max_routes] int32,
 // for a route to another rank, its token's staged row there if it is the token's first route to
 // that rank, else -1 (the token's other routes there are summed into that row's reduced row).
+// max_staged_rows = min(max_recv_rows, (P - 1) x max tokens a rank): a staged row has a route
+// here and is a token of another rank. GEMM2's output rows are not symmetric: each call writes them
+// into a tensor of its own, by recv row, which only this rank's combine reads.
 #pragma once
 
 #include <cstdint>

@@ -65,8 +65,8 @@ class FusedPipeline:
     """The fused COMET pipeline of one MoE layer on one rank, in the spirit of DeepEP's ``Buffer``.
 
     It owns what a call needs beyond its tokens: the expert-parallel group's workspace
-    (``CometBuffer``: symmetric receive and expert-output buffers, flags and counters; shared by the
-    group's layers of one shape), the kernel parameters (``FusedParameters``), the local experts'
+    (``CometBuffer``: symmetric receive, staging and partial-sum buffers, flags and counters; shared
+    by the group's layers of one shape), the kernel parameters (``FusedParameters``), the local experts'
     weights as the kernels read them (``FusedExperts``) and their device pointer tables. Build it on
     every rank of the group at once (``pipelines.selection`` does); call ``forward`` on every rank
     for every call, in the same order, as with any collective.
@@ -107,7 +107,8 @@ class FusedPipeline:
         sum of the routes' expert outputs, a zero row for a token with no kept route. ``train``
         picks the capacity bound (``row_bounds``). Under autograd, with gradients wanted for the
         tokens, the weights or the experts' parameters, the fused backward runs when they flow.
-        ``out`` ([S, H]) receives the output if given (no autograd then). No host sync.
+        ``out`` ([S, H]) receives the output if given (no autograd then). No host sync, unless
+        ``size_by_received``.
         """
         # The kernels weight routes in fp32; autocast makes the top-2 gate's weights bf16 (exact in fp32).
         weights = weights.float()
@@ -124,12 +125,16 @@ class FusedPipeline:
             return self.run_forward(tokens, plan, weights, max_rows, out=out)
         except Exception as error:
             self.note_error(error)
-            if isinstance(error, torch.OutOfMemoryError) and not self.size_by_received:
-                raise torch.OutOfMemoryError(f"{error}\nds_comet: {self.layer_name} sizes its activations by the most "
-                                             f"rows a rank can receive ({self.row_bounds[train]} a call); "
-                                             "\"moe\": {\"activation_rows\": \"received\"} sizes them by the rows "
-                                             "each call receives") from error
+            self.raise_with_sizing_hint(error, self.row_bounds[train])
             raise
+
+    def raise_with_sizing_hint(self, error: Exception, rows: int) -> None:
+        """Raises ``error`` again, naming ``"activation_rows"``, if it is running out of memory where
+        this layer sized its activations by its row bound (``rows``); else returns."""
+        if isinstance(error, torch.OutOfMemoryError) and not self.size_by_received:
+            raise torch.OutOfMemoryError(f"{error}\nds_comet: {self.layer_name} sizes its activations by the most rows "
+                                         f"a rank can receive ({rows} a call); \"moe\": {{\"activation_rows\": "
+                                         "\"received\"} sizes them by the rows each call receives") from error
 
     def note_error(self, error: Exception) -> None:
         """What a call that raised ``error`` tells: if one of its kernels gave up on a wait (which
@@ -279,12 +284,14 @@ class FusedMoEFunction(torch.autograd.Function):
                                "it goes (retain_graph=True needs \"moe\": {\"overlap\": \"none\"})")
         (weights, ) = ctx.saved_tensors
         need = ctx.needs_input_grad
+        rows = ctx.saved["rows"].shape[0]  # before the backward pops it
         try:
             grad_tokens, grad_weights, param_grads = ctx.pipeline.run_backward(
                 grad_out, ctx.plan, weights, ctx.saved, need_tokens=need[3], need_weights=need[4],
                 need_params=any(need[5:]))
         except Exception as error:
             ctx.pipeline.note_error(error)
+            ctx.pipeline.raise_with_sizing_hint(error, rows)
             raise
         ctx.saved = None
         if param_grads is None:

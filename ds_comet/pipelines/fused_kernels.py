@@ -304,6 +304,9 @@ class FusedKernels:
         [R, 2F]) into ``out`` ([R, H], by recv row), column chunk by column chunk, each finished row
         counted for the combine (here for this rank's routes, on a reduce counter for the others')."""
         from ..kernels.triton_gemm import gemm2_kernel
+        if out.shape != (rows.shape[0], self.hidden) or not out.is_contiguous():  # the kernel writes [R, H] rows
+            raise ValueError(f"GEMM2's output must be a contiguous [{rows.shape[0]}, {self.hidden}] tensor, got "
+                             f"{list(out.shape)} with strides {out.stride()}")
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         chunk_tiles, _ = self.chunking
         if backward:  # rows = dA ([R, F] or [R, 2F]) @ W1 (+ up part @ W3); W1 is [F, H], i.e. [K, N]

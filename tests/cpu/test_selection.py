@@ -111,6 +111,19 @@ def test_activations_sized_by_a_dropless_bound_warn_from_ep4(ep_size, warned):
         ds_comet.config.moe_config_from({"moe": {"backend": "comet", "activation_rows": "exact"}})
 
 
+def test_running_out_of_memory_with_bound_sized_activations_names_the_key():
+    from ds_comet.pipelines.fused import FusedPipeline
+    bound = FusedPipeline(None, None, None, num_experts=8, row_bounds={True: 4096, False: 8192})
+    bound.layer_name = "blocks.1.moe"
+    with pytest.raises(torch.OutOfMemoryError, match=r"(?s)CUDA out of memory.*blocks\.1\.moe .*4096 a call.*"
+                       r"\"activation_rows\": \"received\""):
+        bound.raise_with_sizing_hint(torch.OutOfMemoryError("CUDA out of memory"), 4096)
+    bound.raise_with_sizing_hint(ValueError("something else"), 4096)  # returns: the caller re-raises it
+    received = FusedPipeline(None, None, None, num_experts=8, row_bounds={True: 4096, False: 8192},
+                             size_by_received=True)
+    received.raise_with_sizing_hint(torch.OutOfMemoryError("CUDA out of memory"), 4096)
+
+
 @pytest.mark.parametrize("ep_size", [2, 4, 8])
 @pytest.mark.parametrize("k,drop_tokens,capacity_factor,skew", [(1, True, 1.0, 0.0), (2, True, 1.25, 3.0),
                                                                 (4, True, 0.5, 0.0), (2, False, 1.0, 4.0),

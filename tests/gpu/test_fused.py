@@ -4,7 +4,8 @@ Every case builds stock DeepSpeed MoE, the comet layer on the reference pipeline
 layer on the fused pipeline with the same weights, feeds fresh random bf16 (or fp16) tokens and checks the
 fused output against a float64 evaluation of the gate's routes and against both other layers.
 The workspace is poisoned with NaN before each fused call and the output buffer too, so a row
-nobody wrote cannot pass.
+nobody wrote cannot pass; GEMM2's rows are a fresh tensor each call, whose memory holds nothing
+of the call's tokens (each call's tokens are fresh), so a row read before GEMM2 wrote it is off.
 """
 
 import os
