@@ -15,6 +15,7 @@ from ds_comet.pipelines.fused_kernels import PointerTables
 from ds_comet.pipelines.parameters import choose_parameters, max_received_rows, offsets_overflow
 from ds_comet.pipelines.policy import hooks_reason, runtime_reason, structure_reason
 from ds_comet.pipelines.routing import plan_routes
+from ds_comet.pipelines.workspace import BufferShape
 
 
 def layer(overlap):
@@ -132,14 +133,25 @@ def test_workspace_bound_holds_for_real_routes(ep_size, k, drop_tokens, capacity
     num_experts, hidden = 4 * ep_size, 12
     torch.manual_seed(k)
     gate = TopKGate(hidden, num_experts, k, capacity_factor, capacity_factor, 4, None, drop_tokens, True)
-    sources = []
+    sources, staged = [], torch.zeros(ep_size, dtype=torch.int64)
     for rank in range(ep_size):
         tokens = (64, 50, 64, 17)[rank % 4]  # uneven token counts, at most 64
         x = torch.randn(tokens, hidden) + skew * gate.wg.weight[0].detach()
-        sources.append(plan_routes(gate(x, None, True)[3], num_experts).expert_counts)
+        indices = gate(x, None, True)[3]
+        sources.append(plan_routes(indices, num_experts).expert_counts)
+        # The fused dispatch stages each token once on every other rank holding one of its routes.
+        kept = indices.long()  # [k, S], -1 where dropped
+        for d in range(ep_size):
+            if d != rank:
+                on_d = (kept >= d * (num_experts // ep_size)) & (kept < (d + 1) * (num_experts // ep_size))
+                staged[d] += int(on_d.any(dim=0).sum())
     received = torch.stack(sources).view(ep_size, ep_size, num_experts // ep_size).sum(dim=(0, 2))
     bound = max_received_rows(64, k, num_experts, ep_size, drop_tokens, capacity_factor, capacity_factor, 4)
     assert received.max().item() <= bound, (received.tolist(), bound)
+    shape = BufferShape(ep_size=ep_size, num_experts=num_experts, hidden=hidden, dtype=torch.bfloat16,
+                        max_tokens=64, max_recv_rows=bound, top_k=k, tile_m=128)
+    assert (staged <= received).all() and staged.max().item() <= shape.max_staged_rows, (staged.tolist(),
+                                                                                          shape.max_staged_rows)
 
 
 def test_parameter_rule():
