@@ -19,9 +19,9 @@ combine moves data. Alone in the group, where no row waits for a link, stacked b
 sm_90 take the library's grouped GEMM for GEMM1, both ways (``FusedKernels.first_layer``).
 
 Reuse across calls: a rank's next call writes ``recv``, ``reduced`` and ``row_dot`` (and peers stage
-into its ``stage``) only after its next exchange, which waits until every
-rank has published that call's counts, which each rank does only after its previous call joined
-its combine; so no rank overwrites what a peer still reads.
+into its ``stage``) only after its next exchange, which waits until every rank has published that
+call's counts, which each rank does only after its previous call joined its combine; so no rank
+overwrites what a peer still reads.
 
 Streams: the exchange and the GEMMs run on the caller's stream; the dispatch and then the combine
 run on the buffer's communication stream, the dispatch on ``comm_blocks`` thread blocks beside GEMM1
@@ -65,11 +65,11 @@ class FusedPipeline:
     """The fused COMET pipeline of one MoE layer on one rank, in the spirit of DeepEP's ``Buffer``.
 
     It owns what a call needs beyond its tokens: the expert-parallel group's workspace
-    (``CometBuffer``: symmetric receive, staging and partial-sum buffers, flags and counters; shared
-    by the group's layers of one shape), the kernel parameters (``FusedParameters``), the local experts'
-    weights as the kernels read them (``FusedExperts``) and their device pointer tables. Build it on
-    every rank of the group at once (``pipelines.selection`` does); call ``forward`` on every rank
-    for every call, in the same order, as with any collective.
+    (``CometBuffer``: symmetric receive, staging and partial-sum buffers, flags and counters;
+    shared by the group's layers of one shape), the kernel parameters (``FusedParameters``), the
+    local experts' weights as the kernels read them (``FusedExperts``) and their device pointer
+    tables. Build it on every rank of the group at once (``pipelines.selection`` does); call
+    ``forward`` on every rank for every call, in the same order, as with any collective.
 
     ``num_experts``: the layer's experts over the group; ``row_bounds``: the most rows this rank can
     receive in one call, by capacity mode (True: the gate's training capacity, False: its eval
@@ -155,10 +155,10 @@ class FusedPipeline:
         """The forward's kernels: exchange, dispatch, GEMM1, GEMM2, combine (see the module's docstring).
 
         ``saved``, if given, receives what ``run_backward`` needs: a copy of the received rows (the
-        workspace is reused by the next call), their expert outputs (GEMM2 writes them into a
-        tensor of this call's) and the products before the activation. Not the activations: the backward's GEMM1 recomputes them
-        from those products as it reads them: a layer holds half the FFN-wide memory it would (a third
-        less for gated experts, whose products are twice as wide).
+        workspace is reused by the next call), their expert outputs (GEMM2 writes them into a tensor
+        of this call's) and the products before the activation. Not the activations: the backward's
+        GEMM1 recomputes them from those products as it reads them: a layer holds half the FFN-wide
+        memory it would (a third less for gated experts, whose products are twice as wide).
         """
         buffer = self.workspace
         num_tokens, hidden = tokens.shape
