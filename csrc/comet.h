@@ -220,8 +220,8 @@ struct CombineTables {
 // reduced once, by whichever launch claims it first.
 cudaError_t launch_combine(const GroupShape& shape, const CombineTables& tables, bool weighted, const float* gates,
                            void* out, int64_t top_k, int64_t num_tokens, int64_t hidden, int dtype_code,
-                           int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int32_t* layout, int64_t* error_record,
-                           int blocks, cudaStream_t stream);
+                           int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int32_t* layout,
+                           int64_t* error_record, int blocks, cudaStream_t stream);
 
 // The gate's integer bookkeeping (gate_kernels.cu; ds_comet/integrations/legacy/gate.py says what each replaces).
 // Top-2: gates [S, E] fp32; logits [S, E] of logits_code (0 = bf16, 1 = fp16: dtype_code; 2 =

@@ -349,9 +349,9 @@ void combine(const GroupShape& shape, const torch::Tensor& expert_out, const tor
                                    route_position.data_ptr<int64_t>(),  stage_routes.data_ptr<int64_t>(),
                                    stage_scale.data_ptr<float>(),       grads};
     check_launch(ds_comet::launch_combine(shape, tables, weighted, weights, out.data_ptr(), top_k, out.size(0),
-                                          out.size(1), dtype_code, chunk_cols, tile_n, num_chunks, layout.data_ptr<int32_t>(),
-                                          as_record(error_record), static_cast<int>(blocks),
-                                          at::cuda::getCurrentCUDAStream()),
+                                          out.size(1), dtype_code, chunk_cols, tile_n, num_chunks,
+                                          layout.data_ptr<int32_t>(), as_record(error_record),
+                                          static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
                  "combine");
 }
 

@@ -673,8 +673,8 @@ __device__ __forceinline__ void sum_staged_rows(const T* const* staged_row, cons
 
 template <typename T, int ROUTES, int ITEMS>
 __global__ void __launch_bounds__(kCombineThreads, 1)
-combine_kernel(GroupShape shape, CombineTables tables, bool weighted, const float* gates, T* out, int64_t top_k, int64_t num_tokens,
-               int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int64_t unit_tokens,
+combine_kernel(GroupShape shape, CombineTables tables, bool weighted, const float* gates, T* out, int64_t top_k,
+               int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int64_t unit_tokens,
                int64_t reduce_rows, int32_t* layout, int64_t* error_record) {
     const MetaOffsets& mo = shape.meta;
     const LayoutOffsets& lo = shape.layout;
@@ -770,7 +770,9 @@ combine_kernel(GroupShape shape, CombineTables tables, bool weighted, const floa
                         if (weighted) gate = gates[route];
                     } else {
                         const int64_t stage_row = tables.route_stage[pos];
-                        if (stage_row >= 0) row = reinterpret_cast<const T*>(tables.peer_reduced[d]) + stage_row * hidden;
+                        if (stage_row >= 0) {
+                            row = reinterpret_cast<const T*>(tables.peer_reduced[d]) + stage_row * hidden;
+                        }
                     }
                     if (collect_grad) grad = __ldcg(reinterpret_cast<const float*>(tables.peer_row_dot[d]) + recv_row);
                 }
@@ -814,7 +816,8 @@ void launch_combine_as(const GroupShape& shape, const CombineTables& tables, boo
 template <typename T>
 void launch_combine_for_k(const GroupShape& shape, const CombineTables& tables, bool weighted, const float* gates,
                           void* out, int64_t top_k, int64_t num_tokens, int64_t hidden, int64_t chunk_cols,
-                          int64_t tile_n, int64_t num_chunks, int32_t* layout, int64_t* error_record, int blocks, cudaStream_t stream) {
+                          int64_t tile_n, int64_t num_chunks, int32_t* layout, int64_t* error_record, int blocks,
+                          cudaStream_t stream) {
     // Eight loads in flight per thread and pass for k = 2, 4 and 8; four for k = 1, six for k = 3, k
     // for k = 5-7; a k above 8 leaves its last pass partly empty.
     if (top_k <= 1) {
@@ -887,11 +890,11 @@ cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t
 
 cudaError_t launch_combine(const GroupShape& shape, const CombineTables& tables, bool weighted, const float* gates,
                            void* out, int64_t top_k, int64_t num_tokens, int64_t hidden, int dtype_code,
-                           int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int32_t* layout, int64_t* error_record,
-                           int blocks, cudaStream_t stream) {
+                           int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int32_t* layout,
+                           int64_t* error_record, int blocks, cudaStream_t stream) {
     if (dtype_code == 0) {
-        launch_combine_for_k<__nv_bfloat16>(shape, tables, weighted, gates, out, top_k, num_tokens, hidden, chunk_cols, tile_n,
-                                            num_chunks, layout, error_record, blocks, stream);
+        launch_combine_for_k<__nv_bfloat16>(shape, tables, weighted, gates, out, top_k, num_tokens, hidden, chunk_cols,
+                                            tile_n, num_chunks, layout, error_record, blocks, stream);
     } else {
         launch_combine_for_k<__half>(shape, tables, weighted, gates, out, top_k, num_tokens, hidden, chunk_cols, tile_n,
                                      num_chunks, layout, error_record, blocks, stream);
