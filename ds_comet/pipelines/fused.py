@@ -215,7 +215,6 @@ class FusedPipeline:
         # so far: the combine writes them there, and a block freed later (``pre``) may still be read by
         # GEMM1 when the combine runs.
         grad_tokens = torch.empty_like(grad_out)
-        grad_rows = torch.empty((rows, grad_out.shape[1]), dtype=dtype, device=device)
         route_grad = torch.empty(weights.shape, dtype=torch.float32, device=device) if need_weights else None
         kernels.exchange(plan, rows)
         # The combine weighted each route by its gate, so each route's output gradient is the gate
@@ -227,6 +226,9 @@ class FusedPipeline:
         # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
         # reuses its memory only for work queued after it on this stream, so the peak stays low.
         kernels.first_layer_backward(buffer.recv, grad_pre, saved.pop("pre"), act=h)
+        # GEMM2's rows go over the forward's outputs, saving an [R, H] tensor: the dispatch reads each
+        # output row before it counts the row on its GEMM1 tile, so no read is left once GEMM1 ends.
+        grad_rows = outputs
         kernels.gemm2(grad_pre, grad_rows, backward=True)
         # Not finished on the main stream: the weight gradients queued there next hide its tail.
         kernels.combine(plan, grad_rows, None, grad_tokens, route_grad, finish_on_main=False)
@@ -243,7 +245,7 @@ class FusedPipeline:
             dw3, db3 = kernels.wgrad(grad_pre[:, ffn:], x) if kernels.gated else (None, None)
             param_grads = self.experts.gradients(dw1, db1, dw3, db3, dw2, db2)
         del grad_pre
-        kernels.join(device, grad_out, weights, plan.route_order, plan.route_position, outputs, grad_rows,
+        kernels.join(device, grad_out, weights, plan.route_order, plan.route_position, grad_rows,
                      grad_tokens, *([] if route_grad is None else [route_grad]))
         if not need_tokens:
             grad_tokens = None

@@ -152,12 +152,10 @@ class FusedKernels:
              blocks: int):
         """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks."""
         b = self.buffer
-        if outputs is None:
-            outputs = rows.new_empty((0, rows.shape[1]))
         b.op.dispatch(b.kernel_shape, rows, plan.route_order, plan.route_position, plan.rank_tokens,
                       plan.rank_token_counts, b.layout, b.peer_recv, b.peer_origin, b.peer_stage, b.peer_stage_routes,
-                      b.peer_stage_scale, b.peer_meta, b.route_row, b.route_stage, gates, scale_rows, outputs,
-                      b.row_dot, b.shape.top_k, b.error_address, blocks)
+                      b.peer_stage_scale, b.peer_meta, b.route_row, b.route_stage, gates, scale_rows,
+                      b.none if outputs is None else outputs, b.row_dot, b.shape.top_k, b.error_address, blocks)
 
     def combine(self, plan: RoutingPlan, expert_out: Tensor, gates: Optional[Tensor], out: Tensor,
                 route_grad: Optional[Tensor], finish_on_main: bool):
@@ -185,11 +183,10 @@ class FusedKernels:
         """One launch of the combine kernel, on the current stream, over ``blocks`` thread blocks."""
         b = self.buffer
         weighted = gates is not None
-        none = torch.empty(0, dtype=torch.float32, device=out.device)  # "none" to the binding
         chunk_tiles, num_chunks = self.chunking
         b.op.combine(b.kernel_shape, expert_out, b.peer_reduced, b.peer_row_dot, b.peer_meta, b.route_row,
                      b.route_stage, plan.route_position, b.stage_routes, b.stage_scale, weighted,
-                     gates if weighted else none, out, none if route_grad is None else route_grad, b.shape.top_k,
+                     gates if weighted else b.none, out, b.none if route_grad is None else route_grad, b.shape.top_k,
                      chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.layout, b.error_address,
                      blocks)
 

@@ -192,6 +192,7 @@ class CometBuffer:
         self.layout = torch.zeros(self.layout_offsets.total, dtype=torch.int32, device=self.device)
         self.route_row = torch.zeros(shape.max_routes, dtype=torch.int64, device=self.device)
         self.route_stage = torch.zeros(shape.max_routes, dtype=torch.int32, device=self.device)
+        self.none = torch.empty(0, dtype=torch.float32, device=self.device)  # "none" to the op's optional tensors
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         self.kernel_shape = self._kernel_shape(timeout_s)
         self.comm_stream = torch.cuda.Stream(self.device, priority=-1)
