@@ -130,6 +130,14 @@ def train_step(layer, x, dy):
     torch.autograd.backward([out, l_aux], [dy, torch.ones_like(l_aux)])
 
 
+def autoep_step(layer, x, dy):
+    """One training step of an AutoEP block: grads set to None, forward, backward of its output."""
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    out = layer(x)
+    torch.autograd.backward([out[0] if isinstance(out, tuple) else out], [dy])
+
+
 def run_shapes(shapes, bench_shape, report, out_dir):
     """Every rank benchmarks each of ``shapes`` ({name: shape}) with ``bench_shape(name, shape)``;
     rank 0 prints each shape's results as they come (floats to 4 places) and ``report(results,

@@ -32,7 +32,8 @@ import torch
 from deepspeed import comm as dist
 
 from ds_comet.bench import autoep
-from ds_comet.bench.common import build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed, train_step
+from ds_comet.bench.common import (autoep_step, build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed,
+                                   train_step)
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
 from ds_comet.pipelines.fused import FusedPipeline
@@ -94,14 +95,6 @@ def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
                 gemm2=lambda: kernels.gemm2(h, expert_out, backward=False), combine=lambda: combine(workspace.num_sms),
                 combine_comm=lambda: combine(params.combine_blocks), dispatch=lambda: dispatch(workspace.num_sms),
                 dispatch_comm=lambda: dispatch(params.comm_blocks))
-
-
-def autoep_step(layer, x, dy):
-    """One training step of an AutoEP block: grads set to None, forward, backward of its output."""
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-    out = layer(x)
-    torch.autograd.backward([out[0] if isinstance(out, tuple) else out], [dy])
 
 
 def bench_fwd_bwd(layers, x, modules, inputs, args):
