@@ -171,7 +171,8 @@ struct DispatchTables {
     int32_t* route_stage;           // [k S] this rank's route_stage
     // The backward's gate gradient, or both null: the forward's expert outputs by recv row ([recv
     // rows, H], kept by the caller), and this rank's row_dot, which receives each route's dot
-    // product of its token's (unscaled) row with them.
+    // product of its token's (unscaled) row with them. A row of outputs is read only before the
+    // row's count on its GEMM1 tile: the backward's GEMM2, queued after GEMM1, writes over them.
     const void* outputs;
     float* row_dot;
 };

@@ -416,7 +416,7 @@ __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const cha
         const int4* src = reinterpret_cast<const int4*>(tokens + token * row_bytes);
         copy_row<T, false>(src, reinterpret_cast<int4*>(recv + (region_row + r) * row_bytes), row_bytes / sizeof(int4),
                            lane, scaled, scaled ? route_scale[route] : 1.f);
-        if (tables.outputs != nullptr) {
+        if (tables.outputs != nullptr) {  // read before the tile count below (see DispatchTables)
             const char* output = static_cast<const char*>(tables.outputs) + (region_row + r) * row_bytes;
             const float dot = row_dot_product<T, false>(src, reinterpret_cast<const int4*>(output),
                                                         row_bytes / sizeof(int4), lane);
@@ -528,7 +528,7 @@ __device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64
             const int64_t row = entry >> 32, pos = entry & 0xFFFFFFFF;
             copy_row<T, true>(src, reinterpret_cast<int4*>(recv + row * row_bytes), row_bytes / sizeof(int4), lane,
                               scale_rows, scale_rows ? __ldcg(stage_scale + at * top_k + j) : 1.f);
-            if (tables.outputs != nullptr) {
+            if (tables.outputs != nullptr) {  // read before the tile count below (see DispatchTables)
                 const char* output = static_cast<const char*>(tables.outputs) + row * row_bytes;
                 const float dot = row_dot_product<T, true>(src, reinterpret_cast<const int4*>(output),
                                                            row_bytes / sizeof(int4), lane);

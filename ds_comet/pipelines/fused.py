@@ -227,7 +227,8 @@ class FusedPipeline:
         # reuses its memory only for work queued after it on this stream, so the peak stays low.
         kernels.first_layer_backward(buffer.recv, grad_pre, saved.pop("pre"), act=h)
         # GEMM2's rows go over the forward's outputs, saving an [R, H] tensor: the dispatch reads each
-        # output row before it counts the row on its GEMM1 tile, so no read is left once GEMM1 ends.
+        # output row before it counts the row on its GEMM1 tile, and GEMM1 waits for every count (alone
+        # in the group the dispatch runs before it on this stream), so no read is left once GEMM1 ends.
         grad_rows = outputs
         kernels.gemm2(grad_pre, grad_rows, backward=True)
         # Not finished on the main stream: the weight gradients queued there next hide its tail.
