@@ -1,14 +1,16 @@
 """What sizing activations by the received rows costs: one AutoEP block on ds_comet, both ways.
 
     torchrun --nproc_per_node N -m ds_comet.bench.sizing [--shape NAME ...] [--steps 5] [--rounds 3]
+                                                         [--iters 5] [--warmup 2]
 
 With ``"activation_rows": "bound"`` (the default) a call sizes its activations, without a host
 sync, by the most rows a rank can receive; with ``"received"`` by the rows it receives, read back
 to the host once a call after the exchange. For each shape this builds DeepSpeed AutoEP's block of
 the shape's family twice on ds_comet, the same weights, one block per sizing, and times each in
-alternating rounds: ``--steps`` forwards, then as many training steps, back to back in one timed
-call (a host sync costs most where the host would otherwise run ahead of the device), and one
-training step's peak memory. Rank 0 prints the medians over rounds and the received/bound ratios.
+rounds (bound, then received, in each): ``--steps`` forwards, then as many training steps, back
+to back in one timed call (a host sync costs most where the host would otherwise run ahead of the
+device), and one training step's peak memory. Rank 0 prints the medians over rounds and the
+received/bound ratios.
 """
 
 import argparse
@@ -30,7 +32,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", choices=sorted(SWIGLU), help="an AutoEP shape (repeatable)")
     parser.add_argument("--steps", type=int, default=5, help="calls back to back in one timed call")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two sizings")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the two sizings, one after the other")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
@@ -69,7 +71,7 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
         layer.zero_grad(set_to_none=True)
         x.grad = None
         results[f"{sizing}_peak_mib"] = peak_mib(lambda: autoep_step(layer, x, dy))
-    values = torch.tensor([results[key] for key in sorted(results)], device=device)
+    values = torch.tensor([results[key] for key in sorted(results)], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)  # the slowest rank sets every step
     results = dict(zip(sorted(results), values.tolist()))
     for kind in ("fwd", "fwd_bwd"):
