@@ -6,7 +6,8 @@
 #       MoE layers', the optimizer step's and the rest's ms a step (the example's --step-shares)
 #   (b) comet, ZeRO-1: 60 steps saving a checkpoint at step 30, then a run resumed from it, whose
 #       steps 31-60 must reproduce the uninterrupted run's (losses and learning rates)
-#   (c) comet, ZeRO-2, 30 steps under a bare mpirun; its losses must follow (a)'s comet run
+#   (c) comet, ZeRO-2, 30 steps under a bare mpirun; its losses must follow (a)'s comet run (so
+#       PARTS with c needs a)
 #   (e) only when PARTS has e: AB_ROUNDS (default 2) interleaved rounds of the arms in AB_ARMS
 #       (stock first; default "stock comet graph", graph = comet with "cuda_graph_gate": true),
 #       even rounds in reverse order, STEPS steps each without evaluation -> $OUT/rounds.{md,json}:
@@ -190,6 +191,7 @@ json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$src" "$dst"
 }
 
 PARTS=${PARTS:-abc}
+[[ $PARTS != *c* || $PARTS == *a* ]] || { echo "PARTS=$PARTS: (c) compares with (a)'s comet run; add a" >&2; exit 2; }
 AB_ROUNDS=${AB_ROUNDS:-2} AB_ARMS=${AB_ARMS:-stock comet graph}
 [[ $AB_ROUNDS =~ ^[1-9][0-9]*$ ]] || { echo "AB_ROUNDS must be a positive integer, got '$AB_ROUNDS'" >&2; exit 2; }
 read -ra ARMS <<< "$AB_ARMS"
@@ -233,8 +235,11 @@ else
 fi
 
 # --- (a) stock vs comet, ZeRO-2, same seed and data.
-[[ $PARTS == *a* ]] || note "SKIP a_stock_zero2, a_comet_zero2 and their summary: PARTS=$PARTS"
-if [[ $PARTS == *a* ]]; then
+if [[ $PARTS != *a* ]]; then
+    note "SKIP a_stock_zero2, a_comet_zero2 and their summary: PARTS=$PARTS"
+    # An earlier invocation's (a) must not pass for this one's.
+    rm -rf "$OUT"/summary.{txt,md,json} "$OUT/loss_curves.png" "${MONITOR:?}"/a_*
+else
     train a_stock_zero2 29571 "$STOCK_ZERO2" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches "$EVAL_BATCHES" --step-shares || true
     train a_comet_zero2 29572 "$COMET_ZERO2" "$RUN_LIMIT_S" --steps "$STEPS" --eval-batches "$EVAL_BATCHES" --step-shares || true
 
@@ -269,8 +274,6 @@ rm -rf "$CKPT_DIR"
 # --- (c) a bare mpirun: ranks from the MPI launcher's environment, same losses as (a)'s comet run.
 if [[ $PARTS != *c* ]]; then
     note "SKIP c_mpirun_zero2: PARTS=$PARTS"
-elif [[ $PARTS != *a* ]]; then
-    note "SKIP c_mpirun_zero2: it compares with (a)'s comet run, which PARTS=$PARTS leaves out"
 elif [ "$SHARED" = 1 ]; then
     note "SKIP c_mpirun_zero2: every rank on one GPU"
 elif command -v mpirun > /dev/null; then

@@ -900,3 +900,12 @@ def test_train_compare_checks_its_knobs(tmp_path, shared, knob):
                           timeout=120, env=env)
     assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     assert f"{knob} must be a positive integer" in done.stderr
+
+
+def test_train_compare_refuses_mpirun_check_without_its_baseline(tmp_path):
+    # (c) compares the mpirun losses with (a)'s comet run: without (a) it would compare with nothing.
+    env = dict(os.environ, TRAIN_COMPARE_CPU="1", PARTS="bc", OUT=str(tmp_path / "out"))
+    done = subprocess.run(["bash", os.path.join(REPO, "scripts", "train_compare.sh")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    assert "(c) compares with (a)'s comet run" in done.stderr
