@@ -80,7 +80,7 @@ class CometMoEConfig(DeepSpeedConfigModel):
     """Replay the gate's routing from CUDA graphs on the fused path: bit for bit the same routes,
     gates, aux loss and gradients, 0.24-0.53 ms less per forward and 0.43-0.59 ms less per training
     step of one layer on 2 x H200 (the bench's shapes), for memory its graphs hold permanently
-    (about 6 bytes x tokens x hidden per layer; 220-330 MiB reserved at the bench's shapes;
+    (about 6 bytes x tokens x hidden per layer; 218-326 MiB reserved at the bench's shapes;
     ds_comet/integrations/legacy/gate_graph.py)."""
 
     wait_timeout_s: float = Field(60.0, ge=1e-3, le=1e6, allow_inf_nan=False)
