@@ -419,6 +419,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout");
     m.def("dispatch", &dispatch, "Put every kept route's token row (optionally scaled per route) in its destination's "
           "recv buffer, each token's row crossing to another rank once");
-    m.def("combine", &combine, "Top-k sum of the routes' expert outputs (gate-weighted unless gates is empty), a "
-          "token's routes on one rank summed there first, chunk by chunk; optionally each route's gate gradient");
+    m.def("combine", &combine, "Top-k sum of the routes' expert outputs (weighted by the gates when weighted is "
+          "true), a token's routes on one rank summed there first, chunk by chunk; optionally each route's gate "
+          "gradient");
 }

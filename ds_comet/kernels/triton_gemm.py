@@ -13,7 +13,8 @@ The two primitives each run in both directions:
   the caller's table gives for that source (the combine's counters on this rank). Forward it is
   GEMM2 (``h @ W2^T``); backward it gives the rows' input gradients (``dA @ W1``), which the
   combine sums per token.
-- ``wgrad_kernel`` gives every local expert's weight gradient (``A_l^T @ B_l`` over its rows) and
+- ``wgrad_kernel`` gives every local expert's weight gradient (``A_l^T @ B_l`` over its rows), with
+  the column sums a bias gradient needs.
 
 Expert weights stay where the integration keeps them (one module per expert, or AutoEP's stacked
 tensors): the kernels read them through device tables of per-expert pointers (ZeRO may move

@@ -36,15 +36,15 @@ only once it has sent all it sends; GEMM1 tiles wait only for dispatches, GEMM2 
 the combine's sums on an expert rank wait only for its own GEMM2, and a source's reads only for
 those sums, which each rank claims before its own reads of the same chunk. Every rank launches in
 the order exchange, dispatch, GEMM1, GEMM2, combine, so each spinning kernel's producers are
-launched on every rank before anything that could block a host behind it. GEMM1's grid leaves ``comm_blocks``
-multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being scheduled. The
-communication stream's combine starts only after the dispatch and holds at most ``combine_blocks``
-<= ``comm_blocks`` SMs (parameters.py), so it and GEMM1 fit on the GPU together. The forward's
-second combine starts only after this rank's GEMM2, when the only work peers may still need from
-this GPU is its dispatch and its combine's reduce units (which it claims, chunk by chunk, before
-the units that wait for peers); it takes ``num_sms - combine_blocks`` SMs, and the SMs of the other
-combine, which cannot start before the dispatch ends, stay for the dispatch. A unit is claimed only
-by a running block, so no unit waits on a block that is not scheduled.
+launched on every rank before anything that could block a host behind it. GEMM1's grid leaves
+``comm_blocks`` multiprocessors free, so a spinning GEMM1 tile can never keep a dispatch from being
+scheduled. The communication stream's combine starts only after the dispatch and holds at most
+``combine_blocks`` <= ``comm_blocks`` SMs (parameters.py), so it and GEMM1 fit on the GPU together.
+The forward's second combine starts only after this rank's GEMM2, when the only work peers may still
+need from this GPU is its dispatch and its combine's reduce units (which it claims, chunk by chunk,
+before the units that wait for peers); it takes ``num_sms - combine_blocks`` SMs, and the SMs of the
+other combine, which cannot start before the dispatch ends, stay for the dispatch. A unit is claimed
+only by a running block, so no unit waits on a block that is not scheduled.
 """
 
 from typing import Dict, List, Optional, Tuple
