@@ -47,7 +47,8 @@ __device__ void fail(const GroupShape& shape, int32_t* layout, int64_t* error_re
         __threadfence_system();
     } else {
         const uint64_t start = global_timer_ns();
-        while (record[kErrorFilled] == 0 && global_timer_ns() - start < static_cast<uint64_t>(kErrorRecordWaitNs)) __nanosleep(1000);
+        const uint64_t limit = static_cast<uint64_t>(kErrorRecordWaitNs);
+        while (record[kErrorFilled] == 0 && global_timer_ns() - start < limit) __nanosleep(1000);
     }
     // The Python exception (ds_comet/kernels/ops.py) names what the wait was for; this line is for
     // a process that dies before it can raise it.
@@ -674,8 +675,8 @@ __device__ __forceinline__ void sum_staged_rows(const T* const* staged_row, cons
 template <typename T, int ROUTES, int ITEMS>
 __global__ void __launch_bounds__(kCombineThreads, 1)
 combine_kernel(GroupShape shape, CombineTables tables, bool weighted, const float* gates, T* out, int64_t top_k,
-               int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks, int64_t unit_tokens,
-               int64_t reduce_rows, int32_t* layout, int64_t* error_record) {
+               int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
+               int64_t unit_tokens, int64_t reduce_rows, int32_t* layout, int64_t* error_record) {
     const MetaOffsets& mo = shape.meta;
     const LayoutOffsets& lo = shape.layout;
     const int P = shape.ep_size, rank = shape.rank;

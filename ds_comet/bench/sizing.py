@@ -7,7 +7,8 @@ With ``"activation_rows": "bound"`` (the default) a call sizes its activations, 
 sync, by the most rows a rank can receive; with ``"received"`` by the rows it receives, read back
 to the host once a call after the exchange. For each shape this builds DeepSpeed AutoEP's block of
 the shape's family twice on ds_comet, the same weights, one block per sizing, and times each in
-rounds (bound, then received, in each): ``--steps`` forwards, then as many training steps, back
+rounds, the order of the two sizings alternating from round to round (so that neither always runs
+on a device the other has just warmed): ``--steps`` forwards, then as many training steps, back
 to back in one timed call (a host sync costs most where the host would otherwise run ahead of the
 device), and one training step's peak memory. Rank 0 prints the medians over rounds and the
 received/bound ratios.
@@ -32,7 +33,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", choices=sorted(SWIGLU), help="an AutoEP shape (repeatable)")
     parser.add_argument("--steps", type=int, default=5, help="calls back to back in one timed call")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the two sizings, one after the other")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the two sizings, in alternating order")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
@@ -61,8 +62,10 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
             autoep_step(layer, x, dy)
 
     times = {f"{sizing}_{kind}": [] for sizing in SIZINGS for kind in ("fwd", "fwd_bwd")}
-    for _ in range(args.rounds):
-        for sizing, layer in layers.items():
+    for round_index in range(args.rounds):
+        order = SIZINGS if round_index % 2 == 0 else SIZINGS[::-1]
+        for sizing in order:
+            layer = layers[sizing]
             layer.train()
             times[f"{sizing}_fwd"].append(timed(lambda: forwards(layer), args.iters, args.warmup) / args.steps)
             times[f"{sizing}_fwd_bwd"].append(timed(lambda: steps(layer), args.iters, args.warmup) / args.steps)
