@@ -26,11 +26,17 @@ class FusedParameters:
     gemm1_tile_n: int = 128
 
 
-def rule_n_chunks(hidden: int, ffn: int, tile_n: int) -> int:
+def rule_n_chunks(hidden: int, ffn: int, tile_n: int, ep_size: int) -> int:
     """GEMM2's column chunks when the config leaves them open: 4 for wide FFNs, else 8, and at least
     two column tiles a chunk. A one-column chunk rereads every row of the activations with nothing
     for GEMM2's GROUP_M swizzle to share: that cost H2048's GEMM2 15 % alone, and its fused step
-    0.1 ms of device time on 2 x H200 (docs/decisions.md)."""
+    0.1 ms of device time on 2 x H200 (docs/decisions.md).
+
+    One chunk at EP=1: chunks exist so that the combine of one overlaps GEMM2 of the next, but
+    alone in the group the combine runs after GEMM2, and each further chunk only rereads the rows.
+    """
+    if ep_size == 1:
+        return 1
     return min(4 if ffn >= 8192 else 8, max(math.ceil(hidden / tile_n) // 2, 1))
 
 
@@ -69,7 +75,7 @@ def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool
     if config.n_chunks is not None:
         n_chunks = min(config.n_chunks, math.ceil(hidden / tile_n))
     else:
-        n_chunks = rule_n_chunks(hidden, ffn, tile_n)
+        n_chunks = rule_n_chunks(hidden, ffn, tile_n, ep_size)
     return FusedParameters(comm_blocks=comm_blocks, combine_blocks=combine_blocks, tile_m=config.tile_m,
                            tile_n=tile_n, n_chunks=n_chunks, gemm1_tile_n=gemm1_tile_n)
 

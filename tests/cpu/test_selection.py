@@ -165,6 +165,10 @@ def test_parameter_rule():
     assert [choose_parameters(config, hidden, 1408, True, 4, 2, 8192, 2, 132).n_chunks
             for hidden in (256, 512, 1000, 2048, 7168)] == [1, 1, 2, 4, 8]
     assert choose_parameters(CometMoEConfig(n_chunks=8), 2048, 1408, True, 4, 2, 8192, 2, 132).n_chunks == 8
+    # Alone in the group nothing overlaps GEMM2, so the rule takes one chunk; a pinned count stays.
+    assert [choose_parameters(config, 2048, 1408, True, 4, ep_size, 8192, 2, 132).n_chunks
+            for ep_size in (1, 2, 8)] == [1, 4, 4]
+    assert choose_parameters(CometMoEConfig(n_chunks=4), 2048, 1408, True, 4, 1, 8192, 2, 132).n_chunks == 4
     # More ranks send a larger share of the routes over the links: never fewer communication blocks.
     for shape in ((4096, 14336, False, 2), (7168, 2048, False, 8), (2048, 1408, True, 4)):
         blocks = [choose_parameters(config, *shape, ep_size, 8192, 2, 132).comm_blocks for ep_size in (1, 2, 4, 8)]
