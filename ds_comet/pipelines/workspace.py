@@ -61,9 +61,9 @@ class BufferShape:
 
     @property
     def max_stage_pieces(self) -> int:
-        """Staging pieces a rank can receive in one call: its staged rows (at most its received rows,
-        since each has a route here) in pieces of ``STAGE_PIECE_ROWS`` a source."""
-        return math.ceil(self.max_recv_rows / STAGE_PIECE_ROWS) + self.ep_size
+        """Staging pieces a rank can receive in one call: its staged rows (``max_staged_rows``) in
+        pieces of ``STAGE_PIECE_ROWS`` a source, each source's last piece possibly part full."""
+        return math.ceil(self.max_staged_rows / STAGE_PIECE_ROWS) + self.ep_size
 
 
 def _align(nbytes: int) -> int:

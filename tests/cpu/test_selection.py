@@ -133,7 +133,7 @@ def test_workspace_bound_holds_for_real_routes(ep_size, k, drop_tokens, capacity
     num_experts, hidden = 4 * ep_size, 12
     torch.manual_seed(k)
     gate = TopKGate(hidden, num_experts, k, capacity_factor, capacity_factor, 4, None, drop_tokens, True)
-    sources, staged = [], torch.zeros(ep_size, dtype=torch.int64)
+    sources, staged = [], torch.zeros(ep_size, ep_size, dtype=torch.int64)  # [source, destination]
     for rank in range(ep_size):
         tokens = (64, 50, 64, 17)[rank % 4]  # uneven token counts, at most 64
         x = torch.randn(tokens, hidden) + skew * gate.wg.weight[0].detach()
@@ -144,14 +144,18 @@ def test_workspace_bound_holds_for_real_routes(ep_size, k, drop_tokens, capacity
         for d in range(ep_size):
             if d != rank:
                 on_d = (kept >= d * (num_experts // ep_size)) & (kept < (d + 1) * (num_experts // ep_size))
-                staged[d] += int(on_d.any(dim=0).sum())
+                staged[rank, d] = int(on_d.any(dim=0).sum())
     received = torch.stack(sources).view(ep_size, ep_size, num_experts // ep_size).sum(dim=(0, 2))
     bound = max_received_rows(64, k, num_experts, ep_size, drop_tokens, capacity_factor, capacity_factor, 4)
     assert received.max().item() <= bound, (received.tolist(), bound)
     shape = BufferShape(ep_size=ep_size, num_experts=num_experts, hidden=hidden, dtype=torch.bfloat16,
                         max_tokens=64, max_recv_rows=bound, top_k=k, tile_m=128)
-    assert (staged <= received).all() and staged.max().item() <= shape.max_staged_rows, (staged.tolist(),
-                                                                                          shape.max_staged_rows)
+    staged_here = staged.sum(dim=0)
+    assert (staged_here <= received).all() and staged_here.max().item() <= shape.max_staged_rows, (
+        staged_here.tolist(), shape.max_staged_rows)
+    # Each source's rows arrive in pieces of STAGE_PIECE_ROWS, its last one possibly part full.
+    pieces = (-(-staged // constants.STAGE_PIECE_ROWS)).sum(dim=0)
+    assert pieces.max().item() <= shape.max_stage_pieces, (pieces.tolist(), shape.max_stage_pieces)
 
 
 def test_parameter_rule():
