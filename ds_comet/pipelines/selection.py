@@ -312,8 +312,9 @@ def bound_rows_warning(rows: int, balanced: int, row_bytes: int) -> Optional[str
     """What to tell a user whose layer keeps activations for ``rows`` received rows a training call
     (``"activation_rows": "bound"``), where a balanced router sends a rank ``balanced``, each row
     keeping ``row_bytes`` (its input, its output and the products before the activation); None
-    below BOUND_ROWS_WARN times."""
-    if rows < BOUND_ROWS_WARN * balanced:
+    below BOUND_ROWS_WARN times, and None for a workspace built while no rank had tokens
+    (``balanced`` 0: nothing to compare with)."""
+    if balanced <= 0 or rows < BOUND_ROWS_WARN * balanced:
         return None
     return (f"ds_comet: a training call of an MoE layer of this shape keeps activations for up to {rows} received "
             f"rows ({rows * row_bytes / 2**30:.2f} GiB a layer), {rows / balanced:.0f}x the {balanced} a balanced "

@@ -106,6 +106,8 @@ def test_activations_sized_by_a_dropless_bound_warn_from_ep4(ep_size, warned):
     if warned:
         assert f"{ep_size}x the {k * tokens}" in message and '"activation_rows": "received"' in message
         assert f"{rows * row_bytes / 2**30:.2f} GiB" in message
+    # A first call in which no rank had tokens sizes the workspace for none: no warning, no error.
+    assert selection_module.bound_rows_warning(rows, 0, row_bytes) is None
     config = CometMoEConfig(activation_rows="received")
     assert config.activation_rows == "received"
     with pytest.raises(Exception, match="activation_rows"):
