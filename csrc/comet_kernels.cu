@@ -92,6 +92,14 @@ __device__ __forceinline__ int part_of(const int32_t* prefix, int n, int64_t val
     return lo;
 }
 
+// The exchange kernel's shared memory: per expert, the rows arriving, those of sources ahead of
+// this rank and this rank's routes; every source's staged rows per destination; this rank's tile
+// prefix over its local experts.
+__host__ __device__ inline size_t exchange_shared_bytes(const GroupShape& shape) {
+    const int64_t P = shape.ep_size, E = shape.num_experts;
+    return static_cast<size_t>(3 * E + P * P + E / P + 1) * sizeof(int32_t);
+}
+
 __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, const int64_t* rank_counts,
                                 int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record) {
     const int P = shape.ep_size, E = shape.num_experts, L = E / P, rank = shape.rank, tid = threadIdx.x;
@@ -132,54 +140,85 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     __syncthreads();
 
     const volatile int32_t* counts = meta + mo.counts + parity * P * W;  // counts[source * W + expert]
-    // One thread per destination d: where this rank's rows for each of d's experts land.
+    // Every count is read from global memory once, by all threads at a time, into shared memory
+    // (exchange_shared_bytes): the loops below, one thread each, then touch only shared memory.
+    // Reading the counts and the layout back from global memory inside them made each iteration
+    // wait on a load: at 128 experts the kernel took 137 us a call on an H200, 67 us from shared
+    // memory (docs/decisions.md).
+    extern __shared__ int32_t exchange_shared[];
+    int32_t* routes_in = exchange_shared;           // [E] rows every source sends to expert e
+    int32_t* rows_before = routes_in + E;           // [E] of those, the rows of sources ahead of this rank
+    int32_t* own_routes_of = rows_before + E;       // [E] this rank's routes per expert
+    int32_t* staged_of = own_routes_of + E;         // [P * P] rows source q stages on destination d
+    int32_t* own_tile_start = staged_of + P * P;    // [L + 1] this rank's row tiles before local expert l
+    for (int e = tid; e < E; e += blockDim.x) {
+        const int d = e / L;
+        const int steps = (d - rank + P) % P;  // sources fill a region in the order d, d-1, d-2, ...
+        int32_t rows = 0, before_me = 0;
+        for (int j = 0; j < P; ++j) {
+            const int32_t c = counts[((d - j + P) % P) * W + e];
+            rows += c;
+            if (j < steps) before_me += c;
+        }
+        routes_in[e] = rows;
+        rows_before[e] = before_me;
+        own_routes_of[e] = static_cast<int32_t>(expert_counts[e]);
+    }
+    for (int i = tid; i < P * P; i += blockDim.x) staged_of[i] = counts[(i / P) * W + E + i % P];
+    __syncthreads();
+
+    // One thread per destination d: where this rank's rows for each of d's experts land, and where
+    // its staged rows go on d (after those of the lower source ranks).
     if (tid < P) {
         const int d = tid;
-        const int steps = (d - rank + P) % P;  // sources fill a region in the order d, d-1, d-2, ...
         int64_t region_start = 0, tiles_before = 0;
         for (int l = 0; l < L; ++l) {
             const int e = d * L + l;
-            int64_t rows = 0, before_me = 0;
-            for (int j = 0; j < P; ++j) {
-                const int64_t c = counts[((d - j + P) % P) * W + e];
-                rows += c;
-                if (j < steps) before_me += c;
-            }
-            layout[lo.dest_row + e] = static_cast<int32_t>(region_start + before_me);
-            layout[lo.dest_rel + e] = static_cast<int32_t>(before_me);
+            layout[lo.dest_row + e] = static_cast<int32_t>(region_start + rows_before[e]);
+            layout[lo.dest_rel + e] = rows_before[e];
             layout[lo.dest_tile + e] = static_cast<int32_t>(tiles_before);
             if (d == rank) {
                 layout[lo.expert_start + l] = static_cast<int32_t>(region_start);
                 layout[lo.tile_start + l] = static_cast<int32_t>(tiles_before);
+                own_tile_start[l] = static_cast<int32_t>(tiles_before);
             }
-            region_start += rows;
-            tiles_before += ceil_div(rows, tile_m);
+            region_start += routes_in[e];
+            tiles_before += ceil_div(routes_in[e], tile_m);
         }
         if (d == rank) {
             layout[lo.expert_start + L] = static_cast<int32_t>(region_start);
             layout[lo.tile_start + L] = static_cast<int32_t>(tiles_before);
             layout[lo.totals + kTotalTiles] = static_cast<int32_t>(tiles_before);
             layout[lo.totals + kTotalRecvRows] = static_cast<int32_t>(region_start);
+            own_tile_start[L] = static_cast<int32_t>(tiles_before);
         }
+        int64_t row = 0, piece = 0;
+        for (int q = 0; q < rank; ++q) {
+            row += staged_of[q * P + d];
+            piece += ceil_div(staged_of[q * P + d], kStagePieceRows);
+        }
+        layout[lo.stage_dest_row + d] = static_cast<int32_t>(row);
+        layout[lo.stage_dest_piece + d] = static_cast<int32_t>(piece);
     }
     __syncthreads();
     if (tid != 0) return;
 
     // Tile schedule: tiles holding only this rank's own rows (they arrive first) go first.
+    int64_t local_tiles = 0, remote_tiles = 0;
     layout[lo.local_tiles] = 0;
     layout[lo.remote_tiles] = 0;
     for (int l = 0; l < L; ++l) {
-        const int64_t own_rows = counts[rank * W + rank * L + l];  // own rows open each region
-        const int64_t full_local = own_rows / tile_m;
-        const int64_t tiles = layout[lo.tile_start + l + 1] - layout[lo.tile_start + l];
-        layout[lo.local_tiles + l + 1] = static_cast<int32_t>(layout[lo.local_tiles + l] + full_local);
-        layout[lo.remote_tiles + l + 1] = static_cast<int32_t>(layout[lo.remote_tiles + l] + tiles - full_local);
+        const int64_t full_local = own_routes_of[rank * L + l] / tile_m;  // own rows open each region
+        local_tiles += full_local;
+        remote_tiles += own_tile_start[l + 1] - own_tile_start[l] - full_local;
+        layout[lo.local_tiles + l + 1] = static_cast<int32_t>(local_tiles);
+        layout[lo.remote_tiles + l + 1] = static_cast<int32_t>(remote_tiles);
     }
     int64_t kept = 0, own_routes = 0;
     for (int e = 0; e < E; ++e) {
         layout[lo.send_offset + e] = static_cast<int32_t>(kept);
-        kept += expert_counts[e];
-        if (e / L == rank) own_routes += expert_counts[e];
+        kept += own_routes_of[e];
+        if (e / L == rank) own_routes += own_routes_of[e];
     }
     layout[lo.send_offset + E] = static_cast<int32_t>(kept);
     int64_t pieces = 0, i = 0;
@@ -189,7 +228,7 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
             const int e = d * L + l;
             layout[lo.send_order + i] = e;
             layout[lo.piece_start + i] = static_cast<int32_t>(pieces);
-            if (d == rank) pieces += pieces_of(layout[lo.dest_rel + e], expert_counts[e], tile_m);
+            if (d == rank) pieces += pieces_of(rows_before[e], own_routes_of[e], tile_m);
         }
     }
     layout[lo.piece_start + E] = static_cast<int32_t>(pieces);
@@ -200,26 +239,17 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     int64_t sent = 0, staged_sent = 0;
     for (int r = 0; r + 1 < P; ++r) {
         layout[lo.stage_send + r] = static_cast<int32_t>(sent);
-        const int64_t rows = counts[rank * W + E + (rank + 1 + r) % P];
+        const int64_t rows = staged_of[rank * P + (rank + 1 + r) % P];
         sent += ceil_div(rows, kStagePieceRows);
         staged_sent += rows;
     }
     layout[lo.stage_send + P - 1] = static_cast<int32_t>(sent);
-    for (int d = 0; d < P; ++d) {
-        int64_t row = 0, piece = 0;
-        for (int q = 0; q < rank; ++q) {
-            row += counts[q * W + E + d];
-            piece += ceil_div(counts[q * W + E + d], kStagePieceRows);
-        }
-        layout[lo.stage_dest_row + d] = static_cast<int32_t>(row);
-        layout[lo.stage_dest_piece + d] = static_cast<int32_t>(piece);
-    }
     int64_t staged_rows = 0, staged_pieces = 0;
     for (int q = 0; q < P; ++q) {
         layout[lo.stage_recv_row + q] = static_cast<int32_t>(staged_rows);
         layout[lo.stage_recv_piece + q] = static_cast<int32_t>(staged_pieces);
-        staged_rows += counts[q * W + E + rank];
-        staged_pieces += ceil_div(counts[q * W + E + rank], kStagePieceRows);
+        staged_rows += staged_of[q * P + rank];
+        staged_pieces += ceil_div(staged_of[q * P + rank], kStagePieceRows);
     }
     layout[lo.stage_recv_row + P] = static_cast<int32_t>(staged_rows);
     layout[lo.stage_recv_piece + P] = static_cast<int32_t>(staged_pieces);
@@ -868,7 +898,14 @@ cudaError_t launch_rank_tokens(const int32_t* indices, int64_t num_tokens, int t
 cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, const int64_t* rank_counts,
                             int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
                             cudaStream_t stream) {
-    exchange_kernel<<<1, 256, 0, stream>>>(shape, expert_counts, rank_counts, meta, peer_meta, layout, error_record);
+    const size_t shared = exchange_shared_bytes(shape);
+    if (shared > 48 * 1024) {  // past the default limit a kernel must opt in (thousands of experts)
+        const cudaError_t err = cudaFuncSetAttribute(exchange_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     static_cast<int>(shared));
+        if (err != cudaSuccess) return err;
+    }
+    exchange_kernel<<<1, 256, shared, stream>>>(shape, expert_counts, rank_counts, meta, peer_meta, layout,
+                                                 error_record);
     return cudaGetLastError();
 }
 
