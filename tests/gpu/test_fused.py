@@ -116,6 +116,8 @@ def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_k
             for key, value in (moe or {}).items():  # pinned block counts, as capped by the selection
                 if key in ("comm_blocks", "combine_blocks"):
                     assert getattr(pipeline.params, key) == min(value, num_sms - 1), key
+                if key == "n_chunks":  # a pinned count holds at every EP (the cases keep a tile a chunk)
+                    assert pipeline.params.n_chunks == value, pipeline.params
             if (moe or {}).get("cuda_graph_gate") and call > 0:
                 assert fused_layer.gate_graphs._captured, "the gate was not captured"
 
@@ -244,12 +246,16 @@ FORWARD_CASES = [
          moe=dict(activation_rows="received")),
     dict(hidden=512, ffn=768, experts_per_rank=4, k=1, tokens_per_rank=(300, 300), expert_kind="swiglu",
          drop_tokens=False, skew=50.0, moe=dict(activation_rows="received")),
+    # GEMM2 and the combine in four column chunks however many ranks run the suite: the rule takes
+    # one chunk at EP=1, where nothing overlaps GEMM2.
+    dict(hidden=1024, ffn=512, experts_per_rank=4, k=2, tokens_per_rank=(300, 211), expert_kind="swiglu",
+         skew=2.0, moe=dict(n_chunks=4)),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
                "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units",
                "extreme-sm-splits", "graphed-gate", "graphed-gate-k3-skewed", "fp16-skewed-drops",
                "fp16-swiglu-odd-sizes", "swiglu-narrow-k3", "swiglu-empty-experts", "k8-received-rows",
-               "swiglu-empty-experts-received-rows"]
+               "swiglu-empty-experts-received-rows", "swiglu-four-chunks"]
 
 
 def _experts_or_skip(gpu_pool, case) -> int:
