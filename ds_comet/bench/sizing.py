@@ -1,6 +1,6 @@
 """What sizing activations by the received rows costs: one AutoEP block on ds_comet, both ways.
 
-    torchrun --nproc_per_node N -m ds_comet.bench.sizing [--shape NAME ...] [--steps 5] [--rounds 3]
+    torchrun --nproc_per_node N -m ds_comet.bench.sizing [--shape NAME ...] [--steps 5] [--rounds 4]
                                                          [--iters 5] [--warmup 2]
 
 With ``"activation_rows": "bound"`` (the default) a call sizes its activations, without a host
@@ -33,7 +33,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", choices=sorted(SWIGLU), help="an AutoEP shape (repeatable)")
     parser.add_argument("--steps", type=int, default=5, help="calls back to back in one timed call")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the two sizings, in alternating order")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of the two sizings, in alternating order")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
