@@ -249,7 +249,7 @@ FORWARD_CASES = [
     # GEMM2 and the combine in four column chunks however many ranks run the suite: the rule takes
     # one chunk at EP=1, where nothing overlaps GEMM2.
     dict(hidden=1024, ffn=512, experts_per_rank=4, k=2, tokens_per_rank=(300, 211), expert_kind="swiglu",
-         skew=2.0, moe=dict(n_chunks=4)),
+         skew=4.0, min_capacity=0, moe=dict(n_chunks=4)),
 ]
 FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
                "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units",
