@@ -76,7 +76,9 @@ __device__ void wait_at_least(const int32_t* ptr, int32_t target, const GroupSha
 
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-__device__ __forceinline__ int64_t pieces_of(int64_t rel_start, int64_t count, int64_t tile_m) {
+// Row tiles that a run of `count` rows touches, starting `rel_start` rows into a region (32-bit: the
+// exchange kernel computes it per expert, and a region's rows fit int32).
+__device__ __forceinline__ int32_t pieces_of(int32_t rel_start, int32_t count, int32_t tile_m) {
     return count == 0 ? 0 : (rel_start + count - 1) / tile_m - rel_start / tile_m + 1;
 }
 
@@ -92,12 +94,34 @@ __device__ __forceinline__ int part_of(const int32_t* prefix, int n, int64_t val
     return lo;
 }
 
-// The exchange kernel's shared memory: per expert, the rows arriving, those of sources ahead of
-// this rank and this rank's routes; every source's staged rows per destination; this rank's tile
-// prefix over its local experts.
-__host__ __device__ inline size_t exchange_shared_bytes(const GroupShape& shape) {
-    const int64_t P = shape.ep_size, E = shape.num_experts;
-    return static_cast<size_t>(3 * E + P * P + E / P + 1) * sizeof(int32_t);
+// The exchange kernel's shared memory, as offsets in int32 words into one dynamic allocation; the
+// launch sizes it from `words` and the kernel carves it from the same offsets.
+struct ExchangeSharedLayout {
+    int64_t routes_in;       // [E] rows every source sends to expert e
+    int64_t rows_before;     // [E] of those, the rows of sources ahead of this rank
+    int64_t own_routes_of;   // [E] this rank's routes per expert
+    int64_t tiles_of;        // [E] row tiles of expert e's region
+    int64_t pieces_of;       // [E] dispatch pieces of this rank's own rows to expert e
+    int64_t staged_of;       // [P * P] rows source q stages on destination d
+    int64_t own_tile_start;  // [L + 1] this rank's row tiles before local expert l
+    int64_t full_local_of;   // [L] tiles holding only this rank's own rows, per local expert
+    int64_t words;
+};
+
+__host__ __device__ inline ExchangeSharedLayout exchange_shared_layout(const GroupShape& shape) {
+    const int64_t P = shape.ep_size, E = shape.num_experts, L = E / P;
+    ExchangeSharedLayout s{};
+    int64_t at = 0;
+    s.routes_in = at, at += E;
+    s.rows_before = at, at += E;
+    s.own_routes_of = at, at += E;
+    s.tiles_of = at, at += E;
+    s.pieces_of = at, at += E;
+    s.staged_of = at, at += P * P;
+    s.own_tile_start = at, at += L + 1;
+    s.full_local_of = at, at += L;
+    s.words = at;
+    return s;
 }
 
 __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, const int64_t* rank_counts,
@@ -141,14 +165,21 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
 
     const volatile int32_t* counts = meta + mo.counts + parity * P * W;  // counts[source * W + expert]
     // Every count is read from global memory once, by all threads at a time, into shared memory
-    // (exchange_shared_bytes): the loops below, one thread each, then read only shared memory. Read
+    // (ExchangeSharedLayout): the loops below, one thread each, then read only shared memory. Read
     // from global memory inside those loops, each iteration waited on its loads (docs/decisions.md).
     extern __shared__ int32_t exchange_shared[];
-    int32_t* routes_in = exchange_shared;           // [E] rows every source sends to expert e
-    int32_t* rows_before = routes_in + E;           // [E] of those, the rows of sources ahead of this rank
-    int32_t* own_routes_of = rows_before + E;       // [E] this rank's routes per expert
-    int32_t* staged_of = own_routes_of + E;         // [P * P] rows source q stages on destination d
-    int32_t* own_tile_start = staged_of + P * P;    // [L + 1] this rank's row tiles before local expert l
+    const ExchangeSharedLayout sl = exchange_shared_layout(shape);
+    int32_t* routes_in = exchange_shared + sl.routes_in;
+    int32_t* rows_before = exchange_shared + sl.rows_before;
+    int32_t* own_routes_of = exchange_shared + sl.own_routes_of;
+    int32_t* tiles_of = exchange_shared + sl.tiles_of;
+    int32_t* pieces_of_e = exchange_shared + sl.pieces_of;
+    int32_t* staged_of = exchange_shared + sl.staged_of;
+    int32_t* own_tile_start = exchange_shared + sl.own_tile_start;
+    int32_t* full_local_of = exchange_shared + sl.full_local_of;
+    const int32_t tm = static_cast<int32_t>(tile_m);
+    // The per-expert arithmetic (32-bit divisions among it) on every thread; the prefix loops below
+    // then only add.
     for (int e = tid; e < E; e += blockDim.x) {
         const int d = e / L;
         const int steps = (d - rank + P) % P;  // sources fill a region in the order d, d-1, d-2, ...
@@ -158,9 +189,13 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
             rows += c;
             if (j < steps) before_me += c;
         }
+        const int32_t own = static_cast<int32_t>(expert_counts[e]);
         routes_in[e] = rows;
         rows_before[e] = before_me;
-        own_routes_of[e] = static_cast<int32_t>(expert_counts[e]);
+        own_routes_of[e] = own;
+        tiles_of[e] = (rows + tm - 1) / tm;
+        pieces_of_e[e] = d == rank ? pieces_of(before_me, own, tm) : 0;
+        if (d == rank) full_local_of[e - rank * L] = own / tm;  // own rows open each region
     }
     for (int i = tid; i < P * P; i += blockDim.x) staged_of[i] = counts[(i / P) * W + E + i % P];
     __syncthreads();
@@ -181,7 +216,7 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
                 own_tile_start[l] = static_cast<int32_t>(tiles_before);
             }
             region_start += routes_in[e];
-            tiles_before += ceil_div(routes_in[e], tile_m);
+            tiles_before += tiles_of[e];
         }
         if (d == rank) {
             layout[lo.expert_start + L] = static_cast<int32_t>(region_start);
@@ -199,37 +234,46 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
         layout[lo.stage_dest_piece + d] = static_cast<int32_t>(piece);
     }
     __syncthreads();
-    if (tid != 0) return;
 
-    // Tile schedule: tiles holding only this rank's own rows (they arrive first) go first.
-    int64_t local_tiles = 0, remote_tiles = 0;
-    layout[lo.local_tiles] = 0;
-    layout[lo.remote_tiles] = 0;
-    for (int l = 0; l < L; ++l) {
-        const int64_t full_local = own_routes_of[rank * L + l] / tile_m;  // own rows open each region
-        local_tiles += full_local;
-        remote_tiles += own_tile_start[l + 1] - own_tile_start[l] - full_local;
-        layout[lo.local_tiles + l + 1] = static_cast<int32_t>(local_tiles);
-        layout[lo.remote_tiles + l + 1] = static_cast<int32_t>(remote_tiles);
-    }
-    int64_t kept = 0, own_routes = 0;
-    for (int e = 0; e < E; ++e) {
-        layout[lo.send_offset + e] = static_cast<int32_t>(kept);
-        kept += own_routes_of[e];
-        if (e / L == rank) own_routes += own_routes_of[e];
-    }
-    layout[lo.send_offset + E] = static_cast<int32_t>(kept);
-    int64_t pieces = 0, i = 0;
-    for (int r = 0; r < P; ++r) {
-        const int d = (rank + r) % P;  // own rank first, then each rank in turn
-        for (int l = 0; l < L; ++l, ++i) {
-            const int e = d * L + l;
-            layout[lo.send_order + i] = e;
-            layout[lo.piece_start + i] = static_cast<int32_t>(pieces);
-            if (d == rank) pieces += pieces_of(rows_before[e], own_routes_of[e], tile_m);
+    // Four independent prefix loops, each on the first thread of its own warp so that they run at
+    // once; the last also checks the workspace's bounds.
+    if (tid == 0) {
+        // Tile schedule: tiles holding only this rank's own rows (they arrive first) go first.
+        int64_t local_tiles = 0, remote_tiles = 0;
+        layout[lo.local_tiles] = 0;
+        layout[lo.remote_tiles] = 0;
+        for (int l = 0; l < L; ++l) {
+            local_tiles += full_local_of[l];
+            remote_tiles += own_tile_start[l + 1] - own_tile_start[l] - full_local_of[l];
+            layout[lo.local_tiles + l + 1] = static_cast<int32_t>(local_tiles);
+            layout[lo.remote_tiles + l + 1] = static_cast<int32_t>(remote_tiles);
         }
+    } else if (tid == kWarp) {
+        int64_t kept = 0, own_routes = 0;
+        for (int e = 0; e < E; ++e) {
+            layout[lo.send_offset + e] = static_cast<int32_t>(kept);
+            kept += own_routes_of[e];
+            if (e / L == rank) own_routes += own_routes_of[e];
+        }
+        layout[lo.send_offset + E] = static_cast<int32_t>(kept);
+        layout[lo.totals + kTotalKept] = static_cast<int32_t>(kept);
+        layout[lo.totals + kTotalOwnRoutes] = static_cast<int32_t>(own_routes);
+    } else if (tid == 2 * kWarp) {
+        // The sending order: own rank first, then each rank in turn; pieces only of the own rows.
+        int64_t pieces = 0, i = 0;
+        for (int r = 0; r < P; ++r) {
+            const int d = (rank + r) % P;
+            for (int l = 0; l < L; ++l, ++i) {
+                const int e = d * L + l;
+                layout[lo.send_order + i] = e;
+                layout[lo.piece_start + i] = static_cast<int32_t>(pieces);
+                pieces += pieces_of_e[e];
+            }
+        }
+        layout[lo.piece_start + E] = static_cast<int32_t>(pieces);
+        layout[lo.totals + kTotalPieces] = static_cast<int32_t>(pieces);
     }
-    layout[lo.piece_start + E] = static_cast<int32_t>(pieces);
+    if (tid != 3 * kWarp) return;
 
     // Staging. Each source's rows on a destination follow those of the lower source ranks; a
     // source sends to the next ranks in turn (rank + 1 first), so that the sources start on
@@ -251,11 +295,8 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     }
     layout[lo.stage_recv_row + P] = static_cast<int32_t>(staged_rows);
     layout[lo.stage_recv_piece + P] = static_cast<int32_t>(staged_pieces);
-    layout[lo.totals + kTotalKept] = static_cast<int32_t>(kept);
-    layout[lo.totals + kTotalPieces] = static_cast<int32_t>(pieces);
     layout[lo.totals + kTotalGeneration] = generation;
     layout[lo.totals + kTotalCombineClaim] = 0;
-    layout[lo.totals + kTotalOwnRoutes] = static_cast<int32_t>(own_routes);
     layout[lo.totals + kTotalStagedSent] = static_cast<int32_t>(staged_sent);
 
     const int64_t recv_rows = layout[lo.totals + kTotalRecvRows];
@@ -896,7 +937,7 @@ cudaError_t launch_rank_tokens(const int32_t* indices, int64_t num_tokens, int t
 cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, const int64_t* rank_counts,
                             int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
                             cudaStream_t stream) {
-    const size_t shared = exchange_shared_bytes(shape);
+    const size_t shared = static_cast<size_t>(exchange_shared_layout(shape).words) * sizeof(int32_t);
     // Past 48 KiB, static words included, a kernel must opt in (thousands of experts); the margin
     // covers the kernel's own static shared words.
     if (shared > 46 * 1024) {
