@@ -42,8 +42,8 @@ def rule_n_chunks(hidden: int, ffn: int, tile_n: int, ep_size: int) -> int:
 
 def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool, top_k: int, ep_size: int,
                       max_tokens: int, elem_bytes: int, num_sms: int) -> FusedParameters:
-    """The per-shape rule; every value can be pinned in the "moe" section."""
-    max_tokens = max(max_tokens, 1)  # a group whose first call had no tokens still gets a split
+    """The per-shape rule; every value can be pinned in the "moe" section. ``max_tokens`` >= 1: the
+    group agrees on a workspace only at a call where some rank has tokens (selection.py)."""
     comm_blocks = config.comm_blocks
     if comm_blocks is None:
         routes = top_k * max_tokens

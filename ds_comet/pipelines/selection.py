@@ -43,6 +43,12 @@ BOUND_ROWS_WARN = 4
 
 _LAYER_NUMBERS = itertools.count()
 
+# Why a call on which no rank of the group has tokens runs the reference pipeline: the fused workspace
+# is sized by the most tokens a rank feeds (unless "max_tokens_per_rank" fixes it), and sized by such
+# a call it would refuse the next call that has any.
+NO_TOKENS_YET = ("no rank of the group has tokens in this call, and the fused workspace is sized by the first call "
+                 "that has some (or by \"moe\": {\"max_tokens_per_rank\"})")
+
 
 @dataclass
 class LayerSpec:
@@ -127,6 +133,11 @@ class PipelineSelection:
         key = (tokens.dtype, tokens.shape[-1], tokens.device, self.spec.settings())
         if key != self._agreed_key:
             self._agreed_reason = self._agree(tokens)
+            if self._agreed_reason is NO_TOKENS_YET:
+                # Nothing to size the workspace by: this call (nothing to compute) runs the reference
+                # pipeline, and the group agrees again at the next call.
+                self.reason = NO_TOKENS_YET
+                return self.reference
             self._agreed_key = key
             self._warn_uncalled_hooks()
         reason = self._agreed_reason
@@ -237,6 +248,8 @@ class PipelineSelection:
         reason = group_reason([entry[2] for entry in everyone], [entry[3] for entry in everyone])
         if reason is not None:
             return reason
+        if self.config.max_tokens_per_rank is None and max(entry[4] for entry in everyone) == 0:
+            return NO_TOKENS_YET
         return self._build_fused(tokens, fused, max(entry[4] for entry in everyone),
                                  shared_device=len({entry[3] for entry in everyone}) < len(everyone))
 
@@ -312,9 +325,8 @@ def bound_rows_warning(rows: int, balanced: int, row_bytes: int) -> Optional[str
     """What to tell a user whose layer keeps activations for ``rows`` received rows a training call
     (``"activation_rows": "bound"``), where a balanced router sends a rank ``balanced``, each row
     keeping ``row_bytes`` (its input, its output and the products before the activation); None
-    below BOUND_ROWS_WARN times, and None for a workspace built while no rank had tokens
-    (``balanced`` 0: nothing to compare with)."""
-    if balanced <= 0 or rows < BOUND_ROWS_WARN * balanced:
+    below BOUND_ROWS_WARN times."""
+    if rows < BOUND_ROWS_WARN * balanced:
         return None
     return (f"ds_comet: a training call of an MoE layer of this shape keeps activations for up to {rows} received "
             f"rows ({rows * row_bytes / 2**30:.2f} GiB a layer), {rows / balanced:.0f}x the {balanced} a balanced "

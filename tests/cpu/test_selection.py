@@ -106,8 +106,6 @@ def test_activations_sized_by_a_dropless_bound_warn_from_ep4(ep_size, warned):
     if warned:
         assert f"{ep_size}x the {k * tokens}" in message and '"activation_rows": "received"' in message
         assert f"{rows * row_bytes / 2**30:.2f} GiB" in message
-    # A first call in which no rank had tokens sizes the workspace for none: no warning, no error.
-    assert selection_module.bound_rows_warning(rows, 0, row_bytes) is None
     config = CometMoEConfig(activation_rows="received")
     assert config.activation_rows == "received"
     with pytest.raises(Exception, match="activation_rows"):
@@ -206,9 +204,6 @@ def test_parameter_rule():
     pinned = choose_parameters(CometMoEConfig(comm_blocks=500, combine_blocks=500), 4096, 14336, False, 2, 2, 8192,
                                2, 132)
     assert pinned.comm_blocks == pinned.combine_blocks == 131
-    # A group whose first call had no tokens still gets a valid split.
-    empty = choose_parameters(CometMoEConfig(), 4096, 14336, False, 2, 2, 0, 2, 132)
-    assert 1 <= empty.combine_blocks <= empty.comm_blocks <= 132 // 6
     assert choose_parameters(CometMoEConfig(), 4096, 14336, True, 2, 2, 8192, 2, 132).gemm1_tile_n == 128
 
 
@@ -431,6 +426,39 @@ def test_hooks_on_the_experts_container_are_named_and_do_not_keep_the_layer_off_
     assert len(warned) == 1 and "deepspeed_experts[i]" in warned[0], said.lines
     moe.pipelines.reference.forward(torch.randn(8, 16), torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8))
     assert calls == [], "the reference pipeline calls each expert, not the container"
+
+
+def test_a_call_without_tokens_on_any_rank_defers_the_workspace(monkeypatch):
+    # The workspace is sized by the most tokens a rank feeds at the agreement: sized by a call on
+    # which no rank has any, it would refuse the next call that has some. Such a call runs the
+    # reference pipeline (nothing to compute) and the group agrees again at the next call.
+    from types import SimpleNamespace
+    pipelines = layer("fused").deepspeed_moe.pipelines
+    pipelines.set_group(object())
+    monkeypatch.setattr(selection_module, "local_reason", lambda *args: _KernelsCanRun())
+    monkeypatch.setattr(selection_module, "gather_objects", lambda local, waits, what: [local, local])
+    monkeypatch.setattr(selection_module, "group_reason", lambda nodes, gpus: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-0"))
+    built = []
+
+    def build(tokens, experts, most_tokens, shared_device):
+        built.append(most_tokens)
+        pipelines.fused = _FusedStandIn()
+
+    monkeypatch.setattr(pipelines, "_build_fused", build)
+    for _ in range(2):
+        assert pipelines.pipeline_for(torch.randn(0, 16)) is pipelines.reference
+        assert pipelines.reason == selection_module.NO_TOKENS_YET and built == []
+    assert pipelines.pipeline_for(torch.randn(5, 16)) is pipelines.fused
+    assert pipelines.reason is None and built == [5]
+    assert pipelines.pipeline_for(torch.randn(0, 16)) is pipelines.fused, "once agreed, an empty call stays fused"
+    # A pinned "max_tokens_per_rank" sizes the workspace without any tokens.
+    pinned = ds_comet.MoE(16, FeedForward(16, 32), num_experts=4, k=2,
+                          config={"moe": {"backend": "comet", "overlap": "fused", "max_tokens_per_rank": 64}})
+    pipelines = pinned.deepspeed_moe.pipelines
+    pipelines.set_group(object())
+    monkeypatch.setattr(pipelines, "_build_fused", build)
+    assert pipelines.pipeline_for(torch.randn(0, 16)) is pipelines.fused and built == [5, 0]
 
 
 def test_static_checks_run_again_for_new_dtype_or_width(monkeypatch):

@@ -22,6 +22,7 @@ from ds_comet.experts import reset_expert_
 from ds_comet.kernels.constants import TOTAL_OWN_ROUTES, TOTAL_RECV_ROWS, TOTAL_STAGED_SENT
 from ds_comet.kernels.ops import CometWaitTimeout
 from ds_comet.pipelines.routing import plan_routes
+from ds_comet.pipelines.selection import NO_TOKENS_YET
 from tests.support.dist_pool import RANKS_PER_GPU_VAR, ranks_per_gpu
 from tests.support.layout_reference import STAGE_KEYS, reference_layout
 from tests.support.moe_helpers import make_expert, rel, reset_experts_
@@ -73,8 +74,17 @@ def _fused_pipeline(layer):
     return pipelines.fused
 
 
+def _nobody_has_tokens(tokens_per_rank, ep_size):
+    """Whether no rank of the case has tokens (rank-without-tokens at one rank): the layer then has
+    nothing to size the fused workspace by and runs the reference pipeline."""
+    return not any(tokens_per_rank[r % len(tokens_per_rank)] for r in range(ep_size))
+
+
 def _poison(layer):
-    workspace = _fused_pipeline(layer).workspace
+    fused = layer.deepspeed_moe.pipelines.fused
+    if fused is None:  # no call has had tokens on any rank: no workspace yet
+        return
+    workspace = fused.workspace
     workspace.recv.fill_(float("nan"))
     workspace.stage.fill_(float("nan"))
     workspace.reduced.fill_(float("nan"))
@@ -111,6 +121,11 @@ def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_k
                 torch.manual_seed(noise)
                 outputs[name] = layer(tokens.unsqueeze(0))
             fused_layer = layers["fused"].deepspeed_moe
+            if _nobody_has_tokens(tokens_per_rank, ep_size):
+                assert fused_layer.pipelines.reason == NO_TOKENS_YET and fused_layer.pipelines.fused is None
+                assert outputs["fused"][0].shape == (1, 0, hidden)
+                stats.append(dict(dropped=0, empty_experts=num_experts))
+                continue
             pipeline = _fused_pipeline(layers["fused"])
             num_sms = pipeline.workspace.num_sms
             for key, value in (moe or {}).items():  # pinned block counts, as capped by the selection
@@ -277,6 +292,37 @@ def test_fused_forward(gpu_pool, case):
         assert sum(s[-1]["empty_experts"] for s in stats) > 0, stats
 
 
+def first_calls_without_tokens_case(seed):
+    """Two calls on which no rank has tokens, then one on which every rank has some: the workspace
+    is built at the third, for its tokens."""
+    rank, ep_size = dist.get_rank(), dist.get_world_size()
+    hidden, ffn = 256, 512
+    layers = _layers(seed, hidden, ffn, "swiglu", num_experts=2 * ep_size, ep_size=ep_size, k=2)
+    del layers["stock"]  # stock cannot run uneven token counts with drops
+    device = torch.device("cuda", torch.cuda.current_device())
+    for call, count in enumerate((0, 0, 200 + 37 * rank)):
+        generator = torch.Generator(device=device).manual_seed(seed * 100 + call * 10 + rank)
+        tokens = torch.randn(count, hidden, generator=generator, device=device).to(torch.bfloat16)
+        with torch.no_grad():
+            outputs = {}
+            for name, layer in layers.items():
+                torch.manual_seed(seed * 7 + call)
+                outputs[name] = layer(tokens.unsqueeze(0))[0]
+        pipelines = layers["fused"].deepspeed_moe.pipelines
+        if count == 0:
+            assert pipelines.reason == NO_TOKENS_YET and pipelines.fused is None, pipelines.reason
+            assert outputs["fused"].shape == (1, 0, hidden)
+            continue
+        pipeline = _fused_pipeline(layers["fused"])
+        assert pipeline.workspace.shape.max_tokens == 200 + 37 * (ep_size - 1)
+        assert torch.isfinite(outputs["fused"]).all()
+        assert rel(outputs["fused"][0], outputs["reference"][0]) < 2 * BF16_REL
+
+
+def test_calls_without_tokens_before_the_first_with_tokens(gpu_pool):
+    gpu_pool.run(first_calls_without_tokens_case, seed=_seed())
+
+
 BF16_GRAD_REL = 2e-2  # gradients sum many bf16 products: a little looser than outputs
 
 
@@ -337,7 +383,10 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
             if input_grad:
                 assert torch.isfinite(inputs.grad).all(), f"{name}: input gradient is not finite"
                 input_grads[name].append(inputs.grad[0])
-    _fused_pipeline(layers["fused"])
+    if _nobody_has_tokens(tokens_per_rank, ep_size):
+        assert layers["fused"].deepspeed_moe.pipelines.reason == NO_TOKENS_YET
+    else:
+        _fused_pipeline(layers["fused"])
 
     errors = {}
     params = {name: dict(layer.named_parameters()) for name, layer in layers.items()}
