@@ -33,10 +33,14 @@ def test_fused_outputs_and_gradients_match_autoep(gpu_pool, preset, activation_r
 
 def test_fused_zero2_training_matches_autoep(gpu_pool):
     pytest.importorskip("transformers")
-    for losses, comet_losses, worst in gpu_pool.run(training_case, preset="mixtral", seed=_seed(), steps=4,
-                                                     dtype_name="bf16"):
+    for losses, comet_losses, errors in gpu_pool.run(training_case, preset="mixtral", seed=_seed(), steps=4,
+                                                      dtype_name="bf16"):
         assert comet_losses == pytest.approx(losses, rel=2e-2), (losses, comet_losses)
-        assert worst < BF16_REL, worst
+        # Judged as the gradients are: no further from AutoEP trained in fp32 than AutoEP in bf16 is
+        # (twice, or a bf16 rounding's worth), weight by weight.
+        worse = {name: e for name, e in errors.items()
+                 if e["comet_vs_exact"] > max(2 * e["autoep_vs_exact"], BF16_REL)}
+        assert not worse, sorted(worse.items(), key=lambda item: -item[1]["comet_vs_exact"])[:6]
 
 
 def user_expert_case(seed):

@@ -113,10 +113,15 @@ def gradients_case(preset: str, seed: int, dtype_name: str = "fp32", overlap: st
 
 
 def training_case(preset: str, seed: int, steps: int = 3, dtype_name: str = "fp32"):
-    """ZeRO-2 AdamW steps of both: the losses and the final weights."""
+    """ZeRO-2 AdamW steps of AutoEP and of AutoEP on ds_comet from the same weights and batches.
+
+    Returns both runs' losses and, per weight, comet's relative distance from AutoEP's final value
+    and, in bf16, both backends' distances from AutoEP trained in fp32 (the value both round away
+    from: Adam's normalised steps carry a weight's bf16 noise of one step into the next).
+    """
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    runs = {}
-    for backend in ("deepspeed", "comet"):
+
+    def train(backend: str, dtype: torch.dtype):
         engine = engine_for(preset, backend, seed, 2, dtype)
         losses = []
         for step in range(steps):
@@ -125,10 +130,17 @@ def training_case(preset: str, seed: int, steps: int = 3, dtype_name: str = "fp3
             engine.backward(out.loss)
             engine.step()
             losses.append(out.loss.item())
-        runs[backend] = (losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()})
-    (losses, state), (c_losses, c_state) = runs["deepspeed"], runs["comet"]
+        return losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+
+    losses, state = train("deepspeed", dtype)
+    c_losses, c_state = train("comet", dtype)
     assert state.keys() == c_state.keys()
-    return losses, c_losses, max(rel(c_state[k], v) for k, v in state.items() if v.numel())
+    errors = {k: {"comet_vs_autoep": rel(c_state[k], v)} for k, v in state.items() if v.numel()}
+    if dtype != torch.float32:
+        _, exact = train("deepspeed", torch.float32)
+        for k, e in errors.items():
+            e.update(comet_vs_exact=rel(c_state[k], exact[k]), autoep_vs_exact=rel(state[k], exact[k]))
+    return losses, c_losses, errors
 
 
 def checkpoint_case(preset: str, seed: int, save_dir: str, first: str, second: str):
