@@ -132,13 +132,13 @@ class PipelineSelection:
         dtype, width or device, or with other layer settings) makes the group agree, collectively."""
         key = (tokens.dtype, tokens.shape[-1], tokens.device, self.spec.settings())
         if key != self._agreed_key:
-            self._agreed_reason = self._agree(tokens)
-            if self._agreed_reason is NO_TOKENS_YET:
+            agreed = self._agree(tokens)
+            if agreed is NO_TOKENS_YET:
                 # Nothing to size the workspace by: this call (nothing to compute) runs the reference
-                # pipeline, and the group agrees again at the next call.
+                # pipeline, and the group agrees again at the next call. The last agreement stands.
                 self.reason = NO_TOKENS_YET
                 return self.reference
-            self._agreed_key = key
+            self._agreed_reason, self._agreed_key = agreed, key
             self._warn_uncalled_hooks()
         reason = self._agreed_reason
         self.reason = reason

@@ -452,6 +452,10 @@ def test_a_call_without_tokens_on_any_rank_defers_the_workspace(monkeypatch):
     assert pipelines.pipeline_for(torch.randn(5, 16)) is pipelines.fused
     assert pipelines.reason is None and built == [5]
     assert pipelines.pipeline_for(torch.randn(0, 16)) is pipelines.fused, "once agreed, an empty call stays fused"
+    # An empty call in another dtype agrees again and defers; the agreement for float32 still stands.
+    assert pipelines.pipeline_for(torch.randn(0, 16).double()) is pipelines.reference
+    assert pipelines.pipeline_for(torch.randn(5, 16)) is pipelines.fused and pipelines.reason is None
+    assert built == [5]
     # A pinned "max_tokens_per_rank" sizes the workspace without any tokens.
     pinned = ds_comet.MoE(16, FeedForward(16, 32), num_experts=4, k=2,
                           config={"moe": {"backend": "comet", "overlap": "fused", "max_tokens_per_rank": 64}})
