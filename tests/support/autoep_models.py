@@ -112,9 +112,10 @@ def gradients_case(preset: str, seed: int, dtype_name: str = "fp32", overlap: st
     return errors, abs(comet_loss - loss), ran
 
 
-def training_case(preset: str, seed: int, steps: int = 3, dtype_name: str = "fp32"):
+def training_case(preset: str, seed: int, steps: int = 3, dtype_name: str = "fp32", overlap: str = "auto"):
     """ZeRO-2 AdamW steps of AutoEP and of AutoEP on ds_comet from the same weights and batches.
 
+    ``overlap`` is the comet run's (``"fused"`` makes a fallback to the reference pipeline an error).
     Returns both runs' losses and, per weight, comet's relative distance from AutoEP's final value
     and, in bf16, both backends' distances from AutoEP trained in fp32 (the value both round away
     from: Adam's normalised steps carry a weight's bf16 noise of one step into the next).
@@ -122,7 +123,7 @@ def training_case(preset: str, seed: int, steps: int = 3, dtype_name: str = "fp3
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
 
     def train(backend: str, dtype: torch.dtype):
-        engine = engine_for(preset, backend, seed, 2, dtype)
+        engine = engine_for(preset, backend, seed, 2, dtype, overlap)
         losses = []
         for step in range(steps):
             ids = batch(seed, step, engine.device)
