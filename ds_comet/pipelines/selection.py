@@ -235,8 +235,8 @@ class PipelineSelection:
                                       "the other ranks' settings for this layer (the group's agreement at its first "
                                       "call)")
         self._check_settings([entry[0] for entry in everyone])
-        self.reference.chunks = self._internode_chunks({entry[2] for entry in everyone},
-                                                       max(entry[4] for entry in everyone))
+        most_tokens = max(entry[4] for entry in everyone)
+        self.reference.chunks = self._internode_chunks({entry[2] for entry in everyone}, most_tokens)
         self.reference.ranks_per_node = self._forwarding_ranks([entry[2] for entry in everyone])
         failures = [(rank, entry[1]) for rank, entry in enumerate(everyone) if isinstance(entry[1], RankFailure)]
         if failures:
@@ -248,9 +248,9 @@ class PipelineSelection:
         reason = group_reason([entry[2] for entry in everyone], [entry[3] for entry in everyone])
         if reason is not None:
             return reason
-        if self.config.max_tokens_per_rank is None and max(entry[4] for entry in everyone) == 0:
+        if self.config.max_tokens_per_rank is None and most_tokens == 0:
             return NO_TOKENS_YET
-        return self._build_fused(tokens, fused, max(entry[4] for entry in everyone),
+        return self._build_fused(tokens, fused, most_tokens,
                                  shared_device=len({entry[3] for entry in everyone}) < len(everyone))
 
     def _internode_chunks(self, nodes: set, most_tokens: int) -> int:
