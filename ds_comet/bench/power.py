@@ -1,0 +1,146 @@
+"""SM clock and power through back-to-back training steps: DeepSpeed AutoEP's block on AutoEP and on
+ds_comet.
+
+    torchrun --nproc_per_node 1 -m ds_comet.bench.power [--shape NAME ...] [--seconds 4] [--rounds 2]
+
+Grouped GEMMs back to back hold an H200 at its power cap, where a GEMM's speed follows the clock the
+power limiter allows, and that follows what ran just before (docs/decisions.md). For each shape this
+builds AutoEP's block of the shape's family on AutoEP and on ds_comet (the same weights) and runs
+each backend's training steps back to back for ``--seconds``, while ``nvidia-smi`` samples this
+GPU's SM clock, power draw and software power cap every 20 ms; the backends' order alternates from
+round to round. Rank 0 prints, per backend and round, the ms a step, the median SM clock, the mean
+power and the share of samples under the power cap. Needs ``nvidia-smi`` on PATH.
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from typing import Dict, List
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+
+from ds_comet.bench import autoep
+from ds_comet.bench.common import autoep_step, run_shapes
+from ds_comet.bench.shapes import SHAPES, SWIGLU
+
+BACKENDS = ("autoep", "comet")
+# Newer drivers name the instantaneous draw and the clock-event reasons; older ones the averaged draw
+# and the throttle reasons.
+FIELDS = ("clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap",
+          "clocks.sm,power.draw,clocks_throttle_reasons.sw_power_cap")
+SAMPLE_MS = 20
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", choices=sorted(SWIGLU), help="an AutoEP shape (repeatable)")
+    parser.add_argument("--seconds", type=float, default=4.0, help="back-to-back steps sampled per backend and round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the two backends, in alternating order")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
+    return parser.parse_args()
+
+
+def summarize(lines: List[str]) -> Dict[str, float]:
+    """``nvidia-smi --format=csv,noheader,nounits`` rows of (SM MHz, W, cap state): the median SM
+    clock, the mean power and the share of samples under the software power cap."""
+    rows = [[field.strip() for field in line.split(",")] for line in lines if line.count(",") == 2]
+    clocks = [float(r[0]) for r in rows if r[0].replace(".", "", 1).isdigit()]
+    power = [float(r[1]) for r in rows if r[1].replace(".", "", 1).isdigit()]
+    if not clocks or not power:
+        raise RuntimeError(f"nvidia-smi gave no clock and power samples: {lines[:3]}")
+    return {"sm_mhz": statistics.median(clocks), "watts": statistics.mean(power),
+            "power_capped": sum(r[2] == "Active" for r in rows) / len(rows), "samples": float(len(rows))}
+
+
+class Sampler:
+    """``nvidia-smi`` sampling one GPU (by UUID) every SAMPLE_MS while the ``with`` block runs."""
+
+    def __init__(self, device: torch.device):
+        if shutil.which("nvidia-smi") is None:
+            raise SystemExit("ds_comet.bench.power needs nvidia-smi on PATH")
+        self.gpu = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+        for fields in FIELDS:
+            query = ["nvidia-smi", f"--id={self.gpu}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+            if subprocess.run(query, capture_output=True).returncode == 0:
+                self.query = query + ["-lms", str(SAMPLE_MS)]
+                return
+        raise SystemExit(f"nvidia-smi answers none of the queries {FIELDS} for {self.gpu}")
+
+    def __enter__(self):
+        self.process = subprocess.Popen(self.query, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.process.terminate()
+        out, _ = self.process.communicate()
+        self.result = summarize(out.splitlines())
+        return False
+
+
+def bench_shape(name, hidden, ffn, experts, k, tokens, args):
+    reason = autoep.unavailable_reason()
+    if reason is not None:
+        raise SystemExit(reason)
+    ep_size = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    sections = {"autoep": None, "comet": {"backend": "comet", "overlap": "fused"}}
+    layers = {backend: autoep.autoep_layer(SWIGLU[name], hidden, ffn, experts, k, ep_size, device, torch.bfloat16,
+                                           0, section).train() for backend, section in sections.items()}
+    x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn_like(x)
+    sampler = Sampler(device)
+    results = {}
+    for round_index in range(args.rounds):
+        for backend in (BACKENDS if round_index % 2 == 0 else BACKENDS[::-1]):
+            layer = layers[backend]
+            for _ in range(3):
+                autoep_step(layer, x, dy)
+            torch.cuda.synchronize()
+            dist.barrier()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with sampler:
+                time.sleep(0.1)  # nvidia-smi's first sample before the steps
+                steps, began = 0, time.perf_counter()
+                start.record()
+                while time.perf_counter() - began < args.seconds:
+                    autoep_step(layer, x, dy)
+                    steps += 1
+                    if steps % 4 == 0:  # keep the host within a few steps of the device
+                        torch.cuda.synchronize()
+                stop.record()
+                torch.cuda.synchronize()
+            results[f"{backend}_{round_index}_ms"] = start.elapsed_time(stop) / steps
+            for key, value in sampler.result.items():
+                results[f"{backend}_{round_index}_{key}"] = value
+    return results
+
+
+def report(all_results, _out_dir):
+    lines = []
+    for name, results in all_results.items():
+        rounds = sorted({int(key.split("_")[1]) for key in results})
+        for round_index in rounds:
+            for backend in BACKENDS:
+                prefix = f"{backend}_{round_index}_"
+                lines.append(f"{name:44s} round {round_index} {backend:6s} {results[prefix + 'ms']:8.2f} ms a step  "
+                             f"{results[prefix + 'sm_mhz']:6.0f} MHz  {results[prefix + 'watts']:5.0f} W  "
+                             f"power-capped {results[prefix + 'power_capped']:4.0%} of "
+                             f"{results[prefix + 'samples']:.0f} samples")
+    print(f"Back-to-back training steps, EP={dist.get_world_size()}, rank 0's GPU:\n" + "\n".join(lines), flush=True)
+
+
+def main():
+    args = parse_args()
+    deepspeed.init_distributed()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    shapes = {name: SHAPES[name] for name in (args.shape or SWIGLU)}
+    run_shapes(shapes, lambda name, shape: bench_shape(name, *shape, args), report, None)
+
+
+if __name__ == "__main__":
+    main()
