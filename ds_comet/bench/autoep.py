@@ -6,11 +6,16 @@ converted block: AutoEP's own ``AutoEPMoELayer``, or with a ``"moe"`` section as
 same block turned into ``CometAutoEPMoELayer``. The same seed gives both the same weights.
 """
 
+import os
 from typing import Optional
 
+import deepspeed
 import torch
 from deepspeed import comm as dist
 from torch import nn
+
+from .common import run_shapes
+from .shapes import SHAPES, SWIGLU
 
 FAMILIES = ("mixtral", "qwen3_moe")
 
@@ -64,3 +69,17 @@ def autoep_layer(family: str, hidden: int, ffn: int, experts: int, k: int, ep_si
     if moe_section is not None:
         convert_moe_layers(layer, moe_config_from({"moe": moe_section}))
     return layer
+
+
+def run_blocks(selected, bench_block, report):
+    """Every rank, on its local GPU, benchmarks AutoEP's block of each shape in ``selected`` (names of
+    ``shapes.SWIGLU``; all of them when empty) with ``bench_block(name, family, hidden, ffn, experts,
+    k, tokens, device)``, and rank 0 reports as ``common.run_shapes`` does."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(reason)
+    deepspeed.init_distributed()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    shapes = {name: SHAPES[name] for name in (selected or SWIGLU)}
+    run_shapes(shapes, lambda name, shape: bench_block(name, SWIGLU[name], *shape, device), report, None)

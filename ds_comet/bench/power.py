@@ -13,20 +13,18 @@ power and the share of samples under the power cap. Needs ``nvidia-smi`` on PATH
 """
 
 import argparse
-import os
 import shutil
 import statistics
 import subprocess
 import time
 from typing import Dict, List
 
-import deepspeed
 import torch
 from deepspeed import comm as dist
 
 from ds_comet.bench import autoep
-from ds_comet.bench.common import autoep_step, run_shapes
-from ds_comet.bench.shapes import SHAPES, SWIGLU
+from ds_comet.bench.common import autoep_step
+from ds_comet.bench.shapes import SWIGLU
 
 BACKENDS = ("autoep", "comet")
 # Newer drivers name the instantaneous draw and the clock-event reasons; older ones the averaged draw
@@ -82,14 +80,10 @@ class Sampler:
         return False
 
 
-def bench_shape(name, hidden, ffn, experts, k, tokens, args):
-    reason = autoep.unavailable_reason()
-    if reason is not None:
-        raise SystemExit(reason)
+def bench_block(family, hidden, ffn, experts, k, tokens, device, args):
     ep_size = dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
     sections = {"autoep": None, "comet": {"backend": "comet", "overlap": "fused"}}
-    layers = {backend: autoep.autoep_layer(SWIGLU[name], hidden, ffn, experts, k, ep_size, device, torch.bfloat16,
+    layers = {backend: autoep.autoep_layer(family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16,
                                            0, section).train() for backend, section in sections.items()}
     x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16).requires_grad_()
     dy = torch.randn_like(x)
@@ -136,10 +130,7 @@ def report(all_results, _out_dir):
 
 def main():
     args = parse_args()
-    deepspeed.init_distributed()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    shapes = {name: SHAPES[name] for name in (args.shape or SWIGLU)}
-    run_shapes(shapes, lambda name, shape: bench_shape(name, *shape, args), report, None)
+    autoep.run_blocks(args.shape, lambda name, *block: bench_block(*block, args), report)
 
 
 if __name__ == "__main__":

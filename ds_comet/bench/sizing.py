@@ -15,16 +15,14 @@ received/bound ratios.
 """
 
 import argparse
-import os
 import statistics
 
-import deepspeed
 import torch
 from deepspeed import comm as dist
 
 from ds_comet.bench import autoep
-from ds_comet.bench.common import autoep_step, peak_mib, run_shapes, timed
-from ds_comet.bench.shapes import SHAPES, SWIGLU
+from ds_comet.bench.common import autoep_step, peak_mib, timed
+from ds_comet.bench.shapes import SWIGLU
 
 SIZINGS = ("bound", "received")
 
@@ -40,13 +38,9 @@ def parse_args():
     return parser.parse_args()
 
 
-def bench_shape(name, hidden, ffn, experts, k, tokens, args):
-    reason = autoep.unavailable_reason()
-    if reason is not None:
-        raise SystemExit(reason)
+def bench_block(family, hidden, ffn, experts, k, tokens, device, args):
     ep_size = dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
-    layers = {sizing: autoep.autoep_layer(SWIGLU[name], hidden, ffn, experts, k, ep_size, device, torch.bfloat16, 0,
+    layers = {sizing: autoep.autoep_layer(family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16, 0,
                                           {"backend": "comet", "overlap": "fused", "activation_rows": sizing})
               for sizing in SIZINGS}
     x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16).requires_grad_()
@@ -98,10 +92,7 @@ def report(all_results, _out_dir):
 
 def main():
     args = parse_args()
-    deepspeed.init_distributed()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    shapes = {name: SHAPES[name] for name in (args.shape or SWIGLU)}
-    run_shapes(shapes, lambda name, shape: bench_shape(name, *shape, args), report, None)
+    autoep.run_blocks(args.shape, lambda name, *block: bench_block(*block, args), report)
 
 
 if __name__ == "__main__":
