@@ -172,19 +172,24 @@ class FusedPipeline:
             rows = max(kernels.received_rows(), 1)  # one row at least: the kernels take no null pointers
         h = torch.empty((rows, kernels.ffn), dtype=tokens.dtype, device=tokens.device)
         expert_out = torch.empty((rows, hidden), dtype=tokens.dtype, device=tokens.device)
+        # The backward needs the received rows after the next call has reused the workspace. Alone in
+        # the group only this rank's dispatch writes them, so they go straight into a tensor of this
+        # call's; with peers, who write into the workspace's buffer, they are copied out of it.
+        own_rows = saved is not None and kernels.alone
+        recv = torch.empty((rows, hidden), dtype=tokens.dtype, device=tokens.device) if own_rows else buffer.recv
         if out is None:
             # Allocated before the dispatch orders the communication stream after the main one, as
             # everything the combine writes there must be: memory freed on the main stream before that
             # point may still be read by kernels queued before it.
             out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
 
-        kernels.dispatch(tokens, plan, weights, scale_rows=False)
-        pre = kernels.first_layer(buffer.recv, h, keep_pre=saved is not None)
+        kernels.dispatch(tokens, plan, weights, scale_rows=False, recv=recv if own_rows else None)
+        pre = kernels.first_layer(recv, h, keep_pre=saved is not None)
         kernels.gemm2(h, expert_out, backward=False)
         if saved is not None:
-            # GEMM1 waited for every received row: keep them before the next call overwrites them. The
-            # backward takes the gate gradient where the outputs are, on the expert's rank.
-            saved.update(rows=buffer.recv[:rows].clone(), outputs=expert_out, pre=pre)
+            # GEMM1 waited for every received row, so the copy reads them all. The backward takes the
+            # gate gradient where the outputs are, on the expert's rank.
+            saved.update(rows=recv if own_rows else buffer.recv[:rows].clone(), outputs=expert_out, pre=pre)
         # The combine spins until this rank's GEMM2 and peers' combines deliver, so it is launched last:
         # a launch that blocks the host (a lazily loaded module waits for the device) must never wait
         # behind a spinning kernel whose producers this rank has not launched yet.

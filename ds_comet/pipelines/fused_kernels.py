@@ -130,7 +130,7 @@ class FusedKernels:
         return int(self.buffer.layout[word].item())
 
     def dispatch(self, rows: Tensor, plan: RoutingPlan, gates: Tensor, scale_rows: bool,
-                 outputs: Optional[Tensor] = None):
+                 outputs: Optional[Tensor] = None, recv: Optional[Tensor] = None):
         """Puts rows[route token] (times gates[route] with ``scale_rows``) in the recv row of every kept
         route; a token's row crosses to another rank once, however many of its routes go there, with
         its routes' gates ([k, S] fp32), for the combine's sums there. Every rank of the group passes
@@ -139,21 +139,34 @@ class FusedKernels:
         ``outputs`` (the backward, on every rank of the group or on none): the forward's expert outputs
         by recv row ([R, H]); each route's dot product of its token's row with its output is kept for
         the combine's ``route_grad``.
+
+        ``recv`` (alone in the group only): a contiguous [R, H] tensor that takes the recv rows in place
+        of the workspace's buffer. With peers the buffer is where they write, so it must be the buffer.
         """
         if self.alone:
-            self.send(rows, plan, gates, scale_rows, outputs, self.buffer.num_sms)
+            table = None
+            if recv is not None:
+                if not recv.is_contiguous() or recv.shape[1] != rows.shape[1]:
+                    raise ValueError(f"recv must be a contiguous [R, {rows.shape[1]}] tensor, got {list(recv.shape)}")
+                table = torch.full((1, ), recv.data_ptr(), dtype=torch.int64, device=rows.device)
+            self.send(rows, plan, gates, scale_rows, outputs, self.buffer.num_sms, table)
             return
+        if recv is not None:
+            raise ValueError("the dispatch writes into peers' recv buffers; only a rank alone in its group takes a "
+                             "recv tensor of its own")
         main = torch.cuda.current_stream(rows.device)
         self.buffer.comm_stream.wait_stream(main)
         with torch.cuda.stream(self.buffer.comm_stream):
             self.send(rows, plan, gates, scale_rows, outputs, self.params.comm_blocks)
 
     def send(self, rows: Tensor, plan: RoutingPlan, gates: Tensor, scale_rows: bool, outputs: Optional[Tensor],
-             blocks: int):
-        """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks."""
+             blocks: int, recv_table: Optional[Tensor] = None):
+        """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks;
+        ``recv_table`` ([P] int64 on the device) replaces the workspace's table of recv buffers."""
         b = self.buffer
         b.op.dispatch(b.kernel_shape, rows, plan.route_order, plan.route_position, plan.rank_tokens,
-                      plan.rank_token_counts, b.layout, b.peer_recv, b.peer_origin, b.peer_stage, b.peer_stage_routes,
+                      plan.rank_token_counts, b.layout, b.peer_recv if recv_table is None else recv_table,
+                      b.peer_origin, b.peer_stage, b.peer_stage_routes,
                       b.peer_stage_scale, b.peer_meta, b.route_row, b.route_stage, gates, scale_rows,
                       b.none if outputs is None else outputs, b.row_dot, b.shape.top_k, b.error_address, blocks)
 
