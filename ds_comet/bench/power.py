@@ -6,9 +6,9 @@ ds_comet.
 Grouped GEMMs back to back hold an H200 at its power cap, where a GEMM's speed follows the clock the
 power limiter allows, and that follows what ran just before (docs/decisions.md). For each shape this
 builds AutoEP's block of the shape's family on AutoEP and on ds_comet (the same weights) and runs
-each backend's training steps back to back for ``--seconds``, while ``nvidia-smi`` samples this
-GPU's SM clock, power draw and software power cap every 20 ms; the backends' order alternates from
-round to round. Rank 0 prints, per backend and round, the ms a step, the median SM clock, the mean
+each backend's training steps back to back for about ``--seconds`` (the same number of steps on
+every rank), while ``nvidia-smi`` samples this GPU's SM clock, power draw and software power cap
+every 20 ms; the backends' order alternates from round to round. Rank 0 prints, per backend and round, the ms a step, the median SM clock, the mean
 power and the share of samples under the power cap. Needs ``nvidia-smi`` on PATH.
 """
 
@@ -80,6 +80,23 @@ class Sampler:
         return False
 
 
+def agreed_steps(step, seconds: float, device: torch.device) -> int:
+    """How many calls of ``step`` (a training step, collective on the group) fill about ``seconds``
+    on the slowest rank, after three warm-up calls and two timed ones; every rank gets the same
+    count, so that none waits in a collective for a step its peers never run."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    per_step = (time.perf_counter() - began) / 2
+    count = torch.tensor([max(4, round(seconds / per_step))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
 def bench_block(family, hidden, ffn, experts, k, tokens, device, args):
     ep_size = dist.get_world_size()
     sections = {"autoep": None, "comet": {"backend": "comet", "overlap": "fused"}}
@@ -92,19 +109,15 @@ def bench_block(family, hidden, ffn, experts, k, tokens, device, args):
     for round_index in range(args.rounds):
         for backend in (BACKENDS if round_index % 2 == 0 else BACKENDS[::-1]):
             layer = layers[backend]
-            for _ in range(3):
-                autoep_step(layer, x, dy)
-            torch.cuda.synchronize()
-            dist.barrier()
+            steps = agreed_steps(lambda: autoep_step(layer, x, dy), args.seconds, device)
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # nvidia-smi's first sample comes once it has started, while the steps run: no sample of
+            # an idle lead-in dilutes the statistics.
             with sampler:
-                time.sleep(0.1)  # nvidia-smi's first sample before the steps
-                steps, began = 0, time.perf_counter()
                 start.record()
-                while time.perf_counter() - began < args.seconds:
+                for step in range(steps):
                     autoep_step(layer, x, dy)
-                    steps += 1
-                    if steps % 4 == 0:  # keep the host within a few steps of the device
+                    if step % 4 == 3:  # keep the host within a few steps of the device
                         torch.cuda.synchronize()
                 stop.record()
                 torch.cuda.synchronize()
