@@ -154,8 +154,8 @@ class FusedPipeline:
                     out: Optional[Tensor] = None, saved: Optional[dict] = None) -> Tensor:
         """The forward's kernels: exchange, dispatch, GEMM1, GEMM2, combine (see the module's docstring).
 
-        ``saved``, if given, receives what ``run_backward`` needs: a copy of the received rows (the
-        workspace is reused by the next call), their expert outputs (GEMM2 writes them into a tensor
+        ``saved``, if given, receives what ``run_backward`` needs: the received rows in a tensor of this
+        call's (the workspace is reused by the next call), their expert outputs (GEMM2 writes them into a tensor
         of this call's) and the products before the activation. Not the activations: the backward's
         GEMM1 recomputes them from those products as it reads them: a layer holds half the FFN-wide
         memory it would (a third less for gated experts, whose products are twice as wide).
@@ -187,8 +187,8 @@ class FusedPipeline:
         pre = kernels.first_layer(recv, h, keep_pre=saved is not None)
         kernels.gemm2(h, expert_out, backward=False)
         if saved is not None:
-            # GEMM1 waited for every received row, so the copy reads them all. The backward takes the
-            # gate gradient where the outputs are, on the expert's rank.
+            # GEMM1 waited for every received row, so a copy out of the workspace reads them all. The
+            # backward takes the gate gradient where the outputs are, on the expert's rank.
             saved.update(rows=recv if own_rows else buffer.recv[:rows].clone(), outputs=expert_out, pre=pre)
         # The combine spins until this rank's GEMM2 and peers' combines deliver, so it is launched last:
         # a launch that blocks the host (a lazily loaded module waits for the device) must never wait

@@ -146,8 +146,10 @@ class FusedKernels:
         if self.alone:
             table = None
             if recv is not None:
-                if not recv.is_contiguous() or recv.shape[1] != rows.shape[1]:
-                    raise ValueError(f"recv must be a contiguous [R, {rows.shape[1]}] tensor, got {list(recv.shape)}")
+                if (not recv.is_contiguous() or recv.dim() != 2 or recv.shape[1] != rows.shape[1]
+                        or recv.dtype != rows.dtype or recv.device != rows.device):
+                    raise ValueError(f"recv must be a contiguous [R, {rows.shape[1]}] {rows.dtype} tensor on "
+                                     f"{rows.device}, got {list(recv.shape)} {recv.dtype} on {recv.device}")
                 table = torch.full((1, ), recv.data_ptr(), dtype=torch.int64, device=rows.device)
             self.send(rows, plan, gates, scale_rows, outputs, self.buffer.num_sms, table)
             return
