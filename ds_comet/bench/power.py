@@ -21,6 +21,7 @@ from typing import Dict, List
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 
 from ds_comet.bench import autoep
 from ds_comet.bench.common import autoep_step
@@ -84,13 +85,14 @@ def agreed_steps(step, seconds: float, device: torch.device) -> int:
     """How many calls of ``step`` (a training step, collective on the group) fill about ``seconds``
     on the slowest rank, after three warm-up calls and two timed ones; every rank gets the same
     count, so that none waits in a collective for a step its peers never run."""
+    accelerator = get_accelerator()
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    accelerator.synchronize()
     began = time.perf_counter()
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
+    accelerator.synchronize()
     per_step = (time.perf_counter() - began) / 2
     count = torch.tensor([max(4, round(seconds / per_step))], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
