@@ -8,8 +8,9 @@ power limiter allows, and that follows what ran just before (docs/decisions.md).
 builds AutoEP's block of the shape's family on AutoEP and on ds_comet (the same weights) and runs
 each backend's training steps back to back for about ``--seconds`` (the same number of steps on
 every rank), while ``nvidia-smi`` samples this GPU's SM clock, power draw and software power cap
-every 20 ms; the backends' order alternates from round to round. Rank 0 prints, per backend and round, the ms a step, the median SM clock, the mean
-power and the share of samples under the power cap. Needs ``nvidia-smi`` on PATH.
+every 20 ms; the backends' order alternates from round to round. Rank 0 prints, per backend and
+round, the ms a step, the median SM clock, the mean power and the share of samples under the
+power cap. Needs ``nvidia-smi`` on PATH.
 """
 
 import argparse
@@ -82,9 +83,9 @@ class Sampler:
 
 
 def agreed_steps(step, seconds: float, device: torch.device) -> int:
-    """How many calls of ``step`` (a training step, collective on the group) fill about ``seconds``
-    on the slowest rank, after three warm-up calls and two timed ones; every rank gets the same
-    count, so that none waits in a collective for a step its peers never run."""
+    """How many calls of ``step`` (a training step, collective on the group) fill about ``seconds``,
+    timed after three warm-up calls over two more: the largest count any rank's timing gives, the
+    same on every rank, so that none waits in a collective for a step its peers never run."""
     accelerator = get_accelerator()
     for _ in range(3):
         step()
