@@ -43,11 +43,13 @@ BOUND_ROWS_WARN = 4
 
 _LAYER_NUMBERS = itertools.count()
 
-# Why a call on which no rank of the group has tokens runs the reference pipeline: the fused workspace
-# is sized by the most tokens a rank feeds (unless "max_tokens_per_rank" fixes it), and sized by such
-# a call it would refuse the next call that has any.
-NO_TOKENS_YET = ("no rank of the group has tokens in this call, and the fused workspace is sized by the first call "
-                 "that has some (or by \"moe\": {\"max_tokens_per_rank\"})")
+# Why a call on which no rank of the group has tokens runs the reference pipeline without an agreement:
+# the agreement sizes the fused workspace and the reference pipeline's internode chunks by the most
+# tokens a rank feeds (unless "max_tokens_per_rank" fixes it); sized by such a call, the workspace
+# would refuse the next call that has any, and the chunks would stay at the rule's fewest.
+NO_TOKENS_YET = ("no rank of the group has tokens in this call, and the group's agreement (the fused workspace, the "
+                 "internode chunks) is sized by the first call that has some (or by \"moe\": "
+                 "{\"max_tokens_per_rank\"})")
 
 
 @dataclass
@@ -235,21 +237,21 @@ class PipelineSelection:
                                       "the other ranks' settings for this layer (the group's agreement at its first "
                                       "call)")
         self._check_settings([entry[0] for entry in everyone])
-        most_tokens = max(entry[4] for entry in everyone)
-        self.reference.chunks = self._internode_chunks({entry[2] for entry in everyone}, most_tokens)
-        self.reference.ranks_per_node = self._forwarding_ranks([entry[2] for entry in everyone])
         failures = [(rank, entry[1]) for rank, entry in enumerate(everyone) if isinstance(entry[1], RankFailure)]
         if failures:
             raise RuntimeError(f"ds_comet: {self.name}: checking the fused pipeline failed on "
                                + "; ".join(f"rank {rank}: {failure}" for rank, failure in failures))
+        most_tokens = max(entry[4] for entry in everyone)
+        if self.config.max_tokens_per_rank is None and most_tokens == 0:
+            return NO_TOKENS_YET  # before anything is sized: the standing agreement, if any, keeps its sizes
+        self.reference.chunks = self._internode_chunks({entry[2] for entry in everyone}, most_tokens)
+        self.reference.ranks_per_node = self._forwarding_ranks([entry[2] for entry in everyone])
         for rank, (_, rank_reason, _, _, _) in enumerate(everyone):
             if rank_reason is not None:
                 return rank_reason if len(everyone) == 1 else f"rank {rank}: {rank_reason}"
         reason = group_reason([entry[2] for entry in everyone], [entry[3] for entry in everyone])
         if reason is not None:
             return reason
-        if self.config.max_tokens_per_rank is None and most_tokens == 0:
-            return NO_TOKENS_YET
         return self._build_fused(tokens, fused, most_tokens,
                                  shared_device=len({entry[3] for entry in everyone}) < len(everyone))
 

@@ -10,6 +10,7 @@ from ds_comet.config import CometMoEConfig
 from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.kernels import constants
 from ds_comet.kernels.ops import describe_error_record
+from ds_comet.pipelines.chunked import rule_chunks
 from ds_comet.pipelines.expert_weights import ModuleExperts, ModuleFusedExperts
 from ds_comet.pipelines.fused_kernels import PointerTables
 from ds_comet.pipelines.parameters import choose_parameters, max_received_rows, offsets_overflow
@@ -463,6 +464,24 @@ def test_a_call_without_tokens_on_any_rank_defers_the_workspace(monkeypatch):
     pipelines.set_group(object())
     monkeypatch.setattr(pipelines, "_build_fused", build)
     assert pipelines.pipeline_for(torch.randn(0, 16)) is pipelines.fused and built == [5, 0]
+
+
+def test_a_call_without_tokens_leaves_the_internode_chunks_to_the_next_call(monkeypatch):
+    # The reference pipeline's chunks across nodes follow the most tokens a rank feeds: a first call
+    # on which no rank has any must not fix them at the rule's fewest for the layer's life, nor may
+    # an empty call in another dtype change those of the standing agreement.
+    pipelines = layer("auto").deepspeed_moe.pipelines
+    pipelines.set_group(object())
+    monkeypatch.setattr(selection_module, "gather_objects",
+                        lambda local, waits, what: [local, local[:2] + ("another-node", ) + local[3:]])
+    assert pipelines.pipeline_for(torch.randn(0, 16)) is pipelines.reference
+    assert pipelines.reason == selection_module.NO_TOKENS_YET and pipelines.reference.chunks == 1
+    pipelines.pipeline_for(torch.randn(16384, 16))
+    assert pipelines.reference.chunks == rule_chunks(2, 16384) == 8
+    pipelines.pipeline_for(torch.randn(0, 16).double())
+    assert pipelines.reason == selection_module.NO_TOKENS_YET
+    pipelines.pipeline_for(torch.randn(16, 16))
+    assert pipelines.reference.chunks == 8 and pipelines.reason != selection_module.NO_TOKENS_YET
 
 
 def test_static_checks_run_again_for_new_dtype_or_width(monkeypatch):
