@@ -16,11 +16,14 @@ counters hold; then each GEMM phase is relaunched alone:
     wgrad_w2   per expert dY_e^T h_e -> [E, H, F]                                           (2 R H F)
     wgrad_w1   per expert dA_e^T x_e -> [E, F', H]                                          (2 R F' H)
 
-(F' = 2F for gated experts.) "ours" is what the fused pipeline launches for the phase (the Triton
-GEMMs; the weight gradients as ``torch._grouped_mm`` where ``FusedKernels.library_wgrad`` says so,
-a gated dW1 as two calls). ``torch._grouped_mm`` computes the same product on the same rows,
-grouped by the same offsets, without the epilogue's bias, activation or stored products: its rate
-is the library's rate for the GEMM alone. Each phase is timed on a warm device (the chip is power
+(F' = 2F for gated experts.) "ours" is what the fused pipeline launches for the phase with peers in
+the group (the Triton GEMMs; for gated experts GEMM1 stores its products and an elementwise kernel
+computes the activation or its gradient, both timed; the weight gradients as ``torch._grouped_mm``
+where ``FusedKernels.library_wgrad`` says so, a gated dW1 as two calls). The experts are one module
+each, so GEMM1 stays on Triton even here alone in the group, where stacked experts would take the
+library's (``FusedKernels.library_first_layer``). ``torch._grouped_mm`` computes the same product on
+the same rows, grouped by the same offsets, without the epilogue's bias, activation or stored
+products: its rate is the library's rate for the GEMM alone. Each phase is timed on a warm device (the chip is power
 bound and its clock settles within about 200 ms): back-to-back calls for about 400 ms, the
 implementations of one phase in turn. Rank 0 prints TFLOP/s and the ratio and writes gemm.json.
 """
@@ -99,27 +102,28 @@ def phase_calls(pipeline, tokens, indices, experts):
     with torch.no_grad():
         pipeline.forward(tokens, indices, gates, train=False)
     kernels = pipeline.kernels(tokens)
-    workspace = pipeline.workspace
     hidden, ffn, num_local = tokens.shape[1], kernels.ffn, kernels.num_local
     width = ffn * (2 if kernels.gated else 1)
     counts = torch.bincount(indices.reshape(-1).long(), minlength=experts)
     rows = int(counts.sum())
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     dtype, device = tokens.dtype, tokens.device
-    x = workspace.recv[:rows]
-    pre = torch.randn(rows, width, device=device).to(dtype)
+    # Rows of data, not the workspace's buffer: alone in the group the dispatch writes them into a
+    # tensor of the call's. GEMM1 finds its row tiles counted as arrived by that forward's dispatch.
+    x = torch.randn(rows, hidden, device=device).to(dtype)
     h = torch.randn(rows, ffn, device=device).to(dtype)
-    grad_pre = torch.empty_like(pre)
+    pre = kernels.first_layer(x, h, keep_pre=True)
+    grad_pre = torch.empty((rows, width), device=device, dtype=dtype)
     out = torch.empty(rows, hidden, device=device, dtype=dtype)  # GEMM2's rows, both ways
     w1 = torch.randn(num_local, width, hidden, device=device).to(dtype) / hidden**0.5
     w2 = torch.randn(num_local, hidden, ffn, device=device).to(dtype) / ffn**0.5
     mm = torch._grouped_mm
     return {
-        "gemm1_fwd": (lambda: kernels.gemm1(x, h, pre, backward=False, store_pre=True),
+        "gemm1_fwd": (lambda: kernels.first_layer(x, h, keep_pre=True),
                       lambda: mm(x, w1.transpose(1, 2), offs=offsets), 2 * rows * hidden * width),
         "gemm2_fwd": (lambda: kernels.gemm2(h, out, backward=False), lambda: mm(h, w2.transpose(1, 2), offs=offsets),
                       2 * rows * ffn * hidden),
-        "gemm1_bwd": (lambda: kernels.gemm1(x, grad_pre, pre, backward=True, store_pre=False, act=h),
+        "gemm1_bwd": (lambda: kernels.first_layer_backward(x, grad_pre, pre, act=h),
                       lambda: mm(x, w2, offs=offsets), 2 * rows * hidden * ffn),
         "gemm2_bwd": (lambda: kernels.gemm2(grad_pre, out, backward=True), lambda: mm(grad_pre, w1, offs=offsets),
                       2 * rows * width * hidden),
