@@ -1,8 +1,9 @@
-"""The gated activation and its gradient, elementwise, for the first layer the library computes.
+"""The gated activation and its gradient, elementwise, after GEMMs that store plain products.
 
-Where ``torch._grouped_mm`` runs an expert's first layer (``pipelines.fused_kernels``:
-``FusedKernels.library_first_layer``), the two products ``z = x W1^T`` and ``u = x W3^T`` come back
-as bf16 tensors; these kernels then do what GEMM1's epilogue does on the Triton path:
+Where ``torch._grouped_mm`` runs gated experts' first layer (``FusedKernels.library_first_layer``),
+it returns ``z = x W1^T`` and ``u = x W3^T``; in the backward, the library or ``gemm1_kernel`` with
+``PLAIN`` returns ``g = dY W2`` (``FusedKernels.first_layer_backward``). These kernels then compute
+what GEMM1's epilogue computes on the Triton path:
 
 - ``gated_activation_kernel``: ``h = act(z) * u``.
 - ``gated_activation_backward_kernel``: from ``g = dY W2``, ``dz = g * u * act'(z)`` and
@@ -10,7 +11,8 @@ as bf16 tensors; these kernels then do what GEMM1's epilogue does on the Triton 
   gradient, ``h`` again.
 
 Both compute in fp32 and round once, and touch only the first ``*total`` rows (a device word: the
-rows of the call, which the host does not know without a sync).
+rows of the call, which the host does not know without a sync). ``z`` and ``u`` are read with a row
+stride of their own, ``zu_stride``: separate [R, N] tensors (N), or the halves of one [R, 2N] (2N).
 """
 
 import triton
@@ -29,25 +31,28 @@ def _block(total_ptr, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def gated_activation_kernel(z, u, h, total_ptr, N, ACTIVATION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """h = act(z) * u for [R, N] row-major z, u and h."""
+def gated_activation_kernel(z, u, zu_stride, h, total_ptr, N, ACTIVATION: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr):
+    """h = act(z) * u, [R, N] each, h row-major."""
     rows, cols, mask = _block(total_ptr, N, BM, BN)
     at = rows[:, None].to(tl.int64) * N + cols[None, :]
-    zv = tl.load(z + at, mask=mask, other=0.0).to(tl.float32)
-    uv = tl.load(u + at, mask=mask, other=0.0).to(tl.float32)
+    at_zu = rows[:, None].to(tl.int64) * zu_stride + cols[None, :]
+    zv = tl.load(z + at_zu, mask=mask, other=0.0).to(tl.float32)
+    uv = tl.load(u + at_zu, mask=mask, other=0.0).to(tl.float32)
     tl.store(h + at, (_activation(zv, ACTIVATION) * uv).to(h.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def gated_activation_backward_kernel(g, z, u, grad_pre, h, total_ptr, N, ACTIVATION: tl.constexpr,
+def gated_activation_backward_kernel(g, z, u, zu_stride, grad_pre, h, total_ptr, N, ACTIVATION: tl.constexpr,
                                      STORE_ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """grad_pre[:, :N] = g * u * act'(z), grad_pre[:, N:] = g * act(z) ([R, 2N]); with STORE_ACT,
-    h = act(z) * u as well. g, z, u and h are [R, N] row-major."""
+    h = act(z) * u as well. g and h are [R, N] row-major, z and u [R, N] of row stride zu_stride."""
     rows, cols, mask = _block(total_ptr, N, BM, BN)
     at = rows[:, None].to(tl.int64) * N + cols[None, :]
+    at_zu = rows[:, None].to(tl.int64) * zu_stride + cols[None, :]
     gv = tl.load(g + at, mask=mask, other=0.0).to(tl.float32)
-    zv = tl.load(z + at, mask=mask, other=0.0).to(tl.float32)
-    uv = tl.load(u + at, mask=mask, other=0.0).to(tl.float32)
+    zv = tl.load(z + at_zu, mask=mask, other=0.0).to(tl.float32)
+    uv = tl.load(u + at_zu, mask=mask, other=0.0).to(tl.float32)
     act = _activation(zv, ACTIVATION)
     wide = rows[:, None].to(tl.int64) * (2 * N) + cols[None, :]
     out_dtype = grad_pre.dtype.element_ty

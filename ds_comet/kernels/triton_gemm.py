@@ -243,7 +243,8 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
                  off_remote_tiles, off_total_tiles, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
-                 STORE_ACT: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr, QUARTERS: tl.constexpr = False):
+                 STORE_ACT: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr, QUARTERS: tl.constexpr = False,
+                 PLAIN: tl.constexpr = False):
     """The first grouped GEMM over the receive buffer ``rows`` ([R, K]), tile by tile as rows arrive.
 
     Forward (W = W1, [N, K]): out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)]; with STORE_PRE
@@ -252,8 +253,12 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
     ``pre``, out = g * act'(z) (gated: out[:, :N] = g * u * act'(z), out[:, N:] = g * act(z)); with
     STORE_ACT also the forward's activations again, act(z) [* u], to ``act`` ([R, N]) for W2's
     gradient: recomputed from ``pre``, which the epilogue reads anyway, they need not be kept.
+
+    With PLAIN (the gated backward) the epilogue stores ``g = rows @ W2`` alone to ``out`` ([R, N])
+    for an elementwise kernel to finish; ``pre``, ``act`` and the activation constexprs are unused.
     """
     tl.static_assert(BACKWARD or not STORE_ACT, "gemm1_kernel: STORE_ACT is an output of the backward")
+    tl.static_assert((GATED and BACKWARD) or not PLAIN, "gemm1_kernel: PLAIN is the gated backward's epilogue")
     dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
     n_tiles = tl.cdiv(N, BN)
@@ -299,7 +304,11 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
                 bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
         acc_left, acc_right = _column_halves(acc, BM, BN)
         acc3_left, acc3_right = _column_halves(acc3, BM, BN)
-        if QUARTERS:
+        if PLAIN:  # a plain row-major store of the whole tile, as GEMM2's
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+            tl.store(out + at, acc.to(dtype), mask=m_mask[:, None] & (offs_n < N)[None, :])
+        elif QUARTERS:
             # The gated backward reads two pre-activations a column and writes three outputs: in
             # halves, a 256-column tile spilled (docs/decisions.md), so it runs in quarters.
             quarter_n = pid_n * BN + tl.arange(0, BN // 4)

@@ -224,13 +224,18 @@ class FusedKernels:
     def first_layer(self, rows: Tensor, h: Tensor, keep_pre: bool) -> Union[Tensor, Tuple[Tensor, Tensor], None]:
         """The experts' first layer on the received ``rows``: their activations into ``h`` ([R, F]).
 
+        GEMM1 computes the activations in its epilogue, except where ``library_first_layer``: there
+        the library's grouped GEMM stores the two products and an elementwise kernel computes the
+        activations from them.
+
         Returns, with ``keep_pre``, the products before the activation that ``first_layer_backward``
         reads (an [R, 2F] tensor for gated experts on the Triton GEMM, else [R, F]; a pair of [R, F]
         tensors from the library's GEMM), else None.
         """
         if self.library_first_layer:
+            from ..kernels.triton_activation import gated_activation_kernel  # triton is an extra
             first, up = self._library_products(rows[:h.shape[0]], "w1", "w3")
-            self._gated_activation(first, up, h)
+            self._elementwise(gated_activation_kernel, first, up, self.ffn, h)
             return (first, up) if keep_pre else None
         pre = h
         if keep_pre:
@@ -242,14 +247,26 @@ class FusedKernels:
                              act: Optional[Tensor]):
         """From the received output gradients ``rows`` ([R, H]): the gradient of the first layer's
         products into ``grad_pre`` ([R, F], gated [R, 2F]) and, unless ``act`` is None, the activations
-        again into ``act`` ([R, F]) for W2's gradient. ``pre`` is what ``first_layer`` returned."""
-        if isinstance(pre, tuple):
-            from ..kernels.triton_activation import gated_activation_backward_kernel
-            (grad_h, ), (first, up) = self._library_products(rows[:grad_pre.shape[0]], "w2"), pre
-            self._elementwise(gated_activation_backward_kernel, grad_h, first, up, grad_pre,
-                              first if act is None else act, STORE_ACT=act is not None)
+        again into ``act`` ([R, F]) for W2's gradient. ``pre`` is what ``first_layer`` returned.
+
+        Gated experts: a GEMM stores ``g = rows @ W2`` ([R, F], the library's where the forward took
+        it, else GEMM1 with the plain epilogue), then an elementwise kernel computes the outputs from
+        g and the two products. GEMM1 computing them in its epilogue (two loads and three stores a
+        column) held up its MMAs: the two launches are 2-7 % faster (docs/decisions.md). Other
+        experts: GEMM1 with act' in its epilogue.
+        """
+        from ..kernels.triton_activation import gated_activation_backward_kernel  # triton is an extra
+        if isinstance(pre, tuple):  # the library's products
+            (grad_h, ), (first, up), stride = self._library_products(rows[:grad_pre.shape[0]], "w2"), pre, self.ffn
+        elif self.gated:  # GEMM1's, side by side in one [R, 2F] tensor
+            grad_h = torch.empty((grad_pre.shape[0], self.ffn), dtype=grad_pre.dtype, device=grad_pre.device)
+            self.gemm1(rows, grad_h, grad_h, backward=True, store_pre=False, plain=True)
+            first, up, stride = pre, pre[:, self.ffn:], 2 * self.ffn
+        else:
+            self.gemm1(rows, grad_pre, pre, backward=True, store_pre=False, act=act)
             return
-        self.gemm1(rows, grad_pre, pre, backward=True, store_pre=False, act=act)
+        self._elementwise(gated_activation_backward_kernel, grad_h, first, up, stride, grad_pre,
+                          grad_h if act is None else act, STORE_ACT=act is not None)
 
     @property
     def expert_ends(self) -> Tensor:
@@ -275,27 +292,27 @@ class FusedKernels:
         return tuple(torch._grouped_mm(rows, weights[name] if name == "w2" else weights[name].transpose(-2, -1),
                                        offs=self.expert_ends) for name in names)
 
-    def _gated_activation(self, first: Tensor, up: Tensor, h: Tensor):
-        from ..kernels.triton_activation import gated_activation_kernel
-        self._elementwise(gated_activation_kernel, first, up, h)
-
-    def _elementwise(self, kernel, *tensors: Tensor, **constants):
+    def _elementwise(self, kernel, *args: Union[Tensor, int], **constants):
         """One launch of an elementwise kernel of ``kernels.triton_activation`` over [R, F] blocks, R
-        the first tensor's rows; the kernel stops at the rows received this call (a layout word)."""
+        the first tensor's rows; the kernel stops at the rows received this call (a layout word).
+        ``args`` are the kernel's leading arguments: tensors, and the row stride of z and u."""
         from ..kernels.triton_gemm import ACTIVATION_CODES
-        rows, block_m, block_n = tensors[0].shape[0], 32, 128
+        rows, block_m, block_n = args[0].shape[0], 32, 128
         if rows == 0:
             return
-        if not all(t.is_contiguous() for t in tensors):  # the kernels index rows of F (or 2F) elements
-            raise RuntimeError(f"ds_comet: the first layer's elementwise kernel needs contiguous rows, got strides "
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if not all(t.stride(-1) == 1 for t in tensors):  # the kernels index rows of unit-stride elements
+            raise RuntimeError(f"ds_comet: the first layer's elementwise kernel needs unit-stride rows, got strides "
                                f"{[t.stride() for t in tensors]} (FFN size {self.ffn})")
         received = self.buffer.layout_offsets.totals + TOTAL_RECV_ROWS
         kernel[(-(-rows // block_m), -(-self.ffn // block_n))](
-            *tensors, self.buffer.layout[received:received + 1], self.ffn, ACTIVATION=ACTIVATION_CODES[self.activation],
+            *args, self.buffer.layout[received:received + 1], self.ffn, ACTIVATION=ACTIVATION_CODES[self.activation],
             BM=block_m, BN=block_n, num_warps=4, **constants)
 
     def gemm1(self, rows: Tensor, out: Tensor, pre: Tensor, backward: bool, store_pre: bool,
-              act: Optional[Tensor] = None):
+              act: Optional[Tensor] = None, plain: bool = False):
+        """GEMM1 on ``rows`` (``gemm1_kernel``); with ``plain`` (the gated backward) only the product
+        ``rows @ W2`` goes to ``out`` ([R, F])."""
         from ..kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         # A gated forward holds two accumulators, so its tile is at most 128 columns wide; the
@@ -309,7 +326,7 @@ class FusedKernels:
             GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, GATED=self.gated,
             ACTIVATION=ACTIVATION_CODES[self.activation], BACKWARD=backward, STORE_PRE=store_pre,
             STORE_ACT=act is not None, WAIT=True, INTERPRET=_interpreting(),
-            QUARTERS=backward and self.gated and tile_n > 128, num_warps=8, num_stages=3))
+            QUARTERS=backward and self.gated and tile_n > 128 and not plain, PLAIN=plain, num_warps=8, num_stages=3))
 
     def gemm2(self, rows: Tensor, out: Tensor, backward: bool):
         """GEMM2 on ``rows`` (the activations [R, F], or the backward's first-layer gradients [R, F] or

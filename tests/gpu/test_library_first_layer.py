@@ -18,8 +18,11 @@ def _cuda_and_triton():
     pytest.importorskip("triton")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
-def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(activation):
+def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(activation, packed):
+    """z and u as two [R, F] tensors (the library's products) or as the halves of one [R, 2F]
+    (GEMM1's plain products)."""
     _cuda_and_triton()
     from ds_comet.kernels.triton_activation import gated_activation_backward_kernel, gated_activation_kernel
     from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
@@ -28,16 +31,18 @@ def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(acti
     torch.manual_seed(seed)
     rows, received, ffn = 301, 259, 392  # odd sizes; rows past `received` are not this call's
     z, u, g = ((3 * torch.randn(rows, ffn, device="cuda")).to(torch.bfloat16) for _ in range(3))
+    pre = torch.cat([z, u], 1)
+    zu = (pre, pre[:, ffn:], 2 * ffn) if packed else (z, u, ffn)  # z, u and their row stride
     total = torch.tensor([received], dtype=torch.int32, device="cuda")
     h, h_again, h_unasked = (torch.full((rows, ffn), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     grad_pre, grad_pre_again = (torch.full((rows, 2 * ffn), 7.0, dtype=torch.bfloat16, device="cuda")
                                 for _ in range(2))
     grid, blocks = (-(-rows // 32), -(-ffn // 128)), dict(BM=32, BN=128)
     code = ACTIVATION_CODES[activation]
-    gated_activation_kernel[grid](z, u, h, total, ffn, ACTIVATION=code, **blocks)
-    gated_activation_backward_kernel[grid](g, z, u, grad_pre, h_again, total, ffn, ACTIVATION=code, STORE_ACT=True,
+    gated_activation_kernel[grid](*zu, h, total, ffn, ACTIVATION=code, **blocks)
+    gated_activation_backward_kernel[grid](g, *zu, grad_pre, h_again, total, ffn, ACTIVATION=code, STORE_ACT=True,
                                            **blocks)
-    gated_activation_backward_kernel[grid](g, z, u, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code,
+    gated_activation_backward_kernel[grid](g, *zu, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code,
                                            STORE_ACT=False, **blocks)
 
     zf, uf = z.float().requires_grad_(), u.float().requires_grad_()
