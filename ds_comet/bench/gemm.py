@@ -17,15 +17,16 @@ counters hold; then each GEMM phase is relaunched alone:
     wgrad_w1   per expert dA_e^T x_e -> [E, F', H]                                          (2 R F' H)
 
 (F' = 2F for gated experts.) "ours" is what the fused pipeline launches for the phase with peers in
-the group (the Triton GEMMs; for gated experts GEMM1 stores its products and an elementwise kernel
-computes the activation or its gradient, both timed; the weight gradients as ``torch._grouped_mm``
-where ``FusedKernels.library_wgrad`` says so, a gated dW1 as two calls). The experts are one module
-each, so GEMM1 stays on Triton even here alone in the group, where stacked experts would take the
-library's (``FusedKernels.library_first_layer``). ``torch._grouped_mm`` computes the same product on
-the same rows, grouped by the same offsets, without the epilogue's bias, activation or stored
-products: its rate is the library's rate for the GEMM alone. Each phase is timed on a warm device (the chip is power
-bound and its clock settles within about 200 ms): back-to-back calls for about 400 ms, the
-implementations of one phase in turn. Rank 0 prints TFLOP/s and the ratio and writes gemm.json.
+the group: the Triton GEMMs (for gated experts the backward's GEMM1 stores ``dY W2`` and an
+elementwise kernel computes the gradients from it, both timed), and the weight gradients as
+``torch._grouped_mm`` where ``FusedKernels.library_wgrad`` says so (a gated dW1 as two calls). The
+experts are one module each, so GEMM1 stays on Triton even here alone in the group, where stacked
+experts would take the library's (``FusedKernels.library_first_layer``). ``torch._grouped_mm``
+computes the same product on the same rows, grouped by the same offsets, without the epilogue's
+bias, activation or stored products: its rate is the library's rate for the GEMM alone. Each phase
+is timed on a warm device (the chip is power bound and its clock settles within about 200 ms):
+back-to-back calls for about 400 ms, the implementations of one phase in turn. Rank 0 prints
+TFLOP/s and the ratio and writes gemm.json.
 """
 
 import argparse
@@ -108,9 +109,7 @@ def phase_calls(pipeline, tokens, indices, experts):
     rows = int(counts.sum())
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     dtype, device = tokens.dtype, tokens.device
-    # Rows of data, not the workspace's buffer: alone in the group the dispatch writes them into a
-    # tensor of the call's. GEMM1 finds its row tiles counted as arrived by that forward's dispatch.
-    x = torch.randn(rows, hidden, device=device).to(dtype)
+    x = pipeline.workspace.recv[:rows]  # where that (eval) forward's dispatch put the rows
     h = torch.randn(rows, ffn, device=device).to(dtype)
     pre = kernels.first_layer(x, h, keep_pre=True)
     grad_pre = torch.empty((rows, width), device=device, dtype=dtype)

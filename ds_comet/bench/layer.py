@@ -81,9 +81,7 @@ def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
     rows = min(rows, workspace.shape.max_recv_rows)
     h = torch.empty((rows, kernels.ffn), dtype=tokens.dtype, device=tokens.device)
     expert_out = torch.empty((rows, tokens.shape[1]), dtype=tokens.dtype, device=tokens.device)
-    # Alone in the group the dispatch wrote the rows into a tensor of that call's, not the buffer.
-    recv = torch.randn_like(workspace.recv[:rows]) if kernels.alone else workspace.recv
-    kernels.first_layer(recv, h, keep_pre=False)
+    kernels.first_layer(workspace.recv, h, keep_pre=False)
     kernels.gemm2(h, expert_out, backward=False)
 
     def combine(blocks):
@@ -93,7 +91,7 @@ def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
     def dispatch(blocks):  # the same rows to the same places; the tile counts only grow
         kernels.send(tokens, plan, gates, False, None, blocks)
 
-    return dict(gemm1=lambda: kernels.first_layer(recv, h, keep_pre=False),
+    return dict(gemm1=lambda: kernels.first_layer(workspace.recv, h, keep_pre=False),
                 gemm2=lambda: kernels.gemm2(h, expert_out, backward=False), combine=lambda: combine(workspace.num_sms),
                 combine_comm=lambda: combine(params.combine_blocks), dispatch=lambda: dispatch(workspace.num_sms),
                 dispatch_comm=lambda: dispatch(params.comm_blocks))

@@ -1,9 +1,9 @@
 """The gated activation and its gradient, elementwise, after GEMMs that store plain products.
 
 Where ``torch._grouped_mm`` runs gated experts' first layer (``FusedKernels.library_first_layer``),
-it returns ``z = x W1^T`` and ``u = x W3^T``; in the backward, the library or ``gemm1_kernel`` with
-``PLAIN`` returns ``g = dY W2`` (``FusedKernels.first_layer_backward``). These kernels then compute
-what GEMM1's epilogue computes on the Triton path:
+it returns ``z = x W1^T`` and ``u = x W3^T``; in every gated backward, the library or
+``gemm1_kernel`` returns ``g = dY W2`` alone (``FusedKernels.first_layer_backward``). These kernels
+compute the rest:
 
 - ``gated_activation_kernel``: ``h = act(z) * u``.
 - ``gated_activation_backward_kernel``: from ``g = dY W2``, ``dz = g * u * act'(z)`` and

@@ -6,7 +6,8 @@ The two primitives each run in both directions:
   waits per row tile until all of the tile's rows have arrived; tiles holding only this rank's own
   rows come first, the others in arrival order. Forward it is GEMM1 with the activation
   (``rows @ W1^T``); backward it takes the dispatched output gradients and gives the gradient of
-  the activation's input (``dY @ W2``, times act').
+  the activation's input (``dY @ W2``, times act'), or for gated experts ``dY @ W2`` alone, which
+  an elementwise kernel (``triton_activation``) finishes.
 - ``gemm2_kernel`` computes column chunk by column chunk, each across all experts, stores its rows
   locally (a plain row-major store, which needs no more registers than the tile; docs/decisions.md) and
   counts, per source rank of the tile's rows, how many of them the chunk now holds, on the counter
@@ -243,22 +244,19 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
                  off_remote_tiles, off_total_tiles, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
-                 STORE_ACT: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr, QUARTERS: tl.constexpr = False,
-                 PLAIN: tl.constexpr = False):
+                 STORE_ACT: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr):
     """The first grouped GEMM over the receive buffer ``rows`` ([R, K]), tile by tile as rows arrive.
 
     Forward (W = W1, [N, K]): out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)]; with STORE_PRE
     the products before the activation also go to ``pre`` ([R, N], gated [R, 2N]: first, then up).
     Backward (W = W2, [K, N]; rows are output gradients): g = rows @ W2 and, from the forward's
-    ``pre``, out = g * act'(z) (gated: out[:, :N] = g * u * act'(z), out[:, N:] = g * act(z)); with
-    STORE_ACT also the forward's activations again, act(z) [* u], to ``act`` ([R, N]) for W2's
-    gradient: recomputed from ``pre``, which the epilogue reads anyway, they need not be kept.
-
-    With PLAIN (the gated backward) the epilogue stores ``g = rows @ W2`` alone to ``out`` ([R, N])
-    for an elementwise kernel to finish; ``pre``, ``act`` and the activation constexprs are unused.
+    ``pre``, out = g * act'(z); with STORE_ACT also the forward's activations again, act(z), to
+    ``act`` ([R, N]) for W2's gradient: recomputed from ``pre``, which the epilogue reads anyway,
+    they need not be kept. Gated, out = g ([R, N]) alone: an epilogue that read the two products
+    and wrote their gradients and the activations held up the MMAs, and an elementwise kernel
+    after the GEMM was faster (docs/decisions.md); ``pre``, ``act`` and STORE_ACT are unused.
     """
     tl.static_assert(BACKWARD or not STORE_ACT, "gemm1_kernel: STORE_ACT is an output of the backward")
-    tl.static_assert((GATED and BACKWARD) or not PLAIN, "gemm1_kernel: PLAIN is the gated backward's epilogue")
     dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
     n_tiles = tl.cdiv(N, BN)
@@ -304,26 +302,10 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
                 bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
         acc_left, acc_right = _column_halves(acc, BM, BN)
         acc3_left, acc3_right = _column_halves(acc3, BM, BN)
-        if PLAIN:  # a plain row-major store of the whole tile, as GEMM2's
+        if GATED and BACKWARD:  # g alone: a plain row-major store of the whole tile, as GEMM2's
             offs_n = pid_n * BN + tl.arange(0, BN)
             at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
             tl.store(out + at, acc.to(dtype), mask=m_mask[:, None] & (offs_n < N)[None, :])
-        elif QUARTERS:
-            # The gated backward reads two pre-activations a column and writes three outputs: in
-            # halves, a 256-column tile spilled (docs/decisions.md), so it runs in quarters.
-            quarter_n = pid_n * BN + tl.arange(0, BN // 4)
-            a0, a1 = _column_halves(acc_left, BM, BN // 2)
-            c0, c1 = _column_halves(acc3_left, BM, BN // 2)
-            _gemm1_epilogue(a0, c0, offs_m, m_mask, quarter_n, N, pre_cols, out, pre, act, bias1, bias3, GATED,
-                            ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
-            _gemm1_epilogue(a1, c1, offs_m, m_mask, quarter_n + BN // 4, N, pre_cols, out, pre, act, bias1, bias3,
-                            GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
-            a2, a3 = _column_halves(acc_right, BM, BN // 2)
-            c2, c3 = _column_halves(acc3_right, BM, BN // 2)
-            _gemm1_epilogue(a2, c2, offs_m, m_mask, quarter_n + BN // 2, N, pre_cols, out, pre, act, bias1, bias3,
-                            GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
-            _gemm1_epilogue(a3, c3, offs_m, m_mask, quarter_n + 3 * BN // 4, N, pre_cols, out, pre, act, bias1,
-                            bias3, GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
         else:
             half_n = pid_n * BN + tl.arange(0, BN // 2)
             _gemm1_epilogue(acc_left, acc3_left, offs_m, m_mask, half_n, N, pre_cols, out, pre, act, bias1, bias3,
@@ -344,27 +326,18 @@ def _column_halves(x, BM: tl.constexpr, BN: tl.constexpr):
 def _gemm1_epilogue(acc, acc3, offs_m, m_mask, offs_n, N, pre_cols, out, pre, act, bias1, bias3, GATED: tl.constexpr,
                     ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
                     STORE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """gemm1_kernel's outputs for the columns offs_n of its tile (acc3: the up products, gated forward)."""
+    """gemm1_kernel's outputs for the columns offs_n of its tile (acc3: the up products, gated
+    forward); the gated backward does not come here."""
     dtype = out.dtype.element_ty
     n_mask = offs_n < N
     mn_mask = m_mask[:, None] & n_mask[None, :]
     pre_ptrs = pre + offs_m[:, None] * pre_cols + offs_n[None, :]
-    out_ptrs = out + offs_m[:, None] * pre_cols + offs_n[None, :]
     if BACKWARD:
         z = tl.load(pre_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
-        if GATED:
-            up = tl.load(pre_ptrs + N, mask=mn_mask, other=0.0).to(tl.float32)
-            activated = _activation(z, ACTIVATION)
-            tl.store(out_ptrs, (acc * up * _activation_grad(z, ACTIVATION)).to(dtype), mask=mn_mask)
-            tl.store(out_ptrs + N, (acc * activated).to(dtype), mask=mn_mask)
-            if STORE_ACT:
-                tl.store(act + offs_m[:, None] * N + offs_n[None, :], (activated * up).to(dtype), mask=mn_mask)
-        else:
-            tl.store(out + offs_m[:, None] * N + offs_n[None, :], (acc * _activation_grad(z, ACTIVATION)).to(dtype),
-                     mask=mn_mask)
-            if STORE_ACT:
-                tl.store(act + offs_m[:, None] * N + offs_n[None, :], _activation(z, ACTIVATION).to(dtype),
-                         mask=mn_mask)
+        tl.store(out + offs_m[:, None] * N + offs_n[None, :], (acc * _activation_grad(z, ACTIVATION)).to(dtype),
+                 mask=mn_mask)
+        if STORE_ACT:
+            tl.store(act + offs_m[:, None] * N + offs_n[None, :], _activation(z, ACTIVATION).to(dtype), mask=mn_mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

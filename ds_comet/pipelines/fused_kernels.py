@@ -235,7 +235,7 @@ class FusedKernels:
         if self.library_first_layer:
             from ..kernels.triton_activation import gated_activation_kernel  # triton is an extra
             first, up = self._library_products(rows[:h.shape[0]], "w1", "w3")
-            self._elementwise(gated_activation_kernel, first, up, self.ffn, h)
+            self._elementwise(gated_activation_kernel, (), first, up, (h, ))
             return (first, up) if keep_pre else None
         pre = h
         if keep_pre:
@@ -249,24 +249,24 @@ class FusedKernels:
         products into ``grad_pre`` ([R, F], gated [R, 2F]) and, unless ``act`` is None, the activations
         again into ``act`` ([R, F]) for W2's gradient. ``pre`` is what ``first_layer`` returned.
 
-        Gated experts: a GEMM stores ``g = rows @ W2`` ([R, F], the library's where the forward took
-        it, else GEMM1 with the plain epilogue), then an elementwise kernel computes the outputs from
-        g and the two products. GEMM1 computing them in its epilogue (two loads and three stores a
-        column) held up its MMAs: the two launches are 2-7 % faster (docs/decisions.md). Other
-        experts: GEMM1 with act' in its epilogue.
+        Gated experts: a GEMM stores ``g = rows @ W2`` ([R, F]; the library's where the forward took
+        it, else GEMM1), then an elementwise kernel computes the outputs from g and the two products.
+        GEMM1 computing them in its epilogue (two loads and three stores a column) held up its MMAs:
+        the two launches were 1-8 % faster (docs/decisions.md). Other experts: GEMM1 with act' in its
+        epilogue.
         """
         from ..kernels.triton_activation import gated_activation_backward_kernel  # triton is an extra
         if isinstance(pre, tuple):  # the library's products
-            (grad_h, ), (first, up), stride = self._library_products(rows[:grad_pre.shape[0]], "w2"), pre, self.ffn
+            (grad_h, ), (first, up) = self._library_products(rows[:grad_pre.shape[0]], "w2"), pre
         elif self.gated:  # GEMM1's, side by side in one [R, 2F] tensor
             grad_h = torch.empty((grad_pre.shape[0], self.ffn), dtype=grad_pre.dtype, device=grad_pre.device)
-            self.gemm1(rows, grad_h, grad_h, backward=True, store_pre=False, plain=True)
-            first, up, stride = pre, pre[:, self.ffn:], 2 * self.ffn
+            self.gemm1(rows, grad_h, grad_h, backward=True, store_pre=False)
+            first, up = pre[:, :self.ffn], pre[:, self.ffn:]
         else:
             self.gemm1(rows, grad_pre, pre, backward=True, store_pre=False, act=act)
             return
-        self._elementwise(gated_activation_backward_kernel, grad_h, first, up, stride, grad_pre,
-                          grad_h if act is None else act, STORE_ACT=act is not None)
+        self._elementwise(gated_activation_backward_kernel, (grad_h, ), first, up,
+                          (grad_pre, grad_h if act is None else act), STORE_ACT=act is not None)
 
     @property
     def expert_ends(self) -> Tensor:
@@ -292,27 +292,31 @@ class FusedKernels:
         return tuple(torch._grouped_mm(rows, weights[name] if name == "w2" else weights[name].transpose(-2, -1),
                                        offs=self.expert_ends) for name in names)
 
-    def _elementwise(self, kernel, *args: Union[Tensor, int], **constants):
-        """One launch of an elementwise kernel of ``kernels.triton_activation`` over [R, F] blocks, R
-        the first tensor's rows; the kernel stops at the rows received this call (a layout word).
-        ``args`` are the kernel's leading arguments: tensors, and the row stride of z and u."""
+    def _elementwise(self, kernel, leading: Tuple[Tensor, ...], z: Tensor, u: Tensor, trailing: Tuple[Tensor, ...],
+                     **constants):
+        """One launch of ``kernel(*leading, z, u, z's row stride, *trailing, ...)``, an elementwise
+        kernel of ``kernels.triton_activation``, over [R, F] blocks. ``z`` and ``u`` ([R, F]) are two
+        tensors or the halves of one [R, 2F]; the others are contiguous. The kernel stops at the rows
+        received this call (a layout word)."""
         from ..kernels.triton_gemm import ACTIVATION_CODES
-        rows, block_m, block_n = args[0].shape[0], 32, 128
+        dense = leading + trailing
+        rows, block_m, block_n = min(t.shape[0] for t in (z, u) + dense), 32, 128
         if rows == 0:
             return
-        tensors = [a for a in args if isinstance(a, Tensor)]
-        if not all(t.stride(-1) == 1 for t in tensors):  # the kernels index rows of unit-stride elements
-            raise RuntimeError(f"ds_comet: the first layer's elementwise kernel needs unit-stride rows, got strides "
-                               f"{[t.stride() for t in tensors]} (FFN size {self.ffn})")
+        # The kernels index rows by these strides: F or 2F for dense tensors, z's for z and u.
+        if (z.shape[1] != self.ffn or u.shape[1] != self.ffn or z.stride() != u.stride() or z.stride(1) != 1
+                or not all(t.is_contiguous() for t in dense)):
+            raise RuntimeError(f"ds_comet: the first layer's elementwise kernel needs [R, {self.ffn}] z and u of one "
+                               f"row stride and contiguous rows otherwise, got z {list(z.shape)} {z.stride()}, u "
+                               f"{list(u.shape)} {u.stride()}, others {[t.stride() for t in dense]}")
         received = self.buffer.layout_offsets.totals + TOTAL_RECV_ROWS
         kernel[(-(-rows // block_m), -(-self.ffn // block_n))](
-            *args, self.buffer.layout[received:received + 1], self.ffn, ACTIVATION=ACTIVATION_CODES[self.activation],
-            BM=block_m, BN=block_n, num_warps=4, **constants)
+            *leading, z, u, z.stride(0), *trailing, self.buffer.layout[received:received + 1], self.ffn,
+            ACTIVATION=ACTIVATION_CODES[self.activation], BM=block_m, BN=block_n, num_warps=4, **constants)
 
     def gemm1(self, rows: Tensor, out: Tensor, pre: Tensor, backward: bool, store_pre: bool,
-              act: Optional[Tensor] = None, plain: bool = False):
-        """GEMM1 on ``rows`` (``gemm1_kernel``); with ``plain`` (the gated backward) only the product
-        ``rows @ W2`` goes to ``out`` ([R, F])."""
+              act: Optional[Tensor] = None):
+        """GEMM1 on ``rows`` (``gemm1_kernel``; the gated backward's ``out`` is ``rows @ W2``, [R, F])."""
         from ..kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         # A gated forward holds two accumulators, so its tile is at most 128 columns wide; the
@@ -325,8 +329,7 @@ class FusedKernels:
             lo.totals + TOTAL_TILES, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=tile_n, BK=TILE_K,
             GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, GATED=self.gated,
             ACTIVATION=ACTIVATION_CODES[self.activation], BACKWARD=backward, STORE_PRE=store_pre,
-            STORE_ACT=act is not None, WAIT=True, INTERPRET=_interpreting(),
-            QUARTERS=backward and self.gated and tile_n > 128 and not plain, PLAIN=plain, num_warps=8, num_stages=3))
+            STORE_ACT=act is not None, WAIT=True, INTERPRET=_interpreting(), num_warps=8, num_stages=3))
 
     def gemm2(self, rows: Tensor, out: Tensor, backward: bool):
         """GEMM2 on ``rows`` (the activations [R, F], or the backward's first-layer gradients [R, F] or

@@ -22,7 +22,7 @@ def _cuda_and_triton():
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(activation, packed):
     """z and u as two [R, F] tensors (the library's products) or as the halves of one [R, 2F]
-    (GEMM1's plain products)."""
+    (the Triton GEMM1's saved products)."""
     _cuda_and_triton()
     from ds_comet.kernels.triton_activation import gated_activation_backward_kernel, gated_activation_kernel
     from ds_comet.kernels.triton_gemm import ACTIVATION_CODES

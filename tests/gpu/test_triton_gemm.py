@@ -7,9 +7,9 @@ the tile schedule (own-row tiles first, then the rest), the expert search, the s
 column chunks without a GPU; with one rank every row's source is 0, so the per-source counting and
 the combine's reads (route_row) are left to the GPU tests.
 Then the backward kernels run on random output gradients laid out the same way (GEMM1 backward
-with act', GEMM2 backward with the gated second operand, the grouped weight and bias gradients)
-and are checked against float64 autograd
-of each expert. Skipped where triton is not installed (it is an extra).
+with act', or for gated experts dY W2 alone and the elementwise kernel after it; GEMM2 backward
+with the gated second operand; the grouped weight and bias gradients) and are checked against
+float64 autograd of each expert. Skipped where triton is not installed (it is an extra).
 """
 
 import os
@@ -41,19 +41,6 @@ from ds_comet.pipelines.fused_kernels import PointerTables, next_power_of_2
 from ds_comet.pipelines.routing import plan_routes
 from ds_comet.kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel, gemm2_kernel, wgrad_kernel
 from ds_comet.kernels.triton_activation import gated_activation_backward_kernel
-
-def split_backward(grad_recv, tables, first_args, first_offsets, common, pre, total, ffn, activation, tile_n,
-                   **outputs):
-    # The gated backward's first layer as the pipeline runs it off the library: gemm1_kernel's PLAIN
-    # product g = dY W2 (at the pipeline's width: the test's tiles doubled), then the elementwise kernel.
-    g = torch.full((pre.shape[0], ffn), float("nan"))
-    gemm1_kernel[(3, )](grad_recv, g, g, g, tables["w2"], tables["w3"], tables["b1"], tables["b3"], *first_args,
-                        *first_offsets, **{**common, "BN": 2 * tile_n}, HAS_BIAS=False, GATED=True,
-                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, STORE_ACT=False,
-                        WAIT=True, INTERPRET=True, PLAIN=True)
-    grid = (-(-pre.shape[0] // 16), -(-ffn // 16))
-    gated_activation_backward_kernel[grid](g, pre, pre[:, ffn:], 2 * ffn, outputs["grad_pre"], outputs["h"], total,
-                                           ffn, ACTIVATION=ACTIVATION_CODES[activation], STORE_ACT=True, BM=16, BN=16)
 
 def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_tiles, gated, activation, seed,
           with_bias=True):
@@ -127,18 +114,21 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
             grad_recv[lay["dest_row"][e] + i] = grad_routes[lay["send_offset"][e] + i]
     grad_pre = torch.full((rows + tile_m, width), float("nan"))
     h_again = torch.full_like(h, float("nan"))  # the activations, recomputed from pre for W2's gradient
-    gemm1_kernel[(3, )](grad_recv, grad_pre, pre, h_again, tables["w2"], tables["w3"], tables["b1"], tables["b3"],
-                        *first_args, *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated,
-                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, STORE_ACT=True,
-                        WAIT=True, INTERPRET=True, QUARTERS=gated and tile_n >= 32)  # as the pipeline's 256-column tiles
+    backward = dict(**common, HAS_BIAS=with_bias, GATED=gated, ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True,
+                    STORE_PRE=False, STORE_ACT=True, WAIT=True, INTERPRET=True)
+    if gated:
+        # g = dY W2 alone, then the elementwise kernel: the products' gradients and the activations.
+        grad_h = torch.full_like(h, float("nan"))
+        gemm1_kernel[(3, )](grad_recv, grad_h, grad_h, grad_h, tables["w2"], tables["w3"], tables["b1"], tables["b3"],
+                            *first_args, *first_offsets, **backward)
+        gated_activation_backward_kernel[(-(-rows // 16), -(-ffn // 16))](
+            grad_h, pre, pre[:, ffn:], 2 * ffn, grad_pre, h_again, torch.tensor([rows], dtype=torch.int32), ffn,
+            ACTIVATION=ACTIVATION_CODES[activation], STORE_ACT=True, BM=16, BN=16)
+    else:
+        gemm1_kernel[(3, )](grad_recv, grad_pre, pre, h_again, tables["w2"], tables["w3"], tables["b1"], tables["b3"],
+                            *first_args, *first_offsets, **backward)
     # fp32 here, so pre holds GEMM1's products exactly and the recomputed rows are the forward's.
     torch.testing.assert_close(h_again[:rows], h[:rows], rtol=1e-6, atol=1e-6)
-    if gated:  # the pipeline's gated backward, against the epilogue's (fp32: the same up to rounding)
-        split = {"grad_pre": torch.full_like(grad_pre, float("nan")), "h": torch.full_like(h, float("nan"))}
-        split_backward(grad_recv, tables, first_args, first_offsets, common, pre, torch.tensor([rows], dtype=torch.int32),
-                       ffn, activation, tile_n, **split)
-        torch.testing.assert_close(split["grad_pre"][:rows], grad_pre[:rows], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(split["h"][:rows], h[:rows], rtol=1e-6, atol=1e-6)
     grad_rows = torch.full_like(expert_out, float("nan"))
     chunk_counters.zero_()
     gemm2_kernel[(3, )](grad_pre, width, tables["w1"], tables["w3"], tables["b2"], origin, grad_rows, chunk_table,
