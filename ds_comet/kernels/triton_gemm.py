@@ -290,23 +290,23 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, pid_n * BN, K, BK, not BACKWARD,
                               two_products)
-        # The epilogue runs on one column half of the tile at a time. A whole tile's accumulator
-        # did not fit the registers together with its pre-activations and activations: ptxas
-        # spilled up to 2.4 KB a thread, and a layer's training step ran 20-45 % slower
-        # (docs/decisions.md).
-        bias1 = rows
-        bias3 = rows
-        if HAS_BIAS and not BACKWARD:
-            bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
-            if GATED:
-                bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
-        acc_left, acc_right = _column_halves(acc, BM, BN)
-        acc3_left, acc3_right = _column_halves(acc3, BM, BN)
         if GATED and BACKWARD:  # g alone: a plain row-major store of the whole tile, as GEMM2's
             offs_n = pid_n * BN + tl.arange(0, BN)
             at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
             tl.store(out + at, acc.to(dtype), mask=m_mask[:, None] & (offs_n < N)[None, :])
         else:
+            # The epilogue runs on one column half of the tile at a time. A whole tile's accumulator
+            # did not fit the registers together with its pre-activations and activations: ptxas
+            # spilled up to 2.4 KB a thread, and a layer's training step ran 20-45 % slower
+            # (docs/decisions.md).
+            bias1 = rows
+            bias3 = rows
+            if HAS_BIAS and not BACKWARD:
+                bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
+                if GATED:
+                    bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
+            acc_left, acc_right = _column_halves(acc, BM, BN)
+            acc3_left, acc3_right = _column_halves(acc3, BM, BN)
             half_n = pid_n * BN + tl.arange(0, BN // 2)
             _gemm1_epilogue(acc_left, acc3_left, offs_m, m_mask, half_n, N, pre_cols, out, pre, act, bias1, bias3,
                             GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)

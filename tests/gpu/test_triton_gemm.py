@@ -115,7 +115,7 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     grad_pre = torch.full((rows + tile_m, width), float("nan"))
     h_again = torch.full_like(h, float("nan"))  # the activations, recomputed from pre for W2's gradient
     backward = dict(**common, HAS_BIAS=with_bias, GATED=gated, ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True,
-                    STORE_PRE=False, STORE_ACT=True, WAIT=True, INTERPRET=True)
+                    STORE_PRE=False, STORE_ACT=not gated, WAIT=True, INTERPRET=True)
     if gated:
         # g = dY W2 alone, then the elementwise kernel: the products' gradients and the activations.
         grad_h = torch.full_like(h, float("nan"))
