@@ -366,7 +366,14 @@ class FusedKernels:
             # 0.79-1.05x its rate on the SwiGLU shapes (docs/decisions.md). Rows past the last
             # group's end are not read.
             rows = min(a.shape[0], b.shape[0])
-            return torch._grouped_mm(a[:rows].t(), b[:rows], offs=self.expert_ends), None
+            weight = torch._grouped_mm(a[:rows].t(), b[:rows], offs=self.expert_ends)
+            if not self.has_bias:
+                return weight, None
+            # The column sums as the product of a row of ones with a, on the same groups: the
+            # library's kernel reads a once more, pipelined, and an empty expert's sums are zero.
+            # 8 rows of ones, as 16-byte rows are what it takes; row 0 of each [8, M] is the sum.
+            ones = a.new_ones((rows, 8)).t()
+            return weight, torch._grouped_mm(ones, a[:rows], offs=self.expert_ends)[:, 0]
         from ..kernels.triton_gemm import wgrad_kernel
         out = torch.empty((num_local, M, N), dtype=a.dtype, device=a.device)
         bias = torch.empty((num_local, M), dtype=a.dtype, device=a.device) if self.has_bias else out
@@ -380,9 +387,10 @@ class FusedKernels:
 
     @property
     def library_wgrad(self) -> bool:
-        """Whether the weight gradients run as ``torch._grouped_mm``: bf16 experts without biases (it
-        computes no column sums) on sm_90, where torch builds it from CUTLASS's Hopper grouped GEMM."""
-        return (not self.has_bias and self.buffer.shape.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        """Whether the weight gradients (and the bias gradients' column sums) run as
+        ``torch._grouped_mm``: bf16 experts on sm_90, where torch builds it from CUTLASS's Hopper
+        grouped GEMM. Elsewhere ``wgrad_kernel`` computes both."""
+        return (self.buffer.shape.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
                 and self.buffer.capability == (9, 0))
 
 
