@@ -1,13 +1,13 @@
-"""The gated activation and its gradient, elementwise, after GEMMs that store plain products.
+"""The activations and their gradients, elementwise, after GEMMs that store plain products.
 
 Where ``torch._grouped_mm`` runs gated experts' first layer (``FusedKernels.library_first_layer``),
-it returns ``z = x W1^T`` and ``u = x W3^T``; in every gated backward, the library or
-``gemm1_kernel`` returns ``g = dY W2`` alone (``FusedKernels.first_layer_backward``). These kernels
-compute the rest:
+it returns ``z = x W1^T`` and ``u = x W3^T``; in every backward, the library or ``gemm1_kernel``
+returns ``g = dY W2`` alone (``FusedKernels.first_layer_backward``). These kernels compute the rest:
 
 - ``gated_activation_kernel``: ``h = act(z) * u``.
-- ``gated_activation_backward_kernel``: from ``g = dY W2``, ``dz = g * u * act'(z)`` and
-  ``du = g * act(z)`` side by side in ``[R, 2F]`` (the layout GEMM2's backward reads), and, for W2's
+- ``activation_backward_kernel``: from ``g = dY W2`` and the forward's products, the gradient of
+  the first layer's products (gated: ``dz = g * u * act'(z)`` and ``du = g * act(z)`` side by side
+  in ``[R, 2F]``, the layout GEMM2's backward reads; else ``dz = g * act'(z)``) and, for W2's
   gradient, ``h`` again.
 
 Both compute in fp32 and round once, and touch only the first ``*total`` rows (a device word: the
@@ -18,7 +18,24 @@ stride of their own, ``zu_stride``: separate [R, N] tensors (N), or the halves o
 import triton
 import triton.language as tl
 
-from .triton_gemm import _activation, _activation_grad
+from .triton_gemm import _activation
+
+
+@triton.jit
+def _activation_grad(x, ACTIVATION: tl.constexpr):
+    """d act(x) / dx."""
+    if ACTIVATION == 0:  # Phi(x) + x phi(x)
+        return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACTIVATION == 1:
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * inner))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+    elif ACTIVATION == 2:
+        return (x > 0.0).to(tl.float32)
+    else:
+        s = 1.0 / (1.0 + tl.exp(-x))
+        return s * (1.0 + x * (1.0 - s))
+
 
 
 @triton.jit
@@ -43,20 +60,25 @@ def gated_activation_kernel(z, u, zu_stride, h, total_ptr, N, ACTIVATION: tl.con
 
 
 @triton.jit
-def gated_activation_backward_kernel(g, z, u, zu_stride, grad_pre, h, total_ptr, N, ACTIVATION: tl.constexpr,
-                                     STORE_ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """grad_pre[:, :N] = g * u * act'(z), grad_pre[:, N:] = g * act(z) ([R, 2N]); with STORE_ACT,
-    h = act(z) * u as well. g and h are [R, N] row-major, z and u [R, N] of row stride zu_stride."""
+def activation_backward_kernel(g, z, u, zu_stride, grad_pre, h, total_ptr, N, ACTIVATION: tl.constexpr,
+                               GATED: tl.constexpr, STORE_ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """GATED: grad_pre[:, :N] = g * u * act'(z), grad_pre[:, N:] = g * act(z) ([R, 2N]), and with
+    STORE_ACT h = act(z) * u. Else (u unused): grad_pre = g * act'(z) ([R, N]), and with STORE_ACT
+    h = act(z). g and h are [R, N] row-major, z and u [R, N] of row stride zu_stride."""
     rows, cols, mask = _block(total_ptr, N, BM, BN)
     at = rows[:, None].to(tl.int64) * N + cols[None, :]
     at_zu = rows[:, None].to(tl.int64) * zu_stride + cols[None, :]
     gv = tl.load(g + at, mask=mask, other=0.0).to(tl.float32)
     zv = tl.load(z + at_zu, mask=mask, other=0.0).to(tl.float32)
-    uv = tl.load(u + at_zu, mask=mask, other=0.0).to(tl.float32)
     act = _activation(zv, ACTIVATION)
-    wide = rows[:, None].to(tl.int64) * (2 * N) + cols[None, :]
     out_dtype = grad_pre.dtype.element_ty
-    tl.store(grad_pre + wide, (gv * uv * _activation_grad(zv, ACTIVATION)).to(out_dtype), mask=mask)
-    tl.store(grad_pre + wide + N, (gv * act).to(out_dtype), mask=mask)
+    if GATED:
+        uv = tl.load(u + at_zu, mask=mask, other=0.0).to(tl.float32)
+        wide = rows[:, None].to(tl.int64) * (2 * N) + cols[None, :]
+        tl.store(grad_pre + wide, (gv * uv * _activation_grad(zv, ACTIVATION)).to(out_dtype), mask=mask)
+        tl.store(grad_pre + wide + N, (gv * act).to(out_dtype), mask=mask)
+        act = act * uv
+    else:
+        tl.store(grad_pre + at, (gv * _activation_grad(zv, ACTIVATION)).to(out_dtype), mask=mask)
     if STORE_ACT:
-        tl.store(h + at, (act * uv).to(h.dtype.element_ty), mask=mask)
+        tl.store(h + at, act.to(h.dtype.element_ty), mask=mask)

@@ -5,9 +5,9 @@ The two primitives each run in both directions:
 - ``gemm1_kernel`` reads the receive buffer that the dispatch kernels of every rank fill, and
   waits per row tile until all of the tile's rows have arrived; tiles holding only this rank's own
   rows come first, the others in arrival order. Forward it is GEMM1 with the activation
-  (``rows @ W1^T``); backward it takes the dispatched output gradients and gives the gradient of
-  the activation's input (``dY @ W2``, times act'), or for gated experts ``dY @ W2`` alone, which
-  an elementwise kernel (``triton_activation``) finishes.
+  (``rows @ W1^T``); backward it takes the dispatched output gradients and gives ``dY @ W2``
+  alone, which an elementwise kernel (``triton_activation``) turns into the gradient of the
+  activation's input.
 - ``gemm2_kernel`` computes column chunk by column chunk, each across all experts, stores its rows
   locally (a plain row-major store, which needs no more registers than the tile; docs/decisions.md) and
   counts, per source rank of the tile's rows, how many of them the chunk now holds, on the counter
@@ -122,22 +122,6 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation_grad(x, ACTIVATION: tl.constexpr):
-    """d act(x) / dx."""
-    if ACTIVATION == 0:  # Phi(x) + x phi(x)
-        return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
-    elif ACTIVATION == 1:
-        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * inner))
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-    elif ACTIVATION == 2:
-        return (x > 0.0).to(tl.float32)
-    else:
-        s = 1.0 / (1.0 + tl.exp(-x))
-        return s * (1.0 + x * (1.0 - s))
-
-
-@triton.jit
 def _find_expert(prefix, value):
     """Index of the expert whose [prefix[l], prefix[l+1]) holds value (padding entries are huge)."""
     return tl.sum((prefix <= value).to(tl.int32)) - 1
@@ -239,24 +223,22 @@ def _dot_rows(acc, acc2, a, lda, offs_m, m_mask, w, w2, n0, K, BK: tl.constexpr,
 
 # Not specialised: a rank of 1 would otherwise become a constant, and each rank its own compile.
 @triton.jit(do_not_specialize=["error_addr", "timeout_ns", "rank"])
-def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, layout, tile_counters, error_addr,
+def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, tile_counters, error_addr,
                  timeout_ns, rank, K, N, num_local, off_expert_start, off_tile_start, off_local_tiles,
                  off_remote_tiles, off_total_tiles, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
-                 STORE_ACT: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr):
+                 WAIT: tl.constexpr, INTERPRET: tl.constexpr):
     """The first grouped GEMM over the receive buffer ``rows`` ([R, K]), tile by tile as rows arrive.
 
     Forward (W = W1, [N, K]): out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)]; with STORE_PRE
     the products before the activation also go to ``pre`` ([R, N], gated [R, 2N]: first, then up).
-    Backward (W = W2, [K, N]; rows are output gradients): g = rows @ W2 and, from the forward's
-    ``pre``, out = g * act'(z); with STORE_ACT also the forward's activations again, act(z), to
-    ``act`` ([R, N]) for W2's gradient: recomputed from ``pre``, which the epilogue reads anyway,
-    they need not be kept. Gated, out = g ([R, N]) alone: an epilogue that read the two products
-    and wrote their gradients and the activations held up the MMAs, and an elementwise kernel
-    after the GEMM was faster (docs/decisions.md); ``pre``, ``act`` and STORE_ACT are unused.
+    Backward (W = W2, [K, N]; rows are output gradients): out = g = rows @ W2 ([R, N]) alone, and
+    ``pre``, ACTIVATION, HAS_BIAS and STORE_PRE are unused. An epilogue that read the forward's
+    products and wrote their gradients and the activations held up the MMAs; an elementwise kernel
+    after the GEMM (``triton_activation.activation_backward_kernel``) was faster (docs/decisions.md).
     """
-    tl.static_assert(BACKWARD or not STORE_ACT, "gemm1_kernel: STORE_ACT is an output of the backward")
+    tl.static_assert(not (BACKWARD and STORE_PRE), "gemm1_kernel: STORE_PRE is an output of the forward")
     dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
     n_tiles = tl.cdiv(N, BN)
@@ -290,7 +272,7 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, pid_n * BN, K, BK, not BACKWARD,
                               two_products)
-        if GATED and BACKWARD:  # g alone: a plain row-major store of the whole tile, as GEMM2's
+        if BACKWARD:  # g alone: a plain row-major store of the whole tile, as GEMM2's
             offs_n = pid_n * BN + tl.arange(0, BN)
             at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
             tl.store(out + at, acc.to(dtype), mask=m_mask[:, None] & (offs_n < N)[None, :])
@@ -301,17 +283,17 @@ def gemm1_kernel(rows, out, pre, act, w_table, w3_table, b1_table, b3_table, lay
             # (docs/decisions.md).
             bias1 = rows
             bias3 = rows
-            if HAS_BIAS and not BACKWARD:
+            if HAS_BIAS:
                 bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
                 if GATED:
                     bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
             acc_left, acc_right = _column_halves(acc, BM, BN)
             acc3_left, acc3_right = _column_halves(acc3, BM, BN)
             half_n = pid_n * BN + tl.arange(0, BN // 2)
-            _gemm1_epilogue(acc_left, acc3_left, offs_m, m_mask, half_n, N, pre_cols, out, pre, act, bias1, bias3,
-                            GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
-            _gemm1_epilogue(acc_right, acc3_right, offs_m, m_mask, half_n + BN // 2, N, pre_cols, out, pre, act,
-                            bias1, bias3, GATED, ACTIVATION, BACKWARD, STORE_PRE, STORE_ACT, HAS_BIAS)
+            _gemm1_epilogue(acc_left, acc3_left, offs_m, m_mask, half_n, N, pre_cols, out, pre, bias1, bias3,
+                            GATED, ACTIVATION, STORE_PRE, HAS_BIAS)
+            _gemm1_epilogue(acc_right, acc3_right, offs_m, m_mask, half_n + BN // 2, N, pre_cols, out, pre,
+                            bias1, bias3, GATED, ACTIVATION, STORE_PRE, HAS_BIAS)
 
 
 @triton.jit
@@ -323,34 +305,26 @@ def _column_halves(x, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _gemm1_epilogue(acc, acc3, offs_m, m_mask, offs_n, N, pre_cols, out, pre, act, bias1, bias3, GATED: tl.constexpr,
-                    ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
-                    STORE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """gemm1_kernel's outputs for the columns offs_n of its tile (acc3: the up products, gated
-    forward); the gated backward does not come here."""
+def _gemm1_epilogue(acc, acc3, offs_m, m_mask, offs_n, N, pre_cols, out, pre, bias1, bias3, GATED: tl.constexpr,
+                    ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The forward gemm1_kernel's outputs for the columns offs_n of its tile (acc3: the up products
+    of gated experts): the activations, and with STORE_PRE the products before them."""
     dtype = out.dtype.element_ty
     n_mask = offs_n < N
     mn_mask = m_mask[:, None] & n_mask[None, :]
-    pre_ptrs = pre + offs_m[:, None] * pre_cols + offs_n[None, :]
-    if BACKWARD:
-        z = tl.load(pre_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
-        tl.store(out + offs_m[:, None] * N + offs_n[None, :], (acc * _activation_grad(z, ACTIVATION)).to(dtype),
-                 mask=mn_mask)
-        if STORE_ACT:
-            tl.store(act + offs_m[:, None] * N + offs_n[None, :], _activation(z, ACTIVATION).to(dtype), mask=mn_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc3 += tl.load(bias3 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if STORE_PRE:
-            tl.store(pre_ptrs, acc.to(dtype), mask=mn_mask)
-            if GATED:
-                tl.store(pre_ptrs + N, acc3.to(dtype), mask=mn_mask)
-        result = _activation(acc, ACTIVATION)
+    if HAS_BIAS:
+        acc += tl.load(bias1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            result = result * acc3
-        tl.store(out + offs_m[:, None] * N + offs_n[None, :], result.to(dtype), mask=mn_mask)
+            acc3 += tl.load(bias3 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if STORE_PRE:
+        pre_ptrs = pre + offs_m[:, None] * pre_cols + offs_n[None, :]
+        tl.store(pre_ptrs, acc.to(dtype), mask=mn_mask)
+        if GATED:
+            tl.store(pre_ptrs + N, acc3.to(dtype), mask=mn_mask)
+    result = _activation(acc, ACTIVATION)
+    if GATED:
+        result = result * acc3
+    tl.store(out + offs_m[:, None] * N + offs_n[None, :], result.to(dtype), mask=mn_mask)
 
 
 @triton.jit

@@ -22,6 +22,9 @@ from .workspace import CometBuffer
 
 TILE_K = 64
 GROUP_M = 8
+# The elementwise activation kernels' block (rows, columns) and warps: 64x128, 32x256 and 16x256
+# blocks were no faster in the backward (docs/decisions.md).
+ELEMENTWISE_BLOCK = (32, 128, 4)
 
 
 class PointerTables:
@@ -240,7 +243,7 @@ class FusedKernels:
         pre = h
         if keep_pre:
             pre = torch.empty((h.shape[0], self.ffn * (2 if self.gated else 1)), dtype=h.dtype, device=h.device)
-        self.gemm1(rows, h, pre, backward=False, store_pre=keep_pre)
+        self.gemm1(rows, h, backward=False, pre=pre if keep_pre else None)
         return pre if keep_pre else None
 
     def first_layer_backward(self, rows: Tensor, grad_pre: Tensor, pre: Union[Tensor, Tuple[Tensor, Tensor]],
@@ -249,24 +252,21 @@ class FusedKernels:
         products into ``grad_pre`` ([R, F], gated [R, 2F]) and, unless ``act`` is None, the activations
         again into ``act`` ([R, F]) for W2's gradient. ``pre`` is what ``first_layer`` returned.
 
-        Gated experts: a GEMM stores ``g = rows @ W2`` ([R, F]; the library's where the forward took
-        it, else GEMM1), then an elementwise kernel computes the outputs from g and the two products.
-        GEMM1 computing them in its epilogue (two loads and three stores a column) held up its MMAs:
-        the two launches were 1-8 % faster (docs/decisions.md). Other experts: GEMM1 with act' in its
-        epilogue.
+        A GEMM stores ``g = rows @ W2`` ([R, F]; the library's where the forward took it, else
+        GEMM1), then an elementwise kernel computes the outputs from g and the products. GEMM1
+        computing them in its epilogue held up its MMAs: the two launches were 1-8 % faster for gated
+        experts and 0-18 % for GELU ones (docs/decisions.md).
         """
-        from ..kernels.triton_activation import gated_activation_backward_kernel  # triton is an extra
+        from ..kernels.triton_activation import activation_backward_kernel  # triton is an extra
         if isinstance(pre, tuple):  # the library's products
             (grad_h, ), (first, up) = self._library_products(rows[:grad_pre.shape[0]], "w2"), pre
-        elif self.gated:  # GEMM1's, side by side in one [R, 2F] tensor
-            grad_h = torch.empty((grad_pre.shape[0], self.ffn), dtype=grad_pre.dtype, device=grad_pre.device)
-            self.gemm1(rows, grad_h, grad_h, backward=True, store_pre=False)
-            first, up = pre[:, :self.ffn], pre[:, self.ffn:]
         else:
-            self.gemm1(rows, grad_pre, pre, backward=True, store_pre=False, act=act)
-            return
-        self._elementwise(gated_activation_backward_kernel, (grad_h, ), first, up,
-                          (grad_pre, grad_h if act is None else act), STORE_ACT=act is not None)
+            grad_h = torch.empty((grad_pre.shape[0], self.ffn), dtype=grad_pre.dtype, device=grad_pre.device)
+            self.gemm1(rows, grad_h, backward=True)
+            # GEMM1's products: a gated expert's side by side in one [R, 2F] tensor; u is unused otherwise.
+            first, up = (pre[:, :self.ffn], pre[:, self.ffn:]) if self.gated else (pre, pre)
+        self._elementwise(activation_backward_kernel, (grad_h, ), first, up, (grad_pre, grad_h if act is None else act),
+                          GATED=self.gated, STORE_ACT=act is not None)
 
     @property
     def expert_ends(self) -> Tensor:
@@ -296,11 +296,13 @@ class FusedKernels:
                      **constants):
         """One launch of ``kernel(*leading, z, u, z's row stride, *trailing, ...)``, an elementwise
         kernel of ``kernels.triton_activation``, over [R, F] blocks. ``z`` and ``u`` ([R, F]) are two
-        tensors or the halves of one [R, 2F]; the others are contiguous. The kernel stops at the rows
+        tensors or the halves of one [R, 2F] (``u`` is ``z`` where the kernel reads no up products);
+        the others are contiguous. The kernel stops at the rows
         received this call (a layout word)."""
         from ..kernels.triton_gemm import ACTIVATION_CODES
         dense = leading + trailing
-        rows, block_m, block_n = min(t.shape[0] for t in (z, u) + dense), 32, 128
+        rows = min(t.shape[0] for t in (z, u) + dense)
+        block_m, block_n, warps = ELEMENTWISE_BLOCK
         if rows == 0:
             return
         # The kernels index rows by these strides: F or 2F for dense tensors, z's for z and u.
@@ -312,24 +314,25 @@ class FusedKernels:
         received = self.buffer.layout_offsets.totals + TOTAL_RECV_ROWS
         kernel[(-(-rows // block_m), -(-self.ffn // block_n))](
             *leading, z, u, z.stride(0), *trailing, self.buffer.layout[received:received + 1], self.ffn,
-            ACTIVATION=ACTIVATION_CODES[self.activation], BM=block_m, BN=block_n, num_warps=4, **constants)
+            ACTIVATION=ACTIVATION_CODES[self.activation], BM=block_m, BN=block_n, num_warps=warps, **constants)
 
-    def gemm1(self, rows: Tensor, out: Tensor, pre: Tensor, backward: bool, store_pre: bool,
-              act: Optional[Tensor] = None):
-        """GEMM1 on ``rows`` (``gemm1_kernel``; the gated backward's ``out`` is ``rows @ W2``, [R, F])."""
+    def gemm1(self, rows: Tensor, out: Tensor, backward: bool, pre: Optional[Tensor] = None):
+        """GEMM1 on ``rows`` (``gemm1_kernel``): forward, the activations into ``out`` ([R, F]) and,
+        if ``pre`` is given, the products before them into it ([R, F], gated [R, 2F]); backward,
+        ``rows @ W2`` into ``out`` ([R, F])."""
         from ..kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         # A gated forward holds two accumulators, so its tile is at most 128 columns wide; the
         # backward holds one and takes GEMM2's width (2x faster on gated shapes, docs/decisions.md).
         tile_n = self.params.tile_n if backward else self.params.gemm1_tile_n
         with_descriptor_scratch(lambda: gemm1_kernel[(self.grid, )](
-            rows, out, pre, out if act is None else act, t["w2"] if backward else t["w1"], t["w3"], t["b1"],
+            rows, out, out if pre is None else pre, t["w2"] if backward else t["w1"], t["w3"], t["b1"],
             t["b3"], b.layout, b.tile_counters, b.error_address, b.kernel_shape.timeout_ns, b.rank, self.hidden,
             self.ffn, self.num_local, lo.expert_start, lo.tile_start, lo.local_tiles, lo.remote_tiles,
             lo.totals + TOTAL_TILES, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=tile_n, BK=TILE_K,
             GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, GATED=self.gated,
-            ACTIVATION=ACTIVATION_CODES[self.activation], BACKWARD=backward, STORE_PRE=store_pre,
-            STORE_ACT=act is not None, WAIT=True, INTERPRET=_interpreting(), num_warps=8, num_stages=3))
+            ACTIVATION=ACTIVATION_CODES[self.activation], BACKWARD=backward, STORE_PRE=pre is not None, WAIT=True,
+            INTERPRET=_interpreting(), num_warps=8, num_stages=3))
 
     def gemm2(self, rows: Tensor, out: Tensor, backward: bool):
         """GEMM2 on ``rows`` (the activations [R, F], or the backward's first-layer gradients [R, F] or

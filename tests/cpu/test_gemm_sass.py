@@ -39,7 +39,7 @@ if not os.path.exists(nvdisasm) or not os.path.exists(cuobjdump):
 bf, fp, i64, i32 = (MockTensor(t) for t in (torch.bfloat16, torch.float16, torch.int64, torch.int32))
 COLLECTIVE = re.compile(r"@!?U?P\d+ (REDUX|SHFL|VOTE|MATCH)")
 
-STACK_LIMIT = 256  # bytes a thread; the split epilogue's backward with the activations stored needs 192 here
+STACK_LIMIT = 256  # bytes a thread; these builds need at most 32 (a 2.4 KB spill slowed steps 20-45 %)
 
 def predicated(kernel, path):
     with open(path, "wb") as handle:
@@ -57,10 +57,10 @@ for num_local, backward, gated, t in ((16, False, False, bf), (16, True, False, 
                                       (4, False, False, bf), (32, True, True, bf), (16, False, False, fp),
                                       (32, True, True, fp)):
     l_pow2 = 1 << num_local.bit_length()
-    k = gemm1_kernel.warmup(t, t, t, t, i64, i64, i64, i64, i32, i32, 2**40, 2**40, 0, 7168, 2048, num_local, 0, 8,
+    k = gemm1_kernel.warmup(t, t, t, i64, i64, i64, i64, i32, i32, 2**40, 2**40, 0, 7168, 2048, num_local, 0, 8,
                             16, 24, 32, L_POW2=l_pow2, BM=128, BN=128 if gated and not backward else 256, BK=64,
                             GROUP_M=8, NUM_PROGS=116, HAS_BIAS=not gated, GATED=gated, ACTIVATION=0,
-                            BACKWARD=backward, STORE_PRE=not backward, STORE_ACT=backward and not gated, WAIT=True,
+                            BACKWARD=backward, STORE_PRE=not backward, WAIT=True,
                             INTERPRET=False, grid=(1, ), num_warps=8, num_stages=3)
     found[("gemm1", num_local, backward, gated, str(t.dtype))] = predicated(k, path)
     k = gemm2_kernel.warmup(t, 2048, i64, i64, i64, i64, t, i64, i32, 2048, 7168, num_local, 0, 8, 16, EP_SIZE=2,

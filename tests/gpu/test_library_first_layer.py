@@ -1,6 +1,7 @@
-"""The first layer on the library's grouped GEMM (alone in the group, stacked bf16 experts, sm_90):
-its elementwise activation kernels against torch in fp32, and the fused layer that uses it against
-the same layer on the Triton GEMM1 (skipped without CUDA, Triton or transformers)."""
+"""The elementwise activation kernels (the library's first layer and every backward use them)
+against torch in fp32, and the fused layer with the first layer on the library's grouped GEMM
+(alone in the group, stacked bf16 experts, sm_90) against the same layer on the Triton GEMM1
+(skipped without CUDA, Triton or transformers)."""
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(acti
     """z and u as two [R, F] tensors (the library's products) or as the halves of one [R, 2F]
     (the Triton GEMM1's saved products)."""
     _cuda_and_triton()
-    from ds_comet.kernels.triton_activation import gated_activation_backward_kernel, gated_activation_kernel
+    from ds_comet.kernels.triton_activation import activation_backward_kernel, gated_activation_kernel
     from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
 
     seed = torch.randint(1, 10**6, ()).item()
@@ -40,10 +41,10 @@ def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(acti
     grid, blocks = (-(-rows // 32), -(-ffn // 128)), dict(BM=32, BN=128)
     code = ACTIVATION_CODES[activation]
     gated_activation_kernel[grid](*zu, h, total, ffn, ACTIVATION=code, **blocks)
-    gated_activation_backward_kernel[grid](g, *zu, grad_pre, h_again, total, ffn, ACTIVATION=code, STORE_ACT=True,
-                                           **blocks)
-    gated_activation_backward_kernel[grid](g, *zu, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code,
-                                           STORE_ACT=False, **blocks)
+    activation_backward_kernel[grid](g, *zu, grad_pre, h_again, total, ffn, ACTIVATION=code, GATED=True,
+                                     STORE_ACT=True, **blocks)
+    activation_backward_kernel[grid](g, *zu, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code, GATED=True,
+                                     STORE_ACT=False, **blocks)
 
     zf, uf = z.float().requires_grad_(), u.float().requires_grad_()
     want = ACTIVATIONS[activation](zf) * uf
@@ -54,6 +55,33 @@ def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(acti
     assert rel(grad_pre[:n, :ffn], dz[:n]) < BF16_REL and rel(grad_pre[:n, ffn:], du[:n]) < BF16_REL, seed
     assert (h[n:] == 7).all() and (grad_pre[n:] == 7).all(), seed
     assert torch.equal(grad_pre_again, grad_pre) and (h_unasked == 7).all(), seed
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_activation_backward_kernel_without_gate_matches_torch(activation):
+    """A GELU (or ReLU) expert's backward: dz = g act'(z) and act(z) again, from GEMM1's [R, F]
+    products, only on the received rows."""
+    _cuda_and_triton()
+    from ds_comet.kernels.triton_activation import activation_backward_kernel
+    from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
+
+    seed = torch.randint(1, 10**6, ()).item()
+    torch.manual_seed(seed)
+    rows, received, ffn = 301, 259, 392
+    z, g = ((3 * torch.randn(rows, ffn, device="cuda")).to(torch.bfloat16) for _ in range(2))
+    total = torch.tensor([received], dtype=torch.int32, device="cuda")
+    grad_pre, h = (torch.full((rows, ffn), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    activation_backward_kernel[(-(-rows // 32), -(-ffn // 128))](
+        g, z, z, ffn, grad_pre, h, total, ffn, ACTIVATION=ACTIVATION_CODES[activation], GATED=False, STORE_ACT=True,
+        BM=32, BN=128)
+
+    zf = z.float().requires_grad_()
+    want = F.gelu(zf) if activation == "gelu" else F.relu(zf)
+    dz, = torch.autograd.grad(want, [zf], g.float())
+    n = received
+    assert rel(h[:n], want[:n].detach()) < BF16_REL, seed
+    assert rel(grad_pre[:n], dz[:n]) < BF16_REL, seed
+    assert (h[n:] == 7).all() and (grad_pre[n:] == 7).all(), seed
 
 
 def library_against_triton_case(seed: int):

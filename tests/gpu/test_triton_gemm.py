@@ -6,8 +6,8 @@ every kept route's output row (GEMM2 stores it by receive row) and every chunk c
 the tile schedule (own-row tiles first, then the rest), the expert search, the swizzle and the
 column chunks without a GPU; with one rank every row's source is 0, so the per-source counting and
 the combine's reads (route_row) are left to the GPU tests.
-Then the backward kernels run on random output gradients laid out the same way (GEMM1 backward
-with act', or for gated experts dY W2 alone and the elementwise kernel after it; GEMM2 backward
+Then the backward kernels run on random output gradients laid out the same way (GEMM1 backward,
+dY W2 alone, and the elementwise kernel after it; GEMM2 backward
 with the gated second operand; the grouped weight and bias gradients) and are checked against
 float64 autograd of each expert. Skipped where triton is not installed (it is an extra).
 """
@@ -40,7 +40,7 @@ from ds_comet.pipelines.expert_weights import ModuleFusedExperts
 from ds_comet.pipelines.fused_kernels import PointerTables, next_power_of_2
 from ds_comet.pipelines.routing import plan_routes
 from ds_comet.kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel, gemm2_kernel, wgrad_kernel
-from ds_comet.kernels.triton_activation import gated_activation_backward_kernel
+from ds_comet.kernels.triton_activation import activation_backward_kernel
 
 def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_tiles, gated, activation, seed,
           with_bias=True):
@@ -88,9 +88,9 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     lo = (offsets.expert_start, offsets.tile_start)
     first_args = (layout, counters, error.data_ptr(), 10**9, 0, hidden, ffn)
     first_offsets = (num_experts, *lo, offsets.local_tiles, offsets.remote_tiles, offsets.totals + C.TOTAL_TILES)
-    gemm1_kernel[(3, )](recv, h, pre, h, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args,
+    gemm1_kernel[(3, )](recv, h, pre, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args,
                         *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated,
-                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=False, STORE_PRE=True, STORE_ACT=False, WAIT=True, INTERPRET=True)
+                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=False, STORE_PRE=True, WAIT=True, INTERPRET=True)
     gemm2_kernel[(3, )](h, ffn, tables["w2"], tables["w2"], tables["b2"], origin, expert_out, chunk_table, layout, ffn,
                         hidden, num_experts, *lo, offsets.totals + C.TOTAL_TILES, EP_SIZE=1, **common,
                         CHUNK_TILES=chunk_tiles, HAS_BIAS=with_bias, SECOND=False, W_NK=True)
@@ -114,19 +114,15 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
             grad_recv[lay["dest_row"][e] + i] = grad_routes[lay["send_offset"][e] + i]
     grad_pre = torch.full((rows + tile_m, width), float("nan"))
     h_again = torch.full_like(h, float("nan"))  # the activations, recomputed from pre for W2's gradient
-    backward = dict(**common, HAS_BIAS=with_bias, GATED=gated, ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True,
-                    STORE_PRE=False, STORE_ACT=not gated, WAIT=True, INTERPRET=True)
-    if gated:
-        # g = dY W2 alone, then the elementwise kernel: the products' gradients and the activations.
-        grad_h = torch.full_like(h, float("nan"))
-        gemm1_kernel[(3, )](grad_recv, grad_h, grad_h, grad_h, tables["w2"], tables["w3"], tables["b1"], tables["b3"],
-                            *first_args, *first_offsets, **backward)
-        gated_activation_backward_kernel[(-(-rows // 16), -(-ffn // 16))](
-            grad_h, pre, pre[:, ffn:], 2 * ffn, grad_pre, h_again, torch.tensor([rows], dtype=torch.int32), ffn,
-            ACTIVATION=ACTIVATION_CODES[activation], STORE_ACT=True, BM=16, BN=16)
-    else:
-        gemm1_kernel[(3, )](grad_recv, grad_pre, pre, h_again, tables["w2"], tables["w3"], tables["b1"], tables["b3"],
-                            *first_args, *first_offsets, **backward)
+    # g = dY W2 alone, then the elementwise kernel: the products' gradients and the activations.
+    grad_h = torch.full_like(h, float("nan"))
+    gemm1_kernel[(3, )](grad_recv, grad_h, grad_h, tables["w2"], tables["w3"], tables["b1"], tables["b3"], *first_args,
+                        *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated,
+                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, WAIT=True,
+                        INTERPRET=True)
+    activation_backward_kernel[(-(-rows // 16), -(-ffn // 16))](
+        grad_h, pre, pre[:, ffn:] if gated else pre, width, grad_pre, h_again, torch.tensor([rows], dtype=torch.int32),
+        ffn, ACTIVATION=ACTIVATION_CODES[activation], GATED=gated, STORE_ACT=True, BM=16, BN=16)
     # fp32 here, so pre holds GEMM1's products exactly and the recomputed rows are the forward's.
     torch.testing.assert_close(h_again[:rows], h[:rows], rtol=1e-6, atol=1e-6)
     grad_rows = torch.full_like(expert_out, float("nan"))
@@ -219,11 +215,11 @@ record = torch.zeros(C.ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
 programs = tiles * (ffn // tile_n)  # every program waits on its first tile, and all give up together
 try:
     with_descriptor_scratch(lambda: gemm1_kernel[(programs, )](
-        recv, h, h, h, tables["w1"], tables["w3"], tables["b1"], tables["b3"], layout, counters, record.data_ptr(),
+        recv, h, h, tables["w1"], tables["w3"], tables["b1"], tables["b3"], layout, counters, record.data_ptr(),
         timeout_ns, 3, hidden, ffn, num_experts, offsets.expert_start, offsets.tile_start, offsets.local_tiles,
         offsets.remote_tiles, offsets.totals + C.TOTAL_TILES, L_POW2=next_power_of_2(num_experts + 1), BM=tile_m,
         BN=tile_n, BK=64, GROUP_M=8, NUM_PROGS=programs, HAS_BIAS=True, GATED=False,
-        ACTIVATION=ACTIVATION_CODES["gelu"], BACKWARD=False, STORE_PRE=False, STORE_ACT=False, WAIT=True,
+        ACTIVATION=ACTIVATION_CODES["gelu"], BACKWARD=False, STORE_PRE=False, WAIT=True,
         INTERPRET=False,
         num_warps=4, num_stages=3))
     torch.cuda.synchronize()
