@@ -57,10 +57,10 @@ def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(acti
     assert torch.equal(grad_pre_again, grad_pre) and (h_unasked == 7).all(), seed
 
 
-@pytest.mark.parametrize("activation", ["gelu", "relu"])
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
 def test_activation_backward_kernel_without_gate_matches_torch(activation):
-    """A GELU (or ReLU) expert's backward: dz = g act'(z) and act(z) again, from GEMM1's [R, F]
-    products, only on the received rows."""
+    """A GELU, ReLU or SiLU expert's backward: dz = g act'(z) and act(z) again, from GEMM1's [R, F]
+    products, only on the received rows; without STORE_ACT the same dz and no activations."""
     _cuda_and_triton()
     from ds_comet.kernels.triton_activation import activation_backward_kernel
     from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
@@ -70,18 +70,22 @@ def test_activation_backward_kernel_without_gate_matches_torch(activation):
     rows, received, ffn = 301, 259, 392
     z, g = ((3 * torch.randn(rows, ffn, device="cuda")).to(torch.bfloat16) for _ in range(2))
     total = torch.tensor([received], dtype=torch.int32, device="cuda")
-    grad_pre, h = (torch.full((rows, ffn), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    activation_backward_kernel[(-(-rows // 32), -(-ffn // 128))](
-        g, z, z, ffn, grad_pre, h, total, ffn, ACTIVATION=ACTIVATION_CODES[activation], GATED=False, STORE_ACT=True,
-        BM=32, BN=128)
+    grad_pre, h, grad_pre_again, h_unasked = (torch.full((rows, ffn), 7.0, dtype=torch.bfloat16, device="cuda")
+                                              for _ in range(4))
+    grid, code = (-(-rows // 32), -(-ffn // 128)), ACTIVATION_CODES[activation]
+    activation_backward_kernel[grid](g, z, z, ffn, grad_pre, h, total, ffn, ACTIVATION=code, GATED=False,
+                                     STORE_ACT=True, BM=32, BN=128)
+    activation_backward_kernel[grid](g, z, z, ffn, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code,
+                                     GATED=False, STORE_ACT=False, BM=32, BN=128)
 
     zf = z.float().requires_grad_()
-    want = F.gelu(zf) if activation == "gelu" else F.relu(zf)
+    want = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[activation](zf)
     dz, = torch.autograd.grad(want, [zf], g.float())
     n = received
     assert rel(h[:n], want[:n].detach()) < BF16_REL, seed
     assert rel(grad_pre[:n], dz[:n]) < BF16_REL, seed
     assert (h[n:] == 7).all() and (grad_pre[n:] == 7).all(), seed
+    assert torch.equal(grad_pre_again, grad_pre) and (h_unasked == 7).all(), seed
 
 
 def library_against_triton_case(seed: int):
