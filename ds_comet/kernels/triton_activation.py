@@ -37,7 +37,6 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
         return s * (1.0 + x * (1.0 - s))
 
 
-
 @triton.jit
 def _block(total_ptr, N, BM: tl.constexpr, BN: tl.constexpr):
     """This program's rows, columns and mask over the first ``*total_ptr`` rows of an [R, N] grid."""

@@ -249,7 +249,7 @@ FORWARD_CASES = [
     # A small gated layer, an FFN narrower than one column tile, three of four experts a token.
     dict(hidden=64, ffn=96, experts_per_rank=4, k=3, tokens_per_rank=(48, 60), expert_kind="swiglu",
          drop_tokens=False),
-    # Bias-free bf16 experts take the library's grouped GEMM for their weight gradients: every token
+    # bf16 experts take the library's grouped GEMM for their weight gradients: every token
     # on one expert leaves the others' groups empty, which must give zero gradients. Equal token
     # counts: without drops stock caps its capacity at the rank's own token count, so ranks with
     # fewer tokens than the busiest expert's routes would post all-to-alls of different sizes.
