@@ -21,12 +21,12 @@ the group: the Triton GEMMs (the backward's GEMM1 stores ``dY W2`` and an elemen
 computes the gradients from it, both timed), and the weight gradients as ``torch._grouped_mm`` where
 ``FusedKernels.library_wgrad`` says so (a gated dW1 as two calls, biases' column sums as one more
 each). The experts are one module each, so GEMM1 stays on Triton even here alone in the group,
-where stacked experts would take the library's (``FusedKernels.library_first_layer``). ``torch._grouped_mm``
-computes the same product on the same rows, grouped by the same offsets, without the epilogue's
-bias, activation or stored products, or a bias gradient: its rate is the library's rate for the GEMM alone. Each phase
-is timed on a warm device (the chip is power bound and its clock settles within about 200 ms):
-back-to-back calls for about 400 ms, the implementations of one phase in turn. Rank 0 prints
-TFLOP/s and the ratio and writes gemm.json.
+where stacked experts would take the library's (``FusedKernels.library_first_layer``).
+``torch._grouped_mm`` computes the same product on the same rows, grouped by the same offsets,
+without the epilogue's bias, activation or stored products, or a bias gradient: its rate is the
+library's rate for the GEMM alone. Each phase is timed on a warm device (the chip is power bound
+and its clock settles within about 200 ms): back-to-back calls for about 400 ms, the
+implementations of one phase in turn. Rank 0 prints TFLOP/s and the ratio and writes gemm.json.
 """
 
 import argparse

@@ -234,9 +234,10 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
     Forward (W = W1, [N, K]): out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)]; with STORE_PRE
     the products before the activation also go to ``pre`` ([R, N], gated [R, 2N]: first, then up).
     Backward (W = W2, [K, N]; rows are output gradients): out = g = rows @ W2 ([R, N]) alone; the
-    other weights, the biases, ``pre``, GATED, ACTIVATION, HAS_BIAS and STORE_PRE are unused. An epilogue that read the forward's
-    products and wrote their gradients and the activations held up the MMAs; an elementwise kernel
-    after the GEMM (``triton_activation.activation_backward_kernel``) was faster (docs/decisions.md).
+    other weights, the biases, ``pre``, GATED, ACTIVATION, HAS_BIAS and STORE_PRE are unused. An
+    epilogue that read the forward's products and wrote their gradients and the activations held up
+    the MMAs; an elementwise kernel after the GEMM (``triton_activation.activation_backward_kernel``)
+    was faster (docs/decisions.md).
     """
     tl.static_assert(not (BACKWARD and STORE_PRE), "gemm1_kernel: STORE_PRE is an output of the forward")
     dtype = rows.dtype.element_ty

@@ -297,8 +297,7 @@ class FusedKernels:
         """One launch of ``kernel(*leading, z, u, z's row stride, *trailing, ...)``, an elementwise
         kernel of ``kernels.triton_activation``, over [R, F] blocks. ``z`` and ``u`` ([R, F]) are two
         tensors or the halves of one [R, 2F] (``u`` is ``z`` where the kernel reads no up products);
-        the others are contiguous. The kernel stops at the rows
-        received this call (a layout word)."""
+        the others are contiguous. The kernel stops at the rows received this call (a layout word)."""
         from ..kernels.triton_gemm import ACTIVATION_CODES
         dense = leading + trailing
         rows = min(t.shape[0] for t in (z, u) + dense)

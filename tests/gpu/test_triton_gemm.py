@@ -90,7 +90,8 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     first_offsets = (num_experts, *lo, offsets.local_tiles, offsets.remote_tiles, offsets.totals + C.TOTAL_TILES)
     gemm1_kernel[(3, )](recv, h, pre, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args,
                         *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated,
-                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=False, STORE_PRE=True, WAIT=True, INTERPRET=True)
+                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=False, STORE_PRE=True, WAIT=True,
+                        INTERPRET=True)
     gemm2_kernel[(3, )](h, ffn, tables["w2"], tables["w2"], tables["b2"], origin, expert_out, chunk_table, layout, ffn,
                         hidden, num_experts, *lo, offsets.totals + C.TOTAL_TILES, EP_SIZE=1, **common,
                         CHUNK_TILES=chunk_tiles, HAS_BIAS=with_bias, SECOND=False, W_NK=True)
