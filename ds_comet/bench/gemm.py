@@ -110,8 +110,8 @@ def phase_calls(pipeline, tokens, indices, experts):
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     dtype, device = tokens.dtype, tokens.device
     x = pipeline.workspace.recv[:rows]  # where that (eval) forward's dispatch put the rows
-    h = torch.randn(rows, ffn, device=device).to(dtype)
-    pre = kernels.first_layer(x, h, keep_pre=True)
+    h = torch.empty((rows, ffn), device=device, dtype=dtype)
+    pre = kernels.first_layer(x, h, keep_pre=True)  # fills h
     grad_pre = torch.empty((rows, width), device=device, dtype=dtype)
     out = torch.empty(rows, hidden, device=device, dtype=dtype)  # GEMM2's rows, both ways
     w1 = torch.randn(num_local, width, hidden, device=device).to(dtype) / hidden**0.5
