@@ -324,14 +324,17 @@ class FusedKernels:
         # A gated forward holds two accumulators, so its tile is at most 128 columns wide; the
         # backward holds one and takes GEMM2's width (2x faster on gated shapes, docs/decisions.md).
         tile_n = self.params.tile_n if backward else self.params.gemm1_tile_n
+        # The backward reads none of the epilogue's switches: fixed there, every expert kind shares
+        # one compiled backward instead of one identical compile each.
+        epilogue = (dict(HAS_BIAS=False, GATED=False, ACTIVATION=0) if backward else
+                    dict(HAS_BIAS=self.has_bias, GATED=self.gated, ACTIVATION=ACTIVATION_CODES[self.activation]))
         with_descriptor_scratch(lambda: gemm1_kernel[(self.grid, )](
             rows, out, out if pre is None else pre, t["w2"] if backward else t["w1"], t["w3"], t["b1"],
             t["b3"], b.layout, b.tile_counters, b.error_address, b.kernel_shape.timeout_ns, b.rank, self.hidden,
             self.ffn, self.num_local, lo.expert_start, lo.tile_start, lo.local_tiles, lo.remote_tiles,
             lo.totals + TOTAL_TILES, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=tile_n, BK=TILE_K,
-            GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, GATED=self.gated,
-            ACTIVATION=ACTIVATION_CODES[self.activation], BACKWARD=backward, STORE_PRE=pre is not None, WAIT=True,
-            INTERPRET=_interpreting(), num_warps=8, num_stages=3))
+            GROUP_M=GROUP_M, NUM_PROGS=self.grid, BACKWARD=backward, STORE_PRE=pre is not None, WAIT=True,
+            INTERPRET=_interpreting(), num_warps=8, num_stages=3, **epilogue))
 
     def gemm2(self, rows: Tensor, out: Tensor, backward: bool):
         """GEMM2 on ``rows`` (the activations [R, F], or the backward's first-layer gradients [R, F] or
