@@ -15,8 +15,9 @@ is taken too), overlapped with the GEMM for the gradient of the activation (dY @
 elementwise kernel multiplies by act'); the gradient of the dispatch is a combine (the rows' input
 gradients dA @ W1, stored chunk by chunk on the expert ranks, are summed there per staged token and
 read by the source ranks, which collect the gate gradients as they go). The weight gradients are
-grouped GEMMs that run while the combine moves data. Alone in the group, where no row waits for a link, stacked bf16 experts on
-sm_90 take the library's grouped GEMM for GEMM1, both ways (``FusedKernels.first_layer``).
+grouped GEMMs that run while the combine moves data. Alone in the group, where no row waits for a
+link, stacked bf16 experts on sm_90 take the library's grouped GEMM for GEMM1, both ways
+(``FusedKernels.first_layer``).
 
 Reuse across calls: a rank's next call writes ``recv``, ``reduced`` and ``row_dot`` (and peers stage
 into its ``stage``) only after its next exchange, which waits until every rank has published that
