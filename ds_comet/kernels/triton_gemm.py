@@ -15,7 +15,8 @@ The two primitives each run in both directions:
   GEMM2 (``h @ W2^T``); backward it gives the rows' input gradients (``dA @ W1``), which the
   combine sums per token.
 - ``wgrad_kernel`` gives every local expert's weight gradient (``A_l^T @ B_l`` over its rows), with
-  the column sums a bias gradient needs.
+  the column sums a bias gradient needs; ``expert_column_sums_kernel`` gives those sums alone,
+  beside the library's weight gradients.
 
 Expert weights stay where the integration keeps them (one module per expert, or AutoEP's stacked
 tensors): the kernels read them through device tables of per-expert pointers (ZeRO may move
@@ -422,3 +423,24 @@ def wgrad_kernel(a, lda, b, ldb, out, bias_out, layout, off_expert_start, M, N, 
                                 mask=r_mask[:, None] & m_mask[None, :], other=0.0)
                     column_sum += tl.sum(x.to(tl.float32), axis=0)
                 tl.store(bias_out + expert * M + offs_m, column_sum.to(bias_out.dtype.element_ty), mask=m_mask)
+
+
+@triton.jit
+def expert_column_sums_kernel(x, ldx, out, layout, off_expert_start, M, BR: tl.constexpr, BM: tl.constexpr):
+    """out[l, :M] = the column sums of x[rows of local expert l, :M] ([L, M] in out's dtype; zeros
+    for an expert without rows): the bias gradients beside the library's weight gradients.
+
+    One program per expert and BM columns walks the expert's rows BR at a time, summing in fp32 in
+    a fixed order, so the sums are the same on every run.
+    """
+    expert = tl.program_id(1)
+    cols = tl.program_id(0) * BM + tl.arange(0, BM)
+    first = tl.load(layout + off_expert_start + expert)
+    end = tl.load(layout + off_expert_start + expert + 1)
+    offs_r = tl.arange(0, BR)
+    acc = tl.zeros((BR, BM), dtype=tl.float32)
+    for r in range(first, end, BR):
+        mask = ((r + offs_r) < end)[:, None] & (cols < M)[None, :]
+        rows = (r + offs_r).to(tl.int64)
+        acc += tl.load(x + rows[:, None] * ldx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + expert.to(tl.int64) * M + cols, tl.sum(acc, axis=0).to(out.dtype.element_ty), mask=cols < M)

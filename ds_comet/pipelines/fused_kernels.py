@@ -25,6 +25,9 @@ GROUP_M = 8
 # The elementwise activation kernels' block (rows, columns) and warps: 64x128, 32x256 and 16x256
 # blocks were no faster in the backward (docs/decisions.md).
 ELEMENTWISE_BLOCK = (32, 128, 4)
+# The bias gradients' column sums: rows a step, columns a program, warps (the fastest of three
+# blocks on shapes 1-3, docs/decisions.md).
+COLUMN_SUMS_BLOCK = (128, 64, 4)
 
 
 class PointerTables:
@@ -374,11 +377,15 @@ class FusedKernels:
             weight = torch._grouped_mm(a[:rows].t(), b[:rows], offs=self.expert_ends)
             if not self.has_bias:
                 return weight, None
-            # The column sums as the product of a row of ones with a, on the same groups: the
-            # library's kernel reads a once more, pipelined, and an empty expert's sums are zero.
-            # 8 rows of ones, as 16-byte rows are what it takes; row 0 of each [8, M] is the sum.
-            ones = a.new_ones((rows, 8)).t()
-            return weight, torch._grouped_mm(ones, a[:rows], offs=self.expert_ends)[:, 0]
+            # The library has no column sums; this kernel reads a once more at memory speed (1.0-1.75x
+            # faster than a library product of a row of ones with a, docs/decisions.md).
+            from ..kernels.triton_gemm import expert_column_sums_kernel
+            sums = torch.empty((num_local, M), dtype=a.dtype, device=a.device)
+            block_r, block_m, warps = COLUMN_SUMS_BLOCK
+            expert_column_sums_kernel[(-(-M // block_m), num_local)](
+                a, a.stride(0), sums, self.buffer.layout, self.buffer.layout_offsets.expert_start, M, BR=block_r,
+                BM=block_m, num_warps=warps)
+            return weight, sums
         from ..kernels.triton_gemm import wgrad_kernel
         out = torch.empty((num_local, M, N), dtype=a.dtype, device=a.device)
         bias = torch.empty((num_local, M), dtype=a.dtype, device=a.device) if self.has_bias else out

@@ -39,7 +39,8 @@ from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.pipelines.expert_weights import ModuleFusedExperts
 from ds_comet.pipelines.fused_kernels import PointerTables, next_power_of_2
 from ds_comet.pipelines.routing import plan_routes
-from ds_comet.kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel, gemm2_kernel, wgrad_kernel
+from ds_comet.kernels.triton_gemm import (ACTIVATION_CODES, expert_column_sums_kernel, gemm1_kernel, gemm2_kernel,
+                                          wgrad_kernel)
 from ds_comet.kernels.triton_activation import activation_backward_kernel
 
 def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_tiles, gated, activation, seed,
@@ -138,6 +139,16 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
         wgrad_kernel[(3, )](a, a.shape[1], b, b.shape[1], out, bias, layout, offsets.expert_start, m, n, num_experts,
                             BM=16, BN=16, BK=16, GROUP_M=2, NUM_PROGS=3, HAS_BIAS=with_bias)
         grads[name] = (out, bias)
+        # The column sums alone (beside the library's weight gradients), over the whole width and
+        # over the right-hand column slice a gated dW1 passes: the same sums in another order.
+        for first_col in (0, m // 2 + 1):
+            cols = m - first_col
+            sums = torch.full((num_experts, cols), float("nan"))
+            expert_column_sums_kernel[(-(-cols // 8), num_experts)](a[:, first_col:], a.shape[1], sums, layout,
+                                                                    offsets.expert_start, cols, BR=16, BM=8)
+            expect = bias[:, first_col:] if with_bias else torch.stack(
+                [a[lay["expert_start"][e]:lay["expert_start"][e + 1], first_col:m].sum(0) for e in range(num_experts)])
+            torch.testing.assert_close(sums, expect, rtol=1e-5, atol=1e-5)
 
     for e in range(num_experts):
         expert = experts[e].double()
