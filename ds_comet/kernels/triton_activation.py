@@ -1,10 +1,12 @@
 """The activations and their gradients, elementwise, after GEMMs that store plain products.
 
 Where ``torch._grouped_mm`` runs gated experts' first layer (``FusedKernels.library_first_layer``),
-it returns ``z = x W1^T`` and ``u = x W3^T``; in every backward, the library or ``gemm1_kernel``
-returns ``g = dY W2`` alone (``FusedKernels.first_layer_backward``). These kernels compute the rest:
+it returns ``z = x W1^T`` and ``u = x W3^T``; where a GELU, ReLU or SiLU expert's products are kept
+for the backward, ``gemm1_kernel`` returns ``z = x W1^T + b1`` alone; in every backward, the library
+or ``gemm1_kernel`` returns ``g = dY W2`` alone (``FusedKernels.first_layer_backward``). These
+kernels compute the rest:
 
-- ``gated_activation_kernel``: ``h = act(z) * u``.
+- ``activation_kernel``: ``h = act(z)``, gated ``h = act(z) * u``.
 - ``activation_backward_kernel``: from ``g = dY W2`` and the forward's products, the gradient of
   the first layer's products (gated: ``dz = g * u * act'(z)`` and ``du = g * act(z)`` side by side
   in ``[R, 2F]``, the layout GEMM2's backward reads; else ``dz = g * act'(z)``) and, for W2's
@@ -47,15 +49,16 @@ def _block(total_ptr, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def gated_activation_kernel(z, u, zu_stride, h, total_ptr, N, ACTIVATION: tl.constexpr, BM: tl.constexpr,
-                            BN: tl.constexpr):
-    """h = act(z) * u, [R, N] each, h row-major."""
+def activation_kernel(z, u, zu_stride, h, total_ptr, N, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr):
+    """GATED: h = act(z) * u; else h = act(z) (u unused). [R, N] each, h row-major, z and u of row
+    stride zu_stride."""
     rows, cols, mask = _block(total_ptr, N, BM, BN)
-    at = rows[:, None].to(tl.int64) * N + cols[None, :]
     at_zu = rows[:, None].to(tl.int64) * zu_stride + cols[None, :]
-    zv = tl.load(z + at_zu, mask=mask, other=0.0).to(tl.float32)
-    uv = tl.load(u + at_zu, mask=mask, other=0.0).to(tl.float32)
-    tl.store(h + at, (_activation(zv, ACTIVATION) * uv).to(h.dtype.element_ty), mask=mask)
+    act = _activation(tl.load(z + at_zu, mask=mask, other=0.0).to(tl.float32), ACTIVATION)
+    if GATED:
+        act = act * tl.load(u + at_zu, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h + rows[:, None].to(tl.int64) * N + cols[None, :], act.to(h.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -228,19 +228,24 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
                  timeout_ns, rank, K, N, num_local, off_expert_start, off_tile_start, off_local_tiles,
                  off_remote_tiles, off_total_tiles, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_PRE: tl.constexpr,
-                 WAIT: tl.constexpr, INTERPRET: tl.constexpr):
+                 GATED: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, ACTIVATE: tl.constexpr,
+                 STORE_PRE: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr):
     """The first grouped GEMM over the receive buffer ``rows`` ([R, K]), tile by tile as rows arrive.
 
-    Forward (W = W1, [N, K]): out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)]; with STORE_PRE
-    the products before the activation also go to ``pre`` ([R, N], gated [R, 2N]: first, then up).
+    Forward (W = W1, [N, K]) with ACTIVATE: out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)];
+    with STORE_PRE the products before the activation also go to ``pre`` ([R, N], gated [R, 2N]:
+    first, then up). Forward without ACTIVATE (ungated experts): out = rows @ W1^T + b1 alone, the
+    products an elementwise kernel then activates (``triton_activation.activation_kernel``); the
+    pipeline runs ungated experts this way, training and eval alike (docs/decisions.md).
     Backward (W = W2, [K, N]; rows are output gradients): out = g = rows @ W2 ([R, N]) alone; the
     other weights, the biases, ``pre``, GATED, ACTIVATION, HAS_BIAS and STORE_PRE are unused. An
     epilogue that read the forward's products and wrote their gradients and the activations held up
     the MMAs; an elementwise kernel after the GEMM (``triton_activation.activation_backward_kernel``)
     was faster (docs/decisions.md).
     """
-    tl.static_assert(not (BACKWARD and STORE_PRE), "gemm1_kernel: STORE_PRE is an output of the forward")
+    tl.static_assert(not (BACKWARD and (STORE_PRE or ACTIVATE)), "gemm1_kernel: the backward stores g alone")
+    tl.static_assert(ACTIVATE or not STORE_PRE, "gemm1_kernel: without ACTIVATE, out holds the products")
+    tl.static_assert(ACTIVATE or BACKWARD or not GATED, "gemm1_kernel: a gated forward activates in its epilogue")
     dtype = rows.dtype.element_ty
     total_m = tl.load(layout + off_total_tiles)
     n_tiles = tl.cdiv(N, BN)
@@ -274,10 +279,14 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, pid_n * BN, K, BK, not BACKWARD,
                               two_products)
-        if BACKWARD:  # g alone: a plain row-major store of the whole tile, as GEMM2's
+        if not ACTIVATE:  # g, or an ungated expert's products: a plain row-major store of the tile, as GEMM2's
             offs_n = pid_n * BN + tl.arange(0, BN)
+            n_mask = offs_n < N
+            if HAS_BIAS and not BACKWARD:
+                bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
+                acc += tl.load(bias1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-            tl.store(out + at, acc.to(dtype), mask=m_mask[:, None] & (offs_n < N)[None, :])
+            tl.store(out + at, acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
         else:
             # The epilogue runs on one column half of the tile at a time. A whole tile's accumulator
             # did not fit the registers together with its pre-activations and activations: ptxas

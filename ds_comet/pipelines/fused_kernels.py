@@ -230,24 +230,33 @@ class FusedKernels:
     def first_layer(self, rows: Tensor, h: Tensor, keep_pre: bool) -> Union[Tensor, Tuple[Tensor, Tensor], None]:
         """The experts' first layer on the received ``rows``: their activations into ``h`` ([R, F]).
 
-        GEMM1 computes the activations in its epilogue, except where ``library_first_layer``: there
-        the library's grouped GEMM stores the two products and an elementwise kernel computes the
-        activations from them.
+        Gated experts on the Triton GEMM compute the activations in GEMM1's epilogue. Elsewhere a
+        GEMM stores the products (the library's grouped GEMM where ``library_first_layer``, else
+        GEMM1) and an elementwise kernel computes the activations from them.
 
         Returns, with ``keep_pre``, the products before the activation that ``first_layer_backward``
         reads (an [R, 2F] tensor for gated experts on the Triton GEMM, else [R, F]; a pair of [R, F]
         tensors from the library's GEMM), else None.
         """
+        from ..kernels.triton_activation import activation_kernel  # triton is an extra
         if self.library_first_layer:
-            from ..kernels.triton_activation import gated_activation_kernel  # triton is an extra
             first, up = self._library_products(rows[:h.shape[0]], "w1", "w3")
-            self._elementwise(gated_activation_kernel, (), first, up, (h, ))
+            self._elementwise(activation_kernel, (), first, up, (h, ), GATED=True)
             return (first, up) if keep_pre else None
-        pre = h
-        if keep_pre:
-            pre = torch.empty((h.shape[0], self.ffn * (2 if self.gated else 1)), dtype=h.dtype, device=h.device)
-        self.gemm1(rows, h, backward=False, pre=pre if keep_pre else None)
-        return pre if keep_pre else None
+        if self.gated:
+            # Split like the ungated experts', the two products would cross memory twice more: the
+            # training phase was mixed (0.96-1.08x) and the eval forward 2-5 % slower (docs/decisions.md).
+            pre = torch.empty((h.shape[0], 2 * self.ffn), dtype=h.dtype, device=h.device) if keep_pre else None
+            self.gemm1(rows, h, backward=False, pre=pre)
+            return pre
+        # Both outputs from the epilogue held up the MMAs: the products alone and the activation
+        # after them ran 1.03-1.11x faster (docs/decisions.md). Without grad the same two kernels
+        # run, the activation in place, so a forward under no_grad (a reentrant checkpoint's first
+        # pass) gives the training forward's numbers bit for bit.
+        products = torch.empty((h.shape[0], self.ffn), dtype=h.dtype, device=h.device) if keep_pre else h
+        self.gemm1(rows, products, backward=False, activate=False)
+        self._elementwise(activation_kernel, (), products, products, (h, ), GATED=False)
+        return products if keep_pre else None
 
     def first_layer_backward(self, rows: Tensor, grad_pre: Tensor, pre: Union[Tensor, Tuple[Tensor, Tensor]],
                              act: Optional[Tensor]):
@@ -318,26 +327,29 @@ class FusedKernels:
             *leading, z, u, z.stride(0), *trailing, self.buffer.layout[received:received + 1], self.ffn,
             ACTIVATION=ACTIVATION_CODES[self.activation], BM=block_m, BN=block_n, num_warps=warps, **constants)
 
-    def gemm1(self, rows: Tensor, out: Tensor, backward: bool, pre: Optional[Tensor] = None):
+    def gemm1(self, rows: Tensor, out: Tensor, backward: bool, pre: Optional[Tensor] = None, activate: bool = True):
         """GEMM1 on ``rows`` (``gemm1_kernel``): forward, the activations into ``out`` ([R, F]) and,
-        if ``pre`` is given, the products before them into it ([R, F], gated [R, 2F]); backward,
-        ``rows @ W2`` into ``out`` ([R, F])."""
+        if ``pre`` is given, the products before them into it ([R, F], gated [R, 2F]); forward
+        without ``activate`` (ungated experts), the products ``rows @ W1^T + b1`` into ``out``
+        ([R, F]); backward, ``rows @ W2`` into ``out`` ([R, F])."""
         from ..kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         # A gated forward holds two accumulators, so its tile is at most 128 columns wide; the
         # backward holds one and takes GEMM2's width (2x faster on gated shapes, docs/decisions.md).
         tile_n = self.params.tile_n if backward else self.params.gemm1_tile_n
-        # The backward reads none of the epilogue's switches: fixed there, every expert kind shares
-        # one compiled backward instead of one identical compile each.
+        # The backward reads none of the epilogue's switches, a forward without ``activate`` not the
+        # activation: fixed there, every expert kind shares one compile instead of identical ones.
+        activate = activate and not backward
         epilogue = (dict(HAS_BIAS=False, GATED=False, ACTIVATION=0) if backward else
-                    dict(HAS_BIAS=self.has_bias, GATED=self.gated, ACTIVATION=ACTIVATION_CODES[self.activation]))
+                    dict(HAS_BIAS=self.has_bias, GATED=self.gated,
+                         ACTIVATION=ACTIVATION_CODES[self.activation] if activate else 0))
         with_descriptor_scratch(lambda: gemm1_kernel[(self.grid, )](
             rows, out, out if pre is None else pre, t["w2"] if backward else t["w1"], t["w3"], t["b1"],
             t["b3"], b.layout, b.tile_counters, b.error_address, b.kernel_shape.timeout_ns, b.rank, self.hidden,
             self.ffn, self.num_local, lo.expert_start, lo.tile_start, lo.local_tiles, lo.remote_tiles,
             lo.totals + TOTAL_TILES, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=tile_n, BK=TILE_K,
-            GROUP_M=GROUP_M, NUM_PROGS=self.grid, BACKWARD=backward, STORE_PRE=pre is not None, WAIT=True,
-            INTERPRET=_interpreting(), num_warps=8, num_stages=3, **epilogue))
+            GROUP_M=GROUP_M, NUM_PROGS=self.grid, BACKWARD=backward, ACTIVATE=activate,
+            STORE_PRE=pre is not None, WAIT=True, INTERPRET=_interpreting(), num_warps=8, num_stages=3, **epilogue))
 
     def gemm2(self, rows: Tensor, out: Tensor, backward: bool):
         """GEMM2 on ``rows`` (the activations [R, F], or the backward's first-layer gradients [R, F] or

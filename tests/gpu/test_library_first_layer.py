@@ -25,7 +25,7 @@ def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(acti
     """z and u as two [R, F] tensors (the library's products) or as the halves of one [R, 2F]
     (the Triton GEMM1's saved products)."""
     _cuda_and_triton()
-    from ds_comet.kernels.triton_activation import activation_backward_kernel, gated_activation_kernel
+    from ds_comet.kernels.triton_activation import activation_backward_kernel, activation_kernel
     from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
 
     seed = torch.randint(1, 10**6, ()).item()
@@ -40,7 +40,7 @@ def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(acti
                                 for _ in range(2))
     grid, blocks = (-(-rows // 32), -(-ffn // 128)), dict(BM=32, BN=128)
     code = ACTIVATION_CODES[activation]
-    gated_activation_kernel[grid](*zu, h, total, ffn, ACTIVATION=code, **blocks)
+    activation_kernel[grid](*zu, h, total, ffn, ACTIVATION=code, GATED=True, **blocks)
     activation_backward_kernel[grid](g, *zu, grad_pre, h_again, total, ffn, ACTIVATION=code, GATED=True,
                                      STORE_ACT=True, **blocks)
     activation_backward_kernel[grid](g, *zu, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code, GATED=True,
@@ -59,10 +59,11 @@ def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(acti
 
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
 def test_activation_backward_kernel_without_gate_matches_torch(activation):
-    """A GELU, ReLU or SiLU expert's backward: dz = g act'(z) and act(z) again, from GEMM1's [R, F]
-    products, only on the received rows; without STORE_ACT the same dz and no activations."""
+    """A GELU, ReLU or SiLU expert's forward, act(z), and backward: dz = g act'(z) and act(z)
+    again, from GEMM1's [R, F] products, only on the received rows; without STORE_ACT the same dz
+    and no activations."""
     _cuda_and_triton()
-    from ds_comet.kernels.triton_activation import activation_backward_kernel
+    from ds_comet.kernels.triton_activation import activation_backward_kernel, activation_kernel
     from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
 
     seed = torch.randint(1, 10**6, ()).item()
@@ -70,9 +71,10 @@ def test_activation_backward_kernel_without_gate_matches_torch(activation):
     rows, received, ffn = 301, 259, 392
     z, g = ((3 * torch.randn(rows, ffn, device="cuda")).to(torch.bfloat16) for _ in range(2))
     total = torch.tensor([received], dtype=torch.int32, device="cuda")
-    grad_pre, h, grad_pre_again, h_unasked = (torch.full((rows, ffn), 7.0, dtype=torch.bfloat16, device="cuda")
-                                              for _ in range(4))
+    grad_pre, h, grad_pre_again, h_unasked, h_forward = (torch.full((rows, ffn), 7.0, dtype=torch.bfloat16,
+                                                                    device="cuda") for _ in range(5))
     grid, code = (-(-rows // 32), -(-ffn // 128)), ACTIVATION_CODES[activation]
+    activation_kernel[grid](z, z, ffn, h_forward, total, ffn, ACTIVATION=code, GATED=False, BM=32, BN=128)
     activation_backward_kernel[grid](g, z, z, ffn, grad_pre, h, total, ffn, ACTIVATION=code, GATED=False,
                                      STORE_ACT=True, BM=32, BN=128)
     activation_backward_kernel[grid](g, z, z, ffn, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code,
@@ -82,7 +84,7 @@ def test_activation_backward_kernel_without_gate_matches_torch(activation):
     want = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[activation](zf)
     dz, = torch.autograd.grad(want, [zf], g.float())
     n = received
-    assert rel(h[:n], want[:n].detach()) < BF16_REL, seed
+    assert rel(h[:n], want[:n].detach()) < BF16_REL and torch.equal(h_forward, h), seed
     assert rel(grad_pre[:n], dz[:n]) < BF16_REL, seed
     assert (h[n:] == 7).all() and (grad_pre[n:] == 7).all(), seed
     assert torch.equal(grad_pre_again, grad_pre) and (h_unasked == 7).all(), seed

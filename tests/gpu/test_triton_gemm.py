@@ -41,7 +41,7 @@ from ds_comet.pipelines.fused_kernels import PointerTables, next_power_of_2
 from ds_comet.pipelines.routing import plan_routes
 from ds_comet.kernels.triton_gemm import (ACTIVATION_CODES, expert_column_sums_kernel, gemm1_kernel, gemm2_kernel,
                                           wgrad_kernel)
-from ds_comet.kernels.triton_activation import activation_backward_kernel
+from ds_comet.kernels.triton_activation import activation_backward_kernel, activation_kernel
 
 def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_tiles, gated, activation, seed,
           with_bias=True):
@@ -91,8 +91,23 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     first_offsets = (num_experts, *lo, offsets.local_tiles, offsets.remote_tiles, offsets.totals + C.TOTAL_TILES)
     gemm1_kernel[(3, )](recv, h, pre, tables["w1"], tables["w3"], tables["b1"], tables["b3"], *first_args,
                         *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated,
-                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=False, STORE_PRE=True, WAIT=True,
-                        INTERPRET=True)
+                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=False, ACTIVATE=True, STORE_PRE=True,
+                        WAIT=True, INTERPRET=True)
+    received = torch.tensor([rows], dtype=torch.int32)
+    if not gated:
+        # The products alone (what a GELU expert's training forward stores), then the activation:
+        # the same products and activations as the epilogue's, rows past the received ones untouched.
+        products, h_split = torch.full_like(pre, float("nan")), torch.full_like(h, float("nan"))
+        gemm1_kernel[(3, )](recv, products, products, tables["w1"], tables["w3"], tables["b1"], tables["b3"],
+                            *first_args, *first_offsets, **common, HAS_BIAS=with_bias, GATED=False,
+                            ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=False, ACTIVATE=False,
+                            STORE_PRE=False, WAIT=True, INTERPRET=True)
+        activation_kernel[(-(-rows // 16), -(-ffn // 16))](products, products, ffn, h_split, received, ffn,
+                                                           ACTIVATION=ACTIVATION_CODES[activation], GATED=False,
+                                                           BM=16, BN=16)
+        torch.testing.assert_close(products[:rows], pre[:rows], rtol=0, atol=0)
+        torch.testing.assert_close(h_split[:rows], h[:rows], rtol=1e-6, atol=1e-6)
+        assert h_split[rows:].isnan().all()
     gemm2_kernel[(3, )](h, ffn, tables["w2"], tables["w2"], tables["b2"], origin, expert_out, chunk_table, layout, ffn,
                         hidden, num_experts, *lo, offsets.totals + C.TOTAL_TILES, EP_SIZE=1, **common,
                         CHUNK_TILES=chunk_tiles, HAS_BIAS=with_bias, SECOND=False, W_NK=True)
@@ -120,11 +135,11 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
     grad_h = torch.full_like(h, float("nan"))
     gemm1_kernel[(3, )](grad_recv, grad_h, grad_h, tables["w2"], tables["w3"], tables["b1"], tables["b3"], *first_args,
                         *first_offsets, **common, HAS_BIAS=with_bias, GATED=gated,
-                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, STORE_PRE=False, WAIT=True,
-                        INTERPRET=True)
+                        ACTIVATION=ACTIVATION_CODES[activation], BACKWARD=True, ACTIVATE=False, STORE_PRE=False,
+                        WAIT=True, INTERPRET=True)
     activation_backward_kernel[(-(-rows // 16), -(-ffn // 16))](
-        grad_h, pre, pre[:, ffn:] if gated else pre, width, grad_pre, h_again, torch.tensor([rows], dtype=torch.int32),
-        ffn, ACTIVATION=ACTIVATION_CODES[activation], GATED=gated, STORE_ACT=True, BM=16, BN=16)
+        grad_h, pre, pre[:, ffn:] if gated else pre, width, grad_pre, h_again, received, ffn,
+        ACTIVATION=ACTIVATION_CODES[activation], GATED=gated, STORE_ACT=True, BM=16, BN=16)
     # fp32 here, so pre holds GEMM1's products exactly and the recomputed rows are the forward's.
     torch.testing.assert_close(h_again[:rows], h[:rows], rtol=1e-6, atol=1e-6)
     grad_rows = torch.full_like(expert_out, float("nan"))
@@ -231,7 +246,7 @@ try:
         timeout_ns, 3, hidden, ffn, num_experts, offsets.expert_start, offsets.tile_start, offsets.local_tiles,
         offsets.remote_tiles, offsets.totals + C.TOTAL_TILES, L_POW2=next_power_of_2(num_experts + 1), BM=tile_m,
         BN=tile_n, BK=64, GROUP_M=8, NUM_PROGS=programs, HAS_BIAS=True, GATED=False,
-        ACTIVATION=ACTIVATION_CODES["gelu"], BACKWARD=False, STORE_PRE=False, WAIT=True,
+        ACTIVATION=ACTIVATION_CODES["gelu"], BACKWARD=False, ACTIVATE=True, STORE_PRE=False, WAIT=True,
         INTERPRET=False,
         num_warps=4, num_stages=3))
     torch.cuda.synchronize()
