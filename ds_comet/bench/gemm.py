@@ -17,11 +17,12 @@ counters hold; then each GEMM phase is relaunched alone:
     wgrad_w1   per expert dA_e^T x_e -> [E, F', H]                                          (2 R F' H)
 
 (F' = 2F for gated experts.) "ours" is what the fused pipeline launches for the phase with peers in
-the group: the Triton GEMMs (the backward's GEMM1 stores ``dY W2`` and an elementwise kernel
-computes the gradients from it, both timed), and the weight gradients as ``torch._grouped_mm`` where
-``FusedKernels.library_wgrad`` says so (a gated dW1 as two calls; biases' column sums by
-``expert_column_sums_kernel``, timed with them). The experts are one module each, so GEMM1 stays on Triton even here alone in the group,
-where stacked experts would take the library's (``FusedKernels.library_first_layer``).
+the group: the Triton GEMMs (a GELU expert's forward GEMM1 and every backward GEMM1 store plain
+products and an elementwise kernel computes the rest from them, both timed), and the weight
+gradients as ``torch._grouped_mm`` where ``FusedKernels.library_wgrad`` says so (a gated dW1 as two
+calls; biases' column sums by ``expert_column_sums_kernel``, timed with them). The experts are one
+module each, so GEMM1 stays on Triton even here alone in the group, where stacked experts would
+take the library's (``FusedKernels.library_first_layer``).
 ``torch._grouped_mm`` computes the same product on the same rows, grouped by the same offsets,
 without the epilogue's bias, activation or stored products, or a bias gradient: its rate is the
 library's rate for the GEMM alone. Each phase is timed on a warm device (the chip is power bound

@@ -1,8 +1,9 @@
 """The activations and their gradients, elementwise, after GEMMs that store plain products.
 
 Where ``torch._grouped_mm`` runs gated experts' first layer (``FusedKernels.library_first_layer``),
-it returns ``z = x W1^T`` and ``u = x W3^T``; where a GELU, ReLU or SiLU expert's products are kept
-for the backward, ``gemm1_kernel`` returns ``z = x W1^T + b1`` alone; in every backward, the library
+it returns ``z = x W1^T`` and ``u = x W3^T``; for a GELU, ReLU or SiLU expert ``gemm1_kernel``
+returns ``z = x W1^T + b1`` alone (into ``h`` itself when nothing is kept for the backward, which
+``activation_kernel`` then activates in place); in every backward, the library
 or ``gemm1_kernel`` returns ``g = dY W2`` alone (``FusedKernels.first_layer_backward``). These
 kernels compute the rest:
 

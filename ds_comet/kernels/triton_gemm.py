@@ -4,8 +4,9 @@ The two primitives each run in both directions:
 
 - ``gemm1_kernel`` reads the receive buffer that the dispatch kernels of every rank fill, and
   waits per row tile until all of the tile's rows have arrived; tiles holding only this rank's own
-  rows come first, the others in arrival order. Forward it is GEMM1 with the activation
-  (``rows @ W1^T``); backward it takes the dispatched output gradients and gives ``dY @ W2``
+  rows come first, the others in arrival order. Forward it is GEMM1 (``rows @ W1^T``): gated
+  experts' with the activation in its epilogue, other experts' products alone, which an
+  elementwise kernel (``triton_activation``) activates; backward it takes the dispatched output gradients and gives ``dY @ W2``
   alone, which an elementwise kernel (``triton_activation``) turns into the gradient of the
   activation's input.
 - ``gemm2_kernel`` computes column chunk by column chunk, each across all experts, stores its rows
@@ -31,7 +32,8 @@ import triton.language as tl
 
 from . import constants
 
-# The activations the epilogues compute (``_activation``), by the names ``ds_comet.experts`` uses.
+# The activations (``_activation``, in GEMM1's epilogue and the elementwise kernels), by the names
+# ``ds_comet.experts`` uses.
 ACTIVATION_CODES = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 ERROR_CLAIM_AFTER_TILES = tl.constexpr(constants.TOTAL_ERROR_CLAIM - constants.TOTAL_TILES)
 ERROR_RECORD_WAIT_NS = tl.constexpr(constants.ERROR_RECORD_WAIT_NS)
@@ -237,6 +239,7 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
     first, then up). Forward without ACTIVATE (ungated experts): out = rows @ W1^T + b1 alone, the
     products an elementwise kernel then activates (``triton_activation.activation_kernel``); the
     pipeline runs ungated experts this way, training and eval alike (docs/decisions.md).
+    Without ACTIVATE, ``pre``, ACTIVATION and STORE_PRE are unused.
     Backward (W = W2, [K, N]; rows are output gradients): out = g = rows @ W2 ([R, N]) alone; the
     other weights, the biases, ``pre``, GATED, ACTIVATION, HAS_BIAS and STORE_PRE are unused. An
     epilogue that read the forward's products and wrote their gradients and the activations held up

@@ -25,8 +25,8 @@ GROUP_M = 8
 # The elementwise activation kernels' block (rows, columns) and warps: 64x128, 32x256 and 16x256
 # blocks were no faster in the backward (docs/decisions.md).
 ELEMENTWISE_BLOCK = (32, 128, 4)
-# The bias gradients' column sums: rows a step, columns a program, warps (the fastest of three
-# blocks on shapes 1-3, docs/decisions.md).
+# The bias gradients' column sums: rows a step, columns a program, warps. Against 64x128 and
+# 32x256 blocks on shapes 1-3 it was fastest or within 3 % (docs/decisions.md).
 COLUMN_SUMS_BLOCK = (128, 64, 4)
 
 
@@ -411,9 +411,9 @@ class FusedKernels:
 
     @property
     def library_wgrad(self) -> bool:
-        """Whether the weight gradients (and the bias gradients' column sums) run as
-        ``torch._grouped_mm``: bf16 experts on sm_90, where torch builds it from CUTLASS's Hopper
-        grouped GEMM. Elsewhere ``wgrad_kernel`` computes both."""
+        """Whether the weight gradients run as ``torch._grouped_mm`` (the bias gradients' column
+        sums by ``expert_column_sums_kernel``): bf16 experts on sm_90, where torch builds it from
+        CUTLASS's Hopper grouped GEMM. Elsewhere ``wgrad_kernel`` computes both."""
         return (self.buffer.shape.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
                 and self.buffer.capability == (9, 0))
 

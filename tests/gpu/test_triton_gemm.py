@@ -95,7 +95,7 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
                         WAIT=True, INTERPRET=True)
     received = torch.tensor([rows], dtype=torch.int32)
     if not gated:
-        # The products alone (what a GELU expert's training forward stores), then the activation:
+        # The products alone (what a GELU expert's forward stores, training or eval), then the activation:
         # the same products and activations as the epilogue's, rows past the received ones untouched.
         products, h_split = torch.full_like(pre, float("nan")), torch.full_like(h, float("nan"))
         gemm1_kernel[(3, )](recv, products, products, tables["w1"], tables["w3"], tables["b1"], tables["b3"],
@@ -154,15 +154,17 @@ def check(num_tokens, hidden, ffn, num_experts, top_k, tile_m, tile_n, chunk_til
         wgrad_kernel[(3, )](a, a.shape[1], b, b.shape[1], out, bias, layout, offsets.expert_start, m, n, num_experts,
                             BM=16, BN=16, BK=16, GROUP_M=2, NUM_PROGS=3, HAS_BIAS=with_bias)
         grads[name] = (out, bias)
-        # The column sums alone (beside the library's weight gradients), over the whole width and
-        # over the right-hand column slice a gated dW1 passes: the same sums in another order.
-        for first_col in (0, m // 2 + 1):
-            cols = m - first_col
+        # The column sums alone (beside the library's weight gradients): over the whole width, and
+        # over each column half read with the whole row's stride, as a gated dW1 passes its two
+        # projections.
+        for first_col, cols in ((0, m), (0, m // 2), (m // 2, m - m // 2)):
+            last_col = first_col + cols
             sums = torch.full((num_experts, cols), float("nan"))
             expert_column_sums_kernel[(-(-cols // 8), num_experts)](a[:, first_col:], a.shape[1], sums, layout,
                                                                     offsets.expert_start, cols, BR=16, BM=8)
-            expect = bias[:, first_col:] if with_bias else torch.stack(
-                [a[lay["expert_start"][e]:lay["expert_start"][e + 1], first_col:m].sum(0) for e in range(num_experts)])
+            expect = bias[:, first_col:last_col] if with_bias else torch.stack(
+                [a[lay["expert_start"][e]:lay["expert_start"][e + 1], first_col:last_col].sum(0)
+                 for e in range(num_experts)])
             torch.testing.assert_close(sums, expect, rtol=1e-5, atol=1e-5)
 
     for e in range(num_experts):
