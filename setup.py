@@ -61,7 +61,8 @@ setup(
         "mpi": ["mpi4py>=4"],
         "triton": ["triton>=3.4"],  # tl.make_tensor_descriptor
         "bench": ["matplotlib"],
-        "hf": ["transformers==5.16.1"],  # what DeepSpeed 0.19.8's AutoEP works with (5.23 fails in deepspeed.initialize)
+        # What DeepSpeed 0.19.8's AutoEP works with (5.23 fails in deepspeed.initialize).
+        "hf": ["transformers==5.16.1"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

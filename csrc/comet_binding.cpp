@@ -129,7 +129,8 @@ void top2_routes(const torch::Tensor& gates, const torch::Tensor& logits, const 
     check_sizes(masks, "masks", {capacity >= 0 ? 3 : 2, num_tokens, num_experts});
     check_cuda(expert_counts, "expert_counts", at::kLong);
     check_sizes(expert_counts, "expert_counts", {num_experts});
-    TORCH_CHECK(num_experts >= 2 && num_tokens < (int64_t{1} << 31), "top-2 needs at least 2 experts and < 2^31 tokens");
+    TORCH_CHECK(num_experts >= 2 && num_tokens < (int64_t{1} << 31),
+                "top-2 needs at least 2 experts and < 2^31 tokens");
     const c10::cuda::CUDAGuard device_guard(
         one_device("top2_routes", {gates, logits, uniform, routes, masks, expert_counts}));
     auto choices = torch::empty({2, num_tokens}, routes.options());
@@ -237,7 +238,8 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
               const torch::Tensor& peer_stage_scale, const torch::Tensor& peer_meta, torch::Tensor& route_row,
               torch::Tensor& route_stage, const torch::Tensor& route_scale, bool scaled, const torch::Tensor& outputs,
               torch::Tensor& row_dot, int64_t top_k, int64_t error_record, int64_t blocks) {
-    TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2, "tokens must be a contiguous 2-D CUDA tensor");
+    TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2,
+                "tokens must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(tokens, "tokens");
     TORCH_CHECK(tokens.size(1) % 8 == 0, "a token row must be a multiple of 16 bytes");
     check_aligned(tokens, "tokens");
@@ -260,7 +262,8 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     TORCH_CHECK(route_position.numel() == route_order.numel(), "route_position must have an entry per route");
     // top_k is also the stride of every rank's stage_routes, so it is passed in: a rank with no
     // tokens (which still receives staged rows) could not infer it from its routes.
-    TORCH_CHECK(top_k > 0 && route_order.numel() == top_k * tokens.size(0), "route_order must hold top_k routes per token");
+    TORCH_CHECK(top_k > 0 && route_order.numel() == top_k * tokens.size(0),
+                "route_order must hold top_k routes per token");
     TORCH_CHECK(rank_tokens.numel() == shape.ep_size * tokens.size(0), "rank_tokens must be [ep_size, tokens]");
     TORCH_CHECK(rank_counts.numel() == shape.ep_size, "rank_counts must have ep_size entries");
     // Whether rows are scaled must not depend on this rank's routes: with none, it has no scales,

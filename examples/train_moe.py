@@ -47,9 +47,10 @@ csv_monitor with its files directly in DIR). Rank 0 writes these events, the opt
   largest rank), ``Summary/eval_loss`` and ``Summary/eval_aux_loss``; with ``--step-shares``, rank 0's
   ``Summary/{moe_forward,moe_backward,optimizer,rest}_ms`` and ``..._share`` (``ds_comet.step_shares``).
 
-The optimizer is torch's AdamW, its fused CUDA implementation on a GPU, as a real job would run it. ``--step-shares`` times the timed steps' MoE layers
-(forward and backward), optimizer step and the rest of the model on the device's clock and prints
-each one's share of a step, so that an end-to-end ratio can be read against what the MoE layers took.
+The optimizer is torch's AdamW, its fused CUDA implementation on a GPU, as a real job would run
+it. ``--step-shares`` times the timed steps' MoE layers (forward and backward), optimizer step and
+the rest of the model on the device's clock and prints each one's share of a step, so that an
+end-to-end ratio can be read against what the MoE layers took.
 
 The engine adds its own ``Train/Samples/...`` events (x: samples).
 

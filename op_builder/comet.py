@@ -51,7 +51,8 @@ class CometBuilder(CUDAOpBuilder):
         return [str(csrc_dir())]
 
     def filter_ccs(self, ccs):
-        kept = [cc.split(".") for cc in ccs if tuple(int(p.split("+")[0]) for p in cc.split(".")) >= MIN_COMPUTE_CAPABILITY]
+        kept = [cc.split(".") for cc in ccs
+                if tuple(int(p.split("+")[0]) for p in cc.split(".")) >= MIN_COMPUTE_CAPABILITY]
         dropped = [cc for cc in ccs if cc.split(".") not in kept]
         if dropped:
             self.warning(f"{self.NAME}: skipping compute capabilities {dropped}: the kernels need "

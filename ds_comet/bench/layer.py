@@ -56,7 +56,8 @@ def parse_args():
     parser.add_argument("--n-chunks", type=int, default=None)
     parser.add_argument("--activation-rows", choices=("bound", "received"), default=None,
                         help="how the comet layers size their activations (\"moe\": {\"activation_rows\"})")
-    parser.add_argument("--cuda-graph-gate", action="store_true", help="the comet layers replay the gate from CUDA graphs")
+    parser.add_argument("--cuda-graph-gate", action="store_true",
+                        help="the comet layers replay the gate from CUDA graphs")
     parser.add_argument("--no-autoep", dest="autoep", action="store_false",
                         help="skip DeepSpeed AutoEP's layer and ds_comet on it")
     parser.add_argument("--no-backward", dest="backward", action="store_false",
@@ -258,7 +259,8 @@ def report(all_results, out_dir):
         lines.append(name.ljust(28) + "".join(f"{results[c]:12.3f}" for c in columns))
     print("forward: times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
     lines = [f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
-             f"{r['sent_mb_per_route'] / max(r['sent_mb_once_per_rank'], 1e-9):10.2f}" for name, r in all_results.items()]
+             f"{r['sent_mb_per_route'] / max(r['sent_mb_once_per_rank'], 1e-9):10.2f}"
+             for name, r in all_results.items()]
     print("MB one rank sends to the others per exchange (max over ranks): route by route, once per (token, rank) "
           "(every exchange of both ds_comet pipelines, dispatch and combine), their ratio\n" + "\n".join(lines),
           flush=True)

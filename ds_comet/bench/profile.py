@@ -110,7 +110,8 @@ def timeline(fn, min_us=4.0):
         lines.append(f"    launch {launch}  start {(e['ts'] - origin) / 1e3:7.3f}  end {(end - origin) / 1e3:7.3f}"
                      f"  ({e['dur'] / 1e3:6.3f})  idle before {idle / 1e3:6.3f}  s{e.get('tid')}  {e['name'][:70]}")
         busy_until = max(busy_until, end)
-    lines.append(f"    (+{small} items under {min_us:.0f} us; last end {(busy_until - origin) / 1e3:.3f} ms after the first launch)")
+    lines.append(f"    (+{small} items under {min_us:.0f} us; last end {(busy_until - origin) / 1e3:.3f} ms after the "
+                 f"first launch)")
     lines += host_in_longest_gap(events, sorted(launches.values()), origin)
     return "\n".join(lines)
 

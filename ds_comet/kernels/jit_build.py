@@ -93,7 +93,8 @@ def guarded_build(directory: str, build: Callable[[], T], wait_s: float = BUILD_
             # Written while this process waited: the build it waited for failed.
             note = _failure_note(failure_path)
             if note is not None:
-                raise RuntimeError(f"ds_comet: the build this process waited for failed, so it was not repeated: {note}")
+                raise RuntimeError(
+                    f"ds_comet: the build this process waited for failed, so it was not repeated: {note}")
         try:
             built = build()
         except Exception as error:

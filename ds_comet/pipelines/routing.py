@@ -126,7 +126,8 @@ def plan_rank_rows(indices: Tensor, num_experts: int, ep_size: int, chunks: int 
     order = torch.argsort(keys.reshape(-1))  # real pairs first, by destination then token
     pair_dest, pair_token = order // num_tokens, order % num_tokens
     route_dest, route_expert = dest[:, pair_token], flat[:, pair_token]  # [k, ep*S]
-    local = torch.where(route_dest == pair_dest, route_expert - pair_dest * num_local, torch.full_like(route_expert, -1))
+    local = torch.where(route_dest == pair_dest, route_expert - pair_dest * num_local,
+                        torch.full_like(route_expert, -1))
     rank_rows = hit.sum(dim=0)
     # Each real pair's chunk; the other pairs have no local expert and are not counted.
     pair_chunk = 0
@@ -162,8 +163,9 @@ def host_to_device(tensor: Tensor, device: torch.device) -> Tensor:
 def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> Tuple[int, int]:
     """Rows this rank's tokens send to other ranks of the group: one per kept route (what the fused
     pipeline's combine brings back), and one per (token, destination rank) with a kept route there
-    (what both pipelines' dispatches send, and the reference pipeline's combine brings back). ``indices`` as for ``plan_routes``. Reads the counts
-    back to the host: for benchmarks and reports, not for the layer's call."""
+    (what both pipelines' dispatches send, and the reference pipeline's combine brings back).
+    ``indices`` as for ``plan_routes``. Reads the counts back to the host: for benchmarks and
+    reports, not for the layer's call."""
     plan = plan_rank_rows(indices, num_experts, ep_size)
     per_rank_routes = plan.route_counts.sum(dim=(1, 2))
     return (int(per_rank_routes.sum() - per_rank_routes[rank]), int(plan.rank_rows.sum() - plan.rank_rows[rank]))

@@ -112,5 +112,6 @@ def test_a_silent_rank_that_noted_its_error_is_named_with_it(group_of_four, monk
         " in blocks.0.moe: ValueError: this MoE layer got 9000 tokens on one rank")
     message, _ = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
     assert ("global rank(s) 1, 3 of the group did not report a wait of their own" in message
-            and "; global rank 3 raised in blocks.0.moe: ValueError: this MoE layer got 9000 tokens" in message), message
+            and "; global rank 3 raised in blocks.0.moe: ValueError: this MoE layer got 9000 tokens" in message), \
+        message
     assert "rank 1 raised" not in message and "rank 2 raised" not in message, message

@@ -77,7 +77,8 @@ def test_layouts_that_do_not_fit_the_class_are_refused():
 
 def test_fused_asked_for_checks_the_experts_when_the_layer_is_built():
     fused = {"moe": {"backend": "comet", "overlap": "fused"}}
-    with pytest.raises(ValueError, match=r"\"fused\" was asked for, but the expert is a MixtralStyleMLP.*register_expert"):
+    with pytest.raises(ValueError,
+                       match=r"\"fused\" was asked for, but the expert is a MixtralStyleMLP.*register_expert"):
         ds_comet.MoE(16, MixtralStyleMLP(16, 24), num_experts=4, k=2, config=fused)
     register_expert(MixtralStyleMLP, first="w1", up="w3", second="w2", activation="silu")
     layer = ds_comet.MoE(16, MixtralStyleMLP(16, 24), num_experts=4, k=2, config=fused)

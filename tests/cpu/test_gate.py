@@ -1,4 +1,5 @@
-"""ds_comet.integrations.legacy.gate.gate_routes against DeepSpeed's TopKGate itself, on CPU (and on CUDA where present).
+"""ds_comet.integrations.legacy.gate.gate_routes against DeepSpeed's TopKGate itself, on CPU (and on
+CUDA where present).
 
 Every returned tensor, the gradients of a random mix of l_aux and the gates (w.r.t. the gate weight
 and the input) and the RNG state after the call must equal stock's bit for bit, for fresh inputs
@@ -65,7 +66,8 @@ def assert_bitwise_equal(actual, expected):
     assert type(actual["num_experts"]) is int and actual["num_experts"] == expected["num_experts"]
     for name in ("l_aux", "indices", "gates", "exp_counts", "rng_state", "weight_grad", "input_grad"):
         a, e = actual[name], expected[name]
-        assert (a.dtype, a.shape) == (e.dtype, e.shape), f"{name}: {a.dtype} {tuple(a.shape)} vs {e.dtype} {tuple(e.shape)}"
+        assert (a.dtype, a.shape) == (e.dtype, e.shape), \
+            f"{name}: {a.dtype} {tuple(a.shape)} vs {e.dtype} {tuple(e.shape)}"
         # NaN only where stock has NaN (the aux loss of an empty batch is a mean over nothing).
         same = torch.equal(a, e) or (a.is_floating_point() and torch.equal(a.isnan(), e.isnan())
                                      and torch.equal(a[~a.isnan()], e[~e.isnan()]))
@@ -569,7 +571,8 @@ def test_graphed_gate_runs_eagerly_where_it_cannot_capture(case):
     for seed in (1, 2):
         gate, tokens, used_token = prepare(case, seed)
         expected = run_gate(stock_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
-        actual = run_gate(lambda g, t, u: graphs.routes(g, t, u, None), gate, tokens, used_token, seed, mix_seed=seed + 5)
+        actual = run_gate(lambda g, t, u: graphs.routes(g, t, u, None), gate, tokens, used_token, seed,
+                          mix_seed=seed + 5)
         assert_bitwise_equal(actual, expected)
     assert not graphs._captured
 

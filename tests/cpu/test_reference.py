@@ -13,8 +13,8 @@ from deepspeed import comm as dist
 import ds_comet
 from ds_comet.experts import reset_expert_
 from tests.support.dist_pool import cpu_world_size
-from tests.support.moe_helpers import (COMET, assert_same_step, build_pair, make_expert, per_rank, reset_experts_, routing_stats,
-                         run_step)
+from tests.support.moe_helpers import (COMET, assert_same_step, build_pair, make_expert, per_rank, reset_experts_,
+                                       routing_stats, run_step)
 
 HIDDEN, FFN = 24, 40
 # fp32 arithmetic against a float64 evaluation: rounding, not the pipeline, sets this bound.

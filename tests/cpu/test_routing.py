@@ -75,7 +75,8 @@ def test_rank_plan_matches_brute_force(top_k, num_tokens, num_experts, ep_size, 
 
     num_local = num_experts // ep_size
     kept = [[int(e) if 0 <= e < num_experts else -1 for e in indices[:, s]] for s in range(num_tokens)]
-    pairs = [(d, s) for d in range(ep_size) for s in range(num_tokens) if any(e // num_local == d for e in kept[s] if e >= 0)]
+    pairs = [(d, s) for d in range(ep_size) for s in range(num_tokens)
+             if any(e // num_local == d for e in kept[s] if e >= 0)]
     num_pairs = len(pairs)
     rank_rows = [sum(1 for d, _ in pairs if d == rank) for rank in range(ep_size)]
     assert plan.rank_rows.tolist() == rank_rows

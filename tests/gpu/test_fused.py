@@ -70,7 +70,8 @@ def _float64_output(layer, tokens, seed, expert_kind, hidden, ffn):
 def _fused_pipeline(layer):
     """The layer's fused pipeline, asserting that its last call ran it."""
     pipelines = layer.deepspeed_moe.pipelines
-    assert pipelines.fused is not None and pipelines.reason is None, f"the fused pipeline did not run: {pipelines.reason}"
+    assert pipelines.fused is not None and pipelines.reason is None, \
+        f"the fused pipeline did not run: {pipelines.reason}"
     return pipelines.fused
 
 

@@ -169,7 +169,8 @@ class DistPool:
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.procs = [
             ctx.Process(target=_rank_main,
-                        args=(rank, self.world_size, port, self.backend, self.gpu_ranks, self.tasks[rank], self.results),
+                        args=(rank, self.world_size, port, self.backend, self.gpu_ranks, self.tasks[rank],
+                              self.results),
                         daemon=True) for rank in range(self.world_size)
         ]
         for proc in self.procs:

@@ -163,15 +163,17 @@ def _compare(results: dict, dtype, num_tokens: int = JUDGED_GATE_TOKENS) -> dict
         allowed = max(out_tol if what == "output" else grad_tol, 2 * reference_from_exact)
         if from_exact > allowed:
             failed.append(f"{what}: {from_exact:.2e} from float64, where the reference pipeline is "
-                          f"{reference_from_exact:.2e} from it ({errors[f'{kind} vs reference']:.2e} from the reference)")
+                          f"{reference_from_exact:.2e} from it ({errors[f'{kind} vs reference']:.2e} from the "
+                          f"reference)")
     return dict(worst=worst, failed=failed)
 
 
 def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: int = 5, progress: int = 0,
               max_seconds: float = 0.0) -> dict:
-    """Runs on every rank of a pool: ``calls`` checked calls of random layers (rank 0 prints a line every
-    ``progress`` calls, with the mismatches of every rank, when it is not 0; past ``max_seconds``, when not 0, the ranks stop together before
-    the next case). Returns this rank's tally."""
+    """Runs on every rank of a pool: ``calls`` checked calls of random layers (rank 0 prints a line
+    every ``progress`` calls, with the mismatches of every rank, when it is not 0; past
+    ``max_seconds``, when not 0, the ranks stop together before the next case). Returns this rank's
+    tally."""
     from deepspeed import comm as dist
 
     from ds_comet.kernels.ops import CometWaitTimeout

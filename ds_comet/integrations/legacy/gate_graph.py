@@ -236,4 +236,5 @@ class GateGraphs:
             # Not a silent fallback: a capture that fails part way can leave torch's CUDA generator
             # in capture mode, and every later random op of the process would fail obscurely.
             raise RuntimeError(f"ds_comet: capturing the gate's routing in a CUDA graph failed for tokens "
-                               f"{tuple(tokens.shape)} ({error}); set \"moe\": {{\"cuda_graph_gate\": false}}") from error
+                               f"{tuple(tokens.shape)} ({error}); set \"moe\": {{\"cuda_graph_gate\": false}}"
+                               ) from error

@@ -183,7 +183,8 @@ def _refuse_unsupported(num_experts, ep_size, k, use_tutel, enable_expert_tensor
                          "Drop use_tutel, or use \"moe\": {\"backend\": \"deepspeed\"}")
     if enable_expert_tensor_parallelism:
         raise NotImplementedError("the comet MoE backend does not support expert tensor parallelism; "
-                                  "set enable_expert_tensor_parallelism=False or use \"moe\": {\"backend\": \"deepspeed\"}")
+                                  "set enable_expert_tensor_parallelism=False or use "
+                                  "\"moe\": {\"backend\": \"deepspeed\"}")
 
 
 def build_moe(ds_config=None, **moe_kwargs) -> deepspeed.moe.layer.MoE:
