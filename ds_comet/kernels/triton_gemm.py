@@ -4,20 +4,19 @@ The two primitives each run in both directions:
 
 - ``gemm1_kernel`` reads the receive buffer that the dispatch kernels of every rank fill, and
   waits per row tile until all of the tile's rows have arrived; tiles holding only this rank's own
-  rows come first, the others in arrival order. Forward it is GEMM1 (``rows @ W1^T``): gated
-  experts' with the activation in its epilogue, other experts' products alone, which an
-  elementwise kernel (``triton_activation``) activates; backward it takes the dispatched output gradients and gives ``dY @ W2``
-  alone, which an elementwise kernel (``triton_activation``) turns into the gradient of the
-  activation's input.
+  rows come first, the others in arrival order. Forward it is GEMM1 (``rows @ W1^T``), with the
+  activation in its epilogue for gated experts; backward it takes the dispatched output gradients
+  and gives ``dY @ W2``. Where it stores plain products (other experts' forward, every backward),
+  an elementwise kernel (``triton_activation``) computes the rest from them.
 - ``gemm2_kernel`` computes column chunk by column chunk, each across all experts, stores its rows
   locally (a plain row-major store, which needs no more registers than the tile; docs/decisions.md) and
   counts, per source rank of the tile's rows, how many of them the chunk now holds, on the counter
   the caller's table gives for that source (the combine's counters on this rank). Forward it is
   GEMM2 (``h @ W2^T``); backward it gives the rows' input gradients (``dA @ W1``), which the
   combine sums per token.
-- ``wgrad_kernel`` gives every local expert's weight gradient (``A_l^T @ B_l`` over its rows), with
-  the column sums a bias gradient needs; ``expert_column_sums_kernel`` gives those sums alone,
-  beside the library's weight gradients.
+- ``wgrad_kernel`` gives every local expert's weight gradient (``A_l^T @ B_l`` over its rows), and
+  ``expert_column_sums_kernel`` the column sums a bias gradient needs, beside it or beside the
+  library's grouped GEMM.
 
 Expert weights stay where the integration keeps them (one module per expert, or AutoEP's stacked
 tensors): the kernels read them through device tables of per-expert pointers (ZeRO may move
@@ -394,11 +393,10 @@ def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, out, chunk_coun
 
 
 @triton.jit
-def wgrad_kernel(a, lda, b, ldb, out, bias_out, layout, off_expert_start, M, N, num_local, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    """out[l] = a[rows of l, :M]^T @ b[rows of l, :N] ([L, M, N]) and bias_out[l] = the column sums
-    of a over those rows ([L, M]): the weight and bias gradients of every local expert.
+def wgrad_kernel(a, lda, b, ldb, out, layout, off_expert_start, M, N, num_local, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
+    """out[l] = a[rows of l, :M]^T @ b[rows of l, :N] ([L, M, N]): the weight gradients of every
+    local expert (their bias gradients: ``expert_column_sums_kernel``).
 
     An expert without rows gets zeros. Accumulates in fp32 and stores in out's dtype.
     """
@@ -426,21 +424,12 @@ def wgrad_kernel(a, lda, b, ldb, out, bias_out, layout, off_expert_start, M, N, 
         base = expert.to(tl.int64) * M * N
         tl.store(out + base + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
                  mask=m_mask[:, None] & n_mask[None, :])
-        if HAS_BIAS:
-            if pid_n == 0:
-                column_sum = tl.zeros((BM, ), dtype=tl.float32)
-                for r in range(first, end, BK):
-                    r_mask = (r + offs_r) < end
-                    x = tl.load(a + (r + offs_r)[:, None] * lda + offs_m[None, :],
-                                mask=r_mask[:, None] & m_mask[None, :], other=0.0)
-                    column_sum += tl.sum(x.to(tl.float32), axis=0)
-                tl.store(bias_out + expert * M + offs_m, column_sum.to(bias_out.dtype.element_ty), mask=m_mask)
 
 
 @triton.jit
 def expert_column_sums_kernel(x, ldx, out, layout, off_expert_start, M, BR: tl.constexpr, BM: tl.constexpr):
     """out[l, :M] = the column sums of x[rows of local expert l, :M] ([L, M] in out's dtype; zeros
-    for an expert without rows): the bias gradients beside the library's weight gradients.
+    for an expert without rows): the bias gradients beside the weight gradients.
 
     One program per expert and BM columns walks the expert's rows BR at a time, summing in fp32 in
     a fixed order, so the sums are the same on every run.

@@ -381,39 +381,35 @@ class FusedKernels:
         the receive buffer (either may be a column slice of a wider tensor).
         """
         num_local, (M, N) = self.num_local, (a.shape[1], b.shape[1])
+        from ..kernels.triton_gemm import expert_column_sums_kernel, wgrad_kernel
         if self.library_wgrad:
             # Nothing waits in this phase, so the library's kernel serves: the Triton one ran at
             # 0.79-1.05x its rate on the SwiGLU shapes (docs/decisions.md). Rows past the last
             # group's end are not read.
             rows = min(a.shape[0], b.shape[0])
             weight = torch._grouped_mm(a[:rows].t(), b[:rows], offs=self.expert_ends)
-            if not self.has_bias:
-                return weight, None
-            # The library has no column sums; this kernel reads a once more at memory speed (1.0-1.75x
-            # faster than a library product of a row of ones with a, docs/decisions.md).
-            from ..kernels.triton_gemm import expert_column_sums_kernel
-            sums = torch.empty((num_local, M), dtype=a.dtype, device=a.device)
-            block_r, block_m, warps = COLUMN_SUMS_BLOCK
-            expert_column_sums_kernel[(-(-M // block_m), num_local)](
-                a, a.stride(0), sums, self.buffer.layout, self.buffer.layout_offsets.expert_start, M, BR=block_r,
-                BM=block_m, num_warps=warps)
-            return weight, sums
-        from ..kernels.triton_gemm import wgrad_kernel
-        out = torch.empty((num_local, M, N), dtype=a.dtype, device=a.device)
-        bias = torch.empty((num_local, M), dtype=a.dtype, device=a.device) if self.has_bias else out
-        # GEMM1's grid, not GEMM2's: beside the combine's tail either would do, but in shape 1's
-        # training step dW1 took 8.4 ms on GEMM2's 128 programs against 3.3 on 123 (docs/decisions.md).
-        wgrad_kernel[(self.grid, )](a, a.stride(0), b, b.stride(0), out, bias, self.buffer.layout,
-                                    self.buffer.layout_offsets.expert_start, M, N, num_local, BM=128, BN=256, BK=64,
-                                    GROUP_M=GROUP_M, NUM_PROGS=self.grid, HAS_BIAS=self.has_bias, num_warps=8,
-                                    num_stages=3)
-        return out, (bias if self.has_bias else None)
+        else:
+            weight = torch.empty((num_local, M, N), dtype=a.dtype, device=a.device)
+            # GEMM1's grid, not GEMM2's: beside the combine's tail either would do, but in shape 1's
+            # training step dW1 took 8.4 ms on GEMM2's 128 programs against 3.3 on 123 (docs/decisions.md).
+            wgrad_kernel[(self.grid, )](a, a.stride(0), b, b.stride(0), weight, self.buffer.layout,
+                                        self.buffer.layout_offsets.expert_start, M, N, num_local, BM=128, BN=256,
+                                        BK=64, GROUP_M=GROUP_M, NUM_PROGS=self.grid, num_warps=8, num_stages=3)
+        if not self.has_bias:
+            return weight, None
+        # The bias gradients read a once more at memory speed: 1.0-1.75x faster than a library
+        # product of a row of ones with a (docs/decisions.md).
+        sums = torch.empty((num_local, M), dtype=a.dtype, device=a.device)
+        block_r, block_m, warps = COLUMN_SUMS_BLOCK
+        expert_column_sums_kernel[(-(-M // block_m), num_local)](
+            a, a.stride(0), sums, self.buffer.layout, self.buffer.layout_offsets.expert_start, M, BR=block_r,
+            BM=block_m, num_warps=warps)
+        return weight, sums
 
     @property
     def library_wgrad(self) -> bool:
-        """Whether the weight gradients run as ``torch._grouped_mm`` (the bias gradients' column
-        sums by ``expert_column_sums_kernel``): bf16 experts on sm_90, where torch builds it from
-        CUTLASS's Hopper grouped GEMM. Elsewhere ``wgrad_kernel`` computes both."""
+        """Whether the weight gradients run as ``torch._grouped_mm`` (else ``wgrad_kernel``): bf16
+        experts on sm_90, where torch builds it from CUTLASS's Hopper grouped GEMM."""
         return (self.buffer.shape.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
                 and self.buffer.capability == (9, 0))
 
