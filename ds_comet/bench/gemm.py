@@ -1,7 +1,7 @@
 """Time each GEMM phase of the fused pipeline alone against ``torch._grouped_mm`` on the same problem.
 
     torchrun --nproc_per_node 1 -m ds_comet.bench.gemm [--shape NAME ...] [--custom H,F,E,K,T ...]
-                                                       [--skew 0.7] [--out DIR]
+                                                       [--skew 0.7] [--power] [--out DIR]
 
 One rank (EP=1), so that every route's row lands on this GPU: R = k x T rows over E experts. Each
 shape runs twice, with routes drawn uniformly over the experts ("balanced") and from expert
@@ -25,24 +25,44 @@ module each, so GEMM1 stays on Triton even here alone in the group, where stacke
 take the library's (``FusedKernels.library_first_layer``).
 ``torch._grouped_mm`` computes the same product on the same rows, grouped by the same offsets,
 without the epilogue's bias, activation or stored products, or a bias gradient: its rate is the
-library's rate for the GEMM alone. Each phase is timed on a warm device (the chip is power bound
-and its clock settles within about 200 ms): back-to-back calls for about 400 ms, the
-implementations of one phase in turn. Rank 0 prints TFLOP/s and the ratio and writes gemm.json.
+library's rate for the GEMM alone. For the two GEMM1 phases a third implementation, "composed",
+is that library product followed by the pipeline's own elementwise kernel for the phase (the
+forward's activations, the backward's activation gradients): ours against it separates what our
+GEMM loses to the library's from what the phase's extra memory traffic costs. Each phase is timed
+on a warm device (the chip is power bound and its clock settles within about 200 ms): back-to-back
+calls for ``--time-ms``, the implementations of one phase in turn. With ``--power``, ``nvidia-smi``
+samples the GPU's SM clock and power through each timed window (``ds_comet.bench.power``), and the
+energy of a call is its time by the mean power: at the power cap, time follows energy. Rank 0
+prints TFLOP/s and the ratios and writes gemm.json.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import deepspeed
 import torch
 
 import ds_comet
+from ds_comet.bench.power import Sampler
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.experts import FeedForward, GatedFeedForward
 
 PHASES = ("gemm1_fwd", "gemm2_fwd", "gemm1_bwd", "gemm2_bwd", "wgrad_w2", "wgrad_w1")
+IMPLEMENTATIONS = ("ours", "grouped_mm", "composed")
+
+
+@dataclass
+class Phase:
+    """One GEMM phase's implementations on the same rows, and the product's FLOPs."""
+    ours: Callable[[], object]
+    grouped_mm: Callable[[], object]
+    flops: int
+    composed: Optional[Callable[[], object]] = None  # the library's product, then our elementwise kernel
 
 
 def parse_args():
@@ -52,14 +72,19 @@ def parse_args():
     parser.add_argument("--gated", action="store_true", help="SwiGLU experts on every shape (else only on SWIGLU's)")
     parser.add_argument("--skew", type=float, default=0.7, help="Dirichlet concentration of the skewed routing")
     parser.add_argument("--warm-ms", type=float, default=200.0)
-    parser.add_argument("--time-ms", type=float, default=400.0)
+    parser.add_argument("--time-ms", type=float, default=None,
+                        help="timed window of each implementation (default 400 ms; 1500 with --power, so "
+                        "that nvidia-smi, which takes a moment to start, samples most of it)")
+    parser.add_argument("--power", action="store_true",
+                        help="sample the SM clock and power through each timed window (needs nvidia-smi)")
     parser.add_argument("--out", default="gemm_out")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     return parser.parse_args()
 
 
-def per_call_ms(fn, warm_ms: float, time_ms: float) -> float:
-    """Milliseconds per call of fn() queued back to back, after warm_ms of warm-up calls."""
+def per_call_ms(fn, warm_ms: float, time_ms: float, sampler: Optional[Sampler] = None) -> float:
+    """Milliseconds per call of fn() queued back to back, after warm_ms of warm-up calls; with a
+    ``sampler``, its samples cover the timed calls (its ``result`` holds them afterwards)."""
     torch.cuda.synchronize()
     calls, start = 0, time.perf_counter()
     while (time.perf_counter() - start) * 1e3 < warm_ms:
@@ -69,11 +94,12 @@ def per_call_ms(fn, warm_ms: float, time_ms: float) -> float:
     one = (time.perf_counter() - start) * 1e3 / calls
     n = max(3, int(time_ms / max(one, 1e-3)))
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
+    with sampler if sampler is not None else contextlib.nullcontext():
+        begin.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
     return begin.elapsed_time(end) / n
 
 
@@ -99,7 +125,7 @@ def fused_layer(hidden, ffn, experts, k, tokens, gated, device):
 
 
 def phase_calls(pipeline, tokens, indices, experts):
-    """(ours, grouped_mm, flops) per phase, on the rows one forward of ``indices`` lays out."""
+    """A ``Phase`` per phase name, on the rows one forward of ``indices`` lays out."""
     gates = torch.full(indices.shape, 1.0 / indices.shape[0], device=tokens.device)
     with torch.no_grad():
         pipeline.forward(tokens, indices, gates, train=False)
@@ -119,21 +145,23 @@ def phase_calls(pipeline, tokens, indices, experts):
     w2 = torch.randn(num_local, hidden, ffn, device=device).to(dtype) / ffn**0.5
     mm = torch._grouped_mm
     return {
-        "gemm1_fwd": (lambda: kernels.first_layer(x, h, keep_pre=True),
-                      lambda: mm(x, w1.transpose(1, 2), offs=offsets), 2 * rows * hidden * width),
-        "gemm2_fwd": (lambda: kernels.gemm2(h, out, backward=False), lambda: mm(h, w2.transpose(1, 2), offs=offsets),
-                      2 * rows * ffn * hidden),
-        "gemm1_bwd": (lambda: kernels.first_layer_backward(x, grad_pre, pre, act=h),
-                      lambda: mm(x, w2, offs=offsets), 2 * rows * hidden * ffn),
-        "gemm2_bwd": (lambda: kernels.gemm2(grad_pre, out, backward=True), lambda: mm(grad_pre, w1, offs=offsets),
-                      2 * rows * width * hidden),
-        "wgrad_w2": (lambda: kernels.wgrad(x, h), lambda: mm(x.t(), h, offs=offsets), 2 * rows * hidden * ffn),
-        "wgrad_w1": (lambda: [kernels.wgrad(grad_pre[:, part:part + ffn], x) for part in range(0, width, ffn)],
-                     lambda: mm(grad_pre.t(), x, offs=offsets), 2 * rows * width * hidden),
+        "gemm1_fwd": Phase(lambda: kernels.first_layer(x, h, keep_pre=True),
+                           lambda: mm(x, w1.transpose(1, 2), offs=offsets), 2 * rows * hidden * width,
+                           lambda: kernels.activations(mm(x, w1.transpose(1, 2), offs=offsets), h)),
+        "gemm2_fwd": Phase(lambda: kernels.gemm2(h, out, backward=False),
+                           lambda: mm(h, w2.transpose(1, 2), offs=offsets), 2 * rows * ffn * hidden),
+        "gemm1_bwd": Phase(lambda: kernels.first_layer_backward(x, grad_pre, pre, act=h),
+                           lambda: mm(x, w2, offs=offsets), 2 * rows * hidden * ffn,
+                           lambda: kernels.activations_backward(mm(x, w2, offs=offsets), pre, grad_pre, act=h)),
+        "gemm2_bwd": Phase(lambda: kernels.gemm2(grad_pre, out, backward=True),
+                           lambda: mm(grad_pre, w1, offs=offsets), 2 * rows * width * hidden),
+        "wgrad_w2": Phase(lambda: kernels.wgrad(x, h), lambda: mm(x.t(), h, offs=offsets), 2 * rows * hidden * ffn),
+        "wgrad_w1": Phase(lambda: [kernels.wgrad(grad_pre[:, part:part + ffn], x) for part in range(0, width, ffn)],
+                          lambda: mm(grad_pre.t(), x, offs=offsets), 2 * rows * width * hidden),
     }, counts
 
 
-def bench_shape(name, hidden, ffn, experts, k, tokens, args):
+def bench_shape(name, hidden, ffn, experts, k, tokens, args, sampler):
     device = torch.device("cuda", torch.cuda.current_device())
     gated = args.gated or name in SWIGLU
     layer = fused_layer(hidden, ffn, experts, k, tokens, gated, device)
@@ -147,13 +175,40 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
         mean = counts.float().mean().item()
         results[routing] = {"largest_over_mean": counts.max().item() / mean, "empty_experts": int((counts == 0).sum())}
         for phase in PHASES:
-            ours, library, flops = calls[phase]
-            ours_ms = per_call_ms(ours, args.warm_ms, args.time_ms)
-            library_ms = per_call_ms(library, args.warm_ms, args.time_ms)
-            results[routing][phase] = {"ours_tflops": flops / ours_ms / 1e9,
-                                       "grouped_mm_tflops": flops / library_ms / 1e9,
-                                       "ours_over_grouped_mm": library_ms / ours_ms}
+            results[routing][phase] = time_phase(calls[phase], args, sampler)
     return results
+
+
+def time_phase(phase: Phase, args, sampler: Optional[Sampler]) -> dict:
+    """Each implementation's TFLOP/s (and, with a ``sampler``, SM clock, watts and mJ a call) and
+    ours over the others' rates."""
+    result, ms = {}, {}
+    for name in IMPLEMENTATIONS:
+        fn = getattr(phase, name)
+        if fn is None:
+            continue
+        ms[name] = per_call_ms(fn, args.warm_ms, args.time_ms, sampler)
+        result[f"{name}_tflops"] = phase.flops / ms[name] / 1e9
+        if sampler is not None:
+            result[f"{name}_sm_mhz"] = sampler.result["sm_mhz"]
+            result[f"{name}_watts"] = sampler.result["watts"]
+            result[f"{name}_power_capped"] = sampler.result["power_capped"]
+            result[f"{name}_mj"] = sampler.result["watts"] * ms[name]
+    for name in ms.keys() - {"ours"}:
+        result[f"ours_over_{name}"] = ms[name] / ms["ours"]
+    return result
+
+
+def phase_line(phase: str, r: dict) -> str:
+    line = (f"  {phase:10s} ours {r['ours_tflops']:6.1f}  grouped_mm {r['grouped_mm_tflops']:6.1f} TFLOP/s  "
+            f"ratio {r['ours_over_grouped_mm']:.3f}")
+    if "composed_tflops" in r:
+        line += f"  composed {r['composed_tflops']:6.1f} TFLOP/s  ours/composed {r['ours_over_composed']:.3f}"
+    for name in IMPLEMENTATIONS:
+        if f"{name}_mj" in r:
+            line += (f"\n    {name:10s} {r[f'{name}_sm_mhz']:5.0f} MHz {r[f'{name}_watts']:4.0f} W "
+                     f"(capped {r[f'{name}_power_capped']:4.0%}) {r[f'{name}_mj']:7.2f} mJ a call")
+    return line
 
 
 def main():
@@ -164,17 +219,18 @@ def main():
         raise SystemExit("ds_comet.bench.gemm times one rank's GEMMs at EP=1: run it with --nproc_per_node 1")
     if not hasattr(torch, "_grouped_mm"):
         raise SystemExit("this torch has no torch._grouped_mm to compare with")
+    sampler = Sampler(torch.device("cuda", torch.cuda.current_device())) if args.power else None
+    if args.time_ms is None:
+        args.time_ms = 1500.0 if args.power else 400.0
     all_results = {}
     for name, shape in selected_shapes(args.shape, args.custom).items():
-        all_results[name] = bench_shape(name, *shape, args)
+        all_results[name] = bench_shape(name, *shape, args, sampler)
         torch.cuda.empty_cache()
         for routing, phases in all_results[name].items():
             print(f"{name} {routing}: largest expert {phases['largest_over_mean']:.2f}x the mean, "
                   f"{phases['empty_experts']} empty", flush=True)
             for phase in PHASES:
-                r = phases[phase]
-                print(f"  {phase:10s} ours {r['ours_tflops']:6.1f}  grouped_mm {r['grouped_mm_tflops']:6.1f} "
-                      f"TFLOP/s  ratio {r['ours_over_grouped_mm']:.3f}", flush=True)
+                print(phase_line(phase, phases[phase]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gemm.json"), "w") as f:
         json.dump(all_results, f, indent=1)

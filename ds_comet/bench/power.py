@@ -62,7 +62,8 @@ class Sampler:
 
     def __init__(self, device: torch.device):
         if shutil.which("nvidia-smi") is None:
-            raise SystemExit("ds_comet.bench.power needs nvidia-smi on PATH")
+            raise SystemExit("the power samples (ds_comet.bench.power, ds_comet.bench.gemm --power) need "
+                             "nvidia-smi on PATH")
         self.gpu = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
         for fields in FIELDS:
             query = ["nvidia-smi", f"--id={self.gpu}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]

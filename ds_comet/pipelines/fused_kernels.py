@@ -238,11 +238,10 @@ class FusedKernels:
         reads (an [R, 2F] tensor for gated experts on the Triton GEMM, else [R, F]; a pair of [R, F]
         tensors from the library's GEMM), else None.
         """
-        from ..kernels.triton_activation import activation_kernel  # triton is an extra
         if self.library_first_layer:
-            first, up = self._library_products(rows[:h.shape[0]], "w1", "w3")
-            self._elementwise(activation_kernel, (), first, up, (h, ), GATED=True)
-            return (first, up) if keep_pre else None
+            products = self._library_products(rows[:h.shape[0]], "w1", "w3")
+            self.activations(products, h)
+            return products if keep_pre else None
         if self.gated:
             # Split like the ungated experts', the two products would cross memory twice more: the
             # training phase was mixed (0.96-1.08x) and the eval forward 2-5 % slower (docs/decisions.md).
@@ -255,7 +254,7 @@ class FusedKernels:
         # pass) gives the training forward's numbers bit for bit.
         products = torch.empty((h.shape[0], self.ffn), dtype=h.dtype, device=h.device) if keep_pre else h
         self.gemm1(rows, products, backward=False, activate=False)
-        self._elementwise(activation_kernel, (), products, products, (h, ), GATED=False)
+        self.activations(products, h)
         return products if keep_pre else None
 
     def first_layer_backward(self, rows: Tensor, grad_pre: Tensor, pre: Union[Tensor, Tuple[Tensor, Tensor]],
@@ -269,16 +268,37 @@ class FusedKernels:
         computing them in its epilogue held up its MMAs: the two launches were 1-8 % faster for gated
         experts and 0-18 % for GELU ones (docs/decisions.md).
         """
-        from ..kernels.triton_activation import activation_backward_kernel  # triton is an extra
         if isinstance(pre, tuple):  # the library's products
-            (grad_h, ), (first, up) = self._library_products(rows[:grad_pre.shape[0]], "w2"), pre
+            (grad_h, ) = self._library_products(rows[:grad_pre.shape[0]], "w2")
         else:
             grad_h = torch.empty((grad_pre.shape[0], self.ffn), dtype=grad_pre.dtype, device=grad_pre.device)
             self.gemm1(rows, grad_h, backward=True)
-            # GEMM1's products: a gated expert's side by side in one [R, 2F] tensor; u is unused otherwise.
-            first, up = (pre[:, :self.ffn], pre[:, self.ffn:]) if self.gated else (pre, pre)
+        self.activations_backward(grad_h, pre, grad_pre, act)
+
+    def activations(self, pre: Union[Tensor, Tuple[Tensor, Tensor]], h: Tensor):
+        """The elementwise step after a first layer's products: the activations of ``pre`` (the
+        products as ``first_layer`` returns them) into ``h`` ([R, F]; it may be ``pre`` itself for
+        ungated experts)."""
+        from ..kernels.triton_activation import activation_kernel  # triton is an extra
+        first, up = self._product_halves(pre)
+        self._elementwise(activation_kernel, (), first, up, (h, ), GATED=self.gated)
+
+    def activations_backward(self, grad_h: Tensor, pre: Union[Tensor, Tuple[Tensor, Tensor]], grad_pre: Tensor,
+                             act: Optional[Tensor]):
+        """The elementwise step after the backward's ``g = dY @ W2`` (``grad_h``, [R, F], contiguous):
+        the gradient of the products ``pre`` into ``grad_pre`` and, unless ``act`` is None, the
+        activations again into ``act`` (as ``first_layer_backward``)."""
+        from ..kernels.triton_activation import activation_backward_kernel  # triton is an extra
+        first, up = self._product_halves(pre)
         self._elementwise(activation_backward_kernel, (grad_h, ), first, up, (grad_pre, grad_h if act is None else act),
                           GATED=self.gated, STORE_ACT=act is not None)
+
+    def _product_halves(self, pre: Union[Tensor, Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
+        """(z, u) of the first layer's products: the library's pair as it is; a gated expert's
+        [R, 2F] side by side; an ungated expert's [R, F] twice (the kernels read no u then)."""
+        if isinstance(pre, tuple):
+            return pre
+        return (pre[:, :self.ffn], pre[:, self.ffn:]) if self.gated else (pre, pre)
 
     @property
     def expert_ends(self) -> Tensor:

@@ -9,7 +9,9 @@ the combine's reads (route_row) are left to the GPU tests.
 Then the backward kernels run on random output gradients laid out the same way (GEMM1 backward,
 dY W2 alone, and the elementwise kernel after it; GEMM2 backward
 with the gated second operand; the grouped weight and bias gradients) and are checked against
-float64 autograd of each expert. Skipped where triton is not installed (it is an extra).
+float64 autograd of each expert. The elementwise steps as the pipeline calls them
+(``FusedKernels.activations`` and ``activations_backward``) are checked the same way on every
+form of the products they take. Skipped where triton is not installed (it is an extra).
 """
 
 import os
@@ -292,3 +294,77 @@ def test_the_gemm_error_claim_is_the_layouts():
     assert constants.TOTAL_ERROR_CLAIM < constants.TOTALS_WORDS
     assert ERROR_RECORD_WAIT_NS.value == constants.ERROR_RECORD_WAIT_NS
     assert WAIT_DISPATCH_TILE.value == constants.WAIT_DISPATCH_TILE
+
+
+ELEMENTWISE_SCRIPT = r"""
+import sys
+from types import SimpleNamespace
+import torch
+sys.path.insert(0, sys.argv[1])
+from ds_comet.kernels import constants as C
+from ds_comet.pipelines.fused_kernels import FusedKernels
+
+ACT = {"gelu": torch.nn.functional.gelu, "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+       "relu": torch.relu, "silu": torch.nn.functional.silu}
+
+def kernels_for(ffn, gated, activation, received):
+    layout = torch.zeros(C.TOTALS_WORDS, dtype=torch.int32)
+    layout[C.TOTAL_RECV_ROWS] = received
+    buffer = SimpleNamespace(layout=layout, layout_offsets=SimpleNamespace(totals=0))
+    experts = SimpleNamespace(ffn=ffn, gated=gated, activation=activation)
+    return FusedKernels(buffer=buffer, experts=experts, params=None, tables={}, hidden=8)
+
+def check(rows, received, ffn, gated, activation, form, seed):
+    g = torch.Generator().manual_seed(seed)
+    kernels = kernels_for(ffn, gated, activation, received)
+    z, u = torch.randn(rows, ffn, generator=g) * 2, torch.randn(rows, ffn, generator=g)
+    # The products in each form the pipeline passes: a gated expert's [R, 2F] from GEMM1 or the
+    # library's (z, u) pair; an ungated expert's [R, F].
+    if not gated:
+        pre = z.clone()
+    elif form == "pair":
+        pre = (z.clone(), u.clone())
+    else:
+        pre = torch.cat([z, u], dim=1)
+    expect_h = ACT[activation](z.double()) * (u.double() if gated else 1)
+    h = torch.full((rows, ffn), float("nan"))
+    kernels.activations(pre, h)
+    torch.testing.assert_close(h[:received].double(), expect_h[:received], rtol=1e-5, atol=1e-5)
+    assert h[received:].isnan().all()  # rows past the call's are not touched
+
+    grad_h = torch.randn(rows, ffn, generator=g)
+    zd, ud = z.double().requires_grad_(), u.double().requires_grad_()
+    (ACT[activation](zd) * (ud if gated else 1)).backward(grad_h.double())
+    expect_pre = torch.cat([zd.grad, ud.grad], dim=1) if gated else zd.grad
+    grad_pre = torch.full((rows, ffn * (2 if gated else 1)), float("nan"))
+    act = torch.full((rows, ffn), float("nan"))
+    kernels.activations_backward(grad_h, pre, grad_pre, act)
+    torch.testing.assert_close(grad_pre[:received].double(), expect_pre[:received], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(act[:received].double(), expect_h[:received], rtol=1e-5, atol=1e-5)
+    assert grad_pre[received:].isnan().all() and act[received:].isnan().all()
+    # Without act the activations are not stored anywhere; grad_h is left for the kernel to reuse.
+    again = torch.full_like(grad_pre, float("nan"))
+    kernels.activations_backward(grad_h.clone(), pre, again, None)
+    torch.testing.assert_close(again[:received], grad_pre[:received], rtol=0, atol=0)
+    if not gated:  # eval's in-place step: the products become the activations
+        kernels.activations(pre, pre)
+        torch.testing.assert_close(pre[:received], h[:received], rtol=0, atol=0)
+    print("ok", rows, received, ffn, gated, activation, form)
+
+check(70, 61, 40, True, "silu", "side by side", 1)
+check(45, 45, 136, True, "gelu", "pair", 2)
+check(33, 20, 24, False, "gelu_tanh", "-", 3)
+check(50, 37, 130, False, "relu", "-", 4)
+"""
+
+
+def test_the_first_layers_elementwise_steps_in_interpreter():
+    """``FusedKernels.activations`` and ``activations_backward`` on every form of the products the
+    pipeline passes (a gated expert's [R, 2F], the library's pair, an ungated expert's [R, F]),
+    against float64 autograd, stopping at the call's received rows."""
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", ELEMENTWISE_SCRIPT, repo_root], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert result.stdout.count("ok ") == 4
