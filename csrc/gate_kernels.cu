@@ -144,8 +144,8 @@ __global__ void top2_masks_kernel(const int32_t* choices, const int32_t* routes,
 //
 // The first blocks also count kCountedRoutes routes each into expert_counts. One global atomic
 // per chosen cell put S x k atomics on the few cache lines that hold the counters, and they
-// serialised there (15-27 us alone on an H200 at 4096-8192 tokens, k = 4 and 8, against 7-9 us
-// now); a block's histogram in shared memory leaves one global atomic per block and expert.
+// serialised there (15-27 us alone on an H200 at 4096-8192 tokens, k = 4 and 8); a block's
+// histogram in shared memory leaves one global atomic per block and expert (7-9 us).
 // Without room for it (num_experts past kSharedCounters), each route is counted globally.
 constexpr int kCountedRoutes = 4096;
 constexpr int kSharedCounters = 12288;  // 48 KiB of dynamic shared memory, the default limit

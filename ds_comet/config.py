@@ -140,7 +140,8 @@ def _config_dict(ds_config) -> Mapping[str, Any]:
 
 def _read_config(source) -> Mapping[str, Any]:
     """A ds_config file, or a base64 string of one, read as DeepSpeed reads it: HJSON (comments and
-    trailing commas allowed), a key given twice an error."""
+    trailing commas allowed); in a file a key given twice is an error (DeepSpeed does not check a
+    base64 string's keys)."""
     if os.path.exists(source):
         try:
             with open(source) as handle:

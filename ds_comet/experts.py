@@ -11,7 +11,9 @@ activation sits between them. ``FeedForward``, ``GatedFeedForward`` and ``nn.Seq
 GELU|ReLU|SiLU, Linear)`` are known; any other class says it with ``register_expert``, keeping its
 own parameter names (and so its checkpoints)::
 
-    ds_comet.register_expert(MixtralBlockSparseTop2MLP, first="w1", up="w3", second="w2", activation="silu")
+    ds_comet.register_expert(SwiGLUExpert, first="w1", up="w3", second="w2", activation="silu")
+
+(``SwiGLUExpert`` standing for a class of one's own with ``nn.Linear`` members w1, w3 and w2.)
 
 A registered class's own ``forward`` is then compared with that formula on a few random rows when
 a layer first chooses the fused pipeline: an expert that computes something else (another

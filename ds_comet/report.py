@@ -20,19 +20,14 @@ def _version(module_name):
 def pipeline_verdict(config) -> str:
     """Which pipeline a bf16 Comet layer on this machine's GPU would run, before any layer exists."""
     from ds_comet.config import moe_config_from
-    from ds_comet.kernels.ops import op_unavailable_reason
+    from ds_comet.pipelines.policy import runtime_reason
     section = moe_config_from(config)
     if section.backend == "deepspeed":
         return "stock DeepSpeed MoE (\"moe\": {\"backend\": \"deepspeed\"})"
     if section.overlap == "none":
         return "reference pipeline (\"overlap\": \"none\")"
-    reason = None
-    if not torch.cuda.is_available():
-        reason = "no CUDA device is visible"
-    elif _version("triton") == "not installed":
-        reason = "triton is not installed (pip install 'ds_comet[triton]')"
-    else:
-        reason = op_unavailable_reason()
+    # The layers' own software checks, so that the report and the layers' logs give one answer.
+    reason = "no CUDA device is visible" if not torch.cuda.is_available() else runtime_reason()
     if reason is None:
         return ("fused pipeline (forward and backward) for bf16/fp16 FFN and gated FFN experts, if the "
                 "expert-parallel group lies inside one node; each layer logs once what it runs and why")

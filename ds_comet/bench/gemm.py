@@ -1,7 +1,8 @@
 """Time each GEMM phase of the fused pipeline alone against ``torch._grouped_mm`` on the same problem.
 
-    torchrun --nproc_per_node 1 -m ds_comet.bench.gemm [--shape NAME ...] [--custom H,F,E,K,T ...]
-                                                       [--skew 0.7] [--power] [--out DIR]
+    torchrun --nproc_per_node 1 -m ds_comet.bench.gemm [--shape NAME ...] [--custom H,F,E,K,T ...] [--gated]
+                                                       [--skew 0.7] [--warm-ms 200] [--time-ms MS] [--power]
+                                                       [--out DIR]
 
 One rank (EP=1), so that every route's row lands on this GPU: R = k x T rows over E experts. Each
 shape runs twice, with routes drawn uniformly over the experts ("balanced") and from expert

@@ -2,7 +2,8 @@
 
 Forward: the dispatch sends token rows (a token's row crosses to a rank once, staged there with the
 list of its routes and their gates, and that rank's dispatch copies it to each route's row), GEMM1
-(with the activation) runs per row tile as rows arrive, GEMM2 stores its output rows locally chunk
+runs per row tile as rows arrive (the activation in its epilogue for gated experts, in an
+elementwise kernel after it for the others), GEMM2 stores its output rows locally chunk
 by chunk and counts them, and the combine, as chunks finish, first sums on each expert rank the
 gate-weighted rows of each staged token's routes there into one row, then has each source read,
 over NVLink, one such row per (token, rank) besides its own routes' rows, and sum them. A token
@@ -158,8 +159,8 @@ class FusedPipeline:
         ``saved``, if given, receives what ``run_backward`` needs: the received rows in a tensor of this
         call's (the workspace is reused by the next call), their expert outputs (GEMM2 writes them into a tensor
         of this call's) and the products before the activation. Not the activations: the backward's
-        GEMM1 recomputes them from those products as it reads them: a layer holds half the FFN-wide
-        memory it would (a third less for gated experts, whose products are twice as wide).
+        elementwise step after its GEMM1 recomputes them from those products: a layer holds half the
+        FFN-wide memory it would (a third less for gated experts, whose products are twice as wide).
         """
         buffer = self.workspace
         num_tokens, hidden = tokens.shape

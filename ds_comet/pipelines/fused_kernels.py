@@ -65,9 +65,10 @@ class PointerTables:
 class FusedKernels:
     """What every kernel launch of one call shares, and the launches.
 
-    Each method queues the launches of one step (one kernel, or, for ``dispatch`` and ``combine``,
-    one on each stream the step runs on; the library's first layer: a grouped GEMM and an
-    elementwise kernel); none waits for the device.
+    Each method queues the launches of one step: one kernel; for ``dispatch`` and ``combine`` one on
+    each stream the step runs on; for the first layer's two directions (except a gated forward on
+    the Triton GEMM) a GEMM and an elementwise kernel; for ``wgrad`` with biases a GEMM and the
+    column sums. None waits for the device.
     """
     buffer: CometBuffer
     experts: FusedExperts

@@ -160,10 +160,10 @@ def test_report_runs_and_names_the_pipeline():
 def test_report_verdict_where_the_fused_pipeline_can_run(monkeypatch):
     """The verdict on a machine where everything is there (faked here): the fused pipeline, which
     runs training steps too since its backward landed, and an error only under "fused"."""
+    pytest.importorskip("triton")
     import ds_comet.kernels.ops
     import ds_comet.report as report_module
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(report_module, "_version", lambda name: "3.6.0")
     monkeypatch.setattr(ds_comet.kernels.ops, "op_unavailable_reason", lambda: None)
     verdict = report_module.pipeline_verdict({"moe": {"backend": "comet"}})
     assert verdict.startswith("fused pipeline (forward and backward)"), verdict
@@ -172,3 +172,16 @@ def test_report_verdict_where_the_fused_pipeline_can_run(monkeypatch):
     monkeypatch.setattr(ds_comet.kernels.ops, "op_unavailable_reason", lambda: "nvcc not found")
     assert report_module.pipeline_verdict({"moe": {"backend": "comet", "overlap": "fused"}}) == (
         "error: \"overlap\": \"fused\" was asked for, but nvcc not found")
+
+
+def test_report_verdict_names_a_triton_too_old_as_the_layers_do(monkeypatch):
+    """A Triton without tensor descriptors (older than 3.4): the report gives the reason each layer
+    logs, not "fused pipeline"."""
+    triton = pytest.importorskip("triton")
+    import ds_comet.kernels.ops
+    import ds_comet.report as report_module
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ds_comet.kernels.ops, "op_unavailable_reason", lambda: None)
+    monkeypatch.delattr(triton.language, "make_tensor_descriptor")
+    verdict = report_module.pipeline_verdict({"moe": {"backend": "comet"}})
+    assert verdict.startswith("reference pipeline: triton") and "older than 3.4" in verdict, verdict
