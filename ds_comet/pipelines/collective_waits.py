@@ -18,11 +18,12 @@ the time it was written, and a waiting rank reads only the notes written since o
 before its own wait began: an error caught and survived long before is not blamed.
 """
 
+import contextlib
 import pickle
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from deepspeed import comm as dist
@@ -174,6 +175,20 @@ def post_failure(layer_name: str, error: BaseException, ep_size: int) -> None:
         return
     note = f"{time.time():.3f} in {layer_name}: {type(error).__name__}: {error}"[:2000]
     ask_store(lambda store: store.set(f"{FAILURE_KEY}{me}", note), STORE_SLACK_S)
+
+
+@contextlib.contextmanager
+def failures_noted(layer_name: str, ep_size: int) -> Iterator[None]:
+    """Runs the block, noting any exception it raises (``post_failure``) before it leaves: the
+    block's steps come before collectives that the group's other ranks will wait in. A wait that
+    timed out is not noted: this rank is the one left waiting."""
+    try:
+        yield
+    except CometWaitTimeout:
+        raise
+    except Exception as error:
+        post_failure(layer_name, error, ep_size)
+        raise
 
 
 def failure_notes(ranks: Iterable[int], since: float) -> Dict[int, str]:

@@ -15,9 +15,8 @@ import torch
 from deepspeed import comm as dist
 from torch import Tensor
 
-from ..kernels.ops import CometWaitTimeout
 from .chunked import chunked_exchange
-from .collective_waits import CollectiveWaits, post_failure
+from .collective_waits import CollectiveWaits, failures_noted
 from .expert_weights import LocalExperts
 from .policy import saved_tensor_hooks_active
 from .routing import RankPlan, plan_rank_rows
@@ -120,13 +119,8 @@ class ReferencePipeline:
         dtype); one row per (token, rank) comes back, and the token's rows are summed in fp32. A
         token whose routes meet four experts of one rank crosses to it once, not four times.
         """
-        try:
+        with failures_noted(self.layer_name, self.ep_size):  # its peers will wait for it: tell them why
             return self._forward(tokens, indices, weights, scale_before)
-        except CometWaitTimeout:
-            raise  # this rank is the one left waiting
-        except Exception as error:  # its peers will wait for it: tell them why
-            post_failure(self.layer_name, error, self.ep_size)
-            raise
 
     def _forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool) -> Tensor:
         # Under saved-tensor hooks (non-reentrant checkpointing) the rows go whole: the chunks keep

@@ -138,6 +138,29 @@ def raising_peer_case():
     return str(raised.value)
 
 
+def gate_raising_peer_case():
+    """Both ranks call the layer; in the next call every rank but 0 feeds fewer tokens than the
+    gate's min_capacity, which stock's gate refuses before any exchange: rank 0's error must quote it."""
+    from ds_comet.kernels.ops import CometWaitTimeout
+    layer = called_layer("blocks.6.moe")  # min_capacity 4, k 1
+    if dist.get_rank() != 0:
+        with pytest.raises(AssertionError, match="min_capacity"):
+            layer(torch.randn(1, 2, 16))
+        return None
+    with pytest.raises(CometWaitTimeout) as raised:
+        layer(torch.randn(1, 8, 16))
+    return str(raised.value)
+
+
+def test_a_peer_whose_gate_raises_is_named_with_its_error(cpu_pool):
+    try:
+        message = cpu_pool.run(gate_raising_peer_case)[0]
+    finally:
+        cpu_pool.stop()
+    for rank in range(1, cpu_world_size()):
+        assert f"global rank {rank} raised in blocks.6.moe: AssertionError: No. of tokens" in message, message
+
+
 def test_a_peer_that_raises_is_named_with_its_error(cpu_pool):
     try:
         message = cpu_pool.run(raising_peer_case)[0]

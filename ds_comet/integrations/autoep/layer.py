@@ -17,6 +17,7 @@ from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer, RouterOutput
 from torch import Tensor
 
 from ...config import CometMoEConfig
+from ...pipelines.collective_waits import failures_noted
 from ...pipelines.expert_weights import StackedExperts
 from ...pipelines.selection import LayerSpec, PipelineSelection
 
@@ -103,10 +104,12 @@ class CometAutoEPMoELayer(AutoEPMoELayer):
     def _forward(self, hidden_states: Tensor):
         bsz, seqlen, hdim = hidden_states.shape
         x = hidden_states.reshape(-1, hdim)  # [T, H]
-        routes = RouterOutput(*self.router(x, self.expert_bias))
-        with torch.no_grad():
-            self.tokens_per_expert.add_(routes.num_tokens_per_expert)
-        pipeline = self.pipelines.pipeline_for(x)
+        # The steps before the pipeline's exchange: peers wait there for a rank that raised here.
+        with failures_noted(self.pipelines.name, self.ep_size):
+            routes = RouterOutput(*self.router(x, self.expert_bias))
+            with torch.no_grad():
+                self.tokens_per_expert.add_(routes.num_tokens_per_expert)
+            pipeline = self.pipelines.pipeline_for(x)
         # The pipelines take routes as [k, T]: route j of token t is entry (j, t).
         indices, weights = routes.selected_experts.t(), routes.top_scores.t()
         if pipeline is self.pipelines.fused:

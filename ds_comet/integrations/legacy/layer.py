@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ...config import CometMoEConfig, moe_config_from
 from ...experts import row_mixing_reason
+from ...pipelines.collective_waits import failures_noted
 from ...pipelines.expert_weights import ModuleExperts
 from ...pipelines.parameters import max_received_rows
 from ...pipelines.selection import LayerSpec, PipelineSelection
@@ -95,20 +96,22 @@ class CometMOELayer(MOELayer):
         if self.ep_size > 1 and self.ep_group is None:
             raise RuntimeError(f"the MoE layer has ep_size={self.ep_size} but no expert-parallel group: call "
                                "deepspeed.initialize(...) or the layer's set_deepspeed_parallelism() first")
-        hidden = self.gate.wg.weight.shape[1]
-        if hidden_states.dim() < 2 or hidden_states.shape[-1] != hidden:
-            raise ValueError(f"ds_comet: {self.pipelines.name} takes hidden states [..., {hidden}] (tokens by the "
-                             f"model's hidden size), got a tensor of shape {tuple(hidden_states.shape)}")
-        tokens = hidden_states.reshape(-1, hidden)
-        if used_token is not None and used_token.numel() != tokens.shape[0]:
-            raise ValueError(f"ds_comet: {self.pipelines.name}: used_token must hold one entry per token "
-                             f"({tokens.shape[0]}), got shape {tuple(used_token.shape)}")
-        pipeline = self.pipelines.pipeline_for(tokens)
-        fused = pipeline is self.pipelines.fused
-        # On the fused path the op's gate kernels do the gate's integer bookkeeping.
-        op = pipeline.workspace.op if fused else None
-        routes = self.gate_graphs.routes if fused and self.gate_graphs is not None else gate_routes
-        self.l_aux, _, indices, weights, self.exp_counts = routes(self.gate, tokens, used_token, op)
+        # The steps before the pipeline's exchange: peers wait there for a rank that raised here.
+        with failures_noted(self.pipelines.name, self.ep_size):
+            hidden = self.gate.wg.weight.shape[1]
+            if hidden_states.dim() < 2 or hidden_states.shape[-1] != hidden:
+                raise ValueError(f"ds_comet: {self.pipelines.name} takes hidden states [..., {hidden}] (tokens by "
+                                 f"the model's hidden size), got a tensor of shape {tuple(hidden_states.shape)}")
+            tokens = hidden_states.reshape(-1, hidden)
+            if used_token is not None and used_token.numel() != tokens.shape[0]:
+                raise ValueError(f"ds_comet: {self.pipelines.name}: used_token must hold one entry per token "
+                                 f"({tokens.shape[0]}), got shape {tuple(used_token.shape)}")
+            pipeline = self.pipelines.pipeline_for(tokens)
+            fused = pipeline is self.pipelines.fused
+            # On the fused path the op's gate kernels do the gate's integer bookkeeping.
+            op = pipeline.workspace.op if fused else None
+            routes = self.gate_graphs.routes if fused and self.gate_graphs is not None else gate_routes
+            self.l_aux, _, indices, weights, self.exp_counts = routes(self.gate, tokens, used_token, op)
         if fused:
             output = pipeline.forward(tokens, indices, weights, train=self.gate.training)
         else:
