@@ -12,7 +12,11 @@ section says ``"backend": "comet"``:
 
 Modules, parameters, optimizer state and checkpoints stay what DeepSpeed made; each comet layer is
 named after its module path in what it logs. A config that asks for comet on a model without MoE
-layers is a warning (an error under ``"overlap": "fused"``).
+layers is a warning (an error under ``"overlap": "fused"``). Layers built as comet layers keep the
+settings they were built with; where the ds_config has a ``"moe"`` section that asks for other
+ones (another backend, or other values), that is an error naming the layers and the keys, not a
+section silently ignored. A ``"moe"`` section given as ``config`` or through ``args`` is checked
+before DeepSpeed builds the engine, so that a mistyped key fails at once.
 """
 
 import functools
@@ -24,17 +28,25 @@ from deepspeed.moe.sharded_moe import MOELayer
 from deepspeed.utils import log_dist, logger
 from torch import nn
 
-from .config import CometMoEConfig, moe_config_from
+from .config import MOE_SECTION, CometMoEConfig, moe_config_from
 from .integrations.legacy.layer import CometMOELayer
 
 
 @functools.wraps(deepspeed.initialize)
 def initialize(*args, **kwargs):
+    given = kwargs.get("config", kwargs.get("config_params"))
+    if given is None:  # deepspeed.initialize(args=...) reads args.deepspeed_config
+        given = getattr(kwargs.get("args", args[0] if args else None), "deepspeed_config", None)
+    if given is not None:
+        moe_config_from(given)  # a bad "moe" section fails before the engine is built
     engine, *rest = deepspeed.initialize(*args, **kwargs)
     # The engine's DeepSpeedConfig holds the parsed ds_config however it was given (dict, path, args).
     config = moe_config_from(engine._config)
+    param_dict = getattr(engine._config, "_param_dict", None) or {}
+    if MOE_SECTION in param_dict:
+        refuse_other_settings(engine.module, config)
     converted = convert_moe_layers(engine.module, config)
-    section = (getattr(engine._config, "_param_dict", None) or {}).get("expert_parallel") or {}
+    section = param_dict.get("expert_parallel") or {}
     if converted and section.get("enabled"):
         from .integrations.autoep.layer import moe_keys_message, replaced_keys_message
         for message in (replaced_keys_message(section), moe_keys_message(config)):
@@ -72,6 +84,34 @@ def convert_moe_layers(model: nn.Module, config: CometMoEConfig) -> List[str]:
     else:
         log_dist(f"ds_comet: {len(converted)} MoE layer(s) run the comet backend", ranks=[0])
     return converted
+
+
+def refuse_other_settings(model: nn.Module, config: CometMoEConfig) -> None:
+    """Raises if a comet layer of ``model`` was built with settings other than ``config``'s (the
+    ds_config's ``"moe"`` section), naming the layers and the keys that differ."""
+    wanted = config.model_dump()
+    differing = {}
+    for path, module in model.named_modules():
+        pipelines = getattr(module, "pipelines", None)
+        if pipelines is None or not hasattr(pipelines, "pipeline_for"):
+            continue
+        own = pipelines.config.model_dump()
+        keys = [key for key in wanted if key != "backend" and own[key] != wanted[key]]
+        if config.backend != "comet":
+            keys = ["backend"]
+        if keys:
+            differing[path or type(module).__name__] = ", ".join(
+                f"{key}: {own[key]!r} (the ds_config: {wanted[key]!r})" for key in keys)
+    if not differing:
+        return
+    if config.backend != "comet":
+        fix = ("build them with deepspeed.moe.layer.MoE, or with ds_comet.build_moe(ds_config, ...), which "
+               "follows the section")
+    else:
+        fix = "build them with ds_comet.MoE(..., config=ds_config) or ds_comet.build_moe(ds_config, ...)"
+    layers = "; ".join(f"{path} ({keys})" for path, keys in differing.items())
+    raise ValueError(f"ds_comet: the ds_config's \"moe\" section differs from what these comet layers were built "
+                     f"with, which they keep: {layers}; {fix}")
 
 
 def _autoep_layer_class():

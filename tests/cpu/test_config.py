@@ -1,16 +1,20 @@
 """The ds_config switch: the "moe" section, its errors, and which class a config builds."""
 
+import argparse
 import base64
+import importlib
 import json
 
 import deepspeed
 import pytest
 import torch
+from deepspeed import comm as dist
 from deepspeed.runtime.config import DeepSpeedConfig
 
 import ds_comet
 from ds_comet import CometMOELayer, CometMoEConfig, build_moe, moe_config_from
 from ds_comet.experts import FeedForward
+from tests.support.dist_pool import cpu_world_size
 
 MOE_KWARGS = dict(hidden_size=16, num_experts=4, ep_size=1, k=2)
 
@@ -186,3 +190,59 @@ def test_inputs_the_layer_cannot_take_are_named():
         layer(torch.randn(2, 8, 12))
     with pytest.raises(ValueError, match=r"used_token must hold one entry per token \(16\), got shape \(15,\)"):
         layer(torch.randn(2, 8, 16), used_token=torch.ones(15))
+
+
+def test_a_bad_moe_section_fails_before_deepspeed_builds_the_engine(monkeypatch):
+    initialize_module = importlib.import_module("ds_comet.initialize")
+
+    def engine_built(*args, **kwargs):
+        raise AssertionError("deepspeed.initialize ran before the \"moe\" section was checked")
+
+    monkeypatch.setattr(initialize_module.deepspeed, "initialize", engine_built)
+    with pytest.raises(ValueError, match="overlap"):
+        ds_comet.initialize(model=torch.nn.Linear(2, 2), config={"moe": {"backend": "comet", "overlap": "fuse"}})
+    args = argparse.Namespace(deepspeed_config={"moe": {"backend": "comet", "wait_timeout_s": -1}})
+    with pytest.raises(ValueError, match="wait_timeout_s"):
+        ds_comet.initialize(args=args, model=torch.nn.Linear(2, 2))
+
+
+def test_comet_layers_built_with_other_settings_than_the_section_are_named():
+    from ds_comet.initialize import refuse_other_settings
+    model = torch.nn.ModuleDict({"plain": ds_comet.MoE(**MOE_KWARGS, expert=expert()),  # the defaults
+                                 "tuned": ds_comet.MoE(**MOE_KWARGS, expert=expert(),
+                                                       config={"moe": {"backend": "comet", "overlap": "none"}})})
+    refuse_other_settings(model.plain, CometMoEConfig(backend="comet"))
+    refuse_other_settings(model.tuned, CometMoEConfig(backend="comet", overlap="none"))
+    with pytest.raises(ValueError) as raised:
+        refuse_other_settings(model, CometMoEConfig(backend="comet", overlap="none", wait_timeout_s=300))
+    message = str(raised.value)
+    assert ("plain.deepspeed_moe (overlap: 'auto' (the ds_config: 'none'), wait_timeout_s: 60.0 (the ds_config: "
+            "300.0))") in message, message
+    assert "tuned.deepspeed_moe (wait_timeout_s: 60.0 (the ds_config: 300.0))" in message, message
+    assert "ds_comet.MoE(..., config=ds_config)" in message, message
+    with pytest.raises(ValueError, match=r"plain.deepspeed_moe \(backend: 'comet' \(the ds_config: 'deepspeed'\)\).*"
+                       r"deepspeed.moe.layer.MoE"):
+        refuse_other_settings(model, CometMoEConfig(backend="deepspeed"))
+
+
+def initialize_built_layer_case(section):
+    """A comet layer built without a config, then ds_comet.initialize with ``section`` as the ds_config's
+    "moe" section (None: no section): the layer's overlap afterwards, or the error."""
+    world = dist.get_world_size()
+    model = ds_comet.MoE(16, expert(), num_experts=2 * world, ep_size=world, k=1)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    if section is not None:
+        config["moe"] = section
+    try:
+        engine, *_ = ds_comet.initialize(model=model, model_parameters=model.parameters(), config=config)
+    except ValueError as error:
+        return str(error)
+    return engine.module.deepspeed_moe.pipelines.config.overlap
+
+
+def test_initialize_refuses_a_section_its_comet_layers_were_not_built_with(cpu_pool):
+    assert cpu_pool.run(initialize_built_layer_case, section=None) == ["auto"] * cpu_world_size()
+    assert cpu_pool.run(initialize_built_layer_case, section={"backend": "comet"}) == ["auto"] * cpu_world_size()
+    for message in cpu_pool.run(initialize_built_layer_case, section={"backend": "comet", "overlap": "none"}):
+        assert "differs from what these comet layers were built with" in message, message
+        assert "deepspeed_moe (overlap: 'auto' (the ds_config: 'none'))" in message, message
