@@ -15,9 +15,10 @@ own parameter names (and so its checkpoints)::
 
 (``SwiGLUExpert`` standing for a class of one's own with ``nn.Linear`` members w1, w3 and w2.)
 
-A registered class's own ``forward`` is then compared with that formula on a few random rows when
-a layer first chooses the fused pipeline: an expert that computes something else (another
-activation, a scale, a dropout) runs the reference pipeline, with the difference as the reason.
+A registered class's own ``forward`` is then compared with that formula on a few random rows, in
+training and in eval mode, when a layer first chooses the fused pipeline: an expert that computes
+something else (another activation, a scale) or holds a dropout runs the reference pipeline, with
+the difference as the reason.
 """
 
 from dataclasses import dataclass
@@ -237,26 +238,45 @@ def _from_layout(expert: nn.Module, layout: ExpertLayout) -> Union[FusedExpert, 
 def forward_mismatch(spec: FusedExpert, hidden: int, rows: int = 16, tolerance: float = 2e-2) -> Optional[str]:
     """Why a registered expert's own ``forward`` is not the formula the fused kernels compute, or None.
 
-    Both run on the same random rows in the weights' dtype; a relative difference past
-    ``tolerance`` (a few bf16 roundings) is a different computation, not rounding.
+    Both run on the same random rows in the weights' dtype, with the module in training mode and
+    in eval mode (the choice holds for every later call, whichever mode the first one had); a
+    relative difference past ``tolerance`` (a few bf16 roundings) is a different computation, not
+    rounding. Dropout is refused outright, since a small rate could pass for rounding. The
+    modules' modes and the random number generators are left as they were.
     """
-    if spec.module is None:
+    module = spec.module
+    if module is None:
         return None
+    name = type(module).__name__
+    dropouts = sorted({f"{type(m).__name__}(p={m.p})" for m in module.modules()
+                       if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0})
+    if dropouts:
+        return (f"the expert {name} holds {', '.join(dropouts)}, which the fused kernels do not apply; drop it from "
+                "the expert, or run the reference pipeline (\"overlap\": \"none\")")
     weight = spec.first.weight
     generator = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(rows, hidden, generator=generator, device=weight.device).to(weight.dtype)
     with torch.no_grad():
-        got = spec.module(x)
-        got = got[0] if isinstance(got, tuple) else got
         want = spec.compute(x)
-    if got.shape != want.shape:
-        return (f"the expert {type(spec.module).__name__}'s forward returns {tuple(got.shape)} for {tuple(x.shape)} "
-                f"rows, the registered layout gives {tuple(want.shape)}")
-    error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
-    if not error <= tolerance:
-        return (f"the expert {type(spec.module).__name__}'s forward differs from its registered layout by "
-                f"{error:.3g} (relative) on random rows: the fused kernels would compute something else; check "
-                "register_expert's first/up/second/activation")
+    modes = [(m, m.training) for m in module.modules()]
+    devices = [weight.device] if weight.device.type == "cuda" else []
+    try:
+        for training in (True, False):
+            module.train(training)
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                got = module(x)
+            got = got[0] if isinstance(got, tuple) else got
+            if got.shape != want.shape:
+                return (f"the expert {name}'s forward returns {tuple(got.shape)} for {tuple(x.shape)} rows, the "
+                        f"registered layout gives {tuple(want.shape)}")
+            error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+            if not error <= tolerance:
+                return (f"the expert {name}'s forward in {'training' if training else 'eval'} mode differs from its "
+                        f"registered layout by {error:.3g} (relative) on random rows: the fused kernels would compute "
+                        "something else; check register_expert's first/up/second/activation")
+    finally:
+        for m, training in modes:
+            m.training = training
     return None
 
 

@@ -32,6 +32,24 @@ class ScaledMLP(MixtralStyleMLP):
         return 0.5 * super().forward(x)
 
 
+class TrainingOnlyScale(MixtralStyleMLP):
+    """The SwiGLU in eval mode, something else in training mode (as a noise or a dropout would be)."""
+
+    def forward(self, x):
+        return super().forward(x) * (1.5 if self.training else 1.0)
+
+
+class DroppingMLP(MixtralStyleMLP):
+    """The SwiGLU with dropout on its output."""
+
+    def __init__(self, hidden, ffn, p):
+        super().__init__(hidden, ffn)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
+
+
 @pytest.fixture(autouse=True)
 def _registry(monkeypatch):
     # Each test registers what it needs; the registry is left as it was.
@@ -55,10 +73,28 @@ def test_a_registered_class_runs_on_its_own_parameter_names():
 def test_a_registered_class_whose_forward_computes_something_else_is_refused():
     register_expert(ScaledMLP, first="w1", up="w3", second="w2", activation="silu")
     reason = forward_mismatch(fused_expert(ScaledMLP(16, 24)), 16)
-    assert reason is not None and "ScaledMLP's forward differs from its registered layout" in reason
+    assert reason is not None and "ScaledMLP's forward in training mode differs from its registered layout" in reason
     register_expert(MixtralStyleMLP, first="w1", up="w3", second="w2", activation="gelu")  # the wrong activation
     reason = structure_reason(ModuleExperts(nn.ModuleList(), [MixtralStyleMLP(16, 24)]), 16, 2)
     assert isinstance(reason, str) and "differs from its registered layout" in reason
+
+
+def test_the_check_covers_both_modes_whichever_the_first_call_had():
+    """A class that matches its layout in eval mode only is refused even when checked in eval mode
+    (the choice holds for later training calls); the check leaves the modes and the RNG as they were."""
+    register_expert(TrainingOnlyScale, first="w1", up="w3", second="w2", activation="silu")
+    expert = TrainingOnlyScale(16, 24).eval()
+    expert.w1.train()  # a mixed mode, which the check must give back as it was
+    state = torch.random.get_rng_state()
+    reason = forward_mismatch(fused_expert(expert), 16)
+    assert reason is not None and "forward in training mode differs from its registered layout" in reason, reason
+    assert not expert.training and expert.w1.training and not expert.w2.training
+    assert torch.equal(torch.random.get_rng_state(), state)
+    register_expert(DroppingMLP, first="w1", up="w3", second="w2", activation="silu")
+    for p in (0.1, 1e-4):  # a tiny rate would pass for rounding: dropout is refused as such
+        reason = forward_mismatch(fused_expert(DroppingMLP(16, 24, p).eval()), 16)
+        assert reason is not None and f"holds Dropout(p={p}), which the fused kernels do not apply" in reason, reason
+    assert forward_mismatch(fused_expert(DroppingMLP(16, 24, 0.0)), 16) is None  # p = 0 computes the layout
 
 
 def test_layouts_that_do_not_fit_the_class_are_refused():
