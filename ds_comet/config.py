@@ -10,6 +10,7 @@ import os
 from typing import Any, Literal, Mapping, Optional, get_args, get_origin
 
 import hjson
+from deepspeed.constants import default_pg_timeout
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, dict_raise_error_on_duplicate_keys
 from deepspeed.utils import logger
 from pydantic import ConfigDict, Field, ValidationError
@@ -83,11 +84,15 @@ class CometMoEConfig(DeepSpeedConfigModel):
     (about 6 bytes x tokens x hidden per layer; 218-326 MiB reserved at the bench's shapes;
     ds_comet/integrations/legacy/gate_graph.py)."""
 
-    wait_timeout_s: float = Field(60.0, ge=1e-3, le=1e6, allow_inf_nan=False)
+    wait_timeout_s: float = Field(default_factory=lambda: default_pg_timeout.total_seconds(), ge=1e-3, le=1e6,
+                                  allow_inf_nan=False)
     """Longest a layer waits for a peer rank before it raises: a fused kernel's wait (the kernels
     count it in 64-bit nanoseconds: between a millisecond and about eleven days), or any of the
     reference pipeline's waits on its group or of the group's agreement at a layer's first call
-    (which then look as long again for the ranks that stalled, to name them)."""
+    (which then look as long again for the ranks that stalled, to name them). The default is
+    DeepSpeed's process-group timeout (10 minutes, or ``DEEPSPEED_TIMEOUT`` minutes), what stock's
+    collectives would wait: a rank that falls behind its peers for less than that (a slow batch,
+    a checkpoint or an evaluation on one rank) does not end the job."""
 
     def __init__(self, **data):
         # strict: DeepSpeedConfigModel otherwise drops every value spelled "auto", which would

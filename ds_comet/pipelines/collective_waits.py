@@ -7,7 +7,9 @@ returned early or is stuck in other work), its peers would wait out the process 
 wait the host makes is bounded by ``"moe": {"wait_timeout_s"}``. Past it, the rank reports where
 it waits in the process group's store and looks, for as long again, for the reports of the
 group's other ranks: a rank that reports is waiting too, and a rank that does not is the one that
-stalled, which the error then names.
+stalled, which the error then names. A report carries the time it was written: one written before
+this rank's wait began is a peer that gave up before this rank arrived, which says that this rank
+is the one that fell behind.
 
 A rank that raises inside a layer's call (a batch larger than the fused workspace, out of memory)
 leaves its peers waiting in the same way. Before the exception leaves the layer, the rank notes its
@@ -23,16 +25,17 @@ import pickle
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from deepspeed import comm as dist
 
 from ..kernels.ops import CometWaitTimeout
 
-REPORT_KEY = "ds_comet/waiting/"  # + the global rank: where that rank gave up waiting
+REPORT_KEY = "ds_comet/waiting/"  # + the global rank: when and where that rank gave up waiting
 FAILURE_KEY = "ds_comet/raised/"  # + the global rank: the error that rank raised inside a layer's call
 STORE_SLACK_S = 5.0  # beyond the bound, for the store's own answers, before the roll call is given up
+Report = Tuple[float, str]  # a rank's report of the wait it gave up: when (time.time()) and where
 
 
 class CollectiveWaits:
@@ -79,7 +82,8 @@ class CollectiveWaits:
     def _timed_out(self, waited: float, what: str, error: Optional[BaseException]):
         rank = dist.get_rank(group=self.group)
         began = time.time() - waited  # the roll call below takes as long again
-        silent = self._ranks_not_waiting(what)
+        answer = self._ranks_not_waiting(what, began)
+        silent, gave_up = answer if answer is not None else (None, {})
         if silent is None:
             who = "a rank of the group stopped calling the layer or fell behind"
         elif silent:
@@ -88,6 +92,10 @@ class CollectiveWaits:
         else:
             who = ("every other rank of the group is waiting too: they disagree on the collectives of this "
                    "call (a rank called another layer, or another number of times)")
+        for peer, (written, where) in sorted(gave_up.items()):
+            who += (f"; global rank {peer} gave up its own wait ({where}) {began - written:.1f} s before this "
+                    "rank's wait began: this rank came to the call more than \"wait_timeout_s\" after its peers "
+                    "(a slow batch, or work on this rank alone)")
         if silent:
             who += describe_failures(failure_notes(silent, began - self.timeout_s))
         raise CometWaitTimeout(
@@ -95,27 +103,39 @@ class CollectiveWaits:
             f"{what}; {who}. Raise \"moe\": {{\"wait_timeout_s\"}} if they are only slow. The exchange stays "
             f"posted: restart the job") from error
 
-    def _ranks_not_waiting(self, what: str) -> Optional[List[int]]:
+    def _ranks_not_waiting(self, what: str, began: float) -> Optional[Tuple[List[int], Dict[int, Report]]]:
         """The group's other ranks (global) that report no wait of their own within ``timeout_s``
-        more, or None where that cannot be found out (no store, or a store that does not answer).
+        more, and of those, the ones whose last report (its time and place) came before this rank's
+        wait began at ``began`` (``time.time()``); None where that cannot be found out (no store, or
+        a store that does not answer).
 
         A peer that entered the same wait later than this rank reports when its own wait times
         out, less than ``timeout_s`` from now; one that has not entered it by now is a wait's
-        length behind, or stuck. The store is asked from a thread that is given up on after that
-        time, so that a store that does not answer cannot hold the error back.
+        length behind, or stuck; one whose report predates this wait gave up before this rank came.
+        The store is asked from a thread that is given up on after that time, so that a store that
+        does not answer cannot hold the error back.
         """
 
-        def roll_call(store) -> List[int]:
+        def report(store, rank: int) -> Optional[Report]:
+            key = f"{REPORT_KEY}{rank}"
+            if not store.check([key]):
+                return None
+            written, _, where = store.get(key).decode(errors="replace").partition(" ")
+            return float(written), where
+
+        def roll_call(store):
             me = torch.distributed.get_rank()
-            store.set(f"{REPORT_KEY}{me}", f"{self.layer_name}: {what}")
+            store.set(f"{REPORT_KEY}{me}", f"{time.time():.3f} {self.layer_name}: {what}")
             silent = [rank for rank in group_ranks(self.group) if rank != me]
+            reports: Dict[int, Optional[Report]] = {}
             deadline = time.monotonic() + self.timeout_s
             while silent:
-                silent = [rank for rank in silent if not store.check([f"{REPORT_KEY}{rank}"])]
+                reports = {rank: report(store, rank) for rank in silent}
+                silent = [rank for rank, seen in reports.items() if seen is None or seen[0] < began]
                 if not silent or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
-            return silent
+            return silent, {rank: seen for rank, seen in reports.items() if rank in silent and seen is not None}
 
         return ask_store(roll_call, self.timeout_s + STORE_SLACK_S)
 

@@ -12,10 +12,11 @@ from ds_comet.pipelines.collective_waits import FAILURE_KEY, REPORT_KEY, Collect
 
 
 class Store:
-    """A store that holds what is set; ``check`` can be made to hang."""
+    """A store that holds what is set, the ranks in ``present`` reporting a wait now; ``check`` can
+    be made to hang."""
 
     def __init__(self, present=(), hang=False):
-        self.values = {f"{REPORT_KEY}{rank}": b"waiting" for rank in present}
+        self.values = {f"{REPORT_KEY}{rank}": f"{time.time():.3f} blocks.0.moe: the rows".encode() for rank in present}
         self.hang = hang
 
     @property
@@ -68,6 +69,18 @@ def test_every_peer_waiting_says_the_ranks_disagree(group_of_four):
     message, took = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
     assert "every other rank of the group is waiting too" in message, message
     assert took < 0.3, took  # nobody to wait for
+
+
+def test_a_peer_that_gave_up_before_this_wait_began_says_this_rank_came_late(group_of_four):
+    """Rank 1 gave up its own wait 40 s before this rank's wait began and left: it is not waiting
+    with this rank, and the error says this rank is the one that fell behind."""
+    store = group_of_four(Store(present=[2, 3]))
+    store.set(f"{REPORT_KEY}1", f"{time.time() - 0.3 - 40:.3f} blocks.0.moe: the expert counts")
+    message, took = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
+    assert "global rank(s) 1 of the group did not report a wait of their own" in message, message
+    assert ("global rank 1 gave up its own wait (blocks.0.moe: the expert counts) 40.0 s before this rank's wait "
+            "began: this rank came to the call more than \"wait_timeout_s\" after its peers") in message, message
+    assert "every other rank of the group is waiting too" not in message, message
 
 
 def test_a_store_that_hangs_does_not_hold_the_error_back(group_of_four, monkeypatch):

@@ -109,6 +109,14 @@ def test_bad_config_names_key_and_choices(section, words):
         assert word in str(error.value)
 
 
+def test_the_default_wait_is_deepspeeds_process_group_timeout(monkeypatch):
+    """A rank behind its peers by less than stock's collectives would wait must not end the job."""
+    from datetime import timedelta
+    monkeypatch.setattr(ds_comet.config, "default_pg_timeout", timedelta(minutes=7))
+    assert CometMoEConfig(backend="comet").wait_timeout_s == 420.0
+    assert CometMoEConfig(backend="comet", wait_timeout_s=5).wait_timeout_s == 5.0
+
+
 def test_a_whole_number_of_seconds_is_a_timeout():
     assert moe_config_from({"moe": {"backend": "comet", "wait_timeout_s": 5}}).wait_timeout_s == 5.0
 
@@ -216,9 +224,10 @@ def test_comet_layers_built_with_other_settings_than_the_section_are_named():
     with pytest.raises(ValueError) as raised:
         refuse_other_settings(model, CometMoEConfig(backend="comet", overlap="none", wait_timeout_s=300))
     message = str(raised.value)
-    assert ("plain.deepspeed_moe (overlap: 'auto' (the ds_config: 'none'), wait_timeout_s: 60.0 (the ds_config: "
-            "300.0))") in message, message
-    assert "tuned.deepspeed_moe (wait_timeout_s: 60.0 (the ds_config: 300.0))" in message, message
+    default = CometMoEConfig(backend="comet").wait_timeout_s
+    assert (f"plain.deepspeed_moe (overlap: 'auto' (the ds_config: 'none'), wait_timeout_s: {default!r} (the "
+            "ds_config: 300.0))") in message, message
+    assert f"tuned.deepspeed_moe (wait_timeout_s: {default!r} (the ds_config: 300.0))" in message, message
     assert "ds_comet.MoE(..., config=ds_config)" in message, message
     with pytest.raises(ValueError, match=r"plain.deepspeed_moe \(backend: 'comet' \(the ds_config: 'deepspeed'\)\).*"
                        r"deepspeed.moe.layer.MoE"):
