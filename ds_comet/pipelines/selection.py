@@ -15,7 +15,9 @@ them at once, so every rank takes the same path. Hooks on the experts (or global
 present at that agreement keep the group on the reference pipeline, which runs them. Hooks that
 appear later cannot move one rank alone to another pipeline (its peers would wait in the other
 exchange): they are skipped on the fused path, with a warning naming them. DeepSpeed's flops
-profiler is such a case: it hooks rank 0's modules for its profile step only.
+profiler is such a case: it hooks rank 0's modules for its profile step only. A router whose own
+forward runs collectives and whose hooks only that forward runs (stock's top-2 and top-k gates
+without dropping) is agreed on the same way: if any rank's has hooks, every rank calls that forward.
 """
 
 import itertools
@@ -61,6 +63,9 @@ class LayerSpec:
     pairs every rank of the group must share (k, capacity, ...), read at every call: the group agrees
     again when they change (the row bound, for one, follows the gate's capacity factors).
     ``scale_before``: the routes' weights scale the rows before the experts (AutoEP's "pre").
+    ``router_hooked()``: whether this rank's router has hooks that only its own forward runs, a
+    forward that holds collectives: the group's agreement gathers it, and ``router_hooked_anywhere``
+    says whether any rank's answer was yes, so that every rank takes that forward, or none.
     """
     num_experts: int
     ep_size: int
@@ -68,6 +73,7 @@ class LayerSpec:
     row_bound: Callable[[int, bool], int]
     settings: Callable[[], Tuple[Tuple[str, object], ...]] = tuple
     scale_before: bool = False
+    router_hooked: Callable[[], bool] = bool
 
 
 class RankFailure(str):
@@ -103,6 +109,7 @@ class PipelineSelection:
         self._agreed_reason: Optional[str] = None
         self._hooked: Optional[List[torch.nn.Module]] = None
         self._said = set()
+        self.router_hooked_anywhere = False  # the last agreement's answer (LayerSpec.router_hooked)
 
     @property
     def name(self) -> str:
@@ -229,7 +236,7 @@ class PipelineSelection:
         reason = fused if isinstance(fused, str) else None
         gpu = None if reason is not None else str(torch.cuda.get_device_properties(tokens.device).uuid)
         rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
-        local = (self._settings(tokens), reason, node_name(rank), gpu, tokens.shape[0])
+        local = (self._settings(tokens), reason, node_name(rank), gpu, tokens.shape[0], self.spec.router_hooked())
         if self.group is None and self.spec.ep_size == 1:
             everyone = [local]
         else:
@@ -237,6 +244,7 @@ class PipelineSelection:
                                       "the other ranks' settings for this layer (the group's agreement at its first "
                                       "call)")
         self._check_settings([entry[0] for entry in everyone])
+        self.router_hooked_anywhere = any(entry[5] for entry in everyone)
         failures = [(rank, entry[1]) for rank, entry in enumerate(everyone) if isinstance(entry[1], RankFailure)]
         if failures:
             raise RuntimeError(f"ds_comet: {self.name}: checking the fused pipeline failed on "
@@ -246,7 +254,7 @@ class PipelineSelection:
             return NO_TOKENS_YET  # before anything is sized: the standing agreement, if any, keeps its sizes
         self.reference.chunks = self._internode_chunks({entry[2] for entry in everyone}, most_tokens)
         self.reference.ranks_per_node = self._forwarding_ranks([entry[2] for entry in everyone])
-        for rank, (_, rank_reason, _, _, _) in enumerate(everyone):
+        for rank, (_, rank_reason, _, _, _, _) in enumerate(everyone):
             if rank_reason is not None:
                 return rank_reason if len(everyone) == 1 else f"rank {rank}: {rank_reason}"
         reason = group_reason([entry[2] for entry in everyone], [entry[3] for entry in everyone])

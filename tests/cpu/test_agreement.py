@@ -169,3 +169,39 @@ def test_a_peer_that_raises_is_named_with_its_error(cpu_pool):
     for rank in range(1, cpu_world_size()):
         assert (f"global rank {rank} raised in blocks.5.moe: OutOfMemoryError: stand-in: rank {rank} ran out of "
                 "memory") in message, message
+
+
+def gate_hooked_on_one_rank_case():
+    """Rank 0's gate (top-2 without dropping, whose stock forward all-reduces a capacity over the
+    group) has a hook from before the first call, its peers' none: every rank must take stock's
+    forward, or the ranks' collectives would pair wrongly. Returns how often each rank ran it."""
+    from deepspeed.moe.sharded_moe import TopKGate
+    world = dist.get_world_size()
+    config = {"moe": {"backend": "comet", "overlap": "none", "wait_timeout_s": 5.0}}
+    layer = ds_comet.MoE(16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, k=2, drop_tokens=False,
+                         config=config)
+    layer.set_deepspeed_parallelism()
+    gate = layer.deepspeed_moe.gate
+    seen = []
+    if dist.get_rank() == 0:
+        gate.register_forward_hook(lambda module, args, output: seen.append(1))
+    calls = []
+    stock_forward = TopKGate.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return stock_forward(self, *args, **kwargs)
+
+    TopKGate.forward = counted
+    try:
+        for _ in range(2):
+            layer(torch.randn(1, 8, 16))
+    finally:
+        TopKGate.forward = stock_forward
+    return len(calls), len(seen)
+
+
+def test_a_gate_hooked_on_one_rank_sends_every_rank_through_stocks_forward(cpu_pool):
+    counts = cpu_pool.run(gate_hooked_on_one_rank_case)
+    assert counts[0] == (2, 2), counts  # rank 0's hooks ran at every call
+    assert all(calls == 2 for calls, _ in counts), counts

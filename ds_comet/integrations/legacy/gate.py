@@ -39,7 +39,9 @@ from ...pipelines.policy import GLOBAL_HOOKS, MODULE_HOOKS
 
 _capacities: Dict[tuple, int] = {}
 _warned_hooks = weakref.WeakSet()  # gates whose skipped hooks were reported
-_hooked_at_first_call = weakref.WeakKeyDictionary()  # gate -> whether it had hooks when first called
+# gate -> whether it had hooks when first called, or, in a layer, whether any rank of its group's had
+# them when the group agreed (record_group_hooks)
+_hooked_at_first_call = weakref.WeakKeyDictionary()
 _expert_ids: Dict[tuple, Tensor] = {}
 # The top-2 kernel repeats this function's arithmetic; a replaced one is called as it is.
 _STOCK_GUMBEL = ds.gumbel_rsample
@@ -85,11 +87,14 @@ def _reproducible(gate, tokens: Tensor) -> bool:
     hooked, first_call_hooked = _hooks_now_and_at_first_call(gate)
     # Hooks need not be alike on every rank (DeepSpeed's flops profiler hooks rank 0's modules at
     # one step). Stock's forward runs them, but for top-2 and top-k without dropping it also
-    # all-reduces a capacity the fast path skips: there one hooked rank falling back would pair its
-    # peers' next collectives wrongly. Hooks the gate had from its first call (registered before
-    # training, as on every rank of an SPMD job) still send it to stock's forward; hooks that
-    # appear later are skipped there, with a warning.
-    hooks_skipped = hooked and gate.k >= 2 and not gate.drop_tokens and not first_call_hooked
+    # all-reduces a capacity the fast path skips: there every rank of the group must take the same
+    # path, or one falling back would pair its peers' next collectives wrongly. Hooks the gate had
+    # at its first call on any rank of the group (as the layer's agreement records) send every rank
+    # to stock's forward; hooks that appear later are skipped there, with a warning.
+    collective = gate.k >= 2 and not gate.drop_tokens
+    if collective and first_call_hooked:
+        return False
+    hooks_skipped = hooked and collective
     if hooked and not hooks_skipped:
         return False
     if (ds.top1gating, ds.top2gating, ds.topkgating) != _STOCK_GATINGS:
@@ -116,9 +121,23 @@ def _reproducible(gate, tokens: Tensor) -> bool:
 @torch._disable_dynamo
 def _hooks_now_and_at_first_call(gate) -> Tuple[bool, bool]:
     """Whether the gate (or every module) has hooks now, and whether it had them at its first call."""
-    hooked = any(getattr(gate, name, None) for name in MODULE_HOOKS) or \
-        any(getattr(nn_module, name, None) for name in GLOBAL_HOOKS)
+    hooked = hooks_now(gate)
     return hooked, _hooked_at_first_call.setdefault(gate, hooked)
+
+
+def hooks_now(gate) -> bool:
+    """Whether the gate (or every module) has hooks, which only stock's forward runs."""
+    return (any(getattr(gate, name, None) for name in MODULE_HOOKS)
+            or any(getattr(nn_module, name, None) for name in GLOBAL_HOOKS))
+
+
+@torch._disable_dynamo
+def record_group_hooks(gate, hooked_anywhere: bool) -> None:
+    """What the layer's group agreed: whether any of its ranks' gates had hooks (``hooks_now``) at
+    the agreement. It stands for this gate's first call on every rank, so that all of them take
+    stock's forward, or none."""
+    if _hooked_at_first_call.get(gate) != hooked_anywhere:
+        _hooked_at_first_call[gate] = hooked_anywhere
 
 
 @torch._disable_dynamo

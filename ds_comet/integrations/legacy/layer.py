@@ -21,7 +21,7 @@ from ...pipelines.collective_waits import failures_noted
 from ...pipelines.expert_weights import ModuleExperts
 from ...pipelines.parameters import max_received_rows
 from ...pipelines.selection import LayerSpec, PipelineSelection
-from .gate import gate_routes
+from .gate import gate_routes, hooks_now, record_group_hooks
 from .gate_graph import GateGraphs
 
 
@@ -41,7 +41,7 @@ def _layer_spec(moe: MOELayer) -> LayerSpec:
                 ("noisy_gate_policy", gate.noisy_gate_policy))
 
     return LayerSpec(num_experts=num_experts, ep_size=moe.ep_size, top_k=gate.k, row_bound=row_bound,
-                     settings=settings)
+                     settings=settings, router_hooked=lambda: hooks_now(gate))
 
 
 class CometMOELayer(MOELayer):
@@ -107,6 +107,7 @@ class CometMOELayer(MOELayer):
                 raise ValueError(f"ds_comet: {self.pipelines.name}: used_token must hold one entry per token "
                                  f"({tokens.shape[0]}), got shape {tuple(used_token.shape)}")
             pipeline = self.pipelines.pipeline_for(tokens)
+            record_group_hooks(self.gate, self.pipelines.router_hooked_anywhere)
             fused = pipeline is self.pipelines.fused
             # On the fused path the op's gate kernels do the gate's integer bookkeeping.
             op = pipeline.workspace.op if fused else None
