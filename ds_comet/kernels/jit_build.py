@@ -206,3 +206,17 @@ def _failure_note(failure_path: str) -> Optional[str]:
     except (OSError, ValueError):
         return None
     return what or None
+
+
+def build_cpu_comm_op(wait_s: float = BUILD_WAIT_S):
+    """DeepSpeed's CPU shm comm op, JIT-built (or loaded) under ``guarded_build``; None where this
+    DeepSpeed has none for the machine.
+
+    ``deepspeed.init_distributed`` on a CPU machine builds it under torch's plain lock, which a
+    launch interrupted during that first minute leaves behind for every later run to wait on,
+    silently; called before ``init_distributed``, this builds it here (or removes such a lock and
+    loads it), so that ``init_distributed`` finds it built.
+    """
+    from deepspeed.comm.torch import build_shm_op
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+    return guarded_build(torch_build_directory(ShareMemCommBuilder.NAME), build_shm_op, wait_s=wait_s)

@@ -4,7 +4,7 @@ import functools
 import importlib
 import os
 import time
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from deepspeed.utils import logger
@@ -27,18 +27,20 @@ def load_op():
     builder = CometBuilder()
     try:
         op = importlib.import_module(builder.absolute_name())
+        rebuild = "reinstall ds_comet with DS_BUILD_COMET=1 (the op loaded is the ahead-of-time build)"
     except ImportError:
         directory = torch_build_directory(builder.NAME)
+        rebuild = f"remove {directory}"
 
         def build():
             # Looked at under the guard: a process that waited for another's build only loads it.
-            fresh = not os.path.exists(os.path.join(directory, f"{builder.NAME}.so"))
-            if fresh:
-                logger.warning(f"ds_comet: building the CUDA op {builder.NAME} into {directory} (once; about a "
+            why = build_needed(os.path.join(directory, f"{builder.NAME}.so"), _source_files())
+            if why:
+                logger.warning(f"ds_comet: building the CUDA op {builder.NAME} into {directory} ({why}; about a "
                                "minute, cached afterwards)")
             started = time.perf_counter()
             built = builder.jit_load(verbose=False)
-            if fresh:
+            if why:
                 logger.warning(f"ds_comet: built the CUDA op {builder.NAME} in {time.perf_counter() - started:.0f} s")
             return built
 
@@ -46,9 +48,26 @@ def load_op():
     compiled = dict(op.codes())
     if compiled != constants.CONSTANTS:
         raise RuntimeError(f"the compiled ds_comet op disagrees with csrc/{constants.HEADER}: {compiled} vs "
-                           f"{constants.CONSTANTS}; rebuild it (remove {torch_build_directory(builder.NAME)}, or "
-                           "reinstall with DS_BUILD_COMET=1)")
+                           f"{constants.CONSTANTS}; rebuild it ({rebuild})")
     return op
+
+
+def build_needed(library: str, sources: List[str]) -> Optional[str]:
+    """Why the JIT build will compile (the op is not built, or a source is newer than it), or None
+    when it will only load."""
+    if not os.path.exists(library):
+        return "not built yet"
+    built = os.path.getmtime(library)
+    changed = sorted(os.path.basename(path) for path in sources if os.path.getmtime(path) > built)
+    if changed:
+        return f"its sources changed since the last build: {', '.join(changed)}"
+    return None
+
+
+def _source_files() -> List[str]:
+    """Every file of csrc/, the sources and the headers they include."""
+    from ..op_builder.comet import csrc_dir
+    return [str(path) for path in csrc_dir().iterdir() if path.is_file()]
 
 
 @functools.lru_cache(maxsize=None)

@@ -225,3 +225,27 @@ def test_compilers_a_killed_build_left_running_are_waited_for(tmp_path):
     finally:
         compiler.kill()
         compiler.wait(timeout=30)
+
+
+BUILD_CPU_COMM_OP = """
+from ds_comet.kernels.jit_build import build_cpu_comm_op
+print("loaded", build_cpu_comm_op(wait_s=60) is not None, flush=True)
+"""
+
+
+def test_deepspeeds_cpu_comm_op_loads_past_a_lock_an_interrupted_launch_left(tmp_path):
+    """What the example runs before init_distributed on CPU: torch would wait on this lock forever."""
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+    from torch.utils.cpp_extension import _get_build_directory
+    jit_build.build_cpu_comm_op()  # built in this run's extensions (a load where it is already)
+    built = _get_build_directory(ShareMemCommBuilder.NAME, verbose=False)
+    extensions = tmp_path / "extensions"
+    target = extensions / ShareMemCommBuilder.NAME  # where torch builds it under TORCH_EXTENSIONS_DIR
+    shutil.copytree(built, target, ignore=shutil.ignore_patterns("lock", GUARD_NAME, FAILURE_NAME))
+    open(target / "lock", "w").close()  # torch's lock, left by a launch interrupted during the build
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions))
+    result = subprocess.run([sys.executable, "-c", BUILD_CPU_COMM_OP], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "loaded True" in result.stdout, result.stdout[-2000:]
+    assert not os.path.exists(target / "lock")

@@ -185,3 +185,21 @@ def test_report_verdict_names_a_triton_too_old_as_the_layers_do(monkeypatch):
     monkeypatch.delattr(triton.language, "make_tensor_descriptor")
     verdict = report_module.pipeline_verdict({"moe": {"backend": "comet"}})
     assert verdict.startswith("reference pipeline: triton") and "older than 3.4" in verdict, verdict
+
+
+def test_a_jit_build_says_why_it_compiles(tmp_path):
+    """Not built, or built before a source changed (a pull, an edit): the build is announced with
+    the reason, since it takes a minute; built after every source: it only loads, silently."""
+    from ds_comet.kernels.ops import build_needed
+    library, header, kernels = tmp_path / "op.so", tmp_path / "comet.h", tmp_path / "comet_kernels.cu"
+    header.write_text("")
+    kernels.write_text("")
+    sources = [str(header), str(kernels)]
+    assert build_needed(str(library), sources) == "not built yet"
+    library.write_text("")
+    os.utime(header, (1000, 1000))
+    os.utime(kernels, (1000, 1000))
+    os.utime(library, (2000, 2000))
+    assert build_needed(str(library), sources) is None
+    os.utime(header, (3000, 3000))
+    assert build_needed(str(library), sources) == "its sources changed since the last build: comet.h"

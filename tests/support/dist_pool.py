@@ -68,20 +68,6 @@ def gpu_world_size(device_count: int) -> int:
     return ranks if requested is None else min(ranks, requested)
 
 
-def _build_cpu_comm_op(wait_s: float):
-    """JIT-build DeepSpeed's CPU shm comm op here, before any rank starts (a minute on two cores).
-
-    Each rank's init_distributed would build it otherwise. A rank that a start timeout kills
-    mid-build would leave torch's build lock behind, on which every later build waits without a
-    limit; the build runs under ds_comet's guard, which removes such a lock (jit_build.py).
-    """
-    from deepspeed.comm.torch import build_shm_op
-    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
-
-    from ds_comet.kernels.jit_build import guarded_build, torch_build_directory
-    guarded_build(torch_build_directory(ShareMemCommBuilder.NAME), build_shm_op, wait_s=wait_s)
-
-
 def _unlink_matching(pattern: str):
     for path in glob.glob(pattern):
         try:
@@ -162,7 +148,10 @@ class DistPool:
 
     def _start(self):
         if self.backend == "gloo" and self.gpu_ranks == 1:
-            _build_cpu_comm_op(self.start_timeout)
+            # Here, once, before any rank starts (a minute on two cores): a rank that the start
+            # timeout kills mid-build would otherwise leave torch's lock behind (jit_build.py).
+            from ds_comet.kernels.jit_build import build_cpu_comm_op
+            build_cpu_comm_op(self.start_timeout)
         ctx = mp.get_context("spawn")
         port = self.port = free_port()
         self.results = ctx.Queue()
