@@ -55,10 +55,14 @@ end-to-end ratio can be read against what the MoE layers took.
 The engine adds its own ``Train/Samples/...`` events (x: samples).
 
 Checkpoints (``--save-dir``) are directories ``step{N}``, each with a ``SHA256SUMS`` manifest of its
-files (``sha256sum -c SHA256SUMS`` reads it). ``latest`` names a checkpoint only after every rank has
-written its files and the manifest exists. ``--resume`` continues from ``latest`` and
-``--resume-tag TAG`` from TAG, after checking the files against the manifest: a damaged checkpoint is
-refused with the damaged files named and the newest intact checkpoint to resume from instead.
+files (``sha256sum -c SHA256SUMS`` reads it) and ``run.json``, the flags and rank count its shapes
+depend on. A checkpoint is written under ``step{N}.saving`` and takes its name once whole, so a save
+that fails leaves an earlier checkpoint of that name as it was; ``latest`` names a checkpoint only
+after every rank has written its files and the manifest exists. ``--resume`` continues from
+``latest`` and ``--resume-tag TAG`` from TAG, after checking the files against the manifest and the
+run against ``run.json``: a damaged checkpoint is refused with the damaged files named and the
+newest intact checkpoint to resume from instead, and one saved by a run of another shape with the
+flags that differ.
 """
 
 import argparse
@@ -67,6 +71,7 @@ import binascii
 import contextlib
 import errno
 import hashlib
+import json
 import math
 import os
 import re
@@ -91,6 +96,7 @@ from tqdm import tqdm
 import ds_comet
 import ds_comet.experts
 import ds_comet.step_shares
+from ds_comet.kernels.jit_build import build_cpu_comm_op
 
 VOCAB = 256
 EVAL_FRACTION = 0.05
@@ -98,6 +104,11 @@ EVAL_FRACTION = 0.05
 # whole checkpoint (DeepSpeed's name, which its loader and zero_to_fp32.py read).
 MANIFEST = "SHA256SUMS"
 LATEST = "latest"
+# A checkpoint is written under <tag>.saving and takes the tag's name once whole; an earlier
+# checkpoint of that tag is moved to <tag>.replaced for the moment of the swap.
+STAGING_SUFFIX = ".saving"
+REPLACED_SUFFIX = ".replaced"
+RUN_SHAPE = "run.json"  # in each checkpoint directory: what its files' number and shapes depend on
 # Steps after a resume whose losses every rank checks together: a checkpoint with non-finite model
 # weights fails at the first, one with non-finite optimizer state (fp32 master weights, moments)
 # from the second on.
@@ -121,6 +132,27 @@ HF_MODELS = ("mixtral", "qwen3_moe")
 # --------------------------------------------------------------------------------------------
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1,
@@ -134,12 +166,12 @@ def parse_args(argv=None):
                             f"{name}: " + ", ".join(f"{key}={value}" for key, value in values.items())
                             for name, values in PRESETS.items()))
     model = parser.add_argument_group("model")
-    model.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    model.add_argument("--hidden", type=int, default=64, help="model width")
-    model.add_argument("--ffn", type=int, default=128, help="hidden size of each expert (and of dense FFNs)")
-    model.add_argument("--heads", type=int, default=4, help="attention heads")
-    model.add_argument("--seq-len", type=int, default=64, help="bytes per training window")
-    model.add_argument("--moe-every", type=int, default=1,
+    model.add_argument("--layers", type=positive_int, default=2, help="transformer blocks")
+    model.add_argument("--hidden", type=positive_int, default=64, help="model width")
+    model.add_argument("--ffn", type=positive_int, default=128, help="hidden size of each expert (and of dense FFNs)")
+    model.add_argument("--heads", type=positive_int, default=4, help="attention heads")
+    model.add_argument("--seq-len", type=positive_int, default=64, help="bytes per training window")
+    model.add_argument("--moe-every", type=positive_int, default=1,
                        help="every N-th block has an MoE FFN (1: all blocks, 2: every other block), the rest dense")
     model.add_argument("--gated", action="store_true", help="SwiGLU experts (GatedFeedForward) instead of GELU ones")
     model.add_argument("--hf-model", choices=sorted(HF_MODELS), default=None,
@@ -147,25 +179,28 @@ def parse_args(argv=None):
                        "AutoEP instead of the byte-level model; its experts are SwiGLU and drop no tokens, so "
                        "--gated, --moe-every and the capacity options do not apply")
     moe = parser.add_argument_group("mixture of experts")
-    moe.add_argument("--experts", type=int, default=None, help="experts per MoE layer (default: 4 x world size)")
-    moe.add_argument("--ep-size", type=int, default=None, help="expert-parallel size (default: world size)")
-    moe.add_argument("--k", type=int, default=2, help="experts per token (top-k)")
+    moe.add_argument("--experts", type=positive_int, default=None,
+                     help="experts per MoE layer (default: 4 x world size)")
+    moe.add_argument("--ep-size", type=positive_int, default=None, help="expert-parallel size (default: world size)")
+    moe.add_argument("--k", type=positive_int, default=2, help="experts per token (top-k)")
     moe.add_argument("--capacity-factor", type=float, default=1.25)
     moe.add_argument("--eval-capacity-factor", type=float, default=2.0)
-    moe.add_argument("--min-capacity", type=int, default=4)
+    moe.add_argument("--min-capacity", type=non_negative_int, default=4)
     moe.add_argument("--aux-coef", type=float, default=0.01,
                      help="weight of the load-balancing loss (summed over the MoE layers; 1.0 each when balanced)")
     train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=60, help="optimizer steps in all (a resumed run stops here too)")
+    train.add_argument("--steps", type=positive_int, default=60,
+                       help="optimizer steps in all (a resumed run stops here too)")
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--weight-decay", type=float, default=0.01)
-    train.add_argument("--warmup", type=int, default=5, help="linear learning-rate warm-up steps")
+    train.add_argument("--warmup", type=non_negative_int, default=5, help="linear learning-rate warm-up steps")
     train.add_argument("--seed", type=int, default=1234)
-    train.add_argument("--corpus-mb", type=float, default=4.0, help="MB of standard-library source to train on")
-    train.add_argument("--eval-batches", type=int, default=4,
+    train.add_argument("--corpus-mb", type=positive_float, default=4.0,
+                       help="MB of standard-library source to train on")
+    train.add_argument("--eval-batches", type=non_negative_int, default=4,
                        help="held-out batches per rank for the eval loss (0: no evaluation)")
-    train.add_argument("--log-interval", type=int, default=10, help="print (and time) a window of N steps")
-    train.add_argument("--timing-warmup", type=int, default=5,
+    train.add_argument("--log-interval", type=positive_int, default=10, help="print (and time) a window of N steps")
+    train.add_argument("--timing-warmup", type=non_negative_int, default=5,
                        help="steps left out of the steady-state tokens/s (Summary/steady_tokens_per_s)")
     train.add_argument("--step-shares", action="store_true",
                        help="time the MoE layers, the optimizer step and the rest of each timed step (device "
@@ -174,7 +209,8 @@ def parse_args(argv=None):
                        help="enable DeepSpeed's csv_monitor with its files in DIR (one CSV per tag; a resumed "
                        "run appends)")
     train.add_argument("--save-dir", default=None, help="checkpoint directory")
-    train.add_argument("--save-interval", type=int, default=0, help="save every N steps (0: only at the end)")
+    train.add_argument("--save-interval", type=non_negative_int, default=0,
+                       help="save every N steps (0: only at the end)")
     train.add_argument("--save-at", type=int, nargs="+", default=[], metavar="STEP", help="also save after these steps")
     train.add_argument("--no-final-save", action="store_true",
                        help="do not save at the end, only at --save-interval / --save-at steps")
@@ -669,34 +705,70 @@ def shared_sha256(checkpoint_dir, names, flush_to_disk=False):
             {k: v for _, part in gathered for k, v in part.items()})
 
 
-def save_checkpoint(engine, save_dir, tag, client_state):
+def run_shape(args, world_size, ep_size, num_experts):
+    """What a checkpoint's parameter shapes and files depend on, by flag: a resume must match it."""
+    return {"ranks": world_size, "--ep-size": ep_size, "--experts": num_experts, "--hf-model": args.hf_model,
+            "--layers": args.layers, "--hidden": args.hidden, "--ffn": args.ffn, "--heads": args.heads,
+            "--seq-len": args.seq_len, "--moe-every": args.moe_every, "--gated": args.gated}
+
+
+def shape_mismatch(save_dir, tag, shape):
+    """How the run that saved checkpoint ``tag`` differs from ``shape`` (``run_shape``), in words, or
+    None (also for a checkpoint saved without a record of its run). Collective."""
+    saved = None
+    if dist.get_rank() == 0:
+        try:
+            with open(os.path.join(save_dir, tag, RUN_SHAPE)) as handle:
+                saved = json.load(handle)
+        except FileNotFoundError:
+            pass
+    saved = from_rank0(saved)
+    if saved is None:
+        return None
+    differing = [f"{key} {saved.get(key)} (this run: {value})" for key, value in shape.items()
+                 if saved.get(key) != value]
+    return ", ".join(differing) or None
+
+
+def save_checkpoint(engine, save_dir, tag, client_state, shape):
     """Saves checkpoint ``tag`` with its manifest, and points ``latest`` at it once it is whole (collective).
 
     DeepSpeed's own ``latest`` (save_latest=True) is written by rank 0 as soon as rank 0 has written
     its files, while the other ranks may still be writing theirs; a rank that dies then leaves
-    ``latest`` naming a checkpoint with a truncated file. Here DeepSpeed writes no ``latest``; the
-    barrier that ends engine.save_checkpoint means every rank has written its files; the ranks then
-    hash them (and wait until they are on the disk), and rank 0 writes the manifest, then ``latest``.
-    A full disk raises DiskFullError. Returns (files, bytes) of the checkpoint.
+    ``latest`` naming a checkpoint with a truncated file. Here DeepSpeed writes no ``latest``, and
+    writes into a fresh directory ``<tag>.saving``: the barrier that ends engine.save_checkpoint
+    means every rank has written its files; the ranks then hash them (and wait until they are on the
+    disk), rank 0 writes the manifest, puts the directory in place of any earlier ``tag`` (whole
+    until then: a save that fails leaves it as it was) and then writes ``latest``. ``shape`` (the
+    run's ``run_shape``) is saved with the files, under the manifest. A full disk raises
+    DiskFullError. Returns (files, bytes) of the checkpoint.
     """
     rank = dist.get_rank()
-    checkpoint_dir = os.path.join(save_dir, tag)
-    manifest = os.path.join(checkpoint_dir, MANIFEST)
+    staging_tag = tag + STAGING_SUFFIX
+    staging_dir, checkpoint_dir = os.path.join(save_dir, staging_tag), os.path.join(save_dir, tag)
     with explain_disk_full(save_dir, f"saving checkpoint {tag}"):
-        if rank == 0 and os.path.exists(manifest):
-            # A save over an existing tag: its old manifest must not vouch for half-rewritten files.
-            os.remove(manifest)
+        if rank == 0:
+            shutil.rmtree(staging_dir, ignore_errors=True)  # what an earlier save that failed left
         dist.barrier()
-        engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
-        names = from_rank0(checkpoint_files(checkpoint_dir) if rank == 0 else None)
-        digests, errors = shared_sha256(checkpoint_dir, names, flush_to_disk=True)
+        engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state, save_latest=False)
+        if rank == 0:
+            write_atomically(os.path.join(staging_dir, RUN_SHAPE), json.dumps(shape, indent=1))
+        names = from_rank0(checkpoint_files(staging_dir) if rank == 0 else None)
+        digests, errors = shared_sha256(staging_dir, names, flush_to_disk=True)
         if errors:
             raise RuntimeError(f"checkpoint {tag} in {save_dir}: saved files cannot be hashed: " +
                                "; ".join(f"{name} {why}" for name, why in sorted(errors.items())))
         size = 0
         if rank == 0:
-            write_atomically(manifest, "".join(f"{digests[name]}  {name}\n" for name in names))
-            write_atomically(os.path.join(save_dir, LATEST), tag)
+            listing = "".join(f"{digests[name]}  {name}\n" for name in names)
+            write_atomically(os.path.join(staging_dir, MANIFEST), listing)
+            replaced = checkpoint_dir + REPLACED_SUFFIX
+            if os.path.isdir(checkpoint_dir):
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.replace(checkpoint_dir, replaced)
+            os.replace(staging_dir, checkpoint_dir)
+            write_atomically(os.path.join(save_dir, LATEST), tag)  # also makes the renames durable
+            shutil.rmtree(replaced, ignore_errors=True)
             size = sum(os.path.getsize(os.path.join(checkpoint_dir, name)) for name in names)
     dist.barrier()
     return len(names), size
@@ -872,6 +944,10 @@ def main(argv=None):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         torch.distributed.init_process_group("gloo", timeout=default_pg_timeout)
+    if on_cpu:
+        # DeepSpeed's init_distributed would JIT-build its CPU comm op under torch's plain lock, which
+        # an interrupted first launch leaves behind for every later run to wait on without a word.
+        build_cpu_comm_op()
     deepspeed.init_distributed(dist_backend=args.dist_backend,
                                distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -888,6 +964,11 @@ def main(argv=None):
 
     corpus = stdlib_corpus(int(args.corpus_mb * 2**20))
     split = int(corpus.numel() * (1 - EVAL_FRACTION))
+    parts = {"training": split, **({"held-out": corpus.numel() - split} if args.eval_batches else {})}
+    for part, size in parts.items():
+        if size < args.seq_len + 2:  # a window and its next-byte target
+            raise SystemExit(f"--corpus-mb {args.corpus_mb} gives a {part} part of {size} bytes, shorter than a "
+                             f"window of --seq-len {args.seq_len} (+2): raise --corpus-mb or lower --seq-len")
     train_windows = Windows(corpus[:split], args.seq_len, args.seed, rank)
     eval_windows = Windows(corpus[split:], args.seq_len, args.seed, rank)
 
@@ -898,6 +979,7 @@ def main(argv=None):
     else:
         model = ByteMoELM(args, ds_config, num_experts, ep_size)
         init_experts_(model, args.seed, rank, ep_size)
+    shape = run_shape(args, world_size, ep_size, num_experts)
 
     warmup = max(1, args.warmup)
     # The scheduler, like the optimizer (moe_optimizer says why), is built by DeepSpeed once the
@@ -931,6 +1013,10 @@ def main(argv=None):
                       if intact else f"no other checkpoint in {args.save_dir} is intact")
             stop_all_ranks(f"checkpoint {tag_to_resume} in {args.save_dir} is damaged; not resuming from it:\n  " +
                            "\n  ".join(problems) + f"\n{advice}")
+        mismatch = shape_mismatch(args.save_dir, tag_to_resume, shape)
+        if mismatch:
+            stop_all_ranks(f"checkpoint {tag_to_resume} in {args.save_dir} was saved by a run of another shape: "
+                           f"{mismatch}; resume with the flags and the number of ranks it was saved with")
         load_path, client_state = engine.load_checkpoint(args.save_dir, tag=tag_to_resume)
         if load_path is None:
             stop_all_ranks(f"DeepSpeed did not load checkpoint {tag_to_resume} from {args.save_dir}")
@@ -949,7 +1035,7 @@ def main(argv=None):
     def save(step):
         began = time.perf_counter()
         tag = f"step{step}"
-        files, size = save_checkpoint(engine, args.save_dir, tag, {"step": step})
+        files, size = save_checkpoint(engine, args.save_dir, tag, {"step": step}, shape)
         saved["step"] = step
         if rank == 0:
             log(f"saved checkpoint {os.path.join(args.save_dir, tag)}: {files} files, {size / 2**20:.1f} MiB, "

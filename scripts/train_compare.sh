@@ -76,7 +76,9 @@ RESERVE_S=20  # kept back for the summary at the end
 # share one GPU time-slice it, so more of them need more.
 RUN_LIMIT_S=${RUN_LIMIT_S:-200}
 [[ $RUN_LIMIT_S =~ ^[1-9][0-9]*$ ]] || { echo "RUN_LIMIT_S must be a positive integer, got '$RUN_LIMIT_S'" >&2; exit 2; }
-CKPT_DIR=${CKPT_DIR:-/tmp/train_compare_ckpt}
+# (b)'s checkpoints go to a directory of the script's own, made under CKPT_DIR (default $TMPDIR or /tmp)
+# and removed after (b): a directory the user named is never removed.
+CKPT_DIR=${CKPT_DIR:-${TMPDIR:-/tmp}}
 LOSS_MAX_DIFF_TOL=${LOSS_MAX_DIFF_TOL:-0.3} LOSS_TAIL_DIFF_TOL=${LOSS_TAIL_DIFF_TOL:-0.05}
 RESUME_FIRST_TOL=${RESUME_FIRST_TOL:-0.005} RESUME_TOL=${RESUME_TOL:-0.02} MPI_DIFF_TOL=${MPI_DIFF_TOL:-0.1}
 CONFIGS=$REPO/configs
@@ -255,12 +257,13 @@ else
 fi
 
 # --- (b) ZeRO-1 checkpoint at RESUME_AT, resumed run against the uninterrupted one.
-rm -rf "$CKPT_DIR"
+mkdir -p "$CKPT_DIR"
+CKPT_RUN_DIR=$(mktemp -d "$CKPT_DIR/train_compare_ckpt.XXXXXX")
 [[ $PARTS == *b* ]] || note "SKIP b_zero1_full, b_zero1_resumed: PARTS=$PARTS"
 if [[ $PARTS == *b* ]] && train b_zero1_full 29573 "$COMET_ZERO1" $((RUN_LIMIT_S * 3 / 4)) --steps "$RESUME_STEPS" --eval-batches 0 \
-        --save-dir "$CKPT_DIR" --save-at "$RESUME_AT" --no-final-save; then
+        --save-dir "$CKPT_RUN_DIR" --save-at "$RESUME_AT" --no-final-save; then
     if train b_zero1_resumed 29574 "$COMET_ZERO1" $((RUN_LIMIT_S * 3 / 4)) --steps "$RESUME_STEPS" --eval-batches 0 \
-            --save-dir "$CKPT_DIR" --resume --no-final-save; then
+            --save-dir "$CKPT_RUN_DIR" --resume --no-final-save; then
         rc=0
         python3 scripts/plot_losses.py resume-check --full "$MONITOR/b_zero1_full" \
             --resumed "$MONITOR/b_zero1_resumed" --from-step "$RESUME_AT" --first-tol "$RESUME_FIRST_TOL" \
@@ -269,7 +272,7 @@ if [[ $PARTS == *b* ]] && train b_zero1_full 29573 "$COMET_ZERO1" $((RUN_LIMIT_S
         (( rc == 0 )) || FAILURES+=("resume check: the resumed run differs (see $OUT/b_resume_check.txt)")
     fi
 fi
-rm -rf "$CKPT_DIR"
+rm -rf "$CKPT_RUN_DIR"
 
 # --- (c) a bare mpirun: ranks from the MPI launcher's environment, same losses as (a)'s comet run.
 if [[ $PARTS != *c* ]]; then

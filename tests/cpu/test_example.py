@@ -409,6 +409,16 @@ def test_resume_refuses_a_damaged_checkpoint(workdir, first_half):
     print(f"\ndamaged checkpoint refused, {run.seconds:.0f} s")
 
 
+def test_resume_refuses_a_checkpoint_of_another_shape(workdir, first_half):
+    save_dir = checkpoint_copy(first_half, workdir, "other_shape")
+    experts = 2 * RANKS  # the first half ran the default, 4 a rank
+    run = torchrun(workdir, "other_shape_resume", "zero2_comet", STEPS, "--save-dir", save_dir, "--resume",
+                   "--experts", str(experts), expect_success=False)
+    assert run.returncode != 0 and "resumed from" not in run.output, run.tail()
+    assert (f"checkpoint step{SAVE_AT} in {save_dir} was saved by a run of another shape: --experts {4 * RANKS} "
+            f"(this run: {experts}); resume with the flags") in run.output, run.tail()
+
+
 def test_non_finite_loss_after_resume_stops_the_run(workdir, first_half):
     # A checkpoint that is whole (its manifest matches) but whose fp32 master weights are NaN: the
     # resumed run trains one step on the loaded weights, then on NaNs.
@@ -459,12 +469,18 @@ def test_resume_without_a_checkpoint_is_an_error(workdir, first_half, example):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to fill a disk")
-def test_latest_waits_for_every_rank_and_a_full_disk_is_named(workdir):
-    # The last rank's optimizer file of step10 is /dev/full, where every write fails for want of
-    # space: that rank fails while the others have written their files. `latest` must still name step5.
-    save_dir = os.path.join(workdir, "disk_full")
-    os.makedirs(os.path.join(save_dir, "step10"))
-    os.symlink("/dev/full", os.path.join(save_dir, "step10", f"zero_pp_rank_{RANKS - 1}_mp_rank_00_optim_states.pt"))
+def test_a_failed_save_keeps_latest_and_the_earlier_checkpoint_of_its_tag(workdir, first_half):
+    # The save directory holds the first half's intact step5, step10 and step15. A new run saves
+    # step5 over the old one, then step10, which it writes (as every save) under step10.saving: there
+    # the last rank's optimizer file is /dev/full, where every write fails for want of space, so that
+    # rank fails while the others have written their files. `latest` must still name step5, and the
+    # earlier step10 must be whole.
+    save_dir = checkpoint_copy(first_half, workdir, "disk_full")
+    earlier_step10 = manifest_of(os.path.join(save_dir, "step10"))
+    staging = os.path.join(workdir, "disk_full_staging")
+    os.makedirs(staging)
+    os.symlink("/dev/full", os.path.join(staging, f"zero_pp_rank_{RANKS - 1}_mp_rank_00_optim_states.pt"))
+    os.symlink(staging, os.path.join(save_dir, "step10.saving"))
     run = torchrun(workdir, "disk_full", "zero2_comet", 12, "--save-dir", save_dir, "--save-interval", "5",
                    expect_success=False)
     assert run.returncode != 0, run.tail()
@@ -473,9 +489,14 @@ def test_latest_waits_for_every_rank_and_a_full_disk_is_named(workdir):
                      r"under " + re.escape(save_dir), run.output), run.tail()
     with open(os.path.join(save_dir, "latest")) as handle:
         assert handle.read() == "step5", "latest names a checkpoint that a rank did not finish writing"
-    assert not os.path.exists(os.path.join(save_dir, "step10", "SHA256SUMS"))
+    for tag in ("step5", "step10"):  # step5 replaced whole, step10 the earlier run's, untouched
+        checkpoint_dir = os.path.join(save_dir, tag)
+        manifest = manifest_of(checkpoint_dir)
+        assert all(sha256_file(os.path.join(checkpoint_dir, name)) == digest for name, digest in manifest.items())
+    assert manifest_of(os.path.join(save_dir, "step10")) == earlier_step10
+    assert not os.path.exists(os.path.join(save_dir, "step5.replaced"))
     # The files the other ranks wrote are there: it was the failing rank that kept `latest` back.
-    assert os.path.getsize(os.path.join(save_dir, "step10", "zero_pp_rank_0_mp_rank_00_optim_states.pt")) > 0
+    assert os.path.getsize(os.path.join(staging, "zero_pp_rank_0_mp_rank_00_optim_states.pt")) > 0
 
 
 def assert_step_shares(run, timed_steps):
@@ -629,6 +650,18 @@ def test_gpu_preset_and_configs(example):
                 continue
             # The fused workspace holds one layer call of the preset: micro batch x window.
             assert moe.max_tokens_per_rank == ds_config["train_micro_batch_size_per_gpu"] * args.seq_len == 8192, path
+
+
+@pytest.mark.parametrize("flag,value,words", [("--log-interval", "0", "must be a positive integer"),
+                                               ("--heads", "0", "must be a positive integer"),
+                                               ("--moe-every", "0", "must be a positive integer"),
+                                               ("--ep-size", "0", "must be a positive integer"),
+                                               ("--warmup", "-1", "must be 0 or more"),
+                                               ("--corpus-mb", "0", "must be a positive number")])
+def test_flags_out_of_range_are_refused_by_name(example, capsys, flag, value, words):
+    with pytest.raises(SystemExit):
+        example.parse_args(["--deepspeed_config", "x.json", flag, value])
+    assert f"argument {flag}: {words}" in capsys.readouterr().err
 
 
 def test_hf_models_from_the_options(example):
