@@ -7,6 +7,7 @@ steps and checkpoints must agree (fp32: to rounding).
 
 import pytest
 
+import ds_comet
 from tests.support.autoep_models import PRESETS, checkpoint_case, gradients_case, training_case
 
 pytest.importorskip("transformers")
@@ -50,6 +51,9 @@ def test_autoep_keys_the_comet_backend_replaces_are_named():
     assert replaced_keys_message({"enabled": True, "use_grouped_mm": True, "gate_up_impl": "fused",
                                   "disable_triton_grouped_mm": True}) is None
     assert set(REPLACED_KEYS) <= set(_autoep_section_keys())
+    # A key set to AutoEP's own default changes nothing that the comet backend replaces.
+    assert replaced_keys_message({"enabled": True, "combine_impl": "auto", "comm_num_sm": 12,
+                                  "async_split_plan": False}) is None
 
 
 def test_a_graphed_gate_asked_for_autoep_layers_is_named():
@@ -81,3 +85,27 @@ def zero3_case():
 
 def test_zero3_is_refused_by_name(cpu_pool):
     cpu_pool.run(zero3_case)
+
+
+def deepep_case(autoep_size):
+    """AutoEP with "comm_backend": "deepep" on the comet backend: AutoEP uses DeepEP only across
+    ranks, so at autoep_size 1 nothing of it is replaced; above, the two exchanges conflict."""
+    import torch
+
+    from tests.support.autoep_models import ds_config, tiny_model
+    config = ds_config("mixtral", "comet", 0, torch.float32, overlap="none")
+    config["expert_parallel"].update(autoep_size=autoep_size, comm_backend="deepep", comm_max_tokens_per_rank=64)
+    model = tiny_model("mixtral")
+    try:
+        ds_comet.initialize(model=model, model_parameters=model.parameters(), config=config)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_deepep_conflicts_only_where_autoep_would_use_it(cpu_pool):
+    from tests.support.dist_pool import cpu_world_size
+    assert all(message is None for message in cpu_pool.run(deepep_case, autoep_size=1))
+    if cpu_world_size() > 1:
+        for message in cpu_pool.run(deepep_case, autoep_size=cpu_world_size()):
+            assert "both replace AutoEP's exchange" in message, message

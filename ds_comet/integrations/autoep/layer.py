@@ -35,8 +35,12 @@ REPLACED_KEYS = {
 
 
 def replaced_keys_message(section: dict) -> Optional[str]:
-    """What to tell a user whose "expert_parallel" section sets keys the comet backend makes moot."""
-    found = [f"{key} ({REPLACED_KEYS[key]})" for key in REPLACED_KEYS if key in section]
+    """What to tell a user whose "expert_parallel" section sets keys the comet backend makes moot
+    to values other than AutoEP's defaults."""
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+    defaults = parse_autoep_config({"enabled": True})
+    found = [f"{key} ({REPLACED_KEYS[key]})" for key in REPLACED_KEYS
+             if key in section and section[key] != getattr(defaults, key, None)]
     if not found:
         return None
     return ("ds_comet: these \"expert_parallel\" keys choose parts of AutoEP's layer that the comet backend "
@@ -78,7 +82,7 @@ class CometAutoEPMoELayer(AutoEPMoELayer):
         """Turn ``layer`` (exactly an ``AutoEPMoELayer``) into this class, in place, and return it."""
         if type(layer) is not AutoEPMoELayer:
             raise TypeError(f"adopt takes an AutoEPMoELayer, got {type(layer).__name__}")
-        if layer.comm_backend == "deepep":
+        if layer.comm_backend == "deepep" and layer.ep_size > 1:  # AutoEP uses DeepEP only across ranks
             raise ValueError("\"expert_parallel\": {\"comm_backend\": \"deepep\"} and \"moe\": {\"backend\": "
                              "\"comet\"} both replace AutoEP's exchange; keep one of them")
         if layer.folding_group_handles is not None and layer.folding_group_handles.spec.tp_size > 1:
