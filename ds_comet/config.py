@@ -10,11 +10,13 @@ import os
 from typing import Any, Literal, Mapping, Optional, get_args, get_origin
 
 import hjson
-from deepspeed.constants import default_pg_timeout
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, dict_raise_error_on_duplicate_keys
 from deepspeed.utils import logger
 from pydantic import ConfigDict, Field, ValidationError
 
+# Four minutes: the wait and the roll call after it (as long again) end before torch's NCCL
+# watchdog, 10 minutes by default for the groups DeepSpeed makes (CometMoEConfig.wait_timeout_s).
+DEFAULT_WAIT_TIMEOUT_S = 240.0
 MOE_SECTION = "moe"
 _warned_ignored = set()
 
@@ -84,15 +86,15 @@ class CometMoEConfig(DeepSpeedConfigModel):
     (about 6 bytes x tokens x hidden per layer; 218-326 MiB reserved at the bench's shapes;
     ds_comet/integrations/legacy/gate_graph.py)."""
 
-    wait_timeout_s: float = Field(default_factory=lambda: default_pg_timeout.total_seconds(), ge=1e-3, le=1e6,
-                                  allow_inf_nan=False)
+    wait_timeout_s: float = Field(DEFAULT_WAIT_TIMEOUT_S, ge=1e-3, le=1e6, allow_inf_nan=False)
     """Longest a layer waits for a peer rank before it raises: a fused kernel's wait (the kernels
     count it in 64-bit nanoseconds: between a millisecond and about eleven days), or any of the
     reference pipeline's waits on its group or of the group's agreement at a layer's first call
-    (which then look as long again for the ranks that stalled, to name them). The default is
-    DeepSpeed's process-group timeout (10 minutes, or ``DEEPSPEED_TIMEOUT`` minutes), what stock's
-    collectives would wait: a rank that falls behind its peers for less than that (a slow batch,
-    a checkpoint or an evaluation on one rank) does not end the job."""
+    (which then look as long again for the ranks that stalled, to name them). The default lets a
+    rank fall behind its peers by four minutes (a slow batch, a checkpoint or an evaluation on one
+    rank) without ending the job, and ends the wait and that roll call before torch's NCCL watchdog
+    (10 minutes for the expert groups DeepSpeed makes) would abort the process without naming the
+    rank. Past 300 s the watchdog may come first."""
 
     def __init__(self, **data):
         # strict: DeepSpeedConfigModel otherwise drops every value spelled "auto", which would

@@ -84,7 +84,9 @@ class CollectiveWaits:
         began = time.time() - waited  # the roll call below takes as long again
         answer = self._ranks_not_waiting(what, began)
         silent, gave_up = answer if answer is not None else (None, {})
-        if silent is None:
+        if torch.distributed.get_world_size(self.group) == 1:
+            who = "the group has no other rank: the device did not finish the work queued before this wait"
+        elif silent is None:
             who = "a rank of the group stopped calling the layer or fell behind"
         elif silent:
             who = (f"global rank(s) {', '.join(map(str, silent))} of the group did not report a wait of their own "
@@ -92,10 +94,11 @@ class CollectiveWaits:
         else:
             who = ("every other rank of the group is waiting too: they disagree on the collectives of this "
                    "call (a rank called another layer, or another number of times)")
-        for peer, (written, where) in sorted(gave_up.items()):
-            who += (f"; global rank {peer} gave up its own wait ({where}) {began - written:.1f} s before this "
-                    "rank's wait began: this rank came to the call more than \"wait_timeout_s\" after its peers "
-                    "(a slow batch, or work on this rank alone)")
+        if gave_up:
+            who += ("; global rank(s) " + ", ".join(f"{peer} ({where}, {began - written:.1f} s before)"
+                                                   for peer, (written, where) in sorted(gave_up.items()))
+                    + " gave up their own waits before this rank's wait began: this rank came to the call more "
+                    "than \"wait_timeout_s\" after its peers (a slow batch, or work on this rank alone)")
         if silent:
             who += describe_failures(failure_notes(silent, began - self.timeout_s))
         raise CometWaitTimeout(
@@ -111,17 +114,22 @@ class CollectiveWaits:
 
         A peer that entered the same wait later than this rank reports when its own wait times
         out, less than ``timeout_s`` from now; one that has not entered it by now is a wait's
-        length behind, or stuck; one whose report predates this wait gave up before this rank came.
-        The store is asked from a thread that is given up on after that time, so that a store that
-        does not answer cannot hold the error back.
+        length behind, or stuck; one whose report predates this wait gave up before this rank came,
+        and is not waited for. A report without a readable time counts as a wait of now. The store
+        is asked from a thread that is given up on after that time, so that a store that does not
+        answer cannot hold the error back.
         """
 
         def report(store, rank: int) -> Optional[Report]:
             key = f"{REPORT_KEY}{rank}"
             if not store.check([key]):
                 return None
-            written, _, where = store.get(key).decode(errors="replace").partition(" ")
-            return float(written), where
+            text = store.get(key).decode(errors="replace")
+            written, _, where = text.partition(" ")
+            try:
+                return float(written), where
+            except ValueError:
+                return float("inf"), text
 
         def roll_call(store):
             me = torch.distributed.get_rank()
@@ -132,7 +140,8 @@ class CollectiveWaits:
             while silent:
                 reports = {rank: report(store, rank) for rank in silent}
                 silent = [rank for rank, seen in reports.items() if seen is None or seen[0] < began]
-                if not silent or time.monotonic() > deadline:
+                # Ranks that gave up before this wait began will not report again.
+                if all(reports[rank] is not None for rank in silent) or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
             return silent, {rank: seen for rank, seen in reports.items() if rank in silent and seen is not None}

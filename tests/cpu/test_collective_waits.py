@@ -39,6 +39,7 @@ class Store:
 def group_of_four(monkeypatch):
     """Global ranks 0-3 in the group, this one rank 0."""
     monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: [0, 1, 2, 3])
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(collective_waits.dist, "get_rank", lambda group=None: 0)
 
@@ -78,9 +79,26 @@ def test_a_peer_that_gave_up_before_this_wait_began_says_this_rank_came_late(gro
     store.set(f"{REPORT_KEY}1", f"{time.time() - 0.3 - 40:.3f} blocks.0.moe: the expert counts")
     message, took = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
     assert "global rank(s) 1 of the group did not report a wait of their own" in message, message
-    assert ("global rank 1 gave up its own wait (blocks.0.moe: the expert counts) 40.0 s before this rank's wait "
-            "began: this rank came to the call more than \"wait_timeout_s\" after its peers") in message, message
+    assert ("global rank(s) 1 (blocks.0.moe: the expert counts, 40.0 s before) gave up their own waits before this "
+            "rank's wait began: this rank came to the call more than \"wait_timeout_s\" after its peers") in message, \
+        message
     assert "every other rank of the group is waiting too" not in message, message
+    assert took < 0.3, took  # a rank that gave up reports no more: nobody to wait for
+
+
+def test_a_report_without_a_readable_time_counts_as_waiting(group_of_four):
+    store = group_of_four(Store(present=[2, 3]))
+    store.set(f"{REPORT_KEY}1", "waiting")
+    message, _ = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
+    assert "every other rank of the group is waiting too" in message, message
+
+
+def test_a_group_of_one_blames_the_device_not_the_peers(group_of_four, monkeypatch):
+    group_of_four(Store())
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: [0])
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    message, _ = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
+    assert "the group has no other rank: the device did not finish" in message, message
 
 
 def test_a_store_that_hangs_does_not_hold_the_error_back(group_of_four, monkeypatch):
