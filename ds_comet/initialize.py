@@ -34,9 +34,10 @@ from .integrations.legacy.layer import CometMOELayer
 
 @functools.wraps(deepspeed.initialize)
 def initialize(*args, **kwargs):
-    given = kwargs.get("config", kwargs.get("config_params"))
-    if given is None:  # deepspeed.initialize(args=...) reads args.deepspeed_config
-        given = getattr(kwargs.get("args", args[0] if args else None), "deepspeed_config", None)
+    given = kwargs.get("config") or kwargs.get("config_params")
+    if given is None:  # deepspeed.initialize(args=...) reads args.deepspeed_config (or its older name)
+        namespace = kwargs.get("args", args[0] if args else None)
+        given = getattr(namespace, "deepspeed_config", None) or getattr(namespace, "deepscale_config", None)
     if given is not None:
         moe_config_from(given)  # a bad "moe" section fails before the engine is built
     engine, *rest = deepspeed.initialize(*args, **kwargs)

@@ -673,6 +673,24 @@ def from_rank0(value):
     return holder[0]
 
 
+def on_rank0(step, what):
+    """``step()`` run on rank 0 alone, its result on every rank (collective). If it raises, rank 0
+    raises its exception and every other rank an error quoting it, rather than wait for rank 0 in
+    the job's next collective."""
+    outcome, raised = None, None
+    if dist.get_rank() == 0:
+        try:
+            outcome = (True, step())
+        except Exception as error:
+            raised, outcome = error, (False, f"{type(error).__name__}: {error}")
+    done, value = from_rank0(outcome)
+    if raised is not None:
+        raise raised
+    if not done:
+        raise RuntimeError(f"{what}: rank 0 failed: {value}")
+    return value
+
+
 def checkpoint_files(checkpoint_dir):
     """The files under ``checkpoint_dir``, as sorted paths relative to it, less the manifest and its temporary."""
     found = []
@@ -707,9 +725,12 @@ def shared_sha256(checkpoint_dir, names, flush_to_disk=False):
 
 def run_shape(args, world_size, ep_size, num_experts):
     """What a checkpoint's parameter shapes and files depend on, by flag: a resume must match it."""
-    return {"ranks": world_size, "--ep-size": ep_size, "--experts": num_experts, "--hf-model": args.hf_model,
-            "--layers": args.layers, "--hidden": args.hidden, "--ffn": args.ffn, "--heads": args.heads,
-            "--seq-len": args.seq_len, "--moe-every": args.moe_every, "--gated": args.gated}
+    shape = {"ranks": world_size, "--ep-size": ep_size, "--experts": num_experts, "--hf-model": args.hf_model,
+             "--layers": args.layers, "--hidden": args.hidden, "--ffn": args.ffn, "--heads": args.heads,
+             "--seq-len": args.seq_len}
+    if not args.hf_model:  # the byte-level model's own options (a Hugging Face model ignores them)
+        shape.update({"--moe-every": args.moe_every, "--gated": args.gated})
+    return shape
 
 
 def shape_mismatch(save_dir, tag, shape):
@@ -743,34 +764,38 @@ def save_checkpoint(engine, save_dir, tag, client_state, shape):
     run's ``run_shape``) is saved with the files, under the manifest. A full disk raises
     DiskFullError. Returns (files, bytes) of the checkpoint.
     """
-    rank = dist.get_rank()
-    staging_tag = tag + STAGING_SUFFIX
-    staging_dir, checkpoint_dir = os.path.join(save_dir, staging_tag), os.path.join(save_dir, tag)
+    staging_dir, checkpoint_dir = os.path.join(save_dir, tag + STAGING_SUFFIX), os.path.join(save_dir, tag)
+
+    def clear_staging():
+        shutil.rmtree(staging_dir, ignore_errors=True)  # what an earlier save that failed left
+        if os.path.lexists(staging_dir):
+            raise OSError(f"{staging_dir}, left by an earlier save, cannot be removed: remove it")
+
+    def list_files():
+        write_atomically(os.path.join(staging_dir, RUN_SHAPE), json.dumps(shape, indent=1))
+        return checkpoint_files(staging_dir)
+
+    def put_in_place():
+        listing = "".join(f"{digests[name]}  {name}\n" for name in names)
+        write_atomically(os.path.join(staging_dir, MANIFEST), listing)
+        replaced = checkpoint_dir + REPLACED_SUFFIX
+        if os.path.isdir(checkpoint_dir):
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(checkpoint_dir, replaced)
+        os.replace(staging_dir, checkpoint_dir)
+        write_atomically(os.path.join(save_dir, LATEST), tag)  # also makes the renames durable
+        shutil.rmtree(replaced, ignore_errors=True)
+        return sum(os.path.getsize(os.path.join(checkpoint_dir, name)) for name in names)
+
     with explain_disk_full(save_dir, f"saving checkpoint {tag}"):
-        if rank == 0:
-            shutil.rmtree(staging_dir, ignore_errors=True)  # what an earlier save that failed left
-        dist.barrier()
-        engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state, save_latest=False)
-        if rank == 0:
-            write_atomically(os.path.join(staging_dir, RUN_SHAPE), json.dumps(shape, indent=1))
-        names = from_rank0(checkpoint_files(staging_dir) if rank == 0 else None)
+        on_rank0(clear_staging, f"saving checkpoint {tag}")
+        engine.save_checkpoint(save_dir, tag=tag + STAGING_SUFFIX, client_state=client_state, save_latest=False)
+        names = on_rank0(list_files, f"saving checkpoint {tag}")
         digests, errors = shared_sha256(staging_dir, names, flush_to_disk=True)
         if errors:
             raise RuntimeError(f"checkpoint {tag} in {save_dir}: saved files cannot be hashed: " +
                                "; ".join(f"{name} {why}" for name, why in sorted(errors.items())))
-        size = 0
-        if rank == 0:
-            listing = "".join(f"{digests[name]}  {name}\n" for name in names)
-            write_atomically(os.path.join(staging_dir, MANIFEST), listing)
-            replaced = checkpoint_dir + REPLACED_SUFFIX
-            if os.path.isdir(checkpoint_dir):
-                shutil.rmtree(replaced, ignore_errors=True)
-                os.replace(checkpoint_dir, replaced)
-            os.replace(staging_dir, checkpoint_dir)
-            write_atomically(os.path.join(save_dir, LATEST), tag)  # also makes the renames durable
-            shutil.rmtree(replaced, ignore_errors=True)
-            size = sum(os.path.getsize(os.path.join(checkpoint_dir, name)) for name in names)
-    dist.barrier()
+        size = on_rank0(put_in_place, f"saving checkpoint {tag}")
     return len(names), size
 
 
@@ -813,8 +838,12 @@ def checkpoint_to_resume(args):
                          "with --resume-tag")
     if not os.path.isdir(os.path.join(args.save_dir, tag)):
         present = sorted(name for name in os.listdir(args.save_dir) if os.path.isdir(os.path.join(args.save_dir, name)))
+        hint = ""
+        if tag + REPLACED_SUFFIX in present:  # a run stopped between a save's two renames
+            hint = (f"; {tag + REPLACED_SUFFIX} is its earlier copy, which a save was replacing when the run "
+                    f"stopped: rename it to {tag} to resume from it")
         raise SystemExit(f"error: cannot resume: no checkpoint {tag} in {args.save_dir} (there: "
-                         f"{', '.join(present) or 'none'})")
+                         f"{', '.join(present) or 'none'}){hint}")
     return tag
 
 

@@ -223,6 +223,8 @@ def main():
     sampler = Sampler(torch.device("cuda", torch.cuda.current_device())) if args.power else None
     if args.time_ms is None:
         args.time_ms = 1500.0 if args.power else 400.0
+    if args.power and args.time_ms < 1000:  # nvidia-smi may give no sample in a shorter window
+        raise SystemExit(f"--power needs --time-ms of at least 1000, got {args.time_ms:g}")
     all_results = {}
     for name, shape in selected_shapes(args.shape, args.custom).items():
         all_results[name] = bench_shape(name, *shape, args, sampler)

@@ -213,6 +213,11 @@ def test_a_bad_moe_section_fails_before_deepspeed_builds_the_engine(monkeypatch)
     args = argparse.Namespace(deepspeed_config={"moe": {"backend": "comet", "wait_timeout_s": -1}})
     with pytest.raises(ValueError, match="wait_timeout_s"):
         ds_comet.initialize(args=args, model=torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="tile_m"):
+        ds_comet.initialize(model=torch.nn.Linear(2, 2), config=None, config_params={"moe": {"tile_m": 3}})
+    args = argparse.Namespace(deepspeed_config=None, deepscale_config={"moe": {"backend": "comet", "n_chunks": 0}})
+    with pytest.raises(ValueError, match="n_chunks"):
+        ds_comet.initialize(args=args, model=torch.nn.Linear(2, 2))
 
 
 def test_comet_layers_built_with_other_settings_than_the_section_are_named():

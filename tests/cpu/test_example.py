@@ -143,14 +143,15 @@ def example_args(ds_config, monitor_dir, steps=STEPS, *extra):
             *monitor, *extra]
 
 
-def torchrun(tmp_dir, name, ds_config, steps=STEPS, *extra, monitor_dir=None, expect_success=True) -> Run:
+def torchrun(tmp_dir, name, ds_config, steps=STEPS, *extra, monitor_dir=None, expect_success=True,
+             env_extra=None) -> Run:
     """The example under torchrun; its metrics in monitor_dir (default: tmp_dir/name, through --monitor-dir)."""
     given = monitor_dir is not None
     monitor_dir = monitor_dir or os.path.join(tmp_dir, name)
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS), "--master_port",
            str(port)] + example_args(ds_config, None if given else monitor_dir, steps, *extra)
-    return launch(cmd, port, monitor_dir, expect_success=expect_success)
+    return launch(cmd, port, monitor_dir, env_extra=env_extra, expect_success=expect_success)
 
 
 def assert_same_losses(run, reference, steps, tol, what):
@@ -468,21 +469,33 @@ def test_resume_without_a_checkpoint_is_an_error(workdir, first_half, example):
                       "step7"])
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to fill a disk")
+# Loaded into every process of a run (sitecustomize): the last rank's optimizer file of step10
+# meets a full disk, as torch.save reports one.
+FULL_DISK_AT_STEP10 = """
+import errno, os
+import torch
+_save = torch.save
+def save(obj, f, *args, **kwargs):
+    if isinstance(f, (str, os.PathLike)) and os.fspath(f).endswith(os.path.join("step10.saving", {name!r})):
+        raise OSError(errno.ENOSPC, "No space left on device", os.fspath(f))
+    return _save(obj, f, *args, **kwargs)
+torch.save = save
+"""
+
+
 def test_a_failed_save_keeps_latest_and_the_earlier_checkpoint_of_its_tag(workdir, first_half):
     # The save directory holds the first half's intact step5, step10 and step15. A new run saves
     # step5 over the old one, then step10, which it writes (as every save) under step10.saving: there
-    # the last rank's optimizer file is /dev/full, where every write fails for want of space, so that
-    # rank fails while the others have written their files. `latest` must still name step5, and the
-    # earlier step10 must be whole.
+    # the last rank's optimizer file meets a full disk, so that rank fails while the others have
+    # written their files. `latest` must still name step5, and the earlier step10 must be whole.
     save_dir = checkpoint_copy(first_half, workdir, "disk_full")
     earlier_step10 = manifest_of(os.path.join(save_dir, "step10"))
-    staging = os.path.join(workdir, "disk_full_staging")
-    os.makedirs(staging)
-    os.symlink("/dev/full", os.path.join(staging, f"zero_pp_rank_{RANKS - 1}_mp_rank_00_optim_states.pt"))
-    os.symlink(staging, os.path.join(save_dir, "step10.saving"))
+    hook = os.path.join(workdir, "full_disk_hook")
+    os.makedirs(hook)
+    with open(os.path.join(hook, "sitecustomize.py"), "w") as handle:
+        handle.write(FULL_DISK_AT_STEP10.format(name=f"zero_pp_rank_{RANKS - 1}_mp_rank_00_optim_states.pt"))
     run = torchrun(workdir, "disk_full", "zero2_comet", 12, "--save-dir", save_dir, "--save-interval", "5",
-                   expect_success=False)
+                   expect_success=False, env_extra={"PYTHONPATH": os.pathsep.join([hook, REPO])})
     assert run.returncode != 0, run.tail()
     assert "saved checkpoint " + os.path.join(save_dir, "step5") in run.output, run.tail()
     assert re.search(r"DiskFullError: \[Errno 28\] saving checkpoint step10: the disk is full: [0-9.]+ \w+ free "
@@ -496,7 +509,7 @@ def test_a_failed_save_keeps_latest_and_the_earlier_checkpoint_of_its_tag(workdi
     assert manifest_of(os.path.join(save_dir, "step10")) == earlier_step10
     assert not os.path.exists(os.path.join(save_dir, "step5.replaced"))
     # The files the other ranks wrote are there: it was the failing rank that kept `latest` back.
-    assert os.path.getsize(os.path.join(staging, "zero_pp_rank_0_mp_rank_00_optim_states.pt")) > 0
+    assert os.path.getsize(os.path.join(save_dir, "step10.saving", "zero_pp_rank_0_mp_rank_00_optim_states.pt")) > 0
 
 
 def assert_step_shares(run, timed_steps):

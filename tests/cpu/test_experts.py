@@ -39,6 +39,15 @@ class TrainingOnlyScale(MixtralStyleMLP):
         return super().forward(x) * (1.5 if self.training else 1.0)
 
 
+class NoisyMLP(MixtralStyleMLP):
+    """The SwiGLU with a little noise in training mode, drawn from the global generator (within
+    the check's tolerance, so that the check runs the forward in both modes)."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out + 1e-4 * out.abs().mean() * torch.rand_like(out) if self.training else out
+
+
 class DroppingMLP(MixtralStyleMLP):
     """The SwiGLU with dropout on its output."""
 
@@ -89,7 +98,11 @@ def test_the_check_covers_both_modes_whichever_the_first_call_had():
     reason = forward_mismatch(fused_expert(expert), 16)
     assert reason is not None and "forward in training mode differs from its registered layout" in reason, reason
     assert not expert.training and expert.w1.training and not expert.w2.training
-    assert torch.equal(torch.random.get_rng_state(), state)
+    register_expert(NoisyMLP, first="w1", up="w3", second="w2", activation="silu")
+    noisy = fused_expert(NoisyMLP(16, 24))
+    state = torch.random.get_rng_state()
+    assert forward_mismatch(noisy, 16) is None
+    assert torch.equal(torch.random.get_rng_state(), state)  # the training-mode draws were given back
     register_expert(DroppingMLP, first="w1", up="w3", second="w2", activation="silu")
     for p in (0.1, 1e-4):  # a tiny rate would pass for rounding: dropout is refused as such
         reason = forward_mismatch(fused_expert(DroppingMLP(16, 24, p).eval()), 16)

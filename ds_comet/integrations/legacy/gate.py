@@ -39,9 +39,9 @@ from ...pipelines.policy import GLOBAL_HOOKS, MODULE_HOOKS
 
 _capacities: Dict[tuple, int] = {}
 _warned_hooks = weakref.WeakSet()  # gates whose skipped hooks were reported
-# gate -> whether it had hooks when first called, or, in a layer, whether any rank of its group's had
-# them when the group agreed (record_group_hooks)
-_hooked_at_first_call = weakref.WeakKeyDictionary()
+# gate -> in a layer, whether any rank of its group's gate had hooks when the group last agreed
+# (record_group_hooks); for a gate called on its own, whether it had them at its first call
+_hooked_when_agreed = weakref.WeakKeyDictionary()
 _expert_ids: Dict[tuple, Tensor] = {}
 # The top-2 kernel repeats this function's arithmetic; a replaced one is called as it is.
 _STOCK_GUMBEL = ds.gumbel_rsample
@@ -84,15 +84,15 @@ def _reproducible(gate, tokens: Tensor) -> bool:
     """Whether the fast path is known to match this gate's own forward."""
     if type(gate) is not TopKGate or "forward" in vars(gate) or gate.wall_clock_breakdown:
         return False
-    hooked, first_call_hooked = _hooks_now_and_at_first_call(gate)
+    hooked, agreed_hooked = _hooks_now_and_when_agreed(gate)
     # Hooks need not be alike on every rank (DeepSpeed's flops profiler hooks rank 0's modules at
     # one step). Stock's forward runs them, but for top-2 and top-k without dropping it also
     # all-reduces a capacity the fast path skips: there every rank of the group must take the same
     # path, or one falling back would pair its peers' next collectives wrongly. Hooks the gate had
-    # at its first call on any rank of the group (as the layer's agreement records) send every rank
+    # when the group agreed (the layer's first call), on any rank of the group, send every rank
     # to stock's forward; hooks that appear later are skipped there, with a warning.
     collective = gate.k >= 2 and not gate.drop_tokens
-    if collective and first_call_hooked:
+    if collective and agreed_hooked:
         return False
     hooks_skipped = hooked and collective
     if hooked and not hooks_skipped:
@@ -119,10 +119,11 @@ def _reproducible(gate, tokens: Tensor) -> bool:
 
 # Host bookkeeping in a weak dictionary, which torch.compile cannot trace: it runs outside the graph.
 @torch._disable_dynamo
-def _hooks_now_and_at_first_call(gate) -> Tuple[bool, bool]:
-    """Whether the gate (or every module) has hooks now, and whether it had them at its first call."""
+def _hooks_now_and_when_agreed(gate) -> Tuple[bool, bool]:
+    """Whether the gate (or every module) has hooks now, and the answer that stands for the group
+    (``_hooked_when_agreed``; the gate's own at its first call where no group recorded one)."""
     hooked = hooks_now(gate)
-    return hooked, _hooked_at_first_call.setdefault(gate, hooked)
+    return hooked, _hooked_when_agreed.setdefault(gate, hooked)
 
 
 def hooks_now(gate) -> bool:
@@ -134,10 +135,10 @@ def hooks_now(gate) -> bool:
 @torch._disable_dynamo
 def record_group_hooks(gate, hooked_anywhere: bool) -> None:
     """What the layer's group agreed: whether any of its ranks' gates had hooks (``hooks_now``) at
-    the agreement. It stands for this gate's first call on every rank, so that all of them take
+    the agreement. It stands on every rank until the next agreement, so that all of them take
     stock's forward, or none."""
-    if _hooked_at_first_call.get(gate) != hooked_anywhere:
-        _hooked_at_first_call[gate] = hooked_anywhere
+    if _hooked_when_agreed.get(gate) != hooked_anywhere:
+        _hooked_when_agreed[gate] = hooked_anywhere
 
 
 @torch._disable_dynamo
@@ -146,10 +147,10 @@ def _warn_skipped_hooks(gate) -> None:
         return
     _warned_hooks.add(gate)
     logger.warning("ds_comet: hooks that appeared on a top-%d gate without dropping (or global module hooks) "
-                   "after its first call are skipped: stock's forward, which would run them, all-reduces a "
-                   "capacity over the expert-parallel group that ranks without the hooks do not, so calling it on "
-                   "this rank alone would mismatch their next collectives. Register them before the first call, "
-                   "or set \"moe\": {\"backend\": \"deepspeed\"}, to run them", gate.k)
+                   "after its layer's group agreed (at the layer's first call) are skipped: stock's forward, which "
+                   "would run them, all-reduces a capacity over the expert-parallel group that ranks without the "
+                   "hooks do not, so calling it on this rank alone would mismatch their next collectives. Register "
+                   "them before the first call, or set \"moe\": {\"backend\": \"deepspeed\"}, to run them", gate.k)
 
 
 def _capacity(gates: Tensor, factor: float, min_capacity: int) -> int:
