@@ -64,8 +64,9 @@ class LayerSpec:
     again when they change (the row bound, for one, follows the gate's capacity factors).
     ``scale_before``: the routes' weights scale the rows before the experts (AutoEP's "pre").
     ``router_hooked()``: whether this rank's router has hooks that only its own forward runs, a
-    forward that holds collectives: the group's agreement gathers it, and ``router_hooked_anywhere``
-    says whether any rank's answer was yes, so that every rank takes that forward, or none.
+    forward that holds collectives: the group's agreement gathers every rank's answer and passes
+    whether any was yes to ``router_agreed(hooked_anywhere)``, so that every rank takes that
+    forward, or none.
     """
     num_experts: int
     ep_size: int
@@ -74,6 +75,7 @@ class LayerSpec:
     settings: Callable[[], Tuple[Tuple[str, object], ...]] = tuple
     scale_before: bool = False
     router_hooked: Callable[[], bool] = bool
+    router_agreed: Callable[[bool], None] = bool
 
 
 class RankFailure(str):
@@ -109,7 +111,6 @@ class PipelineSelection:
         self._agreed_reason: Optional[str] = None
         self._hooked: Optional[List[torch.nn.Module]] = None
         self._said = set()
-        self.router_hooked_anywhere = False  # the last agreement's answer (LayerSpec.router_hooked)
 
     @property
     def name(self) -> str:
@@ -244,7 +245,7 @@ class PipelineSelection:
                                       "the other ranks' settings for this layer (the group's agreement at its first "
                                       "call)")
         self._check_settings([entry[0] for entry in everyone])
-        self.router_hooked_anywhere = any(entry[5] for entry in everyone)
+        self.spec.router_agreed(any(entry[5] for entry in everyone))
         failures = [(rank, entry[1]) for rank, entry in enumerate(everyone) if isinstance(entry[1], RankFailure)]
         if failures:
             raise RuntimeError(f"ds_comet: {self.name}: checking the fused pipeline failed on "

@@ -137,8 +137,7 @@ def record_group_hooks(gate, hooked_anywhere: bool) -> None:
     """What the layer's group agreed: whether any of its ranks' gates had hooks (``hooks_now``) at
     the agreement. It stands on every rank until the next agreement, so that all of them take
     stock's forward, or none."""
-    if _hooked_when_agreed.get(gate) != hooked_anywhere:
-        _hooked_when_agreed[gate] = hooked_anywhere
+    _hooked_when_agreed[gate] = hooked_anywhere
 
 
 @torch._disable_dynamo

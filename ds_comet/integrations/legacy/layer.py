@@ -41,7 +41,8 @@ def _layer_spec(moe: MOELayer) -> LayerSpec:
                 ("noisy_gate_policy", gate.noisy_gate_policy))
 
     return LayerSpec(num_experts=num_experts, ep_size=moe.ep_size, top_k=gate.k, row_bound=row_bound,
-                     settings=settings, router_hooked=lambda: hooks_now(gate))
+                     settings=settings, router_hooked=lambda: hooks_now(gate),
+                     router_agreed=lambda hooked_anywhere: record_group_hooks(gate, hooked_anywhere))
 
 
 class CometMOELayer(MOELayer):
@@ -107,7 +108,6 @@ class CometMOELayer(MOELayer):
                 raise ValueError(f"ds_comet: {self.pipelines.name}: used_token must hold one entry per token "
                                  f"({tokens.shape[0]}), got shape {tuple(used_token.shape)}")
             pipeline = self.pipelines.pipeline_for(tokens)
-            record_group_hooks(self.gate, self.pipelines.router_hooked_anywhere)
             fused = pipeline is self.pipelines.fused
             # On the fused path the op's gate kernels do the gate's integer bookkeeping.
             op = pipeline.workspace.op if fused else None
