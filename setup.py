@@ -29,8 +29,9 @@ class BuildPyWithSources(build_py):
 
 def _load_builder_module():
     """op_builder/comet.py loaded by path (setup.py runs before the package is importable)."""
-    spec = importlib.util.spec_from_file_location("ds_comet_op_builder_comet", os.path.join(HERE, "op_builder",
-                                                                                             "comet.py"))
+    spec = importlib.util.spec_from_file_location(
+        "ds_comet_op_builder_comet", os.path.join(HERE, "op_builder", "comet.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -58,11 +59,13 @@ setup(
     install_requires=["torch>=2.4", "deepspeed>=0.19.4", "tqdm", "hjson"],
     extras_require={
         "test": ["pytest>=8"],
+        # README's test command checks the code with these exact versions (CI runs it).
+        "lint": ["ruff==0.17.6", "clang-format==23.1.5"],
         "mpi": ["mpi4py>=4"],
         "triton": ["triton>=3.4"],  # tl.make_tensor_descriptor
         "bench": ["matplotlib"],
         # What DeepSpeed 0.19.8's AutoEP works with (5.23 fails in deepspeed.initialize).
-        "hf": ["transformers==5.16.1"],
+        "hf": ["transformers==5.16.1", "accelerate==1.16.0"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
