@@ -20,5 +20,15 @@ from .integrations.legacy.layer import CometMOELayer, MoE, build_moe
 
 __version__ = "0.1.0"
 
-__all__ = ["experts", "CometMoEConfig", "CometMOELayer", "MoE", "build_moe", "convert_moe_layers", "initialize",
-           "moe_config_from", "register_expert", "__version__"]
+__all__ = [
+    "experts",
+    "CometMoEConfig",
+    "CometMOELayer",
+    "MoE",
+    "build_moe",
+    "convert_moe_layers",
+    "initialize",
+    "moe_config_from",
+    "register_expert",
+    "__version__",
+]

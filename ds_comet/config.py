@@ -7,7 +7,8 @@ ones. It is not called ``"comet"``: DeepSpeed's Comet ML monitor owns that key.
 import base64
 import binascii
 import os
-from typing import Any, Literal, Mapping, Optional, get_args, get_origin
+from collections.abc import Mapping
+from typing import Any, Literal, get_args, get_origin
 
 import hjson
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, dict_raise_error_on_duplicate_keys
@@ -39,23 +40,23 @@ class CometMoEConfig(DeepSpeedConfigModel):
     ``"auto"``: fused where it can run, else the reference pipeline, saying once why.
     """
 
-    comm_blocks: Optional[int] = Field(None, ge=1)
+    comm_blocks: int | None = Field(None, ge=1)
     """Thread blocks that dispatch tokens while the rest run GEMM1 (default: a rule on the layer's shape)."""
 
-    combine_blocks: Optional[int] = Field(None, ge=1)
+    combine_blocks: int | None = Field(None, ge=1)
     """Thread blocks that combine expert outputs while the rest run GEMM2 (default: a rule); at most
     ``comm_blocks``, which a larger value is lowered to."""
 
     tile_m: Literal[64, 128] = 128
     """Rows of a GEMM tile: the granularity at which arriving tokens start their GEMM."""
 
-    tile_n: Optional[Literal[64, 128, 256]] = None
+    tile_n: Literal[64, 128, 256] | None = None
     """Columns of a GEMM tile, for both GEMMs (default: a rule, 256 for both, 128 for a gated GEMM1)."""
 
-    n_chunks: Optional[int] = Field(None, ge=1, le=64)
+    n_chunks: int | None = Field(None, ge=1, le=64)
     """Column chunks of GEMM2; the combine of chunk j overlaps GEMM2 of chunk j+1 (default: a rule)."""
 
-    max_tokens_per_rank: Optional[int] = Field(None, ge=1)
+    max_tokens_per_rank: int | None = Field(None, ge=1)
     """Most tokens one rank feeds one MoE layer; sizes the fused workspace (default: the first call's)."""
 
     activation_rows: Literal["bound", "received"] = "bound"
@@ -67,7 +68,7 @@ class CometMoEConfig(DeepSpeedConfigModel):
     after the counts are exchanged (the fused path's one host sync; under CUDA graph capture the
     bound). Without dropping at EP 4 and up the bound is several times the rows that arrive."""
 
-    internode_chunks: Optional[int] = Field(None, ge=1, le=64)
+    internode_chunks: int | None = Field(None, ge=1, le=64)
     """Chunks the rows travel in when the expert-parallel group spans nodes: the experts of one chunk
     run while the next is exchanged (default: a rule, 2 to 8 by the routes a rank sends; 1 sends
     them whole)."""
@@ -141,8 +142,10 @@ def _config_dict(ds_config) -> Mapping[str, Any]:
     engine_config = getattr(ds_config, "config", None)
     if engine_config is not None and engine_config is not ds_config:
         return _config_dict(engine_config)
-    raise TypeError(f"cannot read a ds_config from {type(ds_config).__name__}: pass a dict, a path to a JSON file, "
-                    "a deepspeed DeepSpeedConfig, a DeepSpeed engine or a CometMoEConfig")
+    raise TypeError(
+        f"cannot read a ds_config from {type(ds_config).__name__}: pass a dict, a path to a JSON file, "
+        "a deepspeed DeepSpeedConfig, a DeepSpeed engine or a CometMoEConfig"
+    )
 
 
 def _read_config(source) -> Mapping[str, Any]:
@@ -160,8 +163,9 @@ def _read_config(source) -> Mapping[str, Any]:
     except (ValueError, UnicodeDecodeError, binascii.Error):
         loaded = None
     if not isinstance(loaded, Mapping):  # HJSON reads most garbage as a quoteless string
-        raise FileNotFoundError(f"ds_config {os.fspath(source)!r} is neither an existing file nor a base64-encoded "
-                                "JSON config")
+        raise FileNotFoundError(
+            f"ds_config {os.fspath(source)!r} is neither an existing file nor a base64-encoded JSON config"
+        )
     return loaded
 
 
@@ -169,7 +173,7 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
     """The validated ``"moe"`` section of ``ds_config`` (defaults where it has none)."""
     if isinstance(ds_config, CometMoEConfig):
         return ds_config
-    section: Optional[Any] = _config_dict(ds_config).get(MOE_SECTION, {})
+    section: Any | None = _config_dict(ds_config).get(MOE_SECTION, {})
     if section is None:
         section = {}
     if not isinstance(section, Mapping):
@@ -181,6 +185,8 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
     ignored = tuple(sorted(key for key in section if key != "backend"))
     if config.backend == "deepspeed" and ignored and ignored not in _warned_ignored:
         _warned_ignored.add(ignored)  # once, not once per MoE layer
-        logger.warning(f"ds_config '{MOE_SECTION}' keys {', '.join(ignored)} only apply to \"backend\": \"comet\"; "
-                       "this job runs stock DeepSpeed's MoE and ignores them")
+        logger.warning(
+            f'ds_config \'{MOE_SECTION}\' keys {", ".join(ignored)} only apply to "backend": "comet"; '
+            "this job runs stock DeepSpeed's MoE and ignores them"
+        )
     return config

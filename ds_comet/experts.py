@@ -21,8 +21,8 @@ something else (another activation, a scale) or holds a dropout runs the referen
 the difference as the reason.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -39,11 +39,18 @@ ACTIVATIONS = {
 # Modules whose output for one row depends on the other rows of the batch. ds_comet gives each
 # expert exactly its routed rows; stock DeepSpeed gives it a capacity buffer padded with zero rows;
 # so an expert holding one of these would compute something else under each, with no error.
-ROW_MIXING_MODULES = (nn.modules.batchnorm._BatchNorm, nn.MultiheadAttention, nn.TransformerEncoderLayer,
-                      nn.TransformerDecoderLayer, nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer)
+ROW_MIXING_MODULES = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.MultiheadAttention,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.Transformer,
+)
 
 
-def row_mixing_reason(expert: nn.Module) -> Optional[str]:
+def row_mixing_reason(expert: nn.Module) -> str | None:
     """Why ``expert`` is not row-wise, as far as its submodules tell, or None.
 
     Only the modules above are recognised; a custom ``forward`` that mixes rows cannot be seen
@@ -51,11 +58,13 @@ def row_mixing_reason(expert: nn.Module) -> Optional[str]:
     for name, module in expert.named_modules():
         if isinstance(module, ROW_MIXING_MODULES):
             where = f"its submodule {name!r}" if name else "it"
-            return (f"the expert {type(expert).__name__} is not row-wise: {where} ({type(module).__name__}) makes "
-                    "a row's output depend on the other rows of the batch. ds_comet's pipelines give each expert "
-                    "only its routed rows and stock DeepSpeed a zero-padded capacity buffer, so the two would "
-                    "compute different numbers; use a row-wise module (LayerNorm rather than BatchNorm), or "
-                    "\"moe\": {\"backend\": \"deepspeed\"} to keep stock's behaviour")
+            return (
+                f"the expert {type(expert).__name__} is not row-wise: {where} ({type(module).__name__}) makes "
+                "a row's output depend on the other rows of the batch. ds_comet's pipelines give each expert "
+                "only its routed rows and stock DeepSpeed a zero-padded capacity buffer, so the two would "
+                "compute different numbers; use a row-wise module (LayerNorm rather than BatchNorm), or "
+                '"moe": {"backend": "deepspeed"} to keep stock\'s behaviour'
+            )
     return None
 
 
@@ -116,18 +125,20 @@ class ExpertLayout:
     classes that keep it per instance). ``checked``: whether the class's ``forward`` is compared
     with the formula before the fused kernels replace it (every class registered by a user is).
     """
+
     first: str
     second: str
-    up: Optional[str] = None
-    activation: Union[str, Callable[[nn.Module], str]] = "gelu"
+    up: str | None = None
+    activation: str | Callable[[nn.Module], str] = "gelu"
     checked: bool = True
 
 
-_LAYOUTS: Dict[type, ExpertLayout] = {}
+_LAYOUTS: dict[type, ExpertLayout] = {}
 
 
-def register_expert(cls: type, *, first: str, second: str, up: Optional[str] = None,
-                    activation: Union[str, Callable[[nn.Module], str]]) -> None:
+def register_expert(
+    cls: type, *, first: str, second: str, up: str | None = None, activation: str | Callable[[nn.Module], str]
+) -> None:
     """Tell the fused kernels where instances of ``cls`` keep their weights.
 
     ``first``, ``up`` and ``second`` name the ``nn.Linear`` submodules holding W1, W3 (gated experts
@@ -140,8 +151,9 @@ def register_expert(cls: type, *, first: str, second: str, up: Optional[str] = N
     if isinstance(activation, str):
         _activation(activation)
     elif not callable(activation):
-        raise TypeError(f"activation must be a name in {list(ACTIVATIONS)} or a function of the module, got "
-                        f"{activation!r}")
+        raise TypeError(
+            f"activation must be a name in {list(ACTIVATIONS)} or a function of the module, got {activation!r}"
+        )
     _LAYOUTS[cls] = ExpertLayout(first=first, second=second, up=up, activation=activation)
 
 
@@ -152,11 +164,12 @@ _LAYOUTS[GatedFeedForward] = ExpertLayout("gate_proj", "down_proj", "up_proj", l
 @dataclass(frozen=True)
 class FusedExpert:
     """One expert's weights as the fused kernels read them: act(x W1^T + b1) [* (x W3^T + b3)] W2^T + b2."""
+
     first: nn.Linear
-    gate: Optional[nn.Linear]  # the multiplying projection of a gated expert (its "up" projection)
+    gate: nn.Linear | None  # the multiplying projection of a gated expert (its "up" projection)
     second: nn.Linear
     activation: str
-    module: Optional[nn.Module] = None  # the expert itself, when its forward is to be checked
+    module: nn.Module | None = None  # the expert itself, when its forward is to be checked
 
     def tensors(self) -> tuple:
         """``(w1, b1, w3, b3, w2, b2)``, None where the expert has none.
@@ -166,10 +179,16 @@ class FusedExpert:
         """
         first, second = self.first._parameters, self.second._parameters
         gate = self.gate._parameters if self.gate is not None else {}
-        return (first["weight"], first.get("bias"), gate.get("weight"), gate.get("bias"), second["weight"],
-                second.get("bias"))
+        return (
+            first["weight"],
+            first.get("bias"),
+            gate.get("weight"),
+            gate.get("bias"),
+            second["weight"],
+            second.get("bias"),
+        )
 
-    def linears(self) -> List[nn.Linear]:
+    def linears(self) -> list[nn.Linear]:
         return [self.first, self.second] + ([self.gate] if self.gate is not None else [])
 
     def compute(self, x: Tensor) -> Tensor:
@@ -181,11 +200,13 @@ class FusedExpert:
 
 
 _SEQUENTIAL_ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu"}
-_SUPPORTED = ("ds_comet.experts.FeedForward, GatedFeedForward, nn.Sequential(Linear, GELU|ReLU|SiLU, Linear), or a "
-              "class registered with ds_comet.register_expert, as they are (not subclasses, not parametrized)")
+_SUPPORTED = (
+    "ds_comet.experts.FeedForward, GatedFeedForward, nn.Sequential(Linear, GELU|ReLU|SiLU, Linear), or a "
+    "class registered with ds_comet.register_expert, as they are (not subclasses, not parametrized)"
+)
 
 
-def fused_expert(expert: nn.Module) -> Union[FusedExpert, str]:
+def fused_expert(expert: nn.Module) -> FusedExpert | str:
     """The expert's weights for the fused kernels, or why the fused kernels cannot run it.
 
     The kernels compute what these modules compute without calling them, so the types must be exactly
@@ -201,7 +222,7 @@ def fused_expert(expert: nn.Module) -> Union[FusedExpert, str]:
     return spec
 
 
-def _spec(expert: nn.Module) -> Union[FusedExpert, str]:
+def _spec(expert: nn.Module) -> FusedExpert | str:
     layout = _LAYOUTS.get(type(expert))
     if layout is not None:
         return _from_layout(expert, layout)
@@ -214,7 +235,7 @@ def _spec(expert: nn.Module) -> Union[FusedExpert, str]:
     return f"the expert is a {type(expert).__name__}; the fused kernels run {_SUPPORTED}"
 
 
-def _from_layout(expert: nn.Module, layout: ExpertLayout) -> Union[FusedExpert, str]:
+def _from_layout(expert: nn.Module, layout: ExpertLayout) -> FusedExpert | str:
     name = type(expert).__name__
     linears = {}
     for role in ("first", "up", "second"):
@@ -226,16 +247,19 @@ def _from_layout(expert: nn.Module, layout: ExpertLayout) -> Union[FusedExpert, 
         except AttributeError:
             return f"the expert {name} has no submodule {path!r}, which register_expert named as its {role} layer"
         if not isinstance(linears[role], nn.Linear):
-            return (f"the expert {name}'s {path!r} is a {type(linears[role]).__name__}, not the nn.Linear that "
-                    "register_expert needs")
+            return (
+                f"the expert {name}'s {path!r} is a {type(linears[role]).__name__}, not the nn.Linear that "
+                "register_expert needs"
+            )
     activation = layout.activation(expert) if callable(layout.activation) else layout.activation
     if activation not in ACTIVATIONS:
         return f"the expert {name}'s activation {activation!r} is not one of {', '.join(ACTIVATIONS)}"
-    return FusedExpert(linears["first"], linears.get("up"), linears["second"], activation,
-                       expert if layout.checked else None)
+    return FusedExpert(
+        linears["first"], linears.get("up"), linears["second"], activation, expert if layout.checked else None
+    )
 
 
-def forward_mismatch(spec: FusedExpert, hidden: int, rows: int = 16, tolerance: float = 2e-2) -> Optional[str]:
+def forward_mismatch(spec: FusedExpert, hidden: int, rows: int = 16, tolerance: float = 2e-2) -> str | None:
     """Why a registered expert's own ``forward`` is not the formula the fused kernels compute, or None.
 
     Both run on the same random rows in the weights' dtype, with the module in training mode and
@@ -248,11 +272,18 @@ def forward_mismatch(spec: FusedExpert, hidden: int, rows: int = 16, tolerance: 
     if module is None:
         return None
     name = type(module).__name__
-    dropouts = sorted({f"{type(m).__name__}(p={m.p})" for m in module.modules()
-                       if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0})
+    dropouts = sorted(
+        {
+            f"{type(m).__name__}(p={m.p})"
+            for m in module.modules()
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+        }
+    )
     if dropouts:
-        return (f"the expert {name} holds {', '.join(dropouts)}, which the fused kernels do not apply; drop it from "
-                "the expert, or run the reference pipeline (\"overlap\": \"none\")")
+        return (
+            f"the expert {name} holds {', '.join(dropouts)}, which the fused kernels do not apply; drop it from "
+            'the expert, or run the reference pipeline ("overlap": "none")'
+        )
     weight = spec.first.weight
     generator = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(rows, hidden, generator=generator, device=weight.device).to(weight.dtype)
@@ -267,21 +298,26 @@ def forward_mismatch(spec: FusedExpert, hidden: int, rows: int = 16, tolerance: 
                 got = module(x)
             got = got[0] if isinstance(got, tuple) else got
             if got.shape != want.shape:
-                return (f"the expert {name}'s forward returns {tuple(got.shape)} for {tuple(x.shape)} rows, the "
-                        f"registered layout gives {tuple(want.shape)}")
+                return (
+                    f"the expert {name}'s forward returns {tuple(got.shape)} for {tuple(x.shape)} rows, the "
+                    f"registered layout gives {tuple(want.shape)}"
+                )
             error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
             if not error <= tolerance:
-                return (f"the expert {name}'s forward in {'training' if training else 'eval'} mode differs from its "
-                        f"registered layout by {error:.3g} (relative) on random rows: the fused kernels would compute "
-                        "something else; check register_expert's first/up/second/activation")
+                return (
+                    f"the expert {name}'s forward in {'training' if training else 'eval'} mode differs from its "
+                    f"registered layout by {error:.3g} (relative) on random rows: the fused kernels would compute "
+                    "something else; check register_expert's first/up/second/activation"
+                )
     finally:
         for m, training in modes:
             m.training = training
     return None
 
 
-def expert_tensors_reason(experts: List[FusedExpert], hidden: int, dtype: torch.dtype,
-                          device: torch.device) -> Optional[str]:
+def expert_tensors_reason(
+    experts: list[FusedExpert], hidden: int, dtype: torch.dtype, device: torch.device
+) -> str | None:
     """Why the kernels cannot read these experts' weights for [S, hidden] tokens of dtype on device, or None.
 
     The kernels take every size from the tokens and the first expert, and read every weight and bias
@@ -294,13 +330,16 @@ def expert_tensors_reason(experts: List[FusedExpert], hidden: int, dtype: torch.
             return "the local experts differ in structure"
         inputs = [spec.first] + ([spec.gate] if spec.gate is not None else [])
         if any(linear.in_features != hidden for linear in inputs) or spec.second.out_features != hidden:
-            return (f"expert {index} maps {inputs[0].in_features} -> {spec.second.out_features} features, the tokens "
-                    f"have {hidden}")
+            return (
+                f"expert {index} maps {inputs[0].in_features} -> {spec.second.out_features} features, the tokens "
+                f"have {hidden}"
+            )
         if any(linear.out_features != ffn for linear in inputs) or spec.second.in_features != ffn:
             return f"expert {index}'s FFN width differs from expert 0's ({ffn}) or between its layers"
         linears = spec.linears()
         if len({linear.bias is None for linear in linears}) > 1 or (spec.first.bias is None) != (
-                first.first.bias is None):
+            first.first.bias is None
+        ):
             return "the expert's linear layers differ in having a bias; the fused kernels need all or none"
         for linear in linears:
             for name, tensor in linear._parameters.items():
@@ -312,7 +351,7 @@ def expert_tensors_reason(experts: List[FusedExpert], hidden: int, dtype: torch.
     return None
 
 
-def tensor_reason(what: str, tensor: Tensor, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+def tensor_reason(what: str, tensor: Tensor, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why the kernels cannot read ``tensor`` as dense rows of ``dtype`` on ``device``, or None."""
     if tensor.dtype != dtype or tensor.device != device:
         return f"{what} is {tensor.dtype} on {tensor.device}, the tokens {dtype} on {device}"

@@ -21,7 +21,6 @@ before DeepSpeed builds the engine, so that a mistyped key fails at once.
 
 import functools
 import logging
-from typing import List
 
 import deepspeed
 from deepspeed.moe.sharded_moe import MOELayer
@@ -50,13 +49,14 @@ def initialize(*args, **kwargs):
     section = param_dict.get("expert_parallel") or {}
     if converted and section.get("enabled"):
         from .integrations.autoep.layer import moe_keys_message, replaced_keys_message
+
         for message in (replaced_keys_message(section), moe_keys_message(config)):
             if message is not None:
                 log_dist(message, ranks=[0], level=logging.WARNING)
     return (engine, *rest)
 
 
-def convert_moe_layers(model: nn.Module, config: CometMoEConfig) -> List[str]:
+def convert_moe_layers(model: nn.Module, config: CometMoEConfig) -> list[str]:
     """Turn the model's MoE layers into comet layers in place, as ``config`` says; returns their paths.
 
     With ``"backend": "deepspeed"`` nothing changes. Layers already comet are only named.
@@ -70,15 +70,18 @@ def convert_moe_layers(model: nn.Module, config: CometMoEConfig) -> List[str]:
             CometMOELayer.adopt(module, config)
         elif autoep_layer is not None and type(module) is autoep_layer:
             from .integrations.autoep.layer import CometAutoEPMoELayer
+
             CometAutoEPMoELayer.adopt(module, config)
         pipelines = getattr(module, "pipelines", None)
         if pipelines is not None and hasattr(pipelines, "pipeline_for"):
             pipelines.name = path or type(module).__name__
             converted.append(path)
     if not converted:
-        message = ("ds_comet: the ds_config asks for \"moe\": {\"backend\": \"comet\"}, but the model has no MoE layer "
-                   "to run it (no deepspeed.moe.layer.MoE and no block AutoEP converted; for a Hugging Face model, "
-                   "enable \"expert_parallel\")")
+        message = (
+            'ds_comet: the ds_config asks for "moe": {"backend": "comet"}, but the model has no MoE layer '
+            "to run it (no deepspeed.moe.layer.MoE and no block AutoEP converted; for a Hugging Face model, "
+            'enable "expert_parallel")'
+        )
         if config.overlap == "fused":
             raise ValueError(message)
         logger.warning(message)
@@ -102,17 +105,22 @@ def refuse_other_settings(model: nn.Module, config: CometMoEConfig) -> None:
             keys = ["backend"]
         if keys:
             differing[path or type(module).__name__] = ", ".join(
-                f"{key}: {own[key]!r} (the ds_config: {wanted[key]!r})" for key in keys)
+                f"{key}: {own[key]!r} (the ds_config: {wanted[key]!r})" for key in keys
+            )
     if not differing:
         return
     if config.backend != "comet":
-        fix = ("build them with deepspeed.moe.layer.MoE, or with ds_comet.build_moe(ds_config, ...), which "
-               "follows the section")
+        fix = (
+            "build them with deepspeed.moe.layer.MoE, or with ds_comet.build_moe(ds_config, ...), which "
+            "follows the section"
+        )
     else:
         fix = "build them with ds_comet.MoE(..., config=ds_config) or ds_comet.build_moe(ds_config, ...)"
     layers = "; ".join(f"{path} ({keys})" for path, keys in differing.items())
-    raise ValueError(f"ds_comet: the ds_config's \"moe\" section differs from what these comet layers were built "
-                     f"with, which they keep: {layers}; {fix}")
+    raise ValueError(
+        f'ds_comet: the ds_config\'s "moe" section differs from what these comet layers were built '
+        f"with, which they keep: {layers}; {fix}"
+    )
 
 
 def _autoep_layer_class():

@@ -21,18 +21,21 @@ def pipeline_verdict(config) -> str:
     """Which pipeline a bf16 Comet layer on this machine's GPU would run, before any layer exists."""
     from ds_comet.config import moe_config_from
     from ds_comet.pipelines.policy import runtime_reason
+
     section = moe_config_from(config)
     if section.backend == "deepspeed":
-        return "stock DeepSpeed MoE (\"moe\": {\"backend\": \"deepspeed\"})"
+        return 'stock DeepSpeed MoE ("moe": {"backend": "deepspeed"})'
     if section.overlap == "none":
-        return "reference pipeline (\"overlap\": \"none\")"
+        return 'reference pipeline ("overlap": "none")'
     # The layers' own software checks, so that the report and the layers' logs give one answer.
     reason = "no CUDA device is visible" if not torch.cuda.is_available() else runtime_reason()
     if reason is None:
-        return ("fused pipeline (forward and backward) for bf16/fp16 FFN and gated FFN experts, if the "
-                "expert-parallel group lies inside one node; each layer logs once what it runs and why")
+        return (
+            "fused pipeline (forward and backward) for bf16/fp16 FFN and gated FFN experts, if the "
+            "expert-parallel group lies inside one node; each layer logs once what it runs and why"
+        )
     if section.overlap == "fused":
-        return f"error: \"overlap\": \"fused\" was asked for, but {reason}"
+        return f'error: "overlap": "fused" was asked for, but {reason}'
     return f"reference pipeline: {reason}"
 
 
@@ -43,8 +46,10 @@ def report(config=None) -> str:
     from ds_comet.op_builder import CometBuilder
 
     lines = ["ds_comet report", "-" * 60]
-    lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}, "
-                 f"triton {_version('triton')}")
+    lines.append(
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}, "
+        f"triton {_version('triton')}"
+    )
     builder = CometBuilder()
     reason = builder.incompatibility()
     try:
@@ -57,13 +62,16 @@ def report(config=None) -> str:
     lines.append(f"GPUs: {count}")
     for index in range(count):
         props = torch.cuda.get_device_properties(index)
-        lines.append(f"  [{index}] {props.name}, compute capability {props.major}.{props.minor}, "
-                     f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
+        lines.append(
+            f"  [{index}] {props.name}, compute capability {props.major}.{props.minor}, "
+            f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"
+        )
     if count > 1:
         lines.append("peer access (row: from, column: to):")
         for i in range(count):
-            row = " ".join("-" if i == j else ("y" if torch.cuda.can_device_access_peer(i, j) else "n")
-                           for j in range(count))
+            row = " ".join(
+                "-" if i == j else ("y" if torch.cuda.can_device_access_peer(i, j) else "n") for j in range(count)
+            )
             lines.append(f"  [{i}] {row}")
     lines.append(f"pipeline: {pipeline_verdict(config)}")
     return "\n".join(lines)
@@ -71,7 +79,6 @@ def report(config=None) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ds_comet report", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None,
-                        help="a ds_config JSON (default: {\"moe\": {\"backend\": \"comet\"}})")
+    parser.add_argument("--config", default=None, help='a ds_config JSON (default: {"moe": {"backend": "comet"}})')
     args = parser.parse_args(argv)
     print(report(args.config or {"moe": {"backend": "comet"}}))

@@ -39,21 +39,22 @@ the output in place); a call without both is timed in the forward only.
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
 
 import torch
 
 
-def moe_layers(module: torch.nn.Module) -> List[torch.nn.Module]:
+def moe_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The MoE layers inside ``module``: stock's ``MOELayer``, AutoEP's layer, and ds_comet's (subclasses)."""
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
     from deepspeed.moe.sharded_moe import MOELayer
+
     return [layer for layer in module.modules() if isinstance(layer, (MOELayer, AutoEPMoELayer))]
 
 
 @dataclass
 class ShareTotals:
     """Milliseconds summed over ``steps`` measured steps."""
+
     steps: int = 0
     step_ms: float = 0.0
     moe_forward_ms: float = 0.0
@@ -67,8 +68,12 @@ class ShareTotals:
     def per_step(self) -> dict:
         """Each part's mean milliseconds a step, and its share of the step (0-1)."""
         steps = max(self.steps, 1)
-        parts = {"moe_forward": self.moe_forward_ms, "moe_backward": self.moe_backward_ms,
-                 "optimizer": self.optimizer_ms, "rest": self.rest_ms}
+        parts = {
+            "moe_forward": self.moe_forward_ms,
+            "moe_backward": self.moe_backward_ms,
+            "optimizer": self.optimizer_ms,
+            "rest": self.rest_ms,
+        }
         result = {"steps": self.steps, "step_ms": self.step_ms / steps}
         for name, total in parts.items():
             result[f"{name}_ms"] = total / steps
@@ -80,10 +85,12 @@ class ShareTotals:
             return "step shares: no step was measured"
         p = self.per_step()
         moe_ms, moe_share = p["moe_forward_ms"] + p["moe_backward_ms"], p["moe_forward_share"] + p["moe_backward_share"]
-        return (f"step shares over {self.steps} steps ({p['step_ms']:.2f} ms/step): MoE layers {moe_ms:.2f} ms "
-                f"({100 * moe_share:.1f}%: forward {p['moe_forward_ms']:.2f}, backward {p['moe_backward_ms']:.2f}), "
-                f"optimizer step {p['optimizer_ms']:.2f} ms ({100 * p['optimizer_share']:.1f}%), rest of the model "
-                f"{p['rest_ms']:.2f} ms ({100 * p['rest_share']:.1f}%)")
+        return (
+            f"step shares over {self.steps} steps ({p['step_ms']:.2f} ms/step): MoE layers {moe_ms:.2f} ms "
+            f"({100 * moe_share:.1f}%: forward {p['moe_forward_ms']:.2f}, backward {p['moe_backward_ms']:.2f}), "
+            f"optimizer step {p['optimizer_ms']:.2f} ms ({100 * p['optimizer_share']:.1f}%), rest of the model "
+            f"{p['rest_ms']:.2f} ms ({100 * p['rest_share']:.1f}%)"
+        )
 
 
 class _Clock:
@@ -113,21 +120,23 @@ class StepShares:
     wait, unread, until ``read()``, which synchronizes with them and returns the totals so far.
     """
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, layers: Optional[List[torch.nn.Module]] = None):
+    def __init__(self, module: torch.nn.Module, device: torch.device, layers: list[torch.nn.Module] | None = None):
         self.layers = moe_layers(module) if layers is None else list(layers)
         self._clock = _Clock(device)
         self._measuring = False
         # (kind, start, end) of the measured steps not yet read; kind is step, moe_forward,
         # moe_backward or optimizer.
-        self._pending: List[Tuple[str, object, object]] = []
+        self._pending: list[tuple[str, object, object]] = []
         # (id(layer), "forward") -> (kind, start) of a call under way; (id(layer), "backward") ->
         # start of a backward under way.
         self._open = {}
         self._totals = ShareTotals()
         self._handles = []
         for layer in self.layers:
-            self._handles += [layer.register_forward_pre_hook(self._forward_begins),
-                              layer.register_forward_hook(self._forward_ends)]
+            self._handles += [
+                layer.register_forward_pre_hook(self._forward_begins),
+                layer.register_forward_hook(self._forward_ends),
+            ]
 
     def _forward_begins(self, layer, inputs):
         if not self._measuring:
@@ -189,8 +198,12 @@ class StepShares:
         """The totals over every measured step so far (waits for the device's timestamps)."""
         if self._pending and self._clock.cuda:
             self._pending[-1][2].synchronize()
-        field = {"step": "step_ms", "moe_forward": "moe_forward_ms", "moe_backward": "moe_backward_ms",
-                 "optimizer": "optimizer_ms"}
+        field = {
+            "step": "step_ms",
+            "moe_forward": "moe_forward_ms",
+            "moe_backward": "moe_backward_ms",
+            "optimizer": "optimizer_ms",
+        }
         for kind, start, end in self._pending:
             name = field[kind]
             setattr(self._totals, name, getattr(self._totals, name) + self._clock.elapsed_ms(start, end))
@@ -203,7 +216,6 @@ class StepShares:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
 
 
 def _first_needing_grad(values):

@@ -117,11 +117,33 @@ RESUME_FINITE_CHECK_STEPS = 5
 PRESETS = {
     # MoE-dominated: with 8 x 1024 windows per rank (configs/gpu_*.json) every MoE layer call gets
     # 8192 tokens per rank; the experts hold ~95 % of the weights and do ~75 % of the model FLOPs.
-    "gpu": dict(layers=4, hidden=1024, ffn=4096, heads=16, seq_len=1024, experts=8, k=2, lr=1e-3, warmup=20,
-                log_interval=10, timing_warmup=10),
+    "gpu": dict(
+        layers=4,
+        hidden=1024,
+        ffn=4096,
+        heads=16,
+        seq_len=1024,
+        experts=8,
+        k=2,
+        lr=1e-3,
+        warmup=20,
+        log_interval=10,
+        timing_warmup=10,
+    ),
     # Fine-grained experts (the MoE shape of Qwen1.5-MoE and DeepSeek-MoE: 64 experts of 1408, top-4).
-    "gpu-fine": dict(layers=4, hidden=2048, ffn=1408, heads=16, seq_len=1024, experts=64, k=4, lr=1e-3, warmup=20,
-                     log_interval=10, timing_warmup=10),
+    "gpu-fine": dict(
+        layers=4,
+        hidden=2048,
+        ffn=1408,
+        heads=16,
+        seq_len=1024,
+        experts=64,
+        k=4,
+        lr=1e-3,
+        warmup=20,
+        log_interval=10,
+        timing_warmup=10,
+    ),
 }
 
 # Hugging Face MoE models that --hf-model builds; each name is also the AutoEP preset that converts it.
@@ -155,73 +177,129 @@ def positive_float(text):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=-1,
-                        help="set by the deepspeed launcher; the script reads LOCAL_RANK from the environment")
-    parser.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
-                        help="torch.distributed backend (default: DeepSpeed's for the accelerator); gloo lets "
-                             "ranks share a GPU (each rank's LOCAL_RANK names its GPU; scripts/shared_gpu_ranks.sh); "
-                             "with GPUs it needs the ranks in the environment (a launcher, or a one-node mpirun)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="a set of defaults: " + "; ".join(
-                            f"{name}: " + ", ".join(f"{key}={value}" for key, value in values.items())
-                            for name, values in PRESETS.items()))
+    parser.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=-1,
+        help="set by the deepspeed launcher; the script reads LOCAL_RANK from the environment",
+    )
+    parser.add_argument(
+        "--dist-backend",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="torch.distributed backend (default: DeepSpeed's for the accelerator); gloo lets "
+        "ranks share a GPU (each rank's LOCAL_RANK names its GPU; scripts/shared_gpu_ranks.sh); "
+        "with GPUs it needs the ranks in the environment (a launcher, or a one-node mpirun)",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a set of defaults: "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"{key}={value}" for key, value in values.items())
+            for name, values in PRESETS.items()
+        ),
+    )
     model = parser.add_argument_group("model")
     model.add_argument("--layers", type=positive_int, default=2, help="transformer blocks")
     model.add_argument("--hidden", type=positive_int, default=64, help="model width")
     model.add_argument("--ffn", type=positive_int, default=128, help="hidden size of each expert (and of dense FFNs)")
     model.add_argument("--heads", type=positive_int, default=4, help="attention heads")
     model.add_argument("--seq-len", type=positive_int, default=64, help="bytes per training window")
-    model.add_argument("--moe-every", type=positive_int, default=1,
-                       help="every N-th block has an MoE FFN (1: all blocks, 2: every other block), the rest dense")
+    model.add_argument(
+        "--moe-every",
+        type=positive_int,
+        default=1,
+        help="every N-th block has an MoE FFN (1: all blocks, 2: every other block), the rest dense",
+    )
     model.add_argument("--gated", action="store_true", help="SwiGLU experts (GatedFeedForward) instead of GELU ones")
-    model.add_argument("--hf-model", choices=sorted(HF_MODELS), default=None,
-                       help="train this Hugging Face MoE model (random weights, the sizes above) under DeepSpeed "
-                       "AutoEP instead of the byte-level model; its experts are SwiGLU and drop no tokens, so "
-                       "--gated, --moe-every and the capacity options do not apply")
+    model.add_argument(
+        "--hf-model",
+        choices=sorted(HF_MODELS),
+        default=None,
+        help="train this Hugging Face MoE model (random weights, the sizes above) under DeepSpeed "
+        "AutoEP instead of the byte-level model; its experts are SwiGLU and drop no tokens, so "
+        "--gated, --moe-every and the capacity options do not apply",
+    )
     moe = parser.add_argument_group("mixture of experts")
-    moe.add_argument("--experts", type=positive_int, default=None,
-                     help="experts per MoE layer (default: 4 x world size)")
+    moe.add_argument(
+        "--experts", type=positive_int, default=None, help="experts per MoE layer (default: 4 x world size)"
+    )
     moe.add_argument("--ep-size", type=positive_int, default=None, help="expert-parallel size (default: world size)")
     moe.add_argument("--k", type=positive_int, default=2, help="experts per token (top-k)")
     moe.add_argument("--capacity-factor", type=float, default=1.25)
     moe.add_argument("--eval-capacity-factor", type=float, default=2.0)
     moe.add_argument("--min-capacity", type=non_negative_int, default=4)
-    moe.add_argument("--aux-coef", type=float, default=0.01,
-                     help="weight of the load-balancing loss (summed over the MoE layers; 1.0 each when balanced)")
+    moe.add_argument(
+        "--aux-coef",
+        type=float,
+        default=0.01,
+        help="weight of the load-balancing loss (summed over the MoE layers; 1.0 each when balanced)",
+    )
     train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=positive_int, default=60,
-                       help="optimizer steps in all (a resumed run stops here too)")
+    train.add_argument(
+        "--steps", type=positive_int, default=60, help="optimizer steps in all (a resumed run stops here too)"
+    )
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--weight-decay", type=float, default=0.01)
     train.add_argument("--warmup", type=non_negative_int, default=5, help="linear learning-rate warm-up steps")
     train.add_argument("--seed", type=int, default=1234)
-    train.add_argument("--corpus-mb", type=positive_float, default=4.0,
-                       help="MB of standard-library source to train on")
-    train.add_argument("--eval-batches", type=non_negative_int, default=4,
-                       help="held-out batches per rank for the eval loss (0: no evaluation)")
+    train.add_argument(
+        "--corpus-mb", type=positive_float, default=4.0, help="MB of standard-library source to train on"
+    )
+    train.add_argument(
+        "--eval-batches",
+        type=non_negative_int,
+        default=4,
+        help="held-out batches per rank for the eval loss (0: no evaluation)",
+    )
     train.add_argument("--log-interval", type=positive_int, default=10, help="print (and time) a window of N steps")
-    train.add_argument("--timing-warmup", type=non_negative_int, default=5,
-                       help="steps left out of the steady-state tokens/s (Summary/steady_tokens_per_s)")
-    train.add_argument("--step-shares", action="store_true",
-                       help="time the MoE layers, the optimizer step and the rest of each timed step (device "
-                       "clock, rank 0) and print their shares at the end")
-    train.add_argument("--monitor-dir", default=None, metavar="DIR",
-                       help="enable DeepSpeed's csv_monitor with its files in DIR (one CSV per tag; a resumed "
-                       "run appends)")
+    train.add_argument(
+        "--timing-warmup",
+        type=non_negative_int,
+        default=5,
+        help="steps left out of the steady-state tokens/s (Summary/steady_tokens_per_s)",
+    )
+    train.add_argument(
+        "--step-shares",
+        action="store_true",
+        help="time the MoE layers, the optimizer step and the rest of each timed step (device "
+        "clock, rank 0) and print their shares at the end",
+    )
+    train.add_argument(
+        "--monitor-dir",
+        default=None,
+        metavar="DIR",
+        help="enable DeepSpeed's csv_monitor with its files in DIR (one CSV per tag; a resumed run appends)",
+    )
     train.add_argument("--save-dir", default=None, help="checkpoint directory")
-    train.add_argument("--save-interval", type=non_negative_int, default=0,
-                       help="save every N steps (0: only at the end)")
+    train.add_argument(
+        "--save-interval", type=non_negative_int, default=0, help="save every N steps (0: only at the end)"
+    )
     train.add_argument("--save-at", type=int, nargs="+", default=[], metavar="STEP", help="also save after these steps")
-    train.add_argument("--no-final-save", action="store_true",
-                       help="do not save at the end, only at --save-interval / --save-at steps")
-    train.add_argument("--resume", action="store_true",
-                       help="continue from the checkpoint that --save-dir's 'latest' names (an error when there "
-                       "is none)")
-    train.add_argument("--resume-tag", default=None, metavar="TAG",
-                       help="continue from checkpoint TAG in --save-dir (e.g. step20) instead of the latest")
-    train.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"), default=None,
-                       help="level of DeepSpeed's logger (its default: warning); info also shows which pipeline "
-                       "the comet layers run and why")
+    train.add_argument(
+        "--no-final-save", action="store_true", help="do not save at the end, only at --save-interval / --save-at steps"
+    )
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint that --save-dir's 'latest' names (an error when there is none)",
+    )
+    train.add_argument(
+        "--resume-tag",
+        default=None,
+        metavar="TAG",
+        help="continue from checkpoint TAG in --save-dir (e.g. step20) instead of the latest",
+    )
+    train.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error", "critical"),
+        default=None,
+        help="level of DeepSpeed's logger (its default: warning); info also shows which pipeline "
+        "the comet layers run and why",
+    )
     deepspeed.add_config_arguments(parser)
     preset, _ = parser.parse_known_args(argv)
     if preset.preset:
@@ -234,8 +312,9 @@ def parse_args(argv=None):
     if args.resume and not args.save_dir:
         parser.error("--resume and --resume-tag need --save-dir")
     if args.hf_model and (args.gated or args.moe_every != 1):
-        parser.error("--gated and --moe-every describe the byte-level model; a --hf-model has SwiGLU experts "
-                     "in every block")
+        parser.error(
+            "--gated and --moe-every describe the byte-level model; a --hf-model has SwiGLU experts in every block"
+        )
     if args.hidden % args.heads:
         parser.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
     return args
@@ -253,8 +332,9 @@ def read_ds_config(source):
             try:
                 text = base64.urlsafe_b64decode(source).decode("utf-8")
             except (binascii.Error, UnicodeDecodeError):
-                raise SystemExit(f"--deepspeed_config {source}: no such file, and not a base64-encoded "
-                                 "config") from None
+                raise SystemExit(
+                    f"--deepspeed_config {source}: no such file, and not a base64-encoded config"
+                ) from None
             config = hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
     except (OSError, ValueError) as error:  # hjson's syntax errors and a duplicate key are ValueErrors
         raise SystemExit(f"--deepspeed_config {source}: {error}") from None
@@ -277,8 +357,12 @@ def load_ds_config(source, monitor_dir=None):
             config["bf16"] = {"enabled": True}
     if monitor_dir:
         path = os.path.abspath(monitor_dir)
-        config["csv_monitor"] = dict(config.get("csv_monitor") or {}, enabled=True,
-                                     output_path=os.path.dirname(path), job_name=os.path.basename(path))
+        config["csv_monitor"] = dict(
+            config.get("csv_monitor") or {},
+            enabled=True,
+            output_path=os.path.dirname(path),
+            job_name=os.path.basename(path),
+        )
     return config
 
 
@@ -290,9 +374,10 @@ def local_world_size(world_size):
 
 
 # (rank, world size, local rank, local size) as MPI launchers name them: Open MPI, then MPICH/Hydra.
-MPI_LAUNCHER_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                      "OMPI_COMM_WORLD_LOCAL_SIZE"),
-                     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+MPI_LAUNCHER_VARS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
 
 
 def adopt_mpi_launcher_env(environ=os.environ):
@@ -314,9 +399,14 @@ def adopt_mpi_launcher_env(environ=os.environ):
         rank, size, local_rank, local_size = (int(value) for value in values)
         if local_size != size:
             return {}
-        found = dict(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(size),
-                     MASTER_ADDR=environ.get("MASTER_ADDR") or "127.0.0.1",
-                     MASTER_PORT=environ.get("MASTER_PORT") or "29500")
+        found = dict(
+            RANK=str(rank),
+            WORLD_SIZE=str(size),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(size),
+            MASTER_ADDR=environ.get("MASTER_ADDR") or "127.0.0.1",
+            MASTER_PORT=environ.get("MASTER_PORT") or "29500",
+        )
         environ.update(found)
         return found
     return {}
@@ -389,7 +479,6 @@ class Windows:
 
 
 class CausalSelfAttention(nn.Module):
-
     def __init__(self, hidden, heads):
         super().__init__()
         self.heads = heads
@@ -404,7 +493,6 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-
     def __init__(self, hidden, heads, ffn):
         super().__init__()
         self.ln1 = nn.LayerNorm(hidden)
@@ -424,7 +512,6 @@ class Block(nn.Module):
 
 
 class ByteMoELM(nn.Module):
-
     def __init__(self, args, ds_config, num_experts, ep_size):
         super().__init__()
         self.tok = nn.Embedding(VOCAB, args.hidden)
@@ -433,15 +520,17 @@ class ByteMoELM(nn.Module):
         blocks = []
         for index in range(args.layers):
             if index % args.moe_every == 0:
-                ffn = ds_comet.build_moe(ds_config,
-                                         hidden_size=args.hidden,
-                                         expert=expert_cls(args.hidden, args.ffn),
-                                         num_experts=num_experts,
-                                         ep_size=ep_size,
-                                         k=args.k,
-                                         capacity_factor=args.capacity_factor,
-                                         eval_capacity_factor=args.eval_capacity_factor,
-                                         min_capacity=args.min_capacity)
+                ffn = ds_comet.build_moe(
+                    ds_config,
+                    hidden_size=args.hidden,
+                    expert=expert_cls(args.hidden, args.ffn),
+                    num_experts=num_experts,
+                    ep_size=ep_size,
+                    k=args.k,
+                    capacity_factor=args.capacity_factor,
+                    eval_capacity_factor=args.eval_capacity_factor,
+                    min_capacity=args.min_capacity,
+                )
             else:
                 ffn = expert_cls(args.hidden, args.ffn)
             blocks.append(Block(args.hidden, args.heads, ffn))
@@ -495,18 +584,32 @@ def hf_moe_model(args, num_experts):
     try:
         import transformers
     except ImportError:
-        raise SystemExit("--hf-model needs transformers (pip install \"ds_comet[hf]\")") from None
-    common = dict(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
-                  num_attention_heads=args.heads, num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
-                  num_experts_per_tok=args.k, use_cache=False)
+        raise SystemExit('--hf-model needs transformers (pip install "ds_comet[hf]")') from None
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq_len,
+        num_experts_per_tok=args.k,
+        use_cache=False,
+    )
     if args.hf_model == "mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=num_experts, **common))
     if args.hf_model == "qwen3_moe":
         # Every block sparse (Qwen3-MoE's defaults: decoder_sparse_step 1, no mlp_only_layers), so
         # intermediate_size, the width of its dense MLPs, is not used.
-        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            num_experts=num_experts, moe_intermediate_size=args.ffn, norm_topk_prob=True,
-            head_dim=args.hidden // args.heads, **common))
+        return transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                num_experts=num_experts,
+                moe_intermediate_size=args.ffn,
+                norm_topk_prob=True,
+                head_dim=args.hidden // args.heads,
+                **common,
+            )
+        )
     raise ValueError(f"no Hugging Face model {args.hf_model!r}; known: {', '.join(HF_MODELS)}")
 
 
@@ -515,8 +618,12 @@ def add_expert_parallel_section(ds_config, preset, ep_size, on_cpu):
     (then it is the user's, kept as it is). torch._grouped_mm, AutoEP's grouped expert GEMM, needs
     a GPU; on CPU AutoEP runs its experts one by one. Returns the section the run uses."""
     if "expert_parallel" not in ds_config:
-        ds_config["expert_parallel"] = {"enabled": True, "autoep_size": ep_size, "preset_model": preset,
-                                        "use_grouped_mm": not on_cpu}
+        ds_config["expert_parallel"] = {
+            "enabled": True,
+            "autoep_size": ep_size,
+            "preset_model": preset,
+            "use_grouped_mm": not on_cpu,
+        }
     return ds_config["expert_parallel"]
 
 
@@ -558,11 +665,14 @@ class AutoEPCausalLMForward:
 
     def __init__(self, engine):
         from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer  # AutoEP's comet layer derives from it
+
         self.engine = engine
         layers = [(path, layer) for path, layer in engine.module.named_modules() if isinstance(layer, AutoEPMoELayer)]
         if not layers:
-            raise RuntimeError("AutoEP converted no MoE block of the model: the ds_config's \"expert_parallel\" "
-                               "section must enable it with the model's preset_model")
+            raise RuntimeError(
+                'AutoEP converted no MoE block of the model: the ds_config\'s "expert_parallel" '
+                "section must enable it with the model's preset_model"
+            )
         self.layers = [module for _, module in layers]
         self.moe_blocks = [int(re.search(r"layers\.(\d+)\.", path).group(1)) for path, _ in layers]
         self.num_experts = self.layers[0].num_experts
@@ -591,6 +701,7 @@ def moe_layer_classes(module):
     """{class name: count} of the MoE layers that run in ``module`` (stock's, AutoEP's, ds_comet's)."""
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
     from deepspeed.moe.sharded_moe import MOELayer
+
     found = {}
     for layer in module.modules():
         if isinstance(layer, (MOELayer, AutoEPMoELayer)):
@@ -636,8 +747,11 @@ def explain_disk_full(directory, what):
         short_write = isinstance(error, RuntimeError) and "unexpected pos" in str(error)
         if not (space or short_write):
             raise
-        raise DiskFullError(errno.ENOSPC, f"{what}: the disk is full: {free_space(directory)} free under "
-                            f"{directory} ({type(error).__name__}: {error})") from error
+        raise DiskFullError(
+            errno.ENOSPC,
+            f"{what}: the disk is full: {free_space(directory)} free under "
+            f"{directory} ({type(error).__name__}: {error})",
+        ) from error
 
 
 def file_sha256(path, flush_to_disk=False):
@@ -719,15 +833,25 @@ def shared_sha256(checkpoint_dir, names, flush_to_disk=False):
             errors[name] = f"cannot be read ({error})"
     gathered = [None] * world_size
     dist.all_gather_object(gathered, (digests, errors))
-    return ({k: v for part, _ in gathered for k, v in part.items()},
-            {k: v for _, part in gathered for k, v in part.items()})
+    return (
+        {k: v for part, _ in gathered for k, v in part.items()},
+        {k: v for _, part in gathered for k, v in part.items()},
+    )
 
 
 def run_shape(args, world_size, ep_size, num_experts):
     """What a checkpoint's parameter shapes and files depend on, by flag: a resume must match it."""
-    shape = {"ranks": world_size, "--ep-size": ep_size, "--experts": num_experts, "--hf-model": args.hf_model,
-             "--layers": args.layers, "--hidden": args.hidden, "--ffn": args.ffn, "--heads": args.heads,
-             "--seq-len": args.seq_len}
+    shape = {
+        "ranks": world_size,
+        "--ep-size": ep_size,
+        "--experts": num_experts,
+        "--hf-model": args.hf_model,
+        "--layers": args.layers,
+        "--hidden": args.hidden,
+        "--ffn": args.ffn,
+        "--heads": args.heads,
+        "--seq-len": args.seq_len,
+    }
     if not args.hf_model:  # the byte-level model's own options (a Hugging Face model ignores them)
         shape.update({"--moe-every": args.moe_every, "--gated": args.gated})
     return shape
@@ -746,8 +870,9 @@ def shape_mismatch(save_dir, tag, shape):
     saved = from_rank0(saved)
     if saved is None:
         return None
-    differing = [f"{key} {saved.get(key)} (this run: {value})" for key, value in shape.items()
-                 if saved.get(key) != value]
+    differing = [
+        f"{key} {saved.get(key)} (this run: {value})" for key, value in shape.items() if saved.get(key) != value
+    ]
     return ", ".join(differing) or None
 
 
@@ -793,8 +918,10 @@ def save_checkpoint(engine, save_dir, tag, client_state, shape):
         names = on_rank0(list_files, f"saving checkpoint {tag}")
         digests, errors = shared_sha256(staging_dir, names, flush_to_disk=True)
         if errors:
-            raise RuntimeError(f"checkpoint {tag} in {save_dir}: saved files cannot be hashed: " +
-                               "; ".join(f"{name} {why}" for name, why in sorted(errors.items())))
+            raise RuntimeError(
+                f"checkpoint {tag} in {save_dir}: saved files cannot be hashed: "
+                + "; ".join(f"{name} {why}" for name, why in sorted(errors.items()))
+            )
         size = on_rank0(put_in_place, f"saving checkpoint {tag}")
     return len(names), size
 
@@ -833,17 +960,23 @@ def checkpoint_to_resume(args):
         raise SystemExit(f"error: cannot resume: no checkpoint in {args.save_dir}: the directory does not exist")
     tag = args.resume_tag or read_latest(args.save_dir)
     if tag is None:
-        raise SystemExit(f"error: --resume: no checkpoint in {args.save_dir}: it has no '{LATEST}' file, which a "
-                         "save writes once the checkpoint is whole; start without --resume, or name a checkpoint "
-                         "with --resume-tag")
+        raise SystemExit(
+            f"error: --resume: no checkpoint in {args.save_dir}: it has no '{LATEST}' file, which a "
+            "save writes once the checkpoint is whole; start without --resume, or name a checkpoint "
+            "with --resume-tag"
+        )
     if not os.path.isdir(os.path.join(args.save_dir, tag)):
         present = sorted(name for name in os.listdir(args.save_dir) if os.path.isdir(os.path.join(args.save_dir, name)))
         hint = ""
         if tag + REPLACED_SUFFIX in present:  # a run stopped between a save's two renames
-            hint = (f"; {tag + REPLACED_SUFFIX} is its earlier copy, which a save was replacing when the run "
-                    f"stopped: rename it to {tag} to resume from it")
-        raise SystemExit(f"error: cannot resume: no checkpoint {tag} in {args.save_dir} (there: "
-                         f"{', '.join(present) or 'none'}){hint}")
+            hint = (
+                f"; {tag + REPLACED_SUFFIX} is its earlier copy, which a save was replacing when the run "
+                f"stopped: rename it to {tag} to resume from it"
+            )
+        raise SystemExit(
+            f"error: cannot resume: no checkpoint {tag} in {args.save_dir} (there: "
+            f"{', '.join(present) or 'none'}){hint}"
+        )
     return tag
 
 
@@ -855,8 +988,12 @@ def checkpoint_problems(save_dir, tag):
     if dist.get_rank() == 0:
         try:
             manifest = read_manifest(checkpoint_dir)
-            found = (manifest, None if manifest is not None else
-                     f"{tag} has no {MANIFEST}: its save did not finish, or another program wrote it")
+            found = (
+                manifest,
+                None
+                if manifest is not None
+                else f"{tag} has no {MANIFEST}: its save did not finish, or another program wrote it",
+            )
         except (OSError, ValueError) as error:
             found = (None, f"{tag}/{MANIFEST} cannot be read: {error}")
     manifest, problem = from_rank0(found)
@@ -977,8 +1114,9 @@ def main(argv=None):
         # DeepSpeed's init_distributed would JIT-build its CPU comm op under torch's plain lock, which
         # an interrupted first launch leaves behind for every later run to wait on without a word.
         build_cpu_comm_op()
-    deepspeed.init_distributed(dist_backend=args.dist_backend,
-                               distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
+    deepspeed.init_distributed(
+        dist_backend=args.dist_backend, distributed_port=int(os.environ.get("MASTER_PORT", 29500))
+    )
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if on_cpu:
@@ -996,8 +1134,10 @@ def main(argv=None):
     parts = {"training": split, **({"held-out": corpus.numel() - split} if args.eval_batches else {})}
     for part, size in parts.items():
         if size < args.seq_len + 2:  # a window and its next-byte target
-            raise SystemExit(f"--corpus-mb {args.corpus_mb} gives a {part} part of {size} bytes, shorter than a "
-                             f"window of --seq-len {args.seq_len} (+2): raise --corpus-mb or lower --seq-len")
+            raise SystemExit(
+                f"--corpus-mb {args.corpus_mb} gives a {part} part of {size} bytes, shorter than a "
+                f"window of --seq-len {args.seq_len} (+2): raise --corpus-mb or lower --seq-len"
+            )
     train_windows = Windows(corpus[:split], args.seq_len, args.seed, rank)
     eval_windows = Windows(corpus[split:], args.seq_len, args.seed, rank)
 
@@ -1014,12 +1154,17 @@ def main(argv=None):
     # The scheduler, like the optimizer (moe_optimizer says why), is built by DeepSpeed once the
     # optimizer exists.
     scheduler = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
-        optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        optimizer, lambda step: min(1.0, (step + 1) / warmup)
+    )
     # ds_comet.initialize: deepspeed.initialize (with AutoEP's conversion under "expert_parallel"), then
     # the MoE layers on the backend the config's "moe" section names.
     fused_adamw = accelerator.device_name() == "cuda"  # torch's fused AdamW runs on CUDA devices
-    engine, _, _, _ = ds_comet.initialize(model=model, optimizer=moe_optimizer(args.lr, args.weight_decay, fused_adamw),
-                                          lr_scheduler=scheduler, config=ds_config)
+    engine, _, _, _ = ds_comet.initialize(
+        model=model,
+        optimizer=moe_optimizer(args.lr, args.weight_decay, fused_adamw),
+        lr_scheduler=scheduler,
+        config=ds_config,
+    )
     forward = AutoEPCausalLMForward(engine) if args.hf_model else ByteLMForward(engine, model)
     device = torch.device(engine.device)
     micro_batch = engine.train_micro_batch_size_per_gpu()
@@ -1029,30 +1174,42 @@ def main(argv=None):
     if args.save_dir and engine.checkpoint_engine.is_decoupled():
         # Such an engine writes after save_checkpoint returns: hashing then, and pointing `latest`
         # at the checkpoint, would vouch for files still being written.
-        stop_all_ranks("--save-dir: the ds_config's checkpoint engine writes in the background (decoupled); this "
-                       "example marks a checkpoint whole when save_checkpoint has returned on every rank, which "
-                       "needs a synchronous engine")
+        stop_all_ranks(
+            "--save-dir: the ds_config's checkpoint engine writes in the background (decoupled); this "
+            "example marks a checkpoint whole when save_checkpoint has returned on every rank, which "
+            "needs a synchronous engine"
+        )
 
     start_step = 0
     if tag_to_resume:
         problems = checkpoint_problems(args.save_dir, tag_to_resume)
         if problems:
             intact = newest_intact_checkpoint(args.save_dir, skip=tag_to_resume)
-            advice = (f"the newest intact checkpoint is {intact}: resume from it with --resume-tag {intact}"
-                      if intact else f"no other checkpoint in {args.save_dir} is intact")
-            stop_all_ranks(f"checkpoint {tag_to_resume} in {args.save_dir} is damaged; not resuming from it:\n  " +
-                           "\n  ".join(problems) + f"\n{advice}")
+            advice = (
+                f"the newest intact checkpoint is {intact}: resume from it with --resume-tag {intact}"
+                if intact
+                else f"no other checkpoint in {args.save_dir} is intact"
+            )
+            stop_all_ranks(
+                f"checkpoint {tag_to_resume} in {args.save_dir} is damaged; not resuming from it:\n  "
+                + "\n  ".join(problems)
+                + f"\n{advice}"
+            )
         mismatch = shape_mismatch(args.save_dir, tag_to_resume, shape)
         if mismatch:
-            stop_all_ranks(f"checkpoint {tag_to_resume} in {args.save_dir} was saved by a run of another shape: "
-                           f"{mismatch}; resume with the flags and the number of ranks it was saved with")
+            stop_all_ranks(
+                f"checkpoint {tag_to_resume} in {args.save_dir} was saved by a run of another shape: "
+                f"{mismatch}; resume with the flags and the number of ranks it was saved with"
+            )
         load_path, client_state = engine.load_checkpoint(args.save_dir, tag=tag_to_resume)
         if load_path is None:
             stop_all_ranks(f"DeepSpeed did not load checkpoint {tag_to_resume} from {args.save_dir}")
         start_step = int(client_state["step"])
         if rank == 0:
-            print(f"resumed from {load_path} at step {start_step} (its files match {tag_to_resume}/{MANIFEST})",
-                  flush=True)
+            print(
+                f"resumed from {load_path} at step {start_step} (its files match {tag_to_resume}/{MANIFEST})",
+                flush=True,
+            )
 
     saved = {"step": start_step if tag_to_resume else None}
     # Steady-state throughput: from the end of step `timing_from` to the end of the last step,
@@ -1067,8 +1224,10 @@ def main(argv=None):
         files, size = save_checkpoint(engine, args.save_dir, tag, {"step": step}, shape)
         saved["step"] = step
         if rank == 0:
-            log(f"saved checkpoint {os.path.join(args.save_dir, tag)}: {files} files, {size / 2**20:.1f} MiB, "
-                f"sha256 in {MANIFEST}; {LATEST} -> {tag}")
+            log(
+                f"saved checkpoint {os.path.join(args.save_dir, tag)}: {files} files, {size / 2**20:.1f} MiB, "
+                f"sha256 in {MANIFEST}; {LATEST} -> {tag}"
+            )
         return time.perf_counter() - began
 
     backend = ds_comet.moe_config_from(ds_config).backend
@@ -1077,17 +1236,33 @@ def main(argv=None):
     layer_classes = ", ".join(f"{count} x {name}" for name, count in moe_layer_classes(engine.module).items())
     if rank == 0:
         if from_mpi:
-            print(f"ranks from the MPI launcher's environment (MASTER_ADDR {from_mpi['MASTER_ADDR']}, "
-                  f"MASTER_PORT {from_mpi['MASTER_PORT']})", flush=True)
-        print(f"model {args.hf_model or 'byte-level'} | world size {world_size} | ep size {ep_size} | "
-              f"experts {num_experts} | k {args.k} | backend {backend} | moe layers {layer_classes or 'none'} | "
-              f"params on rank 0 {params} | micro batch {micro_batch} | grad accum {grad_accum} | dtype "
-              f"{dtype} | device {device}", flush=True)
+            print(
+                f"ranks from the MPI launcher's environment (MASTER_ADDR {from_mpi['MASTER_ADDR']}, "
+                f"MASTER_PORT {from_mpi['MASTER_PORT']})",
+                flush=True,
+            )
+        print(
+            f"model {args.hf_model or 'byte-level'} | world size {world_size} | ep size {ep_size} | "
+            f"experts {num_experts} | k {args.k} | backend {backend} | moe layers {layer_classes or 'none'} | "
+            f"params on rank 0 {params} | micro batch {micro_batch} | grad accum {grad_accum} | dtype "
+            f"{dtype} | device {device}",
+            flush=True,
+        )
         if engine.monitor.csv_monitor is not None:
             print(f"csv_monitor writes to {engine.monitor.csv_monitor.log_dir}", flush=True)
-    write_events(engine, [(f"Run/{name}", value, start_step) for name, value in (
-        ("start_step", start_step), ("world_size", world_size), ("zero_stage", engine.zero_optimization_stage()),
-        ("tokens_per_step", tokens_per_step), ("params_rank0", params))])
+    write_events(
+        engine,
+        [
+            (f"Run/{name}", value, start_step)
+            for name, value in (
+                ("start_step", start_step),
+                ("world_size", world_size),
+                ("zero_stage", engine.zero_optimization_stage()),
+                ("tokens_per_step", tokens_per_step),
+                ("params_rank0", params),
+            )
+        ],
+    )
     show_bar = rank == 0 and sys.stderr.isatty()
     bar = tqdm(total=args.steps, initial=start_step, disable=not show_bar, dynamic_ncols=True)
 
@@ -1129,20 +1304,23 @@ def main(argv=None):
 
         if tag_to_resume and step <= start_step + RESUME_FINITE_CHECK_STEPS:
             per_rank = all_ranks_values([step_lm, step_aux], device)
-            bad = [(r, lm, aux) for r, (lm, aux) in enumerate(per_rank)
-                   if not (math.isfinite(lm) and math.isfinite(aux))]
+            bad = [
+                (r, lm, aux) for r, (lm, aux) in enumerate(per_rank) if not (math.isfinite(lm) and math.isfinite(aux))
+            ]
             if bad:
                 ranks = "; ".join(f"rank {r}: loss {lm}, aux {aux}" for r, lm, aux in bad)
-                stop_all_ranks(f"step {step}: the loss is not finite ({ranks}), {step - start_step} step(s) after "
-                               f"resuming from checkpoint {tag_to_resume} in {args.save_dir}; that checkpoint does "
-                               "not train: resume from an earlier one with --resume-tag, or start afresh")
+                stop_all_ranks(
+                    f"step {step}: the loss is not finite ({ranks}), {step - start_step} step(s) after "
+                    f"resuming from checkpoint {tag_to_resume} in {args.save_dir}; that checkpoint does "
+                    "not train: resume from an earlier one with --resume-tag, or start afresh"
+                )
 
         if step % args.log_interval == 0 or step == args.steps:
             # One all_reduce for the window: every step's loss and aux, and the expert counts.
             losses = [value for _, lm, aux, _ in window for value in (lm, aux)]
             sums = all_ranks_sum(losses + window_counts.flatten().tolist(), device)
-            means = [value / world_size for value in sums[:len(losses)]]
-            expert_tokens = [round(value) for value in sums[len(losses):]]
+            means = [value / world_size for value in sums[: len(losses)]]
+            expert_tokens = [round(value) for value in sums[len(losses) :]]
             accelerator.synchronize()
             tokens_per_s = len(window) * tokens_per_step / (time.perf_counter() - window_start)
             if shares is not None:
@@ -1151,14 +1329,21 @@ def main(argv=None):
             last_loss = means[-2]
             events = []
             for index, (logged_step, _, _, logged_lr) in enumerate(window):
-                events += [("Train/Steps/loss", means[2 * index], logged_step),
-                           ("Train/Steps/aux_loss", means[2 * index + 1], logged_step),
-                           ("Train/Steps/lr", logged_lr, logged_step)]
+                events += [
+                    ("Train/Steps/loss", means[2 * index], logged_step),
+                    ("Train/Steps/aux_loss", means[2 * index + 1], logged_step),
+                    ("Train/Steps/lr", logged_lr, logged_step),
+                ]
             events.append(("Train/Steps/tokens_per_s", tokens_per_s, step))
             for position, block in enumerate(forward.moe_blocks):
                 for expert in range(forward.num_experts):
-                    events.append((f"Train/Steps/expert_tokens/layer{block}_expert{expert}",
-                                   expert_tokens[position * forward.num_experts + expert], step))
+                    events.append(
+                        (
+                            f"Train/Steps/expert_tokens/layer{block}_expert{expert}",
+                            expert_tokens[position * forward.num_experts + expert],
+                            step,
+                        )
+                    )
             write_events(engine, events)
             if rank == 0:
                 log(f"step {step} | loss {lm:.4f} | aux {aux:.4f} | tokens/s {tokens_per_s:.0f}")
@@ -1203,17 +1388,25 @@ def main(argv=None):
         totals = shares.read()
         shares.remove()
         if totals.steps:
-            summary += [(name, value) for name, value in totals.per_step().items()
-                        if name.endswith(("_ms", "_share")) and name != "step_ms"]
+            summary += [
+                (name, value)
+                for name, value in totals.per_step().items()
+                if name.endswith(("_ms", "_share")) and name != "step_ms"
+            ]
     if rank == 0:
         if last_loss is not None:
             print(f"final loss {last_loss:.4f}", flush=True)
         if steady_tokens_per_s is not None:
-            print(f"throughput {steady_tokens_per_s:.0f} tokens/s over steps {timing_from + 1}-{args.steps} "
-                  f"({step_ms:.1f} ms/step, {tokens_per_step} tokens/step)", flush=True)
+            print(
+                f"throughput {steady_tokens_per_s:.0f} tokens/s over steps {timing_from + 1}-{args.steps} "
+                f"({step_ms:.1f} ms/step, {tokens_per_step} tokens/step)",
+                flush=True,
+            )
         if peaks is not None:
-            print(f"peak memory {max(peaks):.0f} MiB (max over ranks; per rank "
-                  f"{', '.join(f'{p:.0f}' for p in peaks)})", flush=True)
+            print(
+                f"peak memory {max(peaks):.0f} MiB (max over ranks; per rank {', '.join(f'{p:.0f}' for p in peaks)})",
+                flush=True,
+            )
         if shares is not None:
             print(f"{totals.describe()} (rank 0)", flush=True)
 

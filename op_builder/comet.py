@@ -17,8 +17,9 @@ def csrc_dir() -> Path:
     for candidate in (here.parent / "csrc", here / "csrc"):
         if (candidate / "comet.h").is_file():
             return candidate
-    raise FileNotFoundError(f"ds_comet's CUDA sources are missing: looked for comet.h in {here.parent / 'csrc'} "
-                            f"and {here / 'csrc'}")
+    raise FileNotFoundError(
+        f"ds_comet's CUDA sources are missing: looked for comet.h in {here.parent / 'csrc'} and {here / 'csrc'}"
+    )
 
 
 def plain_arch_list(arch_list: str) -> str:
@@ -51,12 +52,15 @@ class CometBuilder(CUDAOpBuilder):
         return [str(csrc_dir())]
 
     def filter_ccs(self, ccs):
-        kept = [cc.split(".") for cc in ccs
-                if tuple(int(p.split("+")[0]) for p in cc.split(".")) >= MIN_COMPUTE_CAPABILITY]
+        kept = [
+            cc.split(".") for cc in ccs if tuple(int(p.split("+")[0]) for p in cc.split(".")) >= MIN_COMPUTE_CAPABILITY
+        ]
         dropped = [cc for cc in ccs if cc.split(".") not in kept]
         if dropped:
-            self.warning(f"{self.NAME}: skipping compute capabilities {dropped}: the kernels need "
-                         f"sm_{MIN_COMPUTE_CAPABILITY[0]}{MIN_COMPUTE_CAPABILITY[1]} or newer")
+            self.warning(
+                f"{self.NAME}: skipping compute capabilities {dropped}: the kernels need "
+                f"sm_{MIN_COMPUTE_CAPABILITY[0]}{MIN_COMPUTE_CAPABILITY[1]} or newer"
+            )
         return kept
 
     def nvcc_args(self):
@@ -68,6 +72,7 @@ class CometBuilder(CUDAOpBuilder):
     def incompatibility(self):
         """Why the op cannot build or run here, or None."""
         import torch
+
         if torch.version.cuda is None:
             return f"torch {torch.__version__} is a build without CUDA"
         if not torch.cuda.is_available():
@@ -82,9 +87,11 @@ class CometBuilder(CUDAOpBuilder):
         for index in range(torch.cuda.device_count()):
             capability = torch.cuda.get_device_capability(index)
             if capability < MIN_COMPUTE_CAPABILITY:
-                return (f"GPU {index} ({torch.cuda.get_device_name(index)}) has compute capability "
-                        f"{capability[0]}.{capability[1]}; the kernels need {MIN_COMPUTE_CAPABILITY[0]}."
-                        f"{MIN_COMPUTE_CAPABILITY[1]} or newer")
+                return (
+                    f"GPU {index} ({torch.cuda.get_device_name(index)}) has compute capability "
+                    f"{capability[0]}.{capability[1]}; the kernels need {MIN_COMPUTE_CAPABILITY[0]}."
+                    f"{MIN_COMPUTE_CAPABILITY[1]} or newer"
+                )
         return None
 
     def is_compatible(self, verbose=False):

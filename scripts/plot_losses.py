@@ -103,9 +103,9 @@ class Run:
             elif name == "Run_start_step.csv":
                 self.start_steps = [int(value) for _, value in rows]
             elif name.startswith("Run_") and rows:
-                self.info[name[len("Run_"):-len(".csv")]] = rows[0][1]
+                self.info[name[len("Run_") : -len(".csv")]] = rows[0][1]
             elif name.startswith("Summary_") and rows:
-                self.summary[name[len("Summary_"):-len(".csv")]] = rows[-1][1]
+                self.summary[name[len("Summary_") : -len(".csv")]] = rows[-1][1]
             elif EXPERT_TOKENS_FILE.fullmatch(name):
                 layer, expert = (int(group) for group in EXPERT_TOKENS_FILE.fullmatch(name).groups())
                 # A resumed run may log a window again: count each logged step once, its last row.
@@ -146,9 +146,14 @@ def difference(run, base):
     if not diffs:
         return diffs, dict(common_steps=0)
     worst = max(common, key=lambda s: abs(diffs[s]))
-    return diffs, dict(common_steps=len(common), first_step=common[0], last_step=common[-1],
-                       max_abs_diff=abs(diffs[worst]), max_abs_diff_step=worst,
-                       mean_abs_diff=sum(abs(d) for d in diffs.values()) / len(diffs))
+    return diffs, dict(
+        common_steps=len(common),
+        first_step=common[0],
+        last_step=common[-1],
+        max_abs_diff=abs(diffs[worst]),
+        max_abs_diff_step=worst,
+        mean_abs_diff=sum(abs(d) for d in diffs.values()) / len(diffs),
+    )
 
 
 def fmt(value, spec):
@@ -185,68 +190,107 @@ def summarize(runs, tail):
         tokens = run.summary.get("steady_tokens_per_s")
         base_tokens = base.summary.get("steady_tokens_per_s")
         zero_stage = run.info.get("zero_stage")
-        rows.append(dict(label=run.label, path=run.path, error=run.error,
-                         zero_stage=int(zero_stage) if zero_stage is not None else None, steps=len(run.losses),
-                         tokens_per_step=run.info.get("tokens_per_step"), steady_tokens_per_s=tokens,
-                         ratio_to_first=tokens / base_tokens if tokens and base_tokens else None,
-                         step_ms=run.summary.get("step_ms"), timed_steps=run.summary.get("timed_steps"),
-                         peak_mem_mib=run.summary.get("peak_memory_mib"), final_loss=run.summary.get("final_loss"),
-                         eval_loss=run.summary.get("eval_loss"), busiest_expert_share=run.busiest_expert_share(),
-                         **step_parts(run.summary)))
+        rows.append(
+            dict(
+                label=run.label,
+                path=run.path,
+                error=run.error,
+                zero_stage=int(zero_stage) if zero_stage is not None else None,
+                steps=len(run.losses),
+                tokens_per_step=run.info.get("tokens_per_step"),
+                steady_tokens_per_s=tokens,
+                ratio_to_first=tokens / base_tokens if tokens and base_tokens else None,
+                step_ms=run.summary.get("step_ms"),
+                timed_steps=run.summary.get("timed_steps"),
+                peak_mem_mib=run.summary.get("peak_memory_mib"),
+                final_loss=run.summary.get("final_loss"),
+                eval_loss=run.summary.get("eval_loss"),
+                busiest_expert_share=run.busiest_expert_share(),
+                **step_parts(run.summary),
+            )
+        )
     comparisons = []
     for run in runs[1:]:
         diffs, stats = difference(run, base)
         last = sorted(diffs)[-tail:]
         mine, theirs = run.summary.get("steady_tokens_per_s"), base.summary.get("steady_tokens_per_s")
-        stats.update(label=run.label, base=base.label, tail_steps=len(last),
-                     tail_mean_diff=sum(diffs[s] for s in last) / len(last) if last else None,
-                     tokens_per_s_ratio=mine / theirs if mine and theirs else None)
+        stats.update(
+            label=run.label,
+            base=base.label,
+            tail_steps=len(last),
+            tail_mean_diff=sum(diffs[s] for s in last) / len(last) if last else None,
+            tokens_per_s_ratio=mine / theirs if mine and theirs else None,
+        )
         comparisons.append(stats)
     return dict(runs=rows, comparisons=comparisons)
 
 
 def table(summary):
-    head = ("run", "ZeRO", "steps", "tokens/s", "vs first", "ms/step", "peak MiB", "final loss", "eval loss",
-            "busiest expert")
+    head = (
+        "run",
+        "ZeRO",
+        "steps",
+        "tokens/s",
+        "vs first",
+        "ms/step",
+        "peak MiB",
+        "final loss",
+        "eval loss",
+        "busiest expert",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in summary["runs"]:
-        cells = (row["label"] + (f" ({row['error']})" if row["error"] else ""), fmt(row["zero_stage"], "d"),
-                 str(row["steps"]), fmt(row["steady_tokens_per_s"], ",.0f"),
-                 fmt(row["ratio_to_first"], ".3f") + ("x" if row["ratio_to_first"] else ""),
-                 fmt(row["step_ms"], ".1f"), fmt(row["peak_mem_mib"], ",.0f"), fmt(row["final_loss"], ".4f"),
-                 fmt(row["eval_loss"], ".4f"),
-                 fmt(row["busiest_expert_share"], ".2f") + ("x" if row["busiest_expert_share"] else ""))
+        cells = (
+            row["label"] + (f" ({row['error']})" if row["error"] else ""),
+            fmt(row["zero_stage"], "d"),
+            str(row["steps"]),
+            fmt(row["steady_tokens_per_s"], ",.0f"),
+            fmt(row["ratio_to_first"], ".3f") + ("x" if row["ratio_to_first"] else ""),
+            fmt(row["step_ms"], ".1f"),
+            fmt(row["peak_mem_mib"], ",.0f"),
+            fmt(row["final_loss"], ".4f"),
+            fmt(row["eval_loss"], ".4f"),
+            fmt(row["busiest_expert_share"], ".2f") + ("x" if row["busiest_expert_share"] else ""),
+        )
         lines.append("| " + " | ".join(cells) + " |")
     timed = [row for row in summary["runs"] if row["moe_forward_ms"] is not None]
     if timed:
         lines += ["\n| run | MoE layers ms (forward + backward) | optimizer step ms | rest ms |", "|---|---|---|---|"]
         for row in timed:
             moe = row["moe_forward_ms"] + row["moe_backward_ms"]
-            lines.append(f"| {row['label']} | {moe:.2f} ({row['moe_forward_ms']:.2f} + {row['moe_backward_ms']:.2f}) | "
-                         f"{fmt(row['optimizer_ms'], '.2f')} | {fmt(row['rest_ms'], '.2f')} |")
+            lines.append(
+                f"| {row['label']} | {moe:.2f} ({row['moe_forward_ms']:.2f} + {row['moe_backward_ms']:.2f}) | "
+                f"{fmt(row['optimizer_ms'], '.2f')} | {fmt(row['rest_ms'], '.2f')} |"
+            )
         lines.append("\nms a timed step on rank 0's device clock (the example's --step-shares)")
-    lines.append("\ntokens/s: all ranks together, steps after the timing warm-up, checkpoint saves left out; "
-                 "peak MiB: the accelerator allocator's peak, the largest rank (none on CPU); busiest expert: the "
-                 "most tokens one expert got over the run against the mean per expert, the worst layer (1.00x: "
-                 "even)")
+    lines.append(
+        "\ntokens/s: all ranks together, steps after the timing warm-up, checkpoint saves left out; "
+        "peak MiB: the accelerator allocator's peak, the largest rank (none on CPU); busiest expert: the "
+        "most tokens one expert got over the run against the mean per expert, the worst layer (1.00x: "
+        "even)"
+    )
     for c in summary["comparisons"]:
         if c["tokens_per_s_ratio"] is not None:
             lines.append(f"\n{c['label']} / {c['base']} tokens/s: {c['tokens_per_s_ratio']:.3f}x")
         if not c["common_steps"]:
             lines.append(f"\n{c['label']} vs {c['base']}: no common steps")
             continue
-        lines.append(f"\n{c['label']} vs {c['base']} over steps {c['first_step']}-{c['last_step']} "
-                     f"({c['common_steps']} steps): max |loss diff| {c['max_abs_diff']:.4f} at step "
-                     f"{c['max_abs_diff_step']}, mean |loss diff| {c['mean_abs_diff']:.4f}, "
-                     f"mean loss over the last {c['tail_steps']} of them differs by {fmt(c['tail_mean_diff'], '+.4f')}")
+        lines.append(
+            f"\n{c['label']} vs {c['base']} over steps {c['first_step']}-{c['last_step']} "
+            f"({c['common_steps']} steps): max |loss diff| {c['max_abs_diff']:.4f} at step "
+            f"{c['max_abs_diff_step']}, mean |loss diff| {c['mean_abs_diff']:.4f}, "
+            f"mean loss over the last {c['tail_steps']} of them differs by {fmt(c['tail_mean_diff'], '+.4f')}"
+        )
     return "\n".join(lines)
 
 
 def import_pyplot():
     """matplotlib.pyplot on the Agg backend; raises ImportError when matplotlib cannot be imported."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -260,8 +304,13 @@ def plot_matplotlib(plt, runs, out, title):
         top.plot(steps, [run.losses[s] for s in steps], color=color, linewidth=1.2, label=run.label)
         if index:
             diffs, _ = difference(run, base)
-            bottom.plot(sorted(diffs), [diffs[s] for s in sorted(diffs)], color=color, linewidth=1.0,
-                        label=f"{run.label} - {base.label}")
+            bottom.plot(
+                sorted(diffs),
+                [diffs[s] for s in sorted(diffs)],
+                color=color,
+                linewidth=1.0,
+                label=f"{run.label} - {base.label}",
+            )
     top.set_ylabel("training loss (mean over ranks)")
     top.set_title(title)
     top.grid(alpha=0.3)
@@ -291,12 +340,19 @@ def cmd_plot(args):
         if not c["common_steps"]:
             continue
         if args.max_diff_tol is not None and c["max_abs_diff"] > args.max_diff_tol:
-            checks.append(f"{c['label']} vs {c['base']}: max |loss diff| {c['max_abs_diff']:.4f} at step "
-                          f"{c['max_abs_diff_step']} exceeds {args.max_diff_tol}")
-        if (args.tail_diff_tol is not None and c["tail_mean_diff"] is not None
-                and abs(c["tail_mean_diff"]) > args.tail_diff_tol):
-            checks.append(f"{c['label']} vs {c['base']}: mean loss over the last {c['tail_steps']} common steps "
-                          f"differs by {c['tail_mean_diff']:+.4f}, more than {args.tail_diff_tol}")
+            checks.append(
+                f"{c['label']} vs {c['base']}: max |loss diff| {c['max_abs_diff']:.4f} at step "
+                f"{c['max_abs_diff_step']} exceeds {args.max_diff_tol}"
+            )
+        if (
+            args.tail_diff_tol is not None
+            and c["tail_mean_diff"] is not None
+            and abs(c["tail_mean_diff"]) > args.tail_diff_tol
+        ):
+            checks.append(
+                f"{c['label']} vs {c['base']}: mean loss over the last {c['tail_steps']} common steps "
+                f"differs by {c['tail_mean_diff']:+.4f}, more than {args.tail_diff_tol}"
+            )
     for message in checks:
         print("CHECK FAILED: " + message)
     if checks and status == 0:
@@ -309,8 +365,10 @@ def cmd_plot(args):
             plt = import_pyplot()
         except ImportError as error:
             plt = None
-            print(f"cannot draw {args.out}: matplotlib cannot be imported ({error}); pip install matplotlib",
-                  file=sys.stderr)
+            print(
+                f"cannot draw {args.out}: matplotlib cannot be imported ({error}); pip install matplotlib",
+                file=sys.stderr,
+            )
         if not drawable:
             print(f"cannot draw {args.out}: no run has losses", file=sys.stderr)
         if plt is None or not drawable:
@@ -334,35 +392,47 @@ def cmd_resume_check(args):
     if not problems:
         starts = resumed.start_steps
         if args.from_step not in starts:
-            problems.append(f"the resumed run started at step(s) {starts}, not at step {args.from_step}: "
-                            "it did not load the checkpoint")
+            problems.append(
+                f"the resumed run started at step(s) {starts}, not at step {args.from_step}: "
+                "it did not load the checkpoint"
+            )
         expected = [s for s in full.steps if s > args.from_step]
         got = [s for s in resumed.steps if s > args.from_step]
         if not expected:
             problems.append(f"the uninterrupted run logged no step after {args.from_step}")
         elif got != expected:
-            problems.append(f"the resumed run logged steps {got[:3]}...{got[-3:]} after {args.from_step}, "
-                            f"the uninterrupted run {expected[:3]}...{expected[-3:]}")
+            problems.append(
+                f"the resumed run logged steps {got[:3]}...{got[-3:]} after {args.from_step}, "
+                f"the uninterrupted run {expected[:3]}...{expected[-3:]}"
+            )
         common = [s for s in expected if s in resumed.losses]
         if common:
             diffs = {s: resumed.losses[s] - full.losses[s] for s in common}
             worst = max(common, key=lambda s: abs(diffs[s]))
-            print(f"resumed at step {args.from_step}; steps {common[0]}-{common[-1]}: loss at step {common[0]} "
-                  f"{resumed.losses[common[0]]:.5f} vs {full.losses[common[0]]:.5f} uninterrupted; "
-                  f"max |diff| {abs(diffs[worst]):.2e} at step {worst}; "
-                  f"mean |diff| {sum(abs(d) for d in diffs.values()) / len(diffs):.2e}")
+            print(
+                f"resumed at step {args.from_step}; steps {common[0]}-{common[-1]}: loss at step {common[0]} "
+                f"{resumed.losses[common[0]]:.5f} vs {full.losses[common[0]]:.5f} uninterrupted; "
+                f"max |diff| {abs(diffs[worst]):.2e} at step {worst}; "
+                f"mean |diff| {sum(abs(d) for d in diffs.values()) / len(diffs):.2e}"
+            )
             if abs(diffs[common[0]]) > args.first_tol:
-                problems.append(f"first resumed step {common[0]}: loss {resumed.losses[common[0]]:.5f} vs "
-                                f"{full.losses[common[0]]:.5f} (|diff| {abs(diffs[common[0]]):.2e} > {args.first_tol})")
+                problems.append(
+                    f"first resumed step {common[0]}: loss {resumed.losses[common[0]]:.5f} vs "
+                    f"{full.losses[common[0]]:.5f} (|diff| {abs(diffs[common[0]]):.2e} > {args.first_tol})"
+                )
             if abs(diffs[worst]) > args.tol:
-                problems.append(f"step {worst}: loss {resumed.losses[worst]:.5f} vs {full.losses[worst]:.5f} "
-                                f"(|diff| {abs(diffs[worst]):.2e} > {args.tol})")
+                problems.append(
+                    f"step {worst}: loss {resumed.losses[worst]:.5f} vs {full.losses[worst]:.5f} "
+                    f"(|diff| {abs(diffs[worst]):.2e} > {args.tol})"
+                )
             lr_steps = [s for s in common if s in full.lrs and s in resumed.lrs]
             bad_lr = [s for s in lr_steps if not math.isclose(full.lrs[s], resumed.lrs[s], rel_tol=1e-9, abs_tol=0)]
             if bad_lr:
                 s = bad_lr[0]
-                problems.append(f"learning rate at step {s}: {resumed.lrs[s]:.3e} resumed vs {full.lrs[s]:.3e} "
-                                "uninterrupted: the scheduler did not resume")
+                problems.append(
+                    f"learning rate at step {s}: {resumed.lrs[s]:.3e} resumed vs {full.lrs[s]:.3e} "
+                    "uninterrupted: the scheduler did not resume"
+                )
     for message in problems:
         print("RESUME CHECK FAILED: " + message)
     if not problems:
@@ -415,23 +485,35 @@ def summarize_rounds(entries):
         summary["arms"].append(row)
     base_mem = summary["arms"][0]["peak_mem_mib"]
     for row in summary["arms"]:
-        row["peak_mem_vs_base_mib"] = (row["peak_mem_mib"] - base_mem if row["peak_mem_mib"] is not None
-                                       and base_mem is not None else None)
+        row["peak_mem_vs_base_mib"] = (
+            row["peak_mem_mib"] - base_mem if row["peak_mem_mib"] is not None and base_mem is not None else None
+        )
     return summary, problems
 
 
 def rounds_table(summary):
-    head = ["arm"] + [f"round {n} tokens/s" for n in summary["rounds"]] + [
-        f"vs {summary['base']} (geomean, range)", "peak MiB", f"peak vs {summary['base']}"]
+    head = (
+        ["arm"]
+        + [f"round {n} tokens/s" for n in summary["rounds"]]
+        + [f"vs {summary['base']} (geomean, range)", "peak MiB", f"peak vs {summary['base']}"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in summary["arms"]:
-        spread = (f"{row['ratio_geomean']:.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})"
-                  if row["ratio_geomean"] is not None else "-")
-        cells = [row["arm"]] + [fmt(row["tokens_per_s"][n], ",.0f") for n in summary["rounds"]] + [
-            spread, fmt(row["peak_mem_mib"], ",.0f"), fmt(row["peak_mem_vs_base_mib"], "+,.0f")]
+        spread = (
+            f"{row['ratio_geomean']:.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})"
+            if row["ratio_geomean"] is not None
+            else "-"
+        )
+        cells = (
+            [row["arm"]]
+            + [fmt(row["tokens_per_s"][n], ",.0f") for n in summary["rounds"]]
+            + [spread, fmt(row["peak_mem_mib"], ",.0f"), fmt(row["peak_mem_vs_base_mib"], "+,.0f")]
+        )
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append("\nratios: each round's tokens/s over the same round's " + summary["base"] + " run; peak MiB: "
-                 "the largest over the arm's rounds and ranks")
+    lines.append(
+        "\nratios: each round's tokens/s over the same round's " + summary["base"] + " run; peak MiB: "
+        "the largest over the arm's rounds and ranks"
+    )
     return "\n".join(lines)
 
 
@@ -457,28 +539,49 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     plot = commands.add_parser("plot", help="loss curves (PNG) and the summary table")
-    plot.add_argument("runs", nargs="+", type=parse_run, metavar="LABEL=DIR",
-                      help="runs to compare; the first is the baseline of the ratios and differences")
+    plot.add_argument(
+        "runs",
+        nargs="+",
+        type=parse_run,
+        metavar="LABEL=DIR",
+        help="runs to compare; the first is the baseline of the ratios and differences",
+    )
     plot.add_argument("--out", help="PNG to write")
     add_summary_outputs(plot, "examples/train_moe.py: training loss")
     plot.add_argument("--tail", type=int, default=20, help="last common steps whose mean losses are compared")
-    plot.add_argument("--max-diff-tol", type=float, default=None,
-                      help="fail (exit 1) when a run's per-step loss differs from the first run's by more")
-    plot.add_argument("--tail-diff-tol", type=float, default=None,
-                      help="fail (exit 1) when the mean loss of the last --tail steps differs by more")
+    plot.add_argument(
+        "--max-diff-tol",
+        type=float,
+        default=None,
+        help="fail (exit 1) when a run's per-step loss differs from the first run's by more",
+    )
+    plot.add_argument(
+        "--tail-diff-tol",
+        type=float,
+        default=None,
+        help="fail (exit 1) when the mean loss of the last --tail steps differs by more",
+    )
     plot.set_defaults(func=cmd_plot)
     check = commands.add_parser("resume-check", help="a resumed run against the uninterrupted run")
     check.add_argument("--full", required=True, help="csv_monitor directory of the uninterrupted run")
-    check.add_argument("--resumed", required=True,
-                       help="csv_monitor directory of the run resumed from the checkpoint (its first run's too, "
-                       "when it resumed into the same directory)")
+    check.add_argument(
+        "--resumed",
+        required=True,
+        help="csv_monitor directory of the run resumed from the checkpoint (its first run's too, "
+        "when it resumed into the same directory)",
+    )
     check.add_argument("--from-step", type=int, required=True, help="the step of the checkpoint it resumed from")
     check.add_argument("--first-tol", type=float, default=5e-3, help="largest |loss diff| at the first resumed step")
     check.add_argument("--tol", type=float, default=2e-2, help="largest |loss diff| at any resumed step")
     check.set_defaults(func=cmd_resume_check)
     rounds = commands.add_parser("rounds", help="interleaved A/B runs: tokens/s ratios per round, peak memory")
-    rounds.add_argument("runs", nargs="+", type=parse_round_run, metavar="ARM/ROUND=DIR",
-                        help="the runs; the first arm named is the baseline of every round's ratios")
+    rounds.add_argument(
+        "runs",
+        nargs="+",
+        type=parse_round_run,
+        metavar="ARM/ROUND=DIR",
+        help="the runs; the first arm named is the baseline of every round's ratios",
+    )
     add_summary_outputs(rounds, "examples/train_moe.py: interleaved runs")
     rounds.set_defaults(func=cmd_rounds)
     args = parser.parse_args(argv)

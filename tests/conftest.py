@@ -49,7 +49,8 @@ def gpu_pool():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA: the fused kernels run on GPUs")
     gpu_ranks = ranks_per_gpu()
-    pool = DistPool(gpu_world_size(torch.cuda.device_count()), backend="nccl" if gpu_ranks == 1 else "gloo",
-                    gpu_ranks=gpu_ranks)
+    pool = DistPool(
+        gpu_world_size(torch.cuda.device_count()), backend="nccl" if gpu_ranks == 1 else "gloo", gpu_ranks=gpu_ranks
+    )
     yield pool
     pool.stop()

@@ -7,7 +7,6 @@ same block turned into ``CometAutoEPMoELayer``. The same seed gives both the sam
 """
 
 import os
-from typing import Optional
 
 import deepspeed
 import torch
@@ -20,32 +19,59 @@ from .shapes import SHAPES, SWIGLU
 FAMILIES = ("mixtral", "qwen3_moe")
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """Why AutoEP layers cannot be built here, or None."""
     try:
         import transformers  # noqa: F401
         from deepspeed.module_inject.auto_ep import AutoEP  # noqa: F401
     except ImportError as error:
-        return (f"AutoEP needs Hugging Face transformers 5.16.1 (pip install 'ds_comet[hf]'): {error}")
+        return f"AutoEP needs Hugging Face transformers 5.16.1 (pip install 'ds_comet[hf]'): {error}"
     return None
 
 
 def _model(family: str, hidden: int, ffn: int, experts: int, k: int) -> nn.Module:
     heads = max(hidden // 128, 1)
-    common = dict(vocab_size=128, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
-                  num_key_value_heads=heads, max_position_embeddings=128, num_experts_per_tok=k)
+    common = dict(
+        vocab_size=128,
+        hidden_size=hidden,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=128,
+        num_experts_per_tok=k,
+    )
     if family == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
+
         return MixtralForCausalLM(MixtralConfig(intermediate_size=ffn, num_local_experts=experts, **common))
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-        return Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=ffn, moe_intermediate_size=ffn, num_experts=experts,
-                                                  norm_topk_prob=True, head_dim=128, **common))
+
+        return Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                intermediate_size=ffn,
+                moe_intermediate_size=ffn,
+                num_experts=experts,
+                norm_topk_prob=True,
+                head_dim=128,
+                **common,
+            )
+        )
     raise ValueError(f"family {family!r}: the benchmark builds {', '.join(FAMILIES)}")
 
 
-def autoep_layer(family: str, hidden: int, ffn: int, experts: int, k: int, ep_size: int, device: torch.device,
-                 dtype: torch.dtype, seed: int, moe_section: Optional[dict] = None) -> nn.Module:
+def autoep_layer(
+    family: str,
+    hidden: int,
+    ffn: int,
+    experts: int,
+    k: int,
+    ep_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    moe_section: dict | None = None,
+) -> nn.Module:
     """The converted MoE block (see the module's docstring), its expert-parallel group set."""
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
@@ -58,8 +84,9 @@ def autoep_layer(family: str, hidden: int, ffn: int, experts: int, k: int, ep_si
     with torch.device(device):
         model = _model(family, hidden, ffn, experts, k)
     model.to(dtype)
-    config = parse_autoep_config({"enabled": True, "autoep_size": ep_size, "preset_model": family,
-                                  "use_grouped_mm": device.type == "cuda"})
+    config = parse_autoep_config(
+        {"enabled": True, "autoep_size": ep_size, "preset_model": family, "use_grouped_mm": device.type == "cuda"}
+    )
     auto_ep = AutoEP(model, config)
     specs = auto_ep.ep_parser()
     ep_rank = dist.get_rank() % ep_size if dist.is_initialized() else 0

@@ -54,8 +54,14 @@ def peak_mib(fn):
 def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides):
     torch.manual_seed(0)
     template = GatedFeedForward(hidden, ffn) if gated else FeedForward(hidden, ffn)
-    kwargs = dict(num_experts=experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
-                  eval_capacity_factor=capacity_factor, min_capacity=4)
+    kwargs = dict(
+        num_experts=experts,
+        ep_size=ep_size,
+        k=k,
+        capacity_factor=capacity_factor,
+        eval_capacity_factor=capacity_factor,
+        min_capacity=4,
+    )
     stock = deepspeed.moe.layer.MoE(hidden, template, **kwargs)
     stock.set_deepspeed_parallelism()
     rank = dist.get_rank(group=stock.deepspeed_moe.ep_group)
@@ -78,8 +84,10 @@ def expert_ffn(expert, rows):
     """The expert's FFN in plain torch ops (its module's arithmetic, without nn.Module's call)."""
     act = ACTIVATIONS[expert.activation]
     if isinstance(expert, GatedFeedForward):
-        return F.linear(act(F.linear(rows, expert.gate_proj.weight)) * F.linear(rows, expert.up_proj.weight),
-                        expert.down_proj.weight)
+        return F.linear(
+            act(F.linear(rows, expert.gate_proj.weight)) * F.linear(rows, expert.up_proj.weight),
+            expert.down_proj.weight,
+        )
     return F.linear(act(F.linear(rows, expert.fc1.weight, expert.fc1.bias)), expert.fc2.weight, expert.fc2.bias)
 
 

@@ -42,8 +42,8 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import deepspeed
 import torch
@@ -60,10 +60,11 @@ IMPLEMENTATIONS = ("ours", "grouped_mm", "composed")
 @dataclass
 class Phase:
     """One GEMM phase's implementations on the same rows, and the product's FLOPs."""
+
     ours: Callable[[], object]
     grouped_mm: Callable[[], object]
     flops: int
-    composed: Optional[Callable[[], object]] = None  # the library's product, then our elementwise kernel
+    composed: Callable[[], object] | None = None  # the library's product, then our elementwise kernel
 
 
 def parse_args():
@@ -73,17 +74,24 @@ def parse_args():
     parser.add_argument("--gated", action="store_true", help="SwiGLU experts on every shape (else only on SWIGLU's)")
     parser.add_argument("--skew", type=float, default=0.7, help="Dirichlet concentration of the skewed routing")
     parser.add_argument("--warm-ms", type=float, default=200.0)
-    parser.add_argument("--time-ms", type=float, default=None,
-                        help="timed window of each implementation (default 400 ms; 1500 with --power, so "
-                        "that nvidia-smi, which takes a moment to start, samples most of it)")
-    parser.add_argument("--power", action="store_true",
-                        help="sample the SM clock and power through each timed window (needs nvidia-smi)")
+    parser.add_argument(
+        "--time-ms",
+        type=float,
+        default=None,
+        help="timed window of each implementation (default 400 ms; 1500 with --power, so "
+        "that nvidia-smi, which takes a moment to start, samples most of it)",
+    )
+    parser.add_argument(
+        "--power",
+        action="store_true",
+        help="sample the SM clock and power through each timed window (needs nvidia-smi)",
+    )
     parser.add_argument("--out", default="gemm_out")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     return parser.parse_args()
 
 
-def per_call_ms(fn, warm_ms: float, time_ms: float, sampler: Optional[Sampler] = None) -> float:
+def per_call_ms(fn, warm_ms: float, time_ms: float, sampler: Sampler | None = None) -> float:
     """Milliseconds per call of fn() queued back to back, after warm_ms of warm-up calls; with a
     ``sampler``, its samples cover the timed calls (its ``result`` holds them afterwards)."""
     torch.cuda.synchronize()
@@ -108,9 +116,9 @@ def routes(tokens: int, experts: int, k: int, skew: float, device) -> torch.Tens
     """[k, tokens] distinct experts per token: uniform, or from Dirichlet(skew) expert probabilities."""
     generator = torch.Generator().manual_seed(1)
     if skew > 0:
-        probs = torch.distributions.Dirichlet(torch.full((experts, ), skew)).sample()
+        probs = torch.distributions.Dirichlet(torch.full((experts,), skew)).sample()
     else:
-        probs = torch.full((experts, ), 1.0 / experts)
+        probs = torch.full((experts,), 1.0 / experts)
     probs = probs.clamp_min(1e-9).expand(tokens, experts).contiguous()
     return torch.multinomial(probs, k, replacement=False, generator=generator).t().contiguous().to(device)
 
@@ -118,9 +126,17 @@ def routes(tokens: int, experts: int, k: int, skew: float, device) -> torch.Tens
 def fused_layer(hidden, ffn, experts, k, tokens, gated, device):
     torch.manual_seed(0)
     template = GatedFeedForward(hidden, ffn) if gated else FeedForward(hidden, ffn)
-    layer = ds_comet.MoE(hidden, template, num_experts=experts, ep_size=1, k=k, capacity_factor=1.0,
-                         eval_capacity_factor=1.0, drop_tokens=False, config={"moe": {"backend": "comet",
-                                                                                     "overlap": "fused"}})
+    layer = ds_comet.MoE(
+        hidden,
+        template,
+        num_experts=experts,
+        ep_size=1,
+        k=k,
+        capacity_factor=1.0,
+        eval_capacity_factor=1.0,
+        drop_tokens=False,
+        config={"moe": {"backend": "comet", "overlap": "fused"}},
+    )
     layer.set_deepspeed_parallelism()
     return layer.to(device=device, dtype=torch.bfloat16)
 
@@ -146,19 +162,34 @@ def phase_calls(pipeline, tokens, indices, experts):
     w2 = torch.randn(num_local, hidden, ffn, device=device).to(dtype) / ffn**0.5
     mm = torch._grouped_mm
     return {
-        "gemm1_fwd": Phase(lambda: kernels.first_layer(x, h, keep_pre=True),
-                           lambda: mm(x, w1.transpose(1, 2), offs=offsets), 2 * rows * hidden * width,
-                           lambda: kernels.activations(mm(x, w1.transpose(1, 2), offs=offsets), h)),
-        "gemm2_fwd": Phase(lambda: kernels.gemm2(h, out, backward=False),
-                           lambda: mm(h, w2.transpose(1, 2), offs=offsets), 2 * rows * ffn * hidden),
-        "gemm1_bwd": Phase(lambda: kernels.first_layer_backward(x, grad_pre, pre, act=h),
-                           lambda: mm(x, w2, offs=offsets), 2 * rows * hidden * ffn,
-                           lambda: kernels.activations_backward(mm(x, w2, offs=offsets), pre, grad_pre, act=h)),
-        "gemm2_bwd": Phase(lambda: kernels.gemm2(grad_pre, out, backward=True),
-                           lambda: mm(grad_pre, w1, offs=offsets), 2 * rows * width * hidden),
+        "gemm1_fwd": Phase(
+            lambda: kernels.first_layer(x, h, keep_pre=True),
+            lambda: mm(x, w1.transpose(1, 2), offs=offsets),
+            2 * rows * hidden * width,
+            lambda: kernels.activations(mm(x, w1.transpose(1, 2), offs=offsets), h),
+        ),
+        "gemm2_fwd": Phase(
+            lambda: kernels.gemm2(h, out, backward=False),
+            lambda: mm(h, w2.transpose(1, 2), offs=offsets),
+            2 * rows * ffn * hidden,
+        ),
+        "gemm1_bwd": Phase(
+            lambda: kernels.first_layer_backward(x, grad_pre, pre, act=h),
+            lambda: mm(x, w2, offs=offsets),
+            2 * rows * hidden * ffn,
+            lambda: kernels.activations_backward(mm(x, w2, offs=offsets), pre, grad_pre, act=h),
+        ),
+        "gemm2_bwd": Phase(
+            lambda: kernels.gemm2(grad_pre, out, backward=True),
+            lambda: mm(grad_pre, w1, offs=offsets),
+            2 * rows * width * hidden,
+        ),
         "wgrad_w2": Phase(lambda: kernels.wgrad(x, h), lambda: mm(x.t(), h, offs=offsets), 2 * rows * hidden * ffn),
-        "wgrad_w1": Phase(lambda: [kernels.wgrad(grad_pre[:, part:part + ffn], x) for part in range(0, width, ffn)],
-                          lambda: mm(grad_pre.t(), x, offs=offsets), 2 * rows * width * hidden),
+        "wgrad_w1": Phase(
+            lambda: [kernels.wgrad(grad_pre[:, part : part + ffn], x) for part in range(0, width, ffn)],
+            lambda: mm(grad_pre.t(), x, offs=offsets),
+            2 * rows * width * hidden,
+        ),
     }, counts
 
 
@@ -180,7 +211,7 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args, sampler):
     return results
 
 
-def time_phase(phase: Phase, args, sampler: Optional[Sampler]) -> dict:
+def time_phase(phase: Phase, args, sampler: Sampler | None) -> dict:
     """Each implementation's TFLOP/s (and, with a ``sampler``, SM clock, watts and mJ a call) and
     ours over the others' rates."""
     result, ms = {}, {}
@@ -201,14 +232,18 @@ def time_phase(phase: Phase, args, sampler: Optional[Sampler]) -> dict:
 
 
 def phase_line(phase: str, r: dict) -> str:
-    line = (f"  {phase:10s} ours {r['ours_tflops']:6.1f}  grouped_mm {r['grouped_mm_tflops']:6.1f} TFLOP/s  "
-            f"ratio {r['ours_over_grouped_mm']:.3f}")
+    line = (
+        f"  {phase:10s} ours {r['ours_tflops']:6.1f}  grouped_mm {r['grouped_mm_tflops']:6.1f} TFLOP/s  "
+        f"ratio {r['ours_over_grouped_mm']:.3f}"
+    )
     if "composed_tflops" in r:
         line += f"  composed {r['composed_tflops']:6.1f} TFLOP/s  ours/composed {r['ours_over_composed']:.3f}"
     for name in IMPLEMENTATIONS:
         if f"{name}_mj" in r:
-            line += (f"\n    {name:10s} {r[f'{name}_sm_mhz']:5.0f} MHz {r[f'{name}_watts']:4.0f} W "
-                     f"(capped {r[f'{name}_power_capped']:4.0%}) {r[f'{name}_mj']:7.2f} mJ a call")
+            line += (
+                f"\n    {name:10s} {r[f'{name}_sm_mhz']:5.0f} MHz {r[f'{name}_watts']:4.0f} W "
+                f"(capped {r[f'{name}_power_capped']:4.0%}) {r[f'{name}_mj']:7.2f} mJ a call"
+            )
     return line
 
 
@@ -230,8 +265,11 @@ def main():
         all_results[name] = bench_shape(name, *shape, args, sampler)
         torch.cuda.empty_cache()
         for routing, phases in all_results[name].items():
-            print(f"{name} {routing}: largest expert {phases['largest_over_mean']:.2f}x the mean, "
-                  f"{phases['empty_experts']} empty", flush=True)
+            print(
+                f"{name} {routing}: largest expert {phases['largest_over_mean']:.2f}x the mean, "
+                f"{phases['empty_experts']} empty",
+                flush=True,
+            )
             for phase in PHASES:
                 print(phase_line(phase, phases[phase]), flush=True)
     os.makedirs(args.out, exist_ok=True)

@@ -40,11 +40,18 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="a default shape (repeatable)")
     parser.add_argument("--custom", action="append", default=[], help="H,F,E,K,T (T = tokens per rank)")
-    parser.add_argument("--chunks", type=lambda text: text.split(","), default=["1", "rule", "2", "4", "8"],
-                        help="chunk counts, 1 (the whole exchange) first; rule: the layer's own")
+    parser.add_argument(
+        "--chunks",
+        type=lambda text: text.split(","),
+        default=["1", "rule", "2", "4", "8"],
+        help="chunk counts, 1 (the whole exchange) first; rule: the layer's own",
+    )
     parser.add_argument("--ranks-per-node", type=int, default=1)
-    parser.add_argument("--forwarding", action="store_true",
-                        help="also run each count with \"internode_forwarding\" (needs 2 or more ranks a node)")
+    parser.add_argument(
+        "--forwarding",
+        action="store_true",
+        help='also run each count with "internode_forwarding" (needs 2 or more ranks a node)',
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-backward", dest="backward", action="store_false")
@@ -52,8 +59,10 @@ def parse_args():
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     args = parser.parse_args()
     if args.chunks[0] != "1" or not all(c == "rule" or c.isdigit() and int(c) >= 1 for c in args.chunks):
-        parser.error(f"--chunks takes counts (1 first, the whole exchange the others are compared with) and "
-                     f"'rule', got {','.join(args.chunks)}")
+        parser.error(
+            f"--chunks takes counts (1 first, the whole exchange the others are compared with) and "
+            f"'rule', got {','.join(args.chunks)}"
+        )
     return args
 
 
@@ -73,8 +82,9 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args, device, dtype):
         section = {"backend": "comet", "overlap": "none", "internode_forwarding": forwarding}
         if count != "rule":
             section["internode_chunks"] = int(count)
-        layer = ds_comet.MoE(hidden, template, num_experts=experts, ep_size=world, k=k, min_capacity=4,
-                             config={"moe": section})
+        layer = ds_comet.MoE(
+            hidden, template, num_experts=experts, ep_size=world, k=k, min_capacity=4, config={"moe": section}
+        )
         layer.set_deepspeed_parallelism()
         if state is None:
             local = layer.deepspeed_moe.experts.deepspeed_experts
@@ -102,22 +112,28 @@ def report(all_results, out_dir):
     for name, results in all_results.items():
         whole = results["1"]
         print(f"\n{name} (ms; ratio: the whole exchange's time over this one's, above 1 is faster)")
-        print(f"{'chunks':>10}{'used':>6}{'node':>6}{'forward':>10}{'ratio':>8}{'step':>10}{'ratio':>8}"
-              "   (node: the ranks a node forwarding spans; -: each token to each rank)")
+        print(
+            f"{'chunks':>10}{'used':>6}{'node':>6}{'forward':>10}{'ratio':>8}{'step':>10}{'ratio':>8}"
+            "   (node: the ranks a node forwarding spans; -: each token to each rank)"
+        )
         for count, entry in results.items():
             step = entry.get("step")
             node = entry.get("ranks_per_node") or "-"
-            print(f"{count:>10}{entry['chunks']:>6}{node:>6}{entry['forward']:>10.3f}"
-                  f"{whole['forward'] / entry['forward']:>8.2f}"
-                  + (f"{step:>10.3f}{whole['step'] / step:>8.2f}" if step is not None else ""))
+            print(
+                f"{count:>10}{entry['chunks']:>6}{node:>6}{entry['forward']:>10.3f}"
+                f"{whole['forward'] / entry['forward']:>8.2f}"
+                + (f"{step:>10.3f}{whole['step'] / step:>8.2f}" if step is not None else "")
+            )
 
 
 def main():
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))  # the launcher's
     if world <= args.ranks_per_node:
-        raise SystemExit(f"{world} ranks at {args.ranks_per_node} a node are one node: nothing crosses between "
-                         "nodes (lower --ranks-per-node)")
+        raise SystemExit(
+            f"{world} ranks at {args.ranks_per_node} a node are one node: nothing crosses between "
+            "nodes (lower --ranks-per-node)"
+        )
     if args.forwarding and args.ranks_per_node < 2:
         raise SystemExit("--forwarding passes tokens on inside nodes: it needs --ranks-per-node 2 or more")
     os.environ[RANKS_PER_NODE_VAR] = str(args.ranks_per_node)
@@ -128,8 +144,12 @@ def main():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device(accelerator.device_name(), accelerator.current_device()) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    run_shapes(selected_shapes(args.shape, args.custom),
-               lambda name, shape: bench_shape(name, *shape, args, device, dtype), report, args.out)
+    run_shapes(
+        selected_shapes(args.shape, args.custom),
+        lambda name, shape: bench_shape(name, *shape, args, device, dtype),
+        report,
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,7 @@ import torch
 from deepspeed import comm as dist
 
 from ds_comet.bench import autoep
-from ds_comet.bench.common import (autoep_step, build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed,
-                                   train_step)
+from ds_comet.bench.common import autoep_step, build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed, train_step
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
 from ds_comet.pipelines.fused import FusedPipeline
@@ -54,14 +53,24 @@ def parse_args():
     parser.add_argument("--comm-blocks", type=int, default=None)
     parser.add_argument("--combine-blocks", type=int, default=None)
     parser.add_argument("--n-chunks", type=int, default=None)
-    parser.add_argument("--activation-rows", choices=("bound", "received"), default=None,
-                        help="how the comet layers size their activations (\"moe\": {\"activation_rows\"})")
-    parser.add_argument("--cuda-graph-gate", action="store_true",
-                        help="the comet layers replay the gate from CUDA graphs")
-    parser.add_argument("--no-autoep", dest="autoep", action="store_false",
-                        help="skip DeepSpeed AutoEP's layer and ds_comet on it")
-    parser.add_argument("--no-backward", dest="backward", action="store_false",
-                        help="time the forward only (skip the training steps and their bounds)")
+    parser.add_argument(
+        "--activation-rows",
+        choices=("bound", "received"),
+        default=None,
+        help='how the comet layers size their activations ("moe": {"activation_rows"})',
+    )
+    parser.add_argument(
+        "--cuda-graph-gate", action="store_true", help="the comet layers replay the gate from CUDA graphs"
+    )
+    parser.add_argument(
+        "--no-autoep", dest="autoep", action="store_false", help="skip DeepSpeed AutoEP's layer and ds_comet on it"
+    )
+    parser.add_argument(
+        "--no-backward",
+        dest="backward",
+        action="store_false",
+        help="time the forward only (skip the training steps and their bounds)",
+    )
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     return parser.parse_args()
@@ -92,10 +101,14 @@ def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
     def dispatch(blocks):  # the same rows to the same places; the tile counts only grow
         kernels.send(tokens, plan, gates, False, None, blocks)
 
-    return dict(gemm1=lambda: kernels.first_layer(workspace.recv, h, keep_pre=False),
-                gemm2=lambda: kernels.gemm2(h, expert_out, backward=False), combine=lambda: combine(workspace.num_sms),
-                combine_comm=lambda: combine(params.combine_blocks), dispatch=lambda: dispatch(workspace.num_sms),
-                dispatch_comm=lambda: dispatch(params.comm_blocks))
+    return dict(
+        gemm1=lambda: kernels.first_layer(workspace.recv, h, keep_pre=False),
+        gemm2=lambda: kernels.gemm2(h, expert_out, backward=False),
+        combine=lambda: combine(workspace.num_sms),
+        combine_comm=lambda: combine(params.combine_blocks),
+        dispatch=lambda: dispatch(workspace.num_sms),
+        dispatch_comm=lambda: dispatch(params.comm_blocks),
+    )
 
 
 def bench_fwd_bwd(layers, x, modules, inputs, args):
@@ -106,7 +119,10 @@ def bench_fwd_bwd(layers, x, modules, inputs, args):
     for pipeline in layers:
         layer = layers[pipeline].train()
         step_of = autoep_step if pipeline in AUTOEP_PIPELINES else train_step
-        step = lambda: step_of(layer, x, dy)
+
+        def step():
+            return step_of(layer, x, dy)
+
         results[f"{pipeline}_fwd_bwd"] = timed(step, args.iters, args.warmup)
         layer.zero_grad(set_to_none=True)
         x.grad = None
@@ -137,11 +153,17 @@ def bench_fwd_bwd(layers, x, modules, inputs, args):
 
 def bench_shape(name, hidden, ffn, experts, k, tokens, args):
     ep_size = dist.get_world_size()
-    overrides = {key: value for key, value in (("comm_blocks", args.comm_blocks),
-                                               ("combine_blocks", args.combine_blocks), ("n_chunks", args.n_chunks),
-                                               ("cuda_graph_gate", args.cuda_graph_gate or None),
-                                               ("activation_rows", args.activation_rows))
-                 if value is not None}
+    overrides = {
+        key: value
+        for key, value in (
+            ("comm_blocks", args.comm_blocks),
+            ("combine_blocks", args.combine_blocks),
+            ("n_chunks", args.n_chunks),
+            ("cuda_graph_gate", args.cuda_graph_gate or None),
+            ("activation_rows", args.activation_rows),
+        )
+        if value is not None
+    }
     gated = args.gated or name in SWIGLU
     layers = build(hidden, ffn, experts, k, ep_size, gated, args.capacity_factor, overrides)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -151,8 +173,9 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
             family = SWIGLU.get(name, "mixtral")
             section = {"backend": "comet", "overlap": "fused", **overrides}
             layers["autoep"] = autoep.autoep_layer(family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16, 0)
-            layers["autoep_comet"] = autoep.autoep_layer(family, hidden, ffn, experts, k, ep_size, device,
-                                                         torch.bfloat16, 0, section)
+            layers["autoep_comet"] = autoep.autoep_layer(
+                family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16, 0, section
+            )
         elif dist.get_rank() == 0:
             print(f"{name}: no AutoEP rows: {reason}", flush=True)
     for layer in layers.values():
@@ -192,8 +215,9 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
         recv_splits = received.sum(1).tolist()
         modules = layers["fused"].deepspeed_moe.experts.deepspeed_experts
         inputs = [torch.randn(rows, hidden, device=device).to(torch.bfloat16) for rows in per_expert]
-        results["experts_loop"] = timed(lambda: [expert_ffn(m, r) for m, r in zip(modules, inputs)], args.iters,
-                                        args.warmup)
+        results["experts_loop"] = timed(
+            lambda: [expert_ffn(m, r) for m, r in zip(modules, inputs)], args.iters, args.warmup
+        )
         results["experts"] = results["experts_loop"]
         grouped = grouped_ffn(modules, inputs)
         if grouped is not None:
@@ -201,7 +225,10 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
             results["experts"] = min(results["experts"], results["experts_grouped"])
         send = torch.randn(sum(send_splits), hidden, device=device).to(torch.bfloat16)
         recv = torch.empty(sum(recv_splits), hidden, device=device, dtype=torch.bfloat16)
-        a2a = lambda: dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+
+        def a2a():
+            return dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+
         results["all_to_all"] = timed(a2a, args.iters, args.warmup)
     results["comm_bound"] = 2 * results["all_to_all"]
     results["bound"] = max(results["experts"], results["comm_bound"])
@@ -214,25 +241,43 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     results = dict(zip(sorted(results), values.tolist()))
     results.update(comm_blocks=int(results["comm_blocks"]), combine_blocks=int(results["combine_blocks"]))
-    results.update(stock_over_fused=results["stock"] / results["fused"], fused_over_bound=results["fused"] /
-                   results["bound"], reference_over_fused=results["reference"] / results["fused"])
+    results.update(
+        stock_over_fused=results["stock"] / results["fused"],
+        fused_over_bound=results["fused"] / results["bound"],
+        reference_over_fused=results["reference"] / results["fused"],
+    )
     if args.backward:
-        results.update(stock_over_fused_fwd_bwd=results["stock_fwd_bwd"] / results["fused_fwd_bwd"],
-                       fused_over_bound_fwd_bwd=results["fused_fwd_bwd"] / results["bound_fwd_bwd"],
-                       reference_over_fused_fwd_bwd=results["reference_fwd_bwd"] / results["fused_fwd_bwd"])
+        results.update(
+            stock_over_fused_fwd_bwd=results["stock_fwd_bwd"] / results["fused_fwd_bwd"],
+            fused_over_bound_fwd_bwd=results["fused_fwd_bwd"] / results["bound_fwd_bwd"],
+            reference_over_fused_fwd_bwd=results["reference_fwd_bwd"] / results["fused_fwd_bwd"],
+        )
     if "autoep" in results:
-        results.update(autoep_over_comet=results["autoep"] / results["autoep_comet"],
-                       autoep_comet_over_bound=results["autoep_comet"] / results["bound"])
+        results.update(
+            autoep_over_comet=results["autoep"] / results["autoep_comet"],
+            autoep_comet_over_bound=results["autoep_comet"] / results["bound"],
+        )
         if args.backward:
-            results.update(autoep_over_comet_fwd_bwd=results["autoep_fwd_bwd"] / results["autoep_comet_fwd_bwd"],
-                           autoep_comet_over_bound_fwd_bwd=results["autoep_comet_fwd_bwd"] / results["bound_fwd_bwd"])
+            results.update(
+                autoep_over_comet_fwd_bwd=results["autoep_fwd_bwd"] / results["autoep_comet_fwd_bwd"],
+                autoep_comet_over_bound_fwd_bwd=results["autoep_comet_fwd_bwd"] / results["bound_fwd_bwd"],
+            )
     return results
 
 
-TRAIN_COLUMNS = (("stock", "stock_fwd_bwd"), ("reference", "reference_fwd_bwd"), ("fused", "fused_fwd_bwd"),
-                 ("experts", "experts_fwd_bwd"), ("a2a x4", "comm_bound_fwd_bwd"), ("bound", "bound_fwd_bwd"),
-                 ("stock/fused", "stock_over_fused_fwd_bwd"), ("fused/bound", "fused_over_bound_fwd_bwd"),
-                 ("stock MiB", "stock_peak_mib"), ("ref MiB", "reference_peak_mib"), ("fused MiB", "fused_peak_mib"))
+TRAIN_COLUMNS = (
+    ("stock", "stock_fwd_bwd"),
+    ("reference", "reference_fwd_bwd"),
+    ("fused", "fused_fwd_bwd"),
+    ("experts", "experts_fwd_bwd"),
+    ("a2a x4", "comm_bound_fwd_bwd"),
+    ("bound", "bound_fwd_bwd"),
+    ("stock/fused", "stock_over_fused_fwd_bwd"),
+    ("fused/bound", "fused_over_bound_fwd_bwd"),
+    ("stock MiB", "stock_peak_mib"),
+    ("ref MiB", "reference_peak_mib"),
+    ("fused MiB", "fused_peak_mib"),
+)
 
 
 def draw(ax, all_results, bars, ratios, ylabel):
@@ -252,44 +297,77 @@ def draw(ax, all_results, bars, ratios, ylabel):
 
 
 def report(all_results, out_dir):
-    columns = ("stock", "reference", "fused", "stock_gate", "gate_routes", "plan", "fused_gemm1", "fused_gemm2",
-               "fused_combine", "experts", "all_to_all", "bound", "stock_over_fused", "fused_over_bound")
+    columns = (
+        "stock",
+        "reference",
+        "fused",
+        "stock_gate",
+        "gate_routes",
+        "plan",
+        "fused_gemm1",
+        "fused_gemm2",
+        "fused_combine",
+        "experts",
+        "all_to_all",
+        "bound",
+        "stock_over_fused",
+        "fused_over_bound",
+    )
     lines = ["shape".ljust(28) + "".join(c[:11].rjust(12) for c in columns)]
     for name, results in all_results.items():
         lines.append(name.ljust(28) + "".join(f"{results[c]:12.3f}" for c in columns))
     print("forward: times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
-    lines = [f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
-             f"{r['sent_mb_per_route'] / max(r['sent_mb_once_per_rank'], 1e-9):10.2f}"
-             for name, r in all_results.items()]
-    print("MB one rank sends to the others per exchange (max over ranks): route by route, once per (token, rank) "
-          "(every exchange of both ds_comet pipelines, dispatch and combine), their ratio\n" + "\n".join(lines),
-          flush=True)
+    lines = [
+        f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
+        f"{r['sent_mb_per_route'] / max(r['sent_mb_once_per_rank'], 1e-9):10.2f}"
+        for name, r in all_results.items()
+    ]
+    print(
+        "MB one rank sends to the others per exchange (max over ranks): route by route, once per (token, rank) "
+        "(every exchange of both ds_comet pipelines, dispatch and combine), their ratio\n" + "\n".join(lines),
+        flush=True,
+    )
     autoep_rows = {name: results for name, results in all_results.items() if "autoep" in results}
     if autoep_rows:
-        columns = (("AutoEP", "autoep"), ("AutoEP+comet", "autoep_comet"), ("AutoEP/comet", "autoep_over_comet"),
-                   ("comet/bound", "autoep_comet_over_bound"))
+        columns = (
+            ("AutoEP", "autoep"),
+            ("AutoEP+comet", "autoep_comet"),
+            ("AutoEP/comet", "autoep_over_comet"),
+            ("comet/bound", "autoep_comet_over_bound"),
+        )
         if all("autoep_fwd_bwd" in results for results in autoep_rows.values()):
-            columns += (("AutoEP fb", "autoep_fwd_bwd"), ("comet fb", "autoep_comet_fwd_bwd"),
-                        ("AutoEP/comet fb", "autoep_over_comet_fwd_bwd"),
-                        ("comet/bound fb", "autoep_comet_over_bound_fwd_bwd"), ("AutoEP MiB", "autoep_peak_mib"),
-                        ("comet MiB", "autoep_comet_peak_mib"))
+            columns += (
+                ("AutoEP fb", "autoep_fwd_bwd"),
+                ("comet fb", "autoep_comet_fwd_bwd"),
+                ("AutoEP/comet fb", "autoep_over_comet_fwd_bwd"),
+                ("comet/bound fb", "autoep_comet_over_bound_fwd_bwd"),
+                ("AutoEP MiB", "autoep_peak_mib"),
+                ("comet MiB", "autoep_comet_peak_mib"),
+            )
         lines = ["shape".ljust(40) + "".join(h.rjust(16) for h, _ in columns)]
         for name, results in autoep_rows.items():
             lines.append(name.ljust(40) + "".join(f"{results[key]:16.3f}" for _, key in columns))
-        print("DeepSpeed AutoEP against the same block on ds_comet: ms (fb: forward+backward), ratios, peak MiB\n"
-              + "\n".join(lines), flush=True)
+        print(
+            "DeepSpeed AutoEP against the same block on ds_comet: ms (fb: forward+backward), ratios, peak MiB\n"
+            + "\n".join(lines),
+            flush=True,
+        )
     backward = all("fused_fwd_bwd" in results for results in all_results.values())
     if backward:
         lines = ["shape".ljust(28) + "".join(h.rjust(12) for h, _ in TRAIN_COLUMNS)]
         for name, results in all_results.items():
             lines.append(name.ljust(28) + "".join(f"{results[key]:12.3f}" for _, key in TRAIN_COLUMNS))
-        print("forward+backward (one training step): times in ms, peak MiB above the step's start (max over ranks)\n"
-              + "\n".join(lines), flush=True)
+        print(
+            "forward+backward (one training step): times in ms, peak MiB above the step's start (max over ranks)\n"
+            + "\n".join(lines),
+            flush=True,
+        )
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench.json"), "w") as handle:
         json.dump(all_results, handle, indent=2)
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -297,14 +375,22 @@ def report(all_results, out_dir):
         return
     rows = 2 if backward else 1
     fig, axes = plt.subplots(rows, 1, figsize=(3 + 2.5 * len(all_results), 4.5 * rows), squeeze=False)
-    draw(axes[0][0], all_results, ("stock", "reference", "fused", "experts", "comm_bound"),
-         (("stock/fused", "stock_over_fused"), ("fused/bound", "fused_over_bound")), "forward time per layer (ms)")
+    draw(
+        axes[0][0],
+        all_results,
+        ("stock", "reference", "fused", "experts", "comm_bound"),
+        (("stock/fused", "stock_over_fused"), ("fused/bound", "fused_over_bound")),
+        "forward time per layer (ms)",
+    )
     axes[0][0].set_title(f"one MoE layer, EP={dist.get_world_size()}, bf16: forward")
     if backward:
-        draw(axes[1][0], all_results, ("stock_fwd_bwd", "reference_fwd_bwd", "fused_fwd_bwd", "experts_fwd_bwd",
-                                       "comm_bound_fwd_bwd"),
-             (("stock/fused", "stock_over_fused_fwd_bwd"), ("fused/bound", "fused_over_bound_fwd_bwd")),
-             "forward+backward time per layer (ms)")
+        draw(
+            axes[1][0],
+            all_results,
+            ("stock_fwd_bwd", "reference_fwd_bwd", "fused_fwd_bwd", "experts_fwd_bwd", "comm_bound_fwd_bwd"),
+            (("stock/fused", "stock_over_fused_fwd_bwd"), ("fused/bound", "fused_over_bound_fwd_bwd")),
+            "forward+backward time per layer (ms)",
+        )
         axes[1][0].set_title("forward+backward (one training step)")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "bench.png"), dpi=120)
@@ -314,8 +400,9 @@ def main():
     args = parse_args()
     deepspeed.init_distributed()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    run_shapes(selected_shapes(args.shape, args.custom), lambda name, shape: bench_shape(name, *shape, args), report,
-               args.out)
+    run_shapes(
+        selected_shapes(args.shape, args.custom), lambda name, shape: bench_shape(name, *shape, args), report, args.out
+    )
 
 
 if __name__ == "__main__":

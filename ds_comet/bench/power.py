@@ -18,7 +18,6 @@ import shutil
 import statistics
 import subprocess
 import time
-from typing import Dict, List
 
 import torch
 from deepspeed import comm as dist
@@ -31,8 +30,10 @@ from ds_comet.bench.shapes import SWIGLU
 BACKENDS = ("autoep", "comet")
 # Newer drivers name the instantaneous draw and the clock-event reasons; older ones the averaged draw
 # and the throttle reasons.
-FIELDS = ("clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap",
-          "clocks.sm,power.draw,clocks_throttle_reasons.sw_power_cap")
+FIELDS = (
+    "clocks.sm,power.draw.instant,clocks_event_reasons.sw_power_cap",
+    "clocks.sm,power.draw,clocks_throttle_reasons.sw_power_cap",
+)
 SAMPLE_MS = 20
 
 
@@ -45,7 +46,7 @@ def parse_args():
     return parser.parse_args()
 
 
-def summarize(lines: List[str]) -> Dict[str, float]:
+def summarize(lines: list[str]) -> dict[str, float]:
     """``nvidia-smi --format=csv,noheader,nounits`` rows of (SM MHz, W, cap state): the median SM
     clock, the mean power and the share of samples under the software power cap."""
     rows = [[field.strip() for field in line.split(",")] for line in lines if line.count(",") == 2]
@@ -53,8 +54,12 @@ def summarize(lines: List[str]) -> Dict[str, float]:
     power = [float(r[1]) for r in rows if r[1].replace(".", "", 1).isdigit()]
     if not clocks or not power:
         raise RuntimeError(f"nvidia-smi gave no clock and power samples: {lines[:3]}")
-    return {"sm_mhz": statistics.median(clocks), "watts": statistics.mean(power),
-            "power_capped": sum(r[2] == "Active" for r in rows) / len(rows), "samples": float(len(rows))}
+    return {
+        "sm_mhz": statistics.median(clocks),
+        "watts": statistics.mean(power),
+        "power_capped": sum(r[2] == "Active" for r in rows) / len(rows),
+        "samples": float(len(rows)),
+    }
 
 
 class Sampler:
@@ -62,8 +67,9 @@ class Sampler:
 
     def __init__(self, device: torch.device):
         if shutil.which("nvidia-smi") is None:
-            raise SystemExit("the power samples (ds_comet.bench.power, ds_comet.bench.gemm --power) need "
-                             "nvidia-smi on PATH")
+            raise SystemExit(
+                "the power samples (ds_comet.bench.power, ds_comet.bench.gemm --power) need nvidia-smi on PATH"
+            )
         self.gpu = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
         for fields in FIELDS:
             query = ["nvidia-smi", f"--id={self.gpu}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
@@ -104,14 +110,18 @@ def agreed_steps(step, seconds: float, device: torch.device) -> int:
 def bench_block(family, hidden, ffn, experts, k, tokens, device, args):
     ep_size = dist.get_world_size()
     sections = {"autoep": None, "comet": {"backend": "comet", "overlap": "fused"}}
-    layers = {backend: autoep.autoep_layer(family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16,
-                                           0, section).train() for backend, section in sections.items()}
+    layers = {
+        backend: autoep.autoep_layer(
+            family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16, 0, section
+        ).train()
+        for backend, section in sections.items()
+    }
     x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16).requires_grad_()
     dy = torch.randn_like(x)
     sampler = Sampler(device)
     results = {}
     for round_index in range(args.rounds):
-        for backend in (BACKENDS if round_index % 2 == 0 else BACKENDS[::-1]):
+        for backend in BACKENDS if round_index % 2 == 0 else BACKENDS[::-1]:
             layer = layers[backend]
             steps = agreed_steps(lambda: autoep_step(layer, x, dy), args.seconds, device)
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -138,10 +148,12 @@ def report(all_results, _out_dir):
         for round_index in rounds:
             for backend in BACKENDS:
                 prefix = f"{backend}_{round_index}_"
-                lines.append(f"{name:44s} round {round_index} {backend:6s} {results[prefix + 'ms']:8.2f} ms a step  "
-                             f"{results[prefix + 'sm_mhz']:6.0f} MHz  {results[prefix + 'watts']:5.0f} W  "
-                             f"power-capped {results[prefix + 'power_capped']:4.0%} of "
-                             f"{results[prefix + 'samples']:.0f} samples")
+                lines.append(
+                    f"{name:44s} round {round_index} {backend:6s} {results[prefix + 'ms']:8.2f} ms a step  "
+                    f"{results[prefix + 'sm_mhz']:6.0f} MHz  {results[prefix + 'watts']:5.0f} W  "
+                    f"power-capped {results[prefix + 'power_capped']:4.0%} of "
+                    f"{results[prefix + 'samples']:.0f} samples"
+                )
     print(f"Back-to-back training steps, EP={dist.get_world_size()}, rank 0's GPU:\n" + "\n".join(lines), flush=True)
 
 

@@ -90,8 +90,11 @@ def timeline(fn, min_us=4.0):
         prof.export_chrome_trace(path)
         with open(path) as handle:
             events = json.load(handle)["traceEvents"]
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
     work = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not work:
         return "    (no device work recorded)"
@@ -107,11 +110,15 @@ def timeline(fn, min_us=4.0):
         idle = max(0.0, e["ts"] - busy_until)
         launched = launches.get(e["args"].get("correlation"))
         launch = f"{(launched - origin) / 1e3:7.3f}" if launched is not None else "      ?"
-        lines.append(f"    launch {launch}  start {(e['ts'] - origin) / 1e3:7.3f}  end {(end - origin) / 1e3:7.3f}"
-                     f"  ({e['dur'] / 1e3:6.3f})  idle before {idle / 1e3:6.3f}  s{e.get('tid')}  {e['name'][:70]}")
+        lines.append(
+            f"    launch {launch}  start {(e['ts'] - origin) / 1e3:7.3f}  end {(end - origin) / 1e3:7.3f}"
+            f"  ({e['dur'] / 1e3:6.3f})  idle before {idle / 1e3:6.3f}  s{e.get('tid')}  {e['name'][:70]}"
+        )
         busy_until = max(busy_until, end)
-    lines.append(f"    (+{small} items under {min_us:.0f} us; last end {(busy_until - origin) / 1e3:.3f} ms after the "
-                 f"first launch)")
+    lines.append(
+        f"    (+{small} items under {min_us:.0f} us; last end {(busy_until - origin) / 1e3:.3f} ms after the "
+        f"first launch)"
+    )
     lines += host_in_longest_gap(events, sorted(launches.values()), origin)
     return "\n".join(lines)
 
@@ -124,10 +131,18 @@ def host_in_longest_gap(events, launches, origin, min_us=20.0, most=25):
         return []
     gap, start = max((b - a, a) for a, b in zip(launches, launches[1:]))
     end = start + gap
-    ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and start <= e["ts"] < end
-                  and e.get("dur", 0) >= min_us), key=lambda e: (e["ts"], -e["dur"]))
-    lines = [f"    host between launches at {(start - origin) / 1e3:.3f} and {(end - origin) / 1e3:.3f} ms "
-             f"(ops of {min_us:.0f} us or more, outermost first):"]
+    ops = sorted(
+        (
+            e
+            for e in events
+            if e.get("cat") in ("cpu_op", "user_annotation") and start <= e["ts"] < end and e.get("dur", 0) >= min_us
+        ),
+        key=lambda e: (e["ts"], -e["dur"]),
+    )
+    lines = [
+        f"    host between launches at {(start - origin) / 1e3:.3f} and {(end - origin) / 1e3:.3f} ms "
+        f"(ops of {min_us:.0f} us or more, outermost first):"
+    ]
     outer_end = None
     for e in ops:
         if outer_end is not None and e["ts"] + e["dur"] <= outer_end:
@@ -145,8 +160,11 @@ def main():
     parser.add_argument("--custom", action="append", default=[])
     parser.add_argument("--step", action="store_true", help="also profile one training step (fwd+bwd) per layer")
     parser.add_argument("--step-only", action="store_true", help="only the training step (implies --step)")
-    parser.add_argument("--timeline", action="store_true",
-                        help="with --step, also each kernel's launch, start and end for the fused layer (both ranks)")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="with --step, also each kernel's launch, start and end for the fused layer (both ranks)",
+    )
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     args = parser.parse_args()
     deepspeed.init_distributed()
@@ -178,8 +196,11 @@ def main():
                     count = syncs(fn)
                     table = kernels(fn)
                     if rank0:
-                        print(f"  [{mode}] {what}: host {host:.3f} ms, device {device:.3f} ms, host syncs {count}\n"
-                              f"{table}", flush=True)
+                        print(
+                            f"  [{mode}] {what}: host {host:.3f} ms, device {device:.3f} ms, host syncs {count}\n"
+                            f"{table}",
+                            flush=True,
+                        )
         if args.step or args.step_only:
             leaf = x.detach().clone().requires_grad_()
             dy = torch.randn_like(leaf)
@@ -189,8 +210,10 @@ def main():
                 host, device = host_and_device_ms(step)
                 table = kernels(step, top=24)
                 if rank0:
-                    print(f"  [step] {what} layer fwd+bwd: host {host:.3f} ms, device {device:.3f} ms\n{table}",
-                          flush=True)
+                    print(
+                        f"  [step] {what} layer fwd+bwd: host {host:.3f} ms, device {device:.3f} ms\n{table}",
+                        flush=True,
+                    )
                 if args.timeline and what == "fused":
                     for forward_only in (True, False):
                         fn = (lambda: layer(leaf)) if forward_only else step

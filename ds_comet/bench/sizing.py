@@ -40,9 +40,21 @@ def parse_args():
 
 def bench_block(family, hidden, ffn, experts, k, tokens, device, args):
     ep_size = dist.get_world_size()
-    layers = {sizing: autoep.autoep_layer(family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16, 0,
-                                          {"backend": "comet", "overlap": "fused", "activation_rows": sizing})
-              for sizing in SIZINGS}
+    layers = {
+        sizing: autoep.autoep_layer(
+            family,
+            hidden,
+            ffn,
+            experts,
+            k,
+            ep_size,
+            device,
+            torch.bfloat16,
+            0,
+            {"backend": "comet", "overlap": "fused", "activation_rows": sizing},
+        )
+        for sizing in SIZINGS
+    }
     x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16).requires_grad_()
     dy = torch.randn_like(x)
 
@@ -76,18 +88,27 @@ def bench_block(family, hidden, ffn, experts, k, tokens, device, args):
     return results
 
 
-COLUMNS = (("bound fwd", "bound_fwd"), ("received fwd", "received_fwd"), ("recv/bound", "received_over_bound_fwd"),
-           ("bound fb", "bound_fwd_bwd"), ("received fb", "received_fwd_bwd"),
-           ("recv/bound fb", "received_over_bound_fwd_bwd"), ("bound MiB", "bound_peak_mib"),
-           ("received MiB", "received_peak_mib"))
+COLUMNS = (
+    ("bound fwd", "bound_fwd"),
+    ("received fwd", "received_fwd"),
+    ("recv/bound", "received_over_bound_fwd"),
+    ("bound fb", "bound_fwd_bwd"),
+    ("received fb", "received_fwd_bwd"),
+    ("recv/bound fb", "received_over_bound_fwd_bwd"),
+    ("bound MiB", "bound_peak_mib"),
+    ("received MiB", "received_peak_mib"),
+)
 
 
 def report(all_results, _out_dir):
     lines = ["shape".ljust(40) + "".join(h.rjust(15) for h, _ in COLUMNS)]
     for name, results in all_results.items():
         lines.append(name.ljust(40) + "".join(f"{results[key]:15.3f}" for _, key in COLUMNS))
-    print(f"AutoEP blocks on ds_comet, EP={dist.get_world_size()}: ms a call (fb: a training step), peak MiB of a "
-          "training step (max over ranks)\n" + "\n".join(lines), flush=True)
+    print(
+        f"AutoEP blocks on ds_comet, EP={dist.get_world_size()}: ms a call (fb: a training step), peak MiB of a "
+        "training step (max over ranks)\n" + "\n".join(lines),
+        flush=True,
+    )
 
 
 def main():

@@ -56,8 +56,12 @@ def parse_args():
     parser.add_argument("--combine-blocks", type=settings, default=[None])
     parser.add_argument("--n-chunks", type=settings, default=[None])
     parser.add_argument("--gate-ops", type=lambda text: text.split(","), default=["kernels"])
-    parser.add_argument("--dtype", type=lambda text: text.split(","), default=["bf16"],
-                        help="the layer's and the tokens' dtypes, each timed in turn: bf16 and/or fp16")
+    parser.add_argument(
+        "--dtype",
+        type=lambda text: text.split(","),
+        default=["bf16"],
+        help="the layer's and the tokens' dtypes, each timed in turn: bf16 and/or fp16",
+    )
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--host-profile", action="store_true")
@@ -74,8 +78,15 @@ def fused_layer(hidden, ffn, experts, k, overrides, device, dtype):
     torch.manual_seed(0)
     ep_size = dist.get_world_size()
     section = {"backend": "comet", "overlap": "fused", **overrides}
-    layer = ds_comet.MoE(hidden, FeedForward(hidden, ffn), num_experts=experts, ep_size=ep_size, k=k,
-                         min_capacity=4, config={"moe": section})
+    layer = ds_comet.MoE(
+        hidden,
+        FeedForward(hidden, ffn),
+        num_experts=experts,
+        ep_size=ep_size,
+        k=k,
+        min_capacity=4,
+        config={"moe": section},
+    )
     layer.set_deepspeed_parallelism()
     local = layer.deepspeed_moe.experts.deepspeed_experts
     rank = dist.get_rank()
@@ -164,16 +175,19 @@ def host_split(layer, x, dy, steps=20):
     import ds_comet.integrations.legacy.gate_graph as gate_graph
     import ds_comet.pipelines.expert_weights as expert_weights
     import ds_comet.pipelines.fused as fused
+
     spent = collections.defaultdict(float)
-    targets = [(legacy_layer, "gate_routes", "forward: gate (eager)"),
-               (gate_graph.GateGraphs, "routes", "forward: gate (graphed)"),
-               (fused, "plan_routes_cuda", "forward: plan"),
-               (fused.FusedPipeline, "run_forward", "forward: the fused kernels' launches"),
-               (fused.FusedMoEFunction, "forward", "forward: the fused Function's forward"),
-               (expert_weights.ModuleFusedExperts, "parameters", "forward: the experts' parameters"),
-               (fused.FusedMoEFunction, "backward", "backward: the fused Function's backward"),
-               (fused.FusedPipeline, "run_backward", "backward: the fused kernels' launches"),
-               (gate_graph.ReplayRoutes, "backward", "backward: graphed gate")]
+    targets = [
+        (legacy_layer, "gate_routes", "forward: gate (eager)"),
+        (gate_graph.GateGraphs, "routes", "forward: gate (graphed)"),
+        (fused, "plan_routes_cuda", "forward: plan"),
+        (fused.FusedPipeline, "run_forward", "forward: the fused kernels' launches"),
+        (fused.FusedMoEFunction, "forward", "forward: the fused Function's forward"),
+        (expert_weights.ModuleFusedExperts, "parameters", "forward: the experts' parameters"),
+        (fused.FusedMoEFunction, "backward", "backward: the fused Function's backward"),
+        (fused.FusedPipeline, "run_backward", "backward: the fused kernels' launches"),
+        (gate_graph.ReplayRoutes, "backward", "backward: graphed gate"),
+    ]
     for _ in range(3):
         train_step(layer, x, dy)
     with timing(spent, *targets):
@@ -221,15 +235,20 @@ def main():
     if unknown:
         raise SystemExit(f"--dtype takes bf16 and/or fp16, got {','.join(unknown)}")
     for (name, (hidden, ffn, experts, k, tokens)), dtype_name in itertools.product(
-            selected_shapes(args.shape, args.custom).items(), args.dtype):
+        selected_shapes(args.shape, args.custom).items(), args.dtype
+    ):
         dtype = DTYPES[dtype_name]
         x = torch.randn(1, tokens, hidden, device=device).to(dtype)
         xg = x.detach().clone().requires_grad_()
         dy = torch.randn_like(x)
-        for comm_blocks, combine_blocks, n_chunks, gate in itertools.product(args.comm_blocks, args.combine_blocks,
-                                                                             args.n_chunks, args.gate_ops):
-            overrides = {key: v for key, v in (("comm_blocks", comm_blocks), ("combine_blocks", combine_blocks),
-                                               ("n_chunks", n_chunks)) if v is not None}
+        for comm_blocks, combine_blocks, n_chunks, gate in itertools.product(
+            args.comm_blocks, args.combine_blocks, args.n_chunks, args.gate_ops
+        ):
+            overrides = {
+                key: v
+                for key, v in (("comm_blocks", comm_blocks), ("combine_blocks", combine_blocks), ("n_chunks", n_chunks))
+                if v is not None
+            }
             graphed = {"cuda_graph_gate": True} if gate == "graph" else {}
             layer = fused_layer(hidden, ffn, experts, k, {**overrides, **graphed}, device, dtype)
             with gate_ops(gate):
@@ -244,21 +263,44 @@ def main():
                 # Few steps: an eager gate's hundreds of launches a step would fill the launch queue,
                 # which blocks the host.
                 step_device = device_only(lambda: train_step(layer, xg, dy), min(args.iters, 5))
-            times = torch.tensor([forward, step, forward_queued, step_queued, forward_host, step_host,
-                                  forward_device or float("nan"), step_device or float("nan")], device=device)
+            times = torch.tensor(
+                [
+                    forward,
+                    step,
+                    forward_queued,
+                    step_queued,
+                    forward_host,
+                    step_host,
+                    forward_device or float("nan"),
+                    step_device or float("nan"),
+                ],
+                device=device,
+            )
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             params = layer.deepspeed_moe.pipelines.fused.params
-            key = (f"{name} comm_blocks={params.comm_blocks} combine_blocks={params.combine_blocks} "
-                   f"n_chunks={params.n_chunks} gate={gate}" + ("" if dtype_name == "bf16" else f" {dtype_name}"))
+            key = (
+                f"{name} comm_blocks={params.comm_blocks} combine_blocks={params.combine_blocks} "
+                f"n_chunks={params.n_chunks} gate={gate}" + ("" if dtype_name == "bf16" else f" {dtype_name}")
+            )
             t = times.tolist()
-            results[key] = {"forward": t[0], "fwd_bwd": t[1], "forward_queued": t[2], "fwd_bwd_queued": t[3],
-                            "forward_host": t[4], "fwd_bwd_host": t[5], "forward_device": t[6],
-                            "fwd_bwd_device": t[7], "rule": not overrides}
+            results[key] = {
+                "forward": t[0],
+                "fwd_bwd": t[1],
+                "forward_queued": t[2],
+                "fwd_bwd_queued": t[3],
+                "forward_host": t[4],
+                "fwd_bwd_host": t[5],
+                "forward_device": t[6],
+                "fwd_bwd_device": t[7],
+                "rule": not overrides,
+            }
             if dist.get_rank() == 0:
-                print(f"{key:94s} forward {t[0]:7.3f} ms  fwd+bwd {t[1]:7.3f} ms{'  (rule)' if not overrides else ''}"
-                      f"\n{'':94s} queued: forward {t[2]:7.3f} ms (host {t[4]:.3f})  fwd+bwd {t[3]:7.3f} ms "
-                      f"(host {t[5]:.3f})\n{'':94s} device alone: forward {t[6]:7.3f} ms  fwd+bwd {t[7]:7.3f} ms",
-                      flush=True)
+                print(
+                    f"{key:94s} forward {t[0]:7.3f} ms  fwd+bwd {t[1]:7.3f} ms{'  (rule)' if not overrides else ''}"
+                    f"\n{'':94s} queued: forward {t[2]:7.3f} ms (host {t[4]:.3f})  fwd+bwd {t[3]:7.3f} ms "
+                    f"(host {t[5]:.3f})\n{'':94s} device alone: forward {t[6]:7.3f} ms  fwd+bwd {t[7]:7.3f} ms",
+                    flush=True,
+                )
             profiled = args.host_profile and not overrides and gate == args.gate_ops[0]
             if profiled and dist.get_rank() == 0:
                 print(f"== host profile: {key}", flush=True)

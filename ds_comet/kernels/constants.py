@@ -6,7 +6,6 @@ refused rather than misread.
 """
 
 import re
-from typing import Dict
 
 from ..op_builder.comet import csrc_dir
 
@@ -14,7 +13,7 @@ HEADER = "comet.h"
 _ENTRY = re.compile(r"^\s*X\((\w+),\s*(-?\d+)\)", re.MULTILINE)
 
 
-def header_constants() -> Dict[str, int]:
+def header_constants() -> dict[str, int]:
     """``{CamelName: value}`` as the header's ``DS_COMET_CONSTANTS`` lists them."""
     text = (csrc_dir() / HEADER).read_text()
     found = {name: int(value) for name, value in _ENTRY.findall(text)}

@@ -21,7 +21,8 @@ import errno
 import fcntl
 import os
 import time
-from typing import Callable, List, Optional, Tuple, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from deepspeed.utils import logger
 
@@ -30,8 +31,22 @@ FAILURE_NAME = "ds_comet_build.failed"  # the last failed build's time and error
 # Processes whose working directory is a build directory and whose name starts with one of these
 # (after a target prefix) are still compiling there (torch runs ninja there, and ninja the
 # compilers): a killed build's leftovers.
-BUILD_TOOLS = ("ninja", "nvcc", "cicc", "ptxas", "cudafe", "fatbinary", "nvlink", "cc1", "c++", "g++", "gcc", "clang",
-               "collect2", "ld")
+BUILD_TOOLS = (
+    "ninja",
+    "nvcc",
+    "cicc",
+    "ptxas",
+    "cudafe",
+    "fatbinary",
+    "nvlink",
+    "cc1",
+    "c++",
+    "g++",
+    "gcc",
+    "clang",
+    "collect2",
+    "ld",
+)
 NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 BUILD_WAIT_S = 1800.0  # a build takes one to a few minutes; past half an hour its holder is stuck
 POLL_S = 0.5
@@ -42,6 +57,7 @@ T = TypeVar("T")
 def torch_build_directory(name: str) -> str:
     """Where torch JIT-builds the extension ``name`` ($TORCH_EXTENSIONS_DIR or its default); made if missing."""
     from torch.utils.cpp_extension import _get_build_directory
+
     return _get_build_directory(name, verbose=False)
 
 
@@ -54,8 +70,10 @@ def build_state(name: str) -> str:
         return f"no build directory: {error}"
     parts = [f"{'built' if os.path.exists(os.path.join(directory, f'{name}.so')) else 'not built yet'} in {directory}"]
     if os.path.exists(os.path.join(directory, "lock")):
-        parts.append("torch's build lock is there: a build is running, or one was killed (the next load removes "
-                     "a killed build's lock)")
+        parts.append(
+            "torch's build lock is there: a build is running, or one was killed (the next load removes "
+            "a killed build's lock)"
+        )
     note = _failure_note(os.path.join(directory, FAILURE_NAME))
     if note is not None:
         parts.append(f"the last build failed: {note}")
@@ -80,9 +98,11 @@ def guarded_build(directory: str, build: Callable[[], T], wait_s: float = BUILD_
         except OSError as error:
             if error.errno not in NO_FLOCK:
                 raise
-            logger.warning(f"ds_comet: the file system of {directory} has no flock ({error}): building without "
-                           "ds_comet's guard, so a killed build's lock there would make later builds wait forever; "
-                           "set TORCH_EXTENSIONS_DIR to a local disk")
+            logger.warning(
+                f"ds_comet: the file system of {directory} has no flock ({error}): building without "
+                "ds_comet's guard, so a killed build's lock there would make later builds wait forever; "
+                "set TORCH_EXTENSIONS_DIR to a local disk"
+            )
             return build()
         guard.seek(0)
         guard.truncate()
@@ -94,7 +114,8 @@ def guarded_build(directory: str, build: Callable[[], T], wait_s: float = BUILD_
             note = _failure_note(failure_path)
             if note is not None:
                 raise RuntimeError(
-                    f"ds_comet: the build this process waited for failed, so it was not repeated: {note}")
+                    f"ds_comet: the build this process waited for failed, so it was not repeated: {note}"
+                )
         try:
             built = build()
         except Exception as error:
@@ -118,9 +139,11 @@ def _lock(guard, guard_path: str, directory: str, deadline: float, wait_s: float
             if time.monotonic() > deadline:
                 guard.seek(0)
                 holder = guard.read().strip() or "another process"
-                raise TimeoutError(f"ds_comet: waited {wait_s:.0f} s for {holder} to finish building in {directory} "
-                                   f"(it holds {guard_path}); end that process, or set TORCH_EXTENSIONS_DIR to "
-                                   "another directory") from None
+                raise TimeoutError(
+                    f"ds_comet: waited {wait_s:.0f} s for {holder} to finish building in {directory} "
+                    f"(it holds {guard_path}); end that process, or set TORCH_EXTENSIONS_DIR to "
+                    "another directory"
+                ) from None
             time.sleep(POLL_S)
 
 
@@ -131,21 +154,24 @@ def _clear_torch_lock(directory: str, deadline: float, wait_s: float) -> None:
     while os.path.exists(lock):
         builders = _processes_building(directory)
         if not builders:
-            logger.warning(f"ds_comet: removing {lock}, left by a build that was killed: torch would wait on it "
-                           "forever")
+            logger.warning(
+                f"ds_comet: removing {lock}, left by a build that was killed: torch would wait on it forever"
+            )
             try:
                 os.unlink(lock)
             except FileNotFoundError:
                 pass
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"ds_comet: waited {wait_s:.0f} s for processes {builders} on {os.uname().nodename}, "
-                               f"which still build in {directory} (they hold torch's build lock there or compile "
-                               "in it); end them, or set TORCH_EXTENSIONS_DIR to another directory")
+            raise TimeoutError(
+                f"ds_comet: waited {wait_s:.0f} s for processes {builders} on {os.uname().nodename}, "
+                f"which still build in {directory} (they hold torch's build lock there or compile "
+                "in it); end them, or set TORCH_EXTENSIONS_DIR to another directory"
+            )
         time.sleep(POLL_S)
 
 
-def _processes_building(directory: str) -> List[int]:
+def _processes_building(directory: str) -> list[int]:
     """This user's other processes on this machine that hold torch's lock in ``directory`` open (a
     torch build in progress keeps it open) or run a build tool in it. Empty where ``/proc`` cannot
     tell, as on other systems."""
@@ -172,7 +198,7 @@ def _processes_building(directory: str) -> List[int]:
     return found
 
 
-def _identity(path: str) -> Optional[Tuple[int, int, int]]:
+def _identity(path: str) -> tuple[int, int, int] | None:
     """Which file is at ``path`` now (inode, modification time, size), or None: a note written
     anew (``_write_failure`` replaces the file) has another identity, whatever the clocks say."""
     try:
@@ -196,7 +222,7 @@ def _write_failure(failure_path: str, what: str) -> None:
             pass
 
 
-def _failure_note(failure_path: str) -> Optional[str]:
+def _failure_note(failure_path: str) -> str | None:
     """The error of the failure note at ``failure_path``, or None where there is none or it is not one
     (empty, cut short, someone else's file): a process then builds again."""
     try:
@@ -219,4 +245,5 @@ def build_cpu_comm_op(wait_s: float = BUILD_WAIT_S):
     """
     from deepspeed.comm.torch import build_shm_op
     from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
     return guarded_build(torch_build_directory(ShareMemCommBuilder.NAME), build_shm_op, wait_s=wait_s)

@@ -43,8 +43,7 @@ class LayoutOffsets:
     total: int
 
 
-def meta_offsets(ep_size: int, num_experts: int, max_tiles: int, max_chunks: int,
-                 max_stage_pieces: int) -> MetaOffsets:
+def meta_offsets(ep_size: int, num_experts: int, max_tiles: int, max_chunks: int, max_stage_pieces: int) -> MetaOffsets:
     counts = 0  # per call parity and source: its routes per expert, then its staged rows per destination
     exchange_flag = counts + 2 * ep_size * (num_experts + ep_size)
     tile_counter = exchange_flag + ep_size
@@ -53,18 +52,31 @@ def meta_offsets(ep_size: int, num_experts: int, max_tiles: int, max_chunks: int
     stage_counter = chunk_counter + max_chunks
     reduce_counter = stage_counter + max_stage_pieces
     generation = reduce_counter + max_chunks
-    return MetaOffsets(counts, exchange_flag, tile_counter, chunk_counter, stage_counter, reduce_counter, generation,
-                       generation + 1)
+    return MetaOffsets(
+        counts, exchange_flag, tile_counter, chunk_counter, stage_counter, reduce_counter, generation, generation + 1
+    )
 
 
 def layout_offsets(num_local: int, num_experts: int) -> LayoutOffsets:
     ep_size = num_experts // num_local
-    sizes = [("expert_start", num_local + 1), ("tile_start", num_local + 1), ("local_tiles", num_local + 1),
-             ("remote_tiles", num_local + 1), ("send_offset", num_experts + 1), ("dest_row", num_experts),
-             ("dest_rel", num_experts), ("dest_tile", num_experts), ("send_order", num_experts),
-             ("piece_start", num_experts + 1), ("stage_send", ep_size), ("stage_dest_row", ep_size),
-             ("stage_dest_piece", ep_size), ("stage_recv_row", ep_size + 1), ("stage_recv_piece", ep_size + 1),
-             ("totals", TOTALS_WORDS)]
+    sizes = [
+        ("expert_start", num_local + 1),
+        ("tile_start", num_local + 1),
+        ("local_tiles", num_local + 1),
+        ("remote_tiles", num_local + 1),
+        ("send_offset", num_experts + 1),
+        ("dest_row", num_experts),
+        ("dest_rel", num_experts),
+        ("dest_tile", num_experts),
+        ("send_order", num_experts),
+        ("piece_start", num_experts + 1),
+        ("stage_send", ep_size),
+        ("stage_dest_row", ep_size),
+        ("stage_dest_piece", ep_size),
+        ("stage_recv_row", ep_size + 1),
+        ("stage_recv_piece", ep_size + 1),
+        ("totals", TOTALS_WORDS),
+    ]
     offsets, position = {}, 0
     for name, size in sizes:
         offsets[name] = position

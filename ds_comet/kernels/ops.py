@@ -4,14 +4,13 @@ import functools
 import importlib
 import os
 import time
-from typing import List, Optional
 
 import torch
 from deepspeed.utils import logger
 
+from ..op_builder import CometBuilder
 from . import constants
 from .jit_build import guarded_build, torch_build_directory
-from ..op_builder import CometBuilder
 
 
 class CometWaitTimeout(RuntimeError):
@@ -19,7 +18,7 @@ class CometWaitTimeout(RuntimeError):
     signal, or the reference pipeline for one of its exchanges (``pipelines/collective_waits.py``)."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_op():
     """The compiled ds_comet op: the ahead-of-time build if there is one, else a JIT build, made once
     into $TORCH_EXTENSIONS_DIR (a minute or two) and loaded from there afterwards, under the guard
@@ -36,8 +35,10 @@ def load_op():
             # Looked at under the guard: a process that waited for another's build only loads it.
             why = build_needed(os.path.join(directory, f"{builder.NAME}.so"), _source_files())
             if why:
-                logger.warning(f"ds_comet: building the CUDA op {builder.NAME} into {directory} ({why}; about a "
-                               "minute, cached afterwards)")
+                logger.warning(
+                    f"ds_comet: building the CUDA op {builder.NAME} into {directory} ({why}; about a "
+                    "minute, cached afterwards)"
+                )
             started = time.perf_counter()
             built = builder.jit_load(verbose=False)
             if why:
@@ -47,12 +48,14 @@ def load_op():
         op = guarded_build(directory, build)
     compiled = dict(op.codes())
     if compiled != constants.CONSTANTS:
-        raise RuntimeError(f"the compiled ds_comet op disagrees with csrc/{constants.HEADER}: {compiled} vs "
-                           f"{constants.CONSTANTS}; rebuild it ({rebuild})")
+        raise RuntimeError(
+            f"the compiled ds_comet op disagrees with csrc/{constants.HEADER}: {compiled} vs "
+            f"{constants.CONSTANTS}; rebuild it ({rebuild})"
+        )
     return op
 
 
-def build_needed(library: str, sources: List[str]) -> Optional[str]:
+def build_needed(library: str, sources: list[str]) -> str | None:
     """Why the JIT build will compile (the op is not built, or a source is newer than it), or None
     when it will only load."""
     if not os.path.exists(library):
@@ -64,14 +67,15 @@ def build_needed(library: str, sources: List[str]) -> Optional[str]:
     return None
 
 
-def _source_files() -> List[str]:
+def _source_files() -> list[str]:
     """Every file of csrc/, the sources and the headers they include."""
     from ..op_builder.comet import csrc_dir
+
     return [str(path) for path in csrc_dir().iterdir() if path.is_file()]
 
 
-@functools.lru_cache(maxsize=None)
-def op_unavailable_reason() -> Optional[str]:
+@functools.cache
+def op_unavailable_reason() -> str | None:
     """Why the op cannot be used here, or None once it is loaded."""
     reason = CometBuilder().incompatibility()
     if reason is not None:
@@ -93,7 +97,7 @@ _WHAT = {
 _OVERFLOWING = {0: "receive rows", 1: "GEMM1 row tiles", 2: "staging pieces"}
 
 
-def describe_error_record(record: torch.Tensor) -> Optional[str]:
+def describe_error_record(record: torch.Tensor) -> str | None:
     """The message of a filled error record (pinned host memory the kernels write), or None."""
     words = record.tolist()
     if words[constants.ERROR_FILLED] == 0:
@@ -103,10 +107,14 @@ def describe_error_record(record: torch.Tensor) -> Optional[str]:
     waited_ns = words[constants.ERROR_WAITED_NS]
     if kind == constants.WORKSPACE_OVERFLOW:
         what = _OVERFLOWING.get(index, f"workspace part {index}")
-        return (f"ds_comet: rank {rank} needed {observed} {what} but the call allows {target} (the workspace, or "
-                "the gate's capacity in its current mode, for the most tokens per rank); raise \"moe\": "
-                "{\"max_tokens_per_rank\"} in the ds_config if a rank got more tokens than the first call")
+        return (
+            f"ds_comet: rank {rank} needed {observed} {what} but the call allows {target} (the workspace, or "
+            'the gate\'s capacity in its current mode, for the most tokens per rank); raise "moe": '
+            '{"max_tokens_per_rank"} in the ds_config if a rank got more tokens than the first call'
+        )
     what = _WHAT.get(kind, "signal {index}").format(index=index)
-    return (f"ds_comet: rank {rank} waited {waited_ns / 1e9:.1f} s for {what} to reach {target} but saw {observed}; "
-            "a rank of the expert-parallel group stopped or fell behind (raise \"moe\": {\"wait_timeout_s\"} if it "
-            "is only slow)")
+    return (
+        f"ds_comet: rank {rank} waited {waited_ns / 1e9:.1f} s for {what} to reach {target} but saw {observed}; "
+        'a rank of the expert-parallel group stopped or fell behind (raise "moe": {"wait_timeout_s"} if it '
+        "is only slow)"
+    )

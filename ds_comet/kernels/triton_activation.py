@@ -50,8 +50,9 @@ def _block(total_ptr, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def activation_kernel(z, u, zu_stride, h, total_ptr, N, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr):
+def activation_kernel(
+    z, u, zu_stride, h, total_ptr, N, ACTIVATION: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+):
     """GATED: h = act(z) * u; else h = act(z) (u unused). [R, N] each, h row-major, z and u of row
     stride zu_stride."""
     rows, cols, mask = _block(total_ptr, N, BM, BN)
@@ -63,8 +64,21 @@ def activation_kernel(z, u, zu_stride, h, total_ptr, N, ACTIVATION: tl.constexpr
 
 
 @triton.jit
-def activation_backward_kernel(g, z, u, zu_stride, grad_pre, h, total_ptr, N, ACTIVATION: tl.constexpr,
-                               GATED: tl.constexpr, STORE_ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def activation_backward_kernel(
+    g,
+    z,
+    u,
+    zu_stride,
+    grad_pre,
+    h,
+    total_ptr,
+    N,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    STORE_ACT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+):
     """GATED: grad_pre[:, :N] = g * u * act'(z), grad_pre[:, N:] = g * act(z) ([R, 2N]), and with
     STORE_ACT h = act(z) * u. Else (u unused): grad_pre = g * act'(z) ([R, N]), and with STORE_ACT
     h = act(z). g and h are [R, N] row-major, z and u [R, N] of row stride zu_stride."""

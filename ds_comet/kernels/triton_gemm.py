@@ -48,20 +48,23 @@ WAIT_DISPATCH_TILE = tl.constexpr(constants.WAIT_DISPATCH_TILE)
 
 @triton.jit
 def _load_acquire(ptr):
-    return tl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(
+        "ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
 def _global_timer(anchor):
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [anchor], dtype=tl.int64, is_pure=False,
-                                     pack=1)
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,l", [anchor], dtype=tl.int64, is_pure=False, pack=1
+    )
 
 
 @triton.jit
 def _fence_system(anchor):
-    return tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r,l", [anchor], dtype=tl.int32,
-                                     is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(
+        "fence.sc.sys; mov.u32 $0, 0;", "=r,l", [anchor], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -70,8 +73,9 @@ def _trap(anchor):
 
 
 @triton.jit
-def _wait_at_least(counter, target, timeout_ns, error_addr, error_claim, rank, index, WAIT_KIND: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+def _wait_at_least(
+    counter, target, timeout_ns, error_addr, error_claim, rank, index, WAIT_KIND: tl.constexpr, INTERPRET: tl.constexpr
+):
     """Spin until *counter >= target; past timeout_ns record the wait in the error record and trap.
 
     Only the first wait to set ``error_claim`` (a device word the CUDA kernels' waits share) fills
@@ -140,8 +144,17 @@ def _swizzle(tile, rows, cols, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _own_rows_first(slot, local_prefix, remote_prefix, local_total, layout, off_expert_start, off_local_tiles,
-                    off_remote_tiles, BM: tl.constexpr):
+def _own_rows_first(
+    slot,
+    local_prefix,
+    remote_prefix,
+    local_total,
+    layout,
+    off_expert_start,
+    off_local_tiles,
+    off_remote_tiles,
+    BM: tl.constexpr,
+):
     """(expert, its tile index, first row, the expert's row end) of GEMM1's row tile ``slot`` in the
     schedule that runs every expert's tiles of own rows first, then every expert's remaining tiles.
 
@@ -162,8 +175,19 @@ def _own_rows_first(slot, local_prefix, remote_prefix, local_total, layout, off_
 
 
 @triton.jit
-def _chunk_major_tile(tile, total_m, n_tiles, tile_prefix, layout, off_expert_start, off_tile_start, BM: tl.constexpr,
-                      BN: tl.constexpr, GROUP_M: tl.constexpr, CHUNK_TILES: tl.constexpr):
+def _chunk_major_tile(
+    tile,
+    total_m,
+    n_tiles,
+    tile_prefix,
+    layout,
+    off_expert_start,
+    off_tile_start,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    CHUNK_TILES: tl.constexpr,
+):
     """(column chunk, expert, first row, the expert's row end, first column) of GEMM2's ``tile`` in the
     schedule that finishes each chunk of CHUNK_TILES column tiles across all experts before the next."""
     chunk = tile // (total_m * CHUNK_TILES)
@@ -204,8 +228,9 @@ def _weight_tile(desc, k0, n0, W_NK: tl.constexpr):
 
 
 @triton.jit
-def _dot_rows(acc, acc2, a, lda, offs_m, m_mask, w, w2, n0, K, BK: tl.constexpr, W_NK: tl.constexpr,
-              SECOND: tl.constexpr):
+def _dot_rows(
+    acc, acc2, a, lda, offs_m, m_mask, w, w2, n0, K, BK: tl.constexpr, W_NK: tl.constexpr, SECOND: tl.constexpr
+):
     """acc + A[offs_m, :K] @ W[:K, n0:n0+BN], W a descriptor from ``_weight_tiles``.
 
     With SECOND, acc2 also gets the same rows times the matrix of descriptor w2: both products of a
@@ -225,12 +250,42 @@ def _dot_rows(acc, acc2, a, lda, offs_m, m_mask, w, w2, n0, K, BK: tl.constexpr,
 
 # Not specialised: a rank of 1 would otherwise become a constant, and each rank its own compile.
 @triton.jit(do_not_specialize=["error_addr", "timeout_ns", "rank"])
-def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, tile_counters, error_addr,
-                 timeout_ns, rank, K, N, num_local, off_expert_start, off_tile_start, off_local_tiles,
-                 off_remote_tiles, off_total_tiles, L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, ACTIVATE: tl.constexpr,
-                 STORE_PRE: tl.constexpr, WAIT: tl.constexpr, INTERPRET: tl.constexpr):
+def gemm1_kernel(
+    rows,
+    out,
+    pre,
+    w_table,
+    w3_table,
+    b1_table,
+    b3_table,
+    layout,
+    tile_counters,
+    error_addr,
+    timeout_ns,
+    rank,
+    K,
+    N,
+    num_local,
+    off_expert_start,
+    off_tile_start,
+    off_local_tiles,
+    off_remote_tiles,
+    off_total_tiles,
+    L_POW2: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    ACTIVATE: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    WAIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """The first grouped GEMM over the receive buffer ``rows`` ([R, K]), tile by tile as rows arrive.
 
     Forward (W = W1, [N, K]) with ACTIVATE: out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)];
@@ -263,13 +318,30 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
 
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
         slot, pid_n = _swizzle(tile, total_m, n_tiles, GROUP_M)
-        expert, t, tile_row, row_end = _own_rows_first(slot, local_prefix, remote_prefix, local_total, layout,
-                                                       off_expert_start, off_local_tiles, off_remote_tiles, BM)
+        expert, t, tile_row, row_end = _own_rows_first(
+            slot,
+            local_prefix,
+            remote_prefix,
+            local_total,
+            layout,
+            off_expert_start,
+            off_local_tiles,
+            off_remote_tiles,
+            BM,
+        )
         if WAIT:
             tile_index = tl.load(layout + off_tile_start + expert) + t
-            _wait_at_least(tile_counters + tile_index, tl.minimum(row_end - tile_row, BM), timeout_ns, error_addr,
-                           layout + off_total_tiles + ERROR_CLAIM_AFTER_TILES, rank, tile_index, WAIT_DISPATCH_TILE,
-                           INTERPRET)
+            _wait_at_least(
+                tile_counters + tile_index,
+                tl.minimum(row_end - tile_row, BM),
+                timeout_ns,
+                error_addr,
+                layout + off_total_tiles + ERROR_CLAIM_AFTER_TILES,
+                rank,
+                tile_index,
+                WAIT_DISPATCH_TILE,
+                INTERPRET,
+            )
 
         offs_m = tile_row + tl.arange(0, BM)
         m_mask = offs_m < row_end
@@ -279,8 +351,7 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
         if two_products:
             w3 = _weight_tiles(w3_table, expert, dtype, K, N, BK, BN, True)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, pid_n * BN, K, BK, not BACKWARD,
-                              two_products)
+        acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, pid_n * BN, K, BK, not BACKWARD, two_products)
         if not ACTIVATE:  # g, or an ungated expert's products: a plain row-major store of the tile, as GEMM2's
             offs_n = pid_n * BN + tl.arange(0, BN)
             n_mask = offs_n < N
@@ -303,10 +374,40 @@ def gemm1_kernel(rows, out, pre, w_table, w3_table, b1_table, b3_table, layout, 
             acc_left, acc_right = _column_halves(acc, BM, BN)
             acc3_left, acc3_right = _column_halves(acc3, BM, BN)
             half_n = pid_n * BN + tl.arange(0, BN // 2)
-            _gemm1_epilogue(acc_left, acc3_left, offs_m, m_mask, half_n, N, pre_cols, out, pre, bias1, bias3,
-                            GATED, ACTIVATION, STORE_PRE, HAS_BIAS)
-            _gemm1_epilogue(acc_right, acc3_right, offs_m, m_mask, half_n + BN // 2, N, pre_cols, out, pre,
-                            bias1, bias3, GATED, ACTIVATION, STORE_PRE, HAS_BIAS)
+            _gemm1_epilogue(
+                acc_left,
+                acc3_left,
+                offs_m,
+                m_mask,
+                half_n,
+                N,
+                pre_cols,
+                out,
+                pre,
+                bias1,
+                bias3,
+                GATED,
+                ACTIVATION,
+                STORE_PRE,
+                HAS_BIAS,
+            )
+            _gemm1_epilogue(
+                acc_right,
+                acc3_right,
+                offs_m,
+                m_mask,
+                half_n + BN // 2,
+                N,
+                pre_cols,
+                out,
+                pre,
+                bias1,
+                bias3,
+                GATED,
+                ACTIVATION,
+                STORE_PRE,
+                HAS_BIAS,
+            )
 
 
 @triton.jit
@@ -318,8 +419,23 @@ def _column_halves(x, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _gemm1_epilogue(acc, acc3, offs_m, m_mask, offs_n, N, pre_cols, out, pre, bias1, bias3, GATED: tl.constexpr,
-                    ACTIVATION: tl.constexpr, STORE_PRE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _gemm1_epilogue(
+    acc,
+    acc3,
+    offs_m,
+    m_mask,
+    offs_n,
+    N,
+    pre_cols,
+    out,
+    pre,
+    bias1,
+    bias3,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """The forward gemm1_kernel's outputs for the columns offs_n of its tile (acc3: the up products
     of gated experts): the activations, and with STORE_PRE the products before them."""
     dtype = out.dtype.element_ty
@@ -341,11 +457,34 @@ def _gemm1_epilogue(acc, acc3, offs_m, m_mask, offs_n, N, pre_cols, out, pre, bi
 
 
 @triton.jit
-def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, out, chunk_counter_table, layout, K, N,
-                 num_local, off_expert_start, off_tile_start, off_total_tiles, EP_SIZE: tl.constexpr,
-                 L_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 CHUNK_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, HAS_BIAS: tl.constexpr, SECOND: tl.constexpr,
-                 W_NK: tl.constexpr):
+def gemm2_kernel(
+    rows,
+    lda,
+    w_table,
+    w3_table,
+    b2_table,
+    origin,
+    out,
+    chunk_counter_table,
+    layout,
+    K,
+    N,
+    num_local,
+    off_expert_start,
+    off_tile_start,
+    off_total_tiles,
+    EP_SIZE: tl.constexpr,
+    L_POW2: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    CHUNK_TILES: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SECOND: tl.constexpr,
+    W_NK: tl.constexpr,
+):
     """out = rows[:, :K] @ W + b2 (+ rows[:, K:2K] @ W3 with SECOND), row for row ([R, N]);
     W is stored [N, K] (and read transposed) with W_NK, else [K, N].
 
@@ -363,9 +502,9 @@ def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, out, chunk_coun
     tile_prefix = tl.load(layout + off_tile_start + lanes, mask=lanes <= num_local, other=1 << 30)
 
     for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
-        chunk, expert, row0, row_end, n0 = _chunk_major_tile(tile, total_m, n_tiles, tile_prefix, layout,
-                                                             off_expert_start, off_tile_start, BM, BN, GROUP_M,
-                                                             CHUNK_TILES)
+        chunk, expert, row0, row_end, n0 = _chunk_major_tile(
+            tile, total_m, n_tiles, tile_prefix, layout, off_expert_start, off_tile_start, BM, BN, GROUP_M, CHUNK_TILES
+        )
         offs_m = row0 + tl.arange(0, BM)
         offs_n = n0 + tl.arange(0, BN)
         m_mask = offs_m < row_end
@@ -393,8 +532,23 @@ def gemm2_kernel(rows, lda, w_table, w3_table, b2_table, origin, out, chunk_coun
 
 
 @triton.jit
-def wgrad_kernel(a, lda, b, ldb, out, layout, off_expert_start, M, N, num_local, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
+def wgrad_kernel(
+    a,
+    lda,
+    b,
+    ldb,
+    out,
+    layout,
+    off_expert_start,
+    M,
+    N,
+    num_local,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+):
     """out[l] = a[rows of l, :M]^T @ b[rows of l, :N] ([L, M, N]): the weight gradients of every
     local expert (their bias gradients: ``expert_column_sums_kernel``).
 
@@ -416,14 +570,19 @@ def wgrad_kernel(a, lda, b, ldb, out, layout, off_expert_start, M, N, num_local,
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for r in range(first, end, BK):
             r_mask = (r + offs_r) < end
-            x = tl.load(a + (r + offs_r)[:, None] * lda + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :],
-                        other=0.0)
-            y = tl.load(b + (r + offs_r)[:, None] * ldb + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
-                        other=0.0)
+            x = tl.load(
+                a + (r + offs_r)[:, None] * lda + offs_m[None, :], mask=r_mask[:, None] & m_mask[None, :], other=0.0
+            )
+            y = tl.load(
+                b + (r + offs_r)[:, None] * ldb + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0
+            )
             acc = tl.dot(tl.trans(x), y, acc)
         base = expert.to(tl.int64) * M * N
-        tl.store(out + base + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(
+            out + base + offs_m[:, None] * N + offs_n[None, :],
+            acc.to(out.dtype.element_ty),
+            mask=m_mask[:, None] & n_mask[None, :],
+        )
 
 
 @triton.jit

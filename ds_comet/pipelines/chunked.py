@@ -27,7 +27,7 @@ pipeline) fire once per chunk, each time on part of the rows; gradients reach th
 experts hold (``LocalExperts.parameters``), not tensors an expert reads from elsewhere.
 """
 
-from typing import Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from deepspeed import comm as dist
@@ -55,31 +55,34 @@ class ChunkPlan:
         self.chunks = chunks
         send_bounds, recv_bounds = chunk_bounds(send, chunks), chunk_bounds(recv, chunks)  # [ep_size, chunks + 1]
         send_sizes = send_bounds[:, 1:] - send_bounds[:, :-1]  # [ep_size, chunks]
-        self.send_splits: List[List[int]] = send_sizes.t().tolist()
-        self.recv_splits: List[List[int]] = (recv_bounds[:, 1:] - recv_bounds[:, :-1]).t().tolist()
+        self.send_splits: list[list[int]] = send_sizes.t().tolist()
+        self.recv_splits: list[list[int]] = (recv_bounds[:, 1:] - recv_bounds[:, :-1]).t().tolist()
         block_starts = exclusive_cumsum(send)
         host = [runs(block_starts + send_bounds[:, c], send_sizes[:, c]) for c in range(chunks)]
         self.send_index = list(host_to_device(torch.cat(host), device).split([t.numel() for t in host]))
 
 
-def _post(output: Tensor, rows: Tensor, output_splits: List[int], input_splits: List[int], group):
+def _post(output: Tensor, rows: Tensor, output_splits: list[int], input_splits: list[int], group):
     """One uneven all-to-all, posted and not waited for."""
-    return dist.all_to_all_single(output, rows, output_split_sizes=output_splits, input_split_sizes=input_splits,
-                                  group=group, async_op=True)
+    return dist.all_to_all_single(
+        output, rows, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group, async_op=True
+    )
 
 
-def _gather_chunks(parts: List[Tensor], index: List[Tensor], num_rows: int) -> Tensor:
+def _gather_chunks(parts: list[Tensor], index: list[Tensor], num_rows: int) -> Tensor:
     """The rows of every chunk's part, back in the order ``index`` took them from."""
-    whole = parts[0].new_empty((num_rows, ) + tuple(parts[0].shape[1:]))
+    whole = parts[0].new_empty((num_rows,) + tuple(parts[0].shape[1:]))
     for part, where in zip(parts, index):
         whole.index_copy_(0, where, part)
     return whole
 
 
-def _dispatch_work_return(plan: ChunkPlan, work: ChunkWork, waits: CollectiveWaits, rows: Tensor, routes: Tensor,
-                          track: bool):
+def _dispatch_work_return(
+    plan: ChunkPlan, work: ChunkWork, waits: CollectiveWaits, rows: Tensor, routes: Tensor, track: bool
+):
     """The forward's three steps, chunk by chunk: (the returned rows, in the sent rows' order; per
     chunk, the received rows and routes and what ``work`` made of them, with its graph when ``track``)."""
+
     def received(like: Tensor, c: int) -> Tensor:
         return like.new_empty((sum(plan.recv_splits[c]), like.shape[1]))
 
@@ -87,8 +90,18 @@ def _dispatch_work_return(plan: ChunkPlan, work: ChunkWork, waits: CollectiveWai
     arrived, dispatches = [], []
     for c in range(plan.chunks):
         arrived.append((received(rows, c), received(routes, c)))
-        dispatches.append([_post(arrived[c][i], sent.index_select(0, plan.send_index[c]), plan.recv_splits[c],
-                                 plan.send_splits[c], waits.group) for i, sent in enumerate((rows, routes))])
+        dispatches.append(
+            [
+                _post(
+                    arrived[c][i],
+                    sent.index_select(0, plan.send_index[c]),
+                    plan.recv_splits[c],
+                    plan.send_splits[c],
+                    waits.group,
+                )
+                for i, sent in enumerate((rows, routes))
+            ]
+        )
     returned, returns, graphs = [], [], []
     for c in range(plan.chunks):
         for posted in dispatches[c]:
@@ -116,8 +129,9 @@ class ChunkedExchange(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, plan: ChunkPlan, work: ChunkWork, waits: CollectiveWaits, rows: Tensor, routes: Tensor,
-                *params: Tensor) -> Tensor:
+    def forward(
+        ctx, plan: ChunkPlan, work: ChunkWork, waits: CollectiveWaits, rows: Tensor, routes: Tensor, *params: Tensor
+    ) -> Tensor:
         returned, ctx.graphs = _dispatch_work_return(plan, work, waits, rows, routes, track=True)
         ctx.plan, ctx.waits, ctx.params, ctx.sent = plan, waits, params, (rows.shape, rows.dtype, routes.shape)
         return returned
@@ -125,29 +139,43 @@ class ChunkedExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_returned: Tensor):
         if ctx.graphs is None:
-            raise RuntimeError("the chunked MoE exchange's backward runs once per forward: its experts' graphs are "
-                               "freed as it goes (retain_graph=True needs \"moe\": {\"internode_chunks\": 1})")
+            raise RuntimeError(
+                "the chunked MoE exchange's backward runs once per forward: its experts' graphs are "
+                'freed as it goes (retain_graph=True needs "moe": {"internode_chunks": 1})'
+            )
         plan, waits = ctx.plan, ctx.waits
         (rows_shape, rows_dtype, routes_shape), wanted_params = ctx.sent, ctx.needs_input_grad[5:]
         params = [p for p, wanted in zip(ctx.params, wanted_params) if wanted]
         grad_returned = grad_returned.contiguous()
-        arrived = [grad_returned.new_empty((sum(plan.recv_splits[c]), grad_returned.shape[1]))
-                   for c in range(plan.chunks)]
+        arrived = [
+            grad_returned.new_empty((sum(plan.recv_splits[c]), grad_returned.shape[1])) for c in range(plan.chunks)
+        ]
         # The return's gradient goes back to the ranks that did the work, every chunk posted at once.
-        arrivals = [_post(arrived[c], grad_returned.index_select(0, plan.send_index[c]), plan.recv_splits[c],
-                          plan.send_splits[c], waits.group) for c in range(plan.chunks)]
-        param_grads: List[Optional[Tensor]] = [None] * len(params)
+        arrivals = [
+            _post(
+                arrived[c],
+                grad_returned.index_select(0, plan.send_index[c]),
+                plan.recv_splits[c],
+                plan.send_splits[c],
+                waits.group,
+            )
+            for c in range(plan.chunks)
+        ]
+        param_grads: list[Tensor | None] = [None] * len(params)
         departed, departures = [], []
         for c in range(plan.chunks):
-            waits.wait(arrivals[c], f"the gradients of chunk {c + 1} of {plan.chunks} of the rows it returned",
-                       grad_returned.is_cuda)
+            waits.wait(
+                arrivals[c],
+                f"the gradients of chunk {c + 1} of {plan.chunks} of the rows it returned",
+                grad_returned.is_cuda,
+            )
             chunk_rows, chunk_routes, out = ctx.graphs[c]
             sources = [t for t in (chunk_rows, chunk_routes) if t.requires_grad]
             grads = [None] * (len(sources) + len(params))
             if out.requires_grad and sources + params:
                 grads = list(torch.autograd.grad(out, sources + params, arrived[c], allow_unused=True))
             found = {id(t): g for t, g in zip(sources, grads)}
-            for i, grad in enumerate(grads[len(sources):]):  # summed over the chunks in fp32, rounded once
+            for i, grad in enumerate(grads[len(sources) :]):  # summed over the chunks in fp32, rounded once
                 if grad is not None:
                     param_grads[i] = grad.float() if param_grads[i] is None else param_grads[i] + grad
             back = []
@@ -155,23 +183,41 @@ class ChunkedExchange(torch.autograd.Function):
                 grad = found.get(id(sent))
                 back.append(sent.new_zeros(sent.shape, dtype=dtype) if grad is None else grad.to(dtype).contiguous())
             departed.append([grad.new_empty((sum(plan.send_splits[c]), grad.shape[1])) for grad in back])
-            departures += [_post(departed[c][i], back[i], plan.send_splits[c], plan.recv_splits[c], waits.group)
-                           for i in range(2)]
+            departures += [
+                _post(departed[c][i], back[i], plan.send_splits[c], plan.recv_splits[c], waits.group) for i in range(2)
+            ]
         for i, posted in enumerate(departures):
-            waits.wait(posted, f"the gradients of chunk {i // 2 + 1} of {plan.chunks} of the rows it sent",
-                       grad_returned.is_cuda)
+            waits.wait(
+                posted,
+                f"the gradients of chunk {i // 2 + 1} of {plan.chunks} of the rows it sent",
+                grad_returned.is_cuda,
+            )
         ctx.graphs = None
         grad_rows = _gather_chunks([part[0] for part in departed], plan.send_index, rows_shape[0])
         grad_routes = _gather_chunks([part[1] for part in departed], plan.send_index, routes_shape[0])
         found = iter(None if grad is None else grad.to(p.dtype) for grad, p in zip(param_grads, params))
-        return (None, None, None, grad_rows, grad_routes,
-                *[next(found) if wanted else None for wanted in wanted_params])
+        return (
+            None,
+            None,
+            None,
+            grad_rows,
+            grad_routes,
+            *[next(found) if wanted else None for wanted in wanted_params],
+        )
 
 
 # Eager under torch.compile, as the whole exchange is (reference.py): collectives and host bookkeeping.
 @torch.compiler.disable
-def chunked_exchange(rows: Tensor, routes: Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], chunks: int,
-                     work: ChunkWork, params: Sequence[Tensor], waits: CollectiveWaits) -> Tensor:
+def chunked_exchange(
+    rows: Tensor,
+    routes: Tensor,
+    send_rows: Sequence[int],
+    recv_rows: Sequence[int],
+    chunks: int,
+    work: ChunkWork,
+    params: Sequence[Tensor],
+    waits: CollectiveWaits,
+) -> Tensor:
     """``work``'s rows for ``rows`` ([R, H], grouped by destination rank as ``send_rows`` says) and
     their ``routes`` ([R, 2k] fp32, ``reference.pack_routes``), exchanged there and back in ``chunks``
     chunks; ``params``: the parameters ``work`` reads; ``waits``: the group and the bound on each wait."""

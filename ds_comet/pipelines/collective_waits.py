@@ -24,8 +24,8 @@ import contextlib
 import pickle
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from deepspeed import comm as dist
@@ -35,7 +35,7 @@ from ..kernels.ops import CometWaitTimeout
 REPORT_KEY = "ds_comet/waiting/"  # + the global rank: when and where that rank gave up waiting
 FAILURE_KEY = "ds_comet/raised/"  # + the global rank: the error that rank raised inside a layer's call
 STORE_SLACK_S = 5.0  # beyond the bound, for the store's own answers, before the roll call is given up
-Report = Tuple[float, str]  # a rank's report of the wait it gave up: when (time.time()) and where
+Report = tuple[float, str]  # a rank's report of the wait it gave up: when (time.time()) and where
 
 
 class CollectiveWaits:
@@ -79,7 +79,7 @@ class CollectiveWaits:
                 raise  # not the bound: the collective itself failed (a peer's process ended, say)
             self._timed_out(waited, what, error)
 
-    def _timed_out(self, waited: float, what: str, error: Optional[BaseException]):
+    def _timed_out(self, waited: float, what: str, error: BaseException | None):
         rank = dist.get_rank(group=self.group)
         began = time.time() - waited  # the roll call below takes as long again
         answer = self._ranks_not_waiting(what, began)
@@ -89,24 +89,34 @@ class CollectiveWaits:
         elif silent is None:
             who = "a rank of the group stopped calling the layer or fell behind"
         elif silent:
-            who = (f"global rank(s) {', '.join(map(str, silent))} of the group did not report a wait of their own "
-                   f"within {self.timeout_s:g} s more: they stopped calling the layer, raised, or are stuck")
+            who = (
+                f"global rank(s) {', '.join(map(str, silent))} of the group did not report a wait of their own "
+                f"within {self.timeout_s:g} s more: they stopped calling the layer, raised, or are stuck"
+            )
         else:
-            who = ("every other rank of the group is waiting too: they disagree on the collectives of this "
-                   "call (a rank called another layer, or another number of times)")
+            who = (
+                "every other rank of the group is waiting too: they disagree on the collectives of this "
+                "call (a rank called another layer, or another number of times)"
+            )
         if gave_up:
-            who += ("; global rank(s) " + ", ".join(f"{peer} ({where}, {began - written:.1f} s before)"
-                                                   for peer, (written, where) in sorted(gave_up.items()))
-                    + " gave up their own waits before this rank's wait began: this rank came to the call more "
-                    "than \"wait_timeout_s\" after its peers (a slow batch, or work on this rank alone)")
+            who += (
+                "; global rank(s) "
+                + ", ".join(
+                    f"{peer} ({where}, {began - written:.1f} s before)"
+                    for peer, (written, where) in sorted(gave_up.items())
+                )
+                + " gave up their own waits before this rank's wait began: this rank came to the call more "
+                'than "wait_timeout_s" after its peers (a slow batch, or work on this rank alone)'
+            )
         if silent:
             who += describe_failures(failure_notes(silent, began - self.timeout_s))
         raise CometWaitTimeout(
             f"ds_comet: {self.layer_name}: rank {rank} of its expert-parallel group waited {waited:.1f} s for "
-            f"{what}; {who}. Raise \"moe\": {{\"wait_timeout_s\"}} if they are only slow. The exchange stays "
-            f"posted: restart the job") from error
+            f'{what}; {who}. Raise "moe": {{"wait_timeout_s"}} if they are only slow. The exchange stays '
+            f"posted: restart the job"
+        ) from error
 
-    def _ranks_not_waiting(self, what: str, began: float) -> Optional[Tuple[List[int], Dict[int, Report]]]:
+    def _ranks_not_waiting(self, what: str, began: float) -> tuple[list[int], dict[int, Report]] | None:
         """The group's other ranks (global) that report no wait of their own within ``timeout_s``
         more, and of those, the ones whose last report (its time and place) came before this rank's
         wait began at ``began`` (``time.time()``); None where that cannot be found out (no store, or
@@ -120,7 +130,7 @@ class CollectiveWaits:
         answer cannot hold the error back.
         """
 
-        def report(store, rank: int) -> Optional[Report]:
+        def report(store, rank: int) -> Report | None:
             key = f"{REPORT_KEY}{rank}"
             if not store.check([key]):
                 return None
@@ -135,7 +145,7 @@ class CollectiveWaits:
             me = torch.distributed.get_rank()
             store.set(f"{REPORT_KEY}{me}", f"{time.time():.3f} {self.layer_name}: {what}")
             silent = [rank for rank in group_ranks(self.group) if rank != me]
-            reports: Dict[int, Optional[Report]] = {}
+            reports: dict[int, Report | None] = {}
             deadline = time.monotonic() + self.timeout_s
             while silent:
                 reports = {rank: report(store, rank) for rank in silent}
@@ -159,18 +169,21 @@ def gather_objects(obj, waits: CollectiveWaits, what: str) -> list:
     world = torch.distributed.get_world_size(group)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world)]
-    waits.wait(torch.distributed.all_gather(sizes, size, group=group, async_op=True), f"the sizes of {what}", on_gpu,
-               read_back=True)
+    waits.wait(
+        torch.distributed.all_gather(sizes, size, group=group, async_op=True),
+        f"the sizes of {what}",
+        on_gpu,
+        read_back=True,
+    )
     lengths = torch.cat(sizes).tolist()
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[:payload.numel()] = payload
+    padded[: payload.numel()] = payload
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    waits.wait(torch.distributed.all_gather(gathered, padded, group=group, async_op=True), what, on_gpu,
-               read_back=True)
+    waits.wait(torch.distributed.all_gather(gathered, padded, group=group, async_op=True), what, on_gpu, read_back=True)
     return [pickle.loads(part[:length].cpu().numpy().tobytes()) for part, length in zip(gathered, lengths)]
 
 
-def group_ranks(group) -> List[int]:
+def group_ranks(group) -> list[int]:
     """The global ranks of ``group`` (None: the default group)."""
     return torch.distributed.get_process_group_ranks(group or torch.distributed.group.WORLD)
 
@@ -220,11 +233,11 @@ def failures_noted(layer_name: str, ep_size: int) -> Iterator[None]:
         raise
 
 
-def failure_notes(ranks: Iterable[int], since: float) -> Dict[int, str]:
+def failure_notes(ranks: Iterable[int], since: float) -> dict[int, str]:
     """The notes ``post_failure`` left for any of the global ``ranks`` at ``since`` (``time.time()``)
     or later, by rank, without their time."""
 
-    def read(store) -> Dict[int, str]:
+    def read(store) -> dict[int, str]:
         found = {}
         for rank in ranks:
             key = f"{FAILURE_KEY}{rank}"
@@ -237,6 +250,6 @@ def failure_notes(ranks: Iterable[int], since: float) -> Dict[int, str]:
     return ask_store(read, STORE_SLACK_S) or {}
 
 
-def describe_failures(notes: Dict[int, str]) -> str:
+def describe_failures(notes: dict[int, str]) -> str:
     """``failure_notes`` as the end of an error message ("" when there are none)."""
     return "".join(f"; global rank {rank} raised {note}" for rank, note in sorted(notes.items()))

@@ -8,7 +8,7 @@ weights (``FusedExperts``): sizes, one pointer per weight and expert for the ker
 parameters autograd accumulates into, and how the grouped weight gradients map onto them.
 """
 
-from typing import List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -36,30 +36,31 @@ class FusedExperts:
     has_bias: bool
     activation: str
 
-    def pointers(self) -> List[Tuple[int, ...]]:
+    def pointers(self) -> list[tuple[int, ...]]:
         raise NotImplementedError
 
-    def tensors_reason(self, hidden: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    def tensors_reason(self, hidden: int, dtype: torch.dtype, device: torch.device) -> str | None:
         """Why the kernels cannot read these weights for [S, hidden] tokens of dtype on device, or None."""
         raise NotImplementedError
 
-    def parameters(self) -> List[Tensor]:
+    def parameters(self) -> list[Tensor]:
         raise NotImplementedError
 
-    def stacked(self) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    def stacked(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(w1, w3, w2)`` as ``[L, F, H]``, ``[L, F, H]`` and ``[L, H, F]`` tensors where the experts
         are stored so (what ``torch._grouped_mm`` takes), else None."""
         return None
 
-    def gradients(self, dw1: Tensor, db1: Optional[Tensor], dw3: Optional[Tensor], db3: Optional[Tensor], dw2: Tensor,
-                  db2: Optional[Tensor]) -> List[Tensor]:
+    def gradients(
+        self, dw1: Tensor, db1: Tensor | None, dw3: Tensor | None, db3: Tensor | None, dw2: Tensor, db2: Tensor | None
+    ) -> list[Tensor]:
         raise NotImplementedError
 
 
 class ModuleFusedExperts(FusedExperts):
     """One module per expert, each read through its ``FusedExpert`` spec."""
 
-    def __init__(self, specs: List[FusedExpert]):
+    def __init__(self, specs: list[FusedExpert]):
         first = specs[0]
         self.specs = specs
         self.num_local = len(specs)
@@ -68,16 +69,16 @@ class ModuleFusedExperts(FusedExperts):
         self.has_bias = first.first.bias is not None
         self.activation = first.activation
 
-    def pointers(self) -> List[Tuple[int, ...]]:
+    def pointers(self) -> list[tuple[int, ...]]:
         return [tuple(0 if t is None else t.data_ptr() for t in spec.tensors()) for spec in self.specs]
 
     def tensors_reason(self, hidden, dtype, device):
         return expert_tensors_reason(self.specs, hidden, dtype, device)
 
-    def parameters(self) -> List[Tensor]:
+    def parameters(self) -> list[Tensor]:
         return [t for spec in self.specs for t in spec.tensors() if t is not None]
 
-    def gradients(self, dw1, db1, dw3, db3, dw2, db2) -> List[Tensor]:
+    def gradients(self, dw1, db1, dw3, db3, dw2, db2) -> list[Tensor]:
         def per_expert(grads):  # one view per local expert, unbound in one call (indexing costs ~3 us a view)
             return [None] * self.num_local if grads is None else grads.unbind(0)
 
@@ -96,11 +97,11 @@ class StackedFusedExperts(FusedExperts):
         self.num_local, self.ffn, _ = grouped.w1.shape
         self.gated, self.has_bias, self.activation = True, False, activation
 
-    def _weights(self) -> Tuple[Tensor, Tensor, Tensor]:
+    def _weights(self) -> tuple[Tensor, Tensor, Tensor]:
         params = self.grouped._parameters
         return params["w1"], params["w3"], params["w2"]
 
-    def pointers(self) -> List[Tuple[int, ...]]:
+    def pointers(self) -> list[tuple[int, ...]]:
         w1, w3, w2 = self._weights()
         rows = []
         for expert in range(self.num_local):
@@ -110,9 +111,11 @@ class StackedFusedExperts(FusedExperts):
 
     def tensors_reason(self, hidden, dtype, device):
         w1, w3, w2 = self._weights()
-        for name, tensor, shape in (("w1", w1, (self.num_local, self.ffn, hidden)),
-                                    ("w3", w3, (self.num_local, self.ffn, hidden)),
-                                    ("w2", w2, (self.num_local, hidden, self.ffn))):
+        for name, tensor, shape in (
+            ("w1", w1, (self.num_local, self.ffn, hidden)),
+            ("w3", w3, (self.num_local, self.ffn, hidden)),
+            ("w2", w2, (self.num_local, hidden, self.ffn)),
+        ):
             if tuple(tensor.shape) != shape:
                 return f"the grouped experts' {name} is {tuple(tensor.shape)}, the tokens need {shape}"
             reason = tensor_reason(f"the grouped experts' {name}", tensor, dtype, device)
@@ -120,13 +123,13 @@ class StackedFusedExperts(FusedExperts):
                 return reason
         return None
 
-    def parameters(self) -> List[Tensor]:
+    def parameters(self) -> list[Tensor]:
         return list(self._weights())
 
-    def stacked(self) -> Tuple[Tensor, Tensor, Tensor]:
+    def stacked(self) -> tuple[Tensor, Tensor, Tensor]:
         return self._weights()
 
-    def gradients(self, dw1, db1, dw3, db3, dw2, db2) -> List[Tensor]:
+    def gradients(self, dw1, db1, dw3, db3, dw2, db2) -> list[Tensor]:
         return [dw1, dw3, dw2]
 
 
@@ -139,19 +142,19 @@ class LocalExperts:
         """The experts' outputs for ``rows`` ([R, H], grouped by local expert, ``counts[l]`` rows each)."""
         raise NotImplementedError
 
-    def parameters(self) -> List[Tensor]:
+    def parameters(self) -> list[Tensor]:
         """Every parameter of the local experts (whether or not it needs a gradient)."""
         raise NotImplementedError
 
-    def fused(self, hidden: int) -> Union[FusedExperts, str]:
+    def fused(self, hidden: int) -> FusedExperts | str:
         """The weights as the fused kernels read them, or why they cannot compute these experts."""
         raise NotImplementedError
 
-    def hookable_modules(self) -> List[nn.Module]:
+    def hookable_modules(self) -> list[nn.Module]:
         """The modules whose hooks the reference pipeline runs and the fused kernels would skip."""
         raise NotImplementedError
 
-    def uncalled_modules(self) -> List[nn.Module]:
+    def uncalled_modules(self) -> list[nn.Module]:
         """Modules of the experts that neither pipeline calls, so that hooks on them never run."""
         return []
 
@@ -182,8 +185,10 @@ class ModuleExperts(LocalExperts):
         outputs = [_run_module(expert, part) for expert, part in zip(self.modules, parts)]
         widths = {out.shape[-1] for out in outputs}
         if widths != {rows.shape[-1]} or any(out.shape[:-1] != part.shape[:-1] for out, part in zip(outputs, parts)):
-            raise ValueError(f"an expert maps rows of {rows.shape[-1]} features to {sorted(widths)}; MoE experts "
-                             "must return one row of the hidden size per input row")
+            raise ValueError(
+                f"an expert maps rows of {rows.shape[-1]} features to {sorted(widths)}; MoE experts "
+                "must return one row of the hidden size per input row"
+            )
         return torch.cat(outputs)
 
     def parameters(self):
@@ -209,8 +214,12 @@ class ModuleExperts(LocalExperts):
 
     def structure(self):
         first = self.modules[0]
-        return ("modules", type(first).__qualname__, self.num_local,
-                tuple((name, tuple(p.shape), str(p.dtype)) for name, p in first.named_parameters()))
+        return (
+            "modules",
+            type(first).__qualname__,
+            self.num_local,
+            tuple((name, tuple(p.shape), str(p.dtype)) for name, p in first.named_parameters()),
+        )
 
 
 class StackedExperts(LocalExperts):
@@ -232,13 +241,20 @@ class StackedExperts(LocalExperts):
     def fused(self, hidden):
         activation = self.KERNEL_ACTIVATIONS.get(self.grouped.activation)
         if activation is None:
-            return (f"the experts' activation {self.grouped.activation!r} is not one the fused kernels compute "
-                    f"({', '.join(self.KERNEL_ACTIVATIONS)})")
+            return (
+                f"the experts' activation {self.grouped.activation!r} is not one the fused kernels compute "
+                f"({', '.join(self.KERNEL_ACTIVATIONS)})"
+            )
         return StackedFusedExperts(self.grouped, activation)
 
     def hookable_modules(self):
         return [self.grouped]
 
     def structure(self):
-        return ("stacked", self.grouped.activation, tuple(self.grouped.w1.shape), tuple(self.grouped.w2.shape),
-                str(self.grouped.w1.dtype))
+        return (
+            "stacked",
+            self.grouped.activation,
+            tuple(self.grouped.w1.shape),
+            tuple(self.grouped.w2.shape),
+            str(self.grouped.w1.dtype),
+        )

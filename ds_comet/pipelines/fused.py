@@ -49,8 +49,6 @@ other combine, which cannot start before the dispatch ends, stay for the dispatc
 only by a running block, so no unit waits on a block that is not scheduled.
 """
 
-from typing import Dict, List, Optional, Tuple
-
 import torch
 from torch import Tensor
 
@@ -82,8 +80,15 @@ class FusedPipeline:
 
     name = "fused"
 
-    def __init__(self, workspace: CometBuffer, experts: FusedExperts, params: FusedParameters, num_experts: int,
-                 row_bounds: Dict[bool, int], size_by_received: bool = False):
+    def __init__(
+        self,
+        workspace: CometBuffer,
+        experts: FusedExperts,
+        params: FusedParameters,
+        num_experts: int,
+        row_bounds: dict[bool, int],
+        size_by_received: bool = False,
+    ):
         self.workspace = workspace
         self.experts = experts
         self.params = params
@@ -100,8 +105,9 @@ class FusedPipeline:
     # which no graph sees. torch._disable_dynamo, not torch.compiler.disable: it imports torch._dynamo
     # at the first call, not at `import ds_comet` (seconds; DeepSpeed's lazy_disable does the same).
     @torch._disable_dynamo
-    def forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, train: bool = True,
-                out: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, indices: Tensor, weights: Tensor, train: bool = True, out: Tensor | None = None
+    ) -> Tensor:
         """The experts' combined output for ``tokens`` ([S, H], bf16 or fp16, on this rank's GPU).
 
         ``indices`` ([k, S], integer): each route's global expert, -1 where the gate dropped it.
@@ -117,8 +123,10 @@ class FusedPipeline:
         try:
             plan = plan_routes_cuda(self.workspace.op, indices, self.num_experts, self.workspace.shape.ep_size)
             if plan.top_k != self.workspace.shape.top_k:
-                raise ValueError(f"the gate gave {plan.top_k} routes a token, but this layer's fused workspace was "
-                                 f"built for k={self.workspace.shape.top_k}")
+                raise ValueError(
+                    f"the gate gave {plan.top_k} routes a token, but this layer's fused workspace was "
+                    f"built for k={self.workspace.shape.top_k}"
+                )
             max_rows = self.row_bounds[train]
             if out is None and torch.is_grad_enabled():
                 params = self.experts.parameters()
@@ -134,9 +142,11 @@ class FusedPipeline:
         """Raises ``error`` again, naming ``"activation_rows"``, if it is running out of memory where
         this layer sized its activations by its row bound (``rows``); else returns."""
         if isinstance(error, torch.OutOfMemoryError) and not self.size_by_received:
-            raise torch.OutOfMemoryError(f"{error}\nds_comet: {self.layer_name} sizes its activations by the most rows "
-                                         f"a rank can receive ({rows} a call); \"moe\": {{\"activation_rows\": "
-                                         "\"received\"} sizes them by the rows each call receives") from error
+            raise torch.OutOfMemoryError(
+                f"{error}\nds_comet: {self.layer_name} sizes its activations by the most rows "
+                f'a rank can receive ({rows} a call); "moe": {{"activation_rows": '
+                '"received"} sizes them by the rows each call receives'
+            ) from error
 
     def note_error(self, error: Exception) -> None:
         """What a call that raised ``error`` tells: if one of its kernels gave up on a wait (which
@@ -149,11 +159,19 @@ class FusedPipeline:
 
     def kernels(self, tokens: Tensor) -> FusedKernels:
         """The kernel launches of one call on ``tokens`` ([S, H]), with the experts' current weights."""
-        return FusedKernels(self.workspace, self.experts, self.params, self.tables.get(self.experts, tokens),
-                            tokens.shape[1])
+        return FusedKernels(
+            self.workspace, self.experts, self.params, self.tables.get(self.experts, tokens), tokens.shape[1]
+        )
 
-    def run_forward(self, tokens: Tensor, plan: RoutingPlan, weights: Tensor, max_rows: int,
-                    out: Optional[Tensor] = None, saved: Optional[dict] = None) -> Tensor:
+    def run_forward(
+        self,
+        tokens: Tensor,
+        plan: RoutingPlan,
+        weights: Tensor,
+        max_rows: int,
+        out: Tensor | None = None,
+        saved: dict | None = None,
+    ) -> Tensor:
         """The forward's kernels: exchange, dispatch, GEMM1, GEMM2, combine (see the module's docstring).
 
         ``saved``, if given, receives what ``run_backward`` needs: the received rows in a tensor of this
@@ -199,9 +217,16 @@ class FusedPipeline:
         kernels.join(tokens.device, tokens, plan.route_order, plan.route_position, weights, expert_out, out)
         return out
 
-    def run_backward(self, grad_out: Tensor, plan: RoutingPlan, weights: Tensor, saved: dict, need_tokens: bool,
-                     need_weights: bool,
-                     need_params: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[List[Tensor]]]:
+    def run_backward(
+        self,
+        grad_out: Tensor,
+        plan: RoutingPlan,
+        weights: Tensor,
+        saved: dict,
+        need_tokens: bool,
+        need_weights: bool,
+        need_params: bool,
+    ) -> tuple[Tensor | None, Tensor | None, list[Tensor] | None]:
         """Gradients of ``run_forward``'s output with respect to the tokens, the route weights ([k, S],
         fp32) and ``experts.parameters()``, from the output gradient ``grad_out`` ([S, H])."""
         buffer = self.workspace
@@ -253,8 +278,16 @@ class FusedPipeline:
             dw3, db3 = kernels.wgrad(grad_pre[:, ffn:], x) if kernels.gated else (None, None)
             param_grads = self.experts.gradients(dw1, db1, dw3, db3, dw2, db2)
         del grad_pre
-        kernels.join(device, grad_out, weights, plan.route_order, plan.route_position, grad_rows,
-                     grad_tokens, *([] if route_grad is None else [route_grad]))
+        kernels.join(
+            device,
+            grad_out,
+            weights,
+            plan.route_order,
+            plan.route_position,
+            grad_rows,
+            grad_tokens,
+            *([] if route_grad is None else [route_grad]),
+        )
         if not need_tokens:
             grad_tokens = None
         if need_weights:
@@ -279,8 +312,15 @@ class FusedMoEFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, pipeline: FusedPipeline, plan: RoutingPlan, max_rows: int, tokens: Tensor, weights: Tensor,
-                *expert_params: Tensor) -> Tensor:
+    def forward(
+        ctx,
+        pipeline: FusedPipeline,
+        plan: RoutingPlan,
+        max_rows: int,
+        tokens: Tensor,
+        weights: Tensor,
+        *expert_params: Tensor,
+    ) -> Tensor:
         saved = {}
         out = pipeline.run_forward(tokens, plan, weights, max_rows, saved=saved)
         ctx.pipeline, ctx.plan, ctx.saved = pipeline, plan, saved
@@ -290,15 +330,23 @@ class FusedMoEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         if ctx.saved is None:
-            raise RuntimeError("the fused MoE backward runs once per forward: its saved activations are freed as "
-                               "it goes (retain_graph=True needs \"moe\": {\"overlap\": \"none\"})")
-        (weights, ) = ctx.saved_tensors
+            raise RuntimeError(
+                "the fused MoE backward runs once per forward: its saved activations are freed as "
+                'it goes (retain_graph=True needs "moe": {"overlap": "none"})'
+            )
+        (weights,) = ctx.saved_tensors
         need = ctx.needs_input_grad
         rows = ctx.saved["rows"].shape[0]  # before the backward pops it
         try:
             grad_tokens, grad_weights, param_grads = ctx.pipeline.run_backward(
-                grad_out, ctx.plan, weights, ctx.saved, need_tokens=need[3], need_weights=need[4],
-                need_params=any(need[5:]))
+                grad_out,
+                ctx.plan,
+                weights,
+                ctx.saved,
+                need_tokens=need[3],
+                need_weights=need[4],
+                need_params=any(need[5:]),
+            )
         except Exception as error:
             ctx.pipeline.note_error(error)
             ctx.pipeline.raise_with_sizing_hint(error, rows)

@@ -9,7 +9,6 @@ one at a time (``ds_comet.bench``).
 import contextvars
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -38,22 +37,25 @@ class PointerTables:
     """
 
     def __init__(self):
-        self._key: Optional[Tuple[int, ...]] = None
+        self._key: tuple[int, ...] | None = None
         self._tables = None
 
-    def get(self, experts: FusedExperts, tokens: Tensor) -> Dict[str, Tensor]:
+    def get(self, experts: FusedExperts, tokens: Tensor) -> dict[str, Tensor]:
         rows = experts.pointers()
         key = tuple(pointer for row in rows for pointer in row)
         if key != self._key:
             # New storage: a parameter was replaced or converted since the layer chose the fused path.
             reason = experts.tensors_reason(tokens.shape[-1], tokens.dtype, tokens.device)
             if reason is not None:
-                raise ValueError(f"the fused MoE kernels cannot read the experts' weights: {reason} "
-                                 "(use \"overlap\": \"none\")")
+                raise ValueError(
+                    f'the fused MoE kernels cannot read the experts\' weights: {reason} (use "overlap": "none")'
+                )
             misaligned = sorted({POINTER_NAMES[i] for row in rows for i, p in enumerate(row) if p % 16})
             if misaligned:
-                raise ValueError(f"expert weights {misaligned} are not 16-byte aligned; the fused "
-                                 "kernels need aligned weights (use \"overlap\": \"none\")")
+                raise ValueError(
+                    f"expert weights {misaligned} are not 16-byte aligned; the fused "
+                    'kernels need aligned weights (use "overlap": "none")'
+                )
             pointers = torch.tensor(key, dtype=torch.int64).view(len(rows), len(POINTER_NAMES)).t().contiguous()
             stacked = pointers.to(tokens.device)
             self._tables = {name: stacked[i] for i, name in enumerate(POINTER_NAMES)}
@@ -70,10 +72,11 @@ class FusedKernels:
     the Triton GEMM) a GEMM and an elementwise kernel; for ``wgrad`` with biases a GEMM and the
     column sums. None waits for the device.
     """
+
     buffer: CometBuffer
     experts: FusedExperts
     params: FusedParameters
-    tables: Dict[str, Tensor]
+    tables: dict[str, Tensor]
     hidden: int
 
     @property
@@ -117,7 +120,7 @@ class FusedKernels:
         return next_power_of_2(self.num_local + 1)
 
     @property
-    def chunking(self) -> Tuple[int, int]:
+    def chunking(self) -> tuple[int, int]:
         """(column tiles per chunk, number of chunks) of the hidden dimension."""
         n_col_tiles = -(-self.hidden // self.params.tile_n)
         chunk_tiles = -(-n_col_tiles // self.params.n_chunks)
@@ -127,8 +130,9 @@ class FusedKernels:
         """Shares the counts and lays out the call; more than row_limit received rows stops the kernel."""
         b = self.buffer
         b.kernel_shape.max_recv_rows = row_limit  # what the exchange checks; the other kernels ignore it
-        b.op.exchange(b.kernel_shape, plan.expert_counts, plan.rank_token_counts, b.meta, b.peer_meta, b.layout,
-                      b.error_address)
+        b.op.exchange(
+            b.kernel_shape, plan.expert_counts, plan.rank_token_counts, b.meta, b.peer_meta, b.layout, b.error_address
+        )
 
     def received_rows(self) -> int:
         """The rows this rank receives this call, read back to the host from the layout that
@@ -136,8 +140,15 @@ class FusedKernels:
         word = self.buffer.layout_offsets.totals + TOTAL_RECV_ROWS
         return int(self.buffer.layout[word].item())
 
-    def dispatch(self, rows: Tensor, plan: RoutingPlan, gates: Tensor, scale_rows: bool,
-                 outputs: Optional[Tensor] = None, recv: Optional[Tensor] = None):
+    def dispatch(
+        self,
+        rows: Tensor,
+        plan: RoutingPlan,
+        gates: Tensor,
+        scale_rows: bool,
+        outputs: Tensor | None = None,
+        recv: Tensor | None = None,
+    ):
         """Puts rows[route token] (times gates[route] with ``scale_rows``) in the recv row of every kept
         route; a token's row crosses to another rank once, however many of its routes go there, with
         its routes' gates ([k, S] fp32), for the combine's sums there. Every rank of the group passes
@@ -153,34 +164,77 @@ class FusedKernels:
         if self.alone:
             table = None
             if recv is not None:
-                if (not recv.is_contiguous() or recv.dim() != 2 or recv.shape[1] != rows.shape[1]
-                        or recv.dtype != rows.dtype or recv.device != rows.device):
-                    raise ValueError(f"recv must be a contiguous [R, {rows.shape[1]}] {rows.dtype} tensor on "
-                                     f"{rows.device}, got {list(recv.shape)} {recv.dtype} on {recv.device}")
-                table = torch.full((1, ), recv.data_ptr(), dtype=torch.int64, device=rows.device)
+                if (
+                    not recv.is_contiguous()
+                    or recv.dim() != 2
+                    or recv.shape[1] != rows.shape[1]
+                    or recv.dtype != rows.dtype
+                    or recv.device != rows.device
+                ):
+                    raise ValueError(
+                        f"recv must be a contiguous [R, {rows.shape[1]}] {rows.dtype} tensor on "
+                        f"{rows.device}, got {list(recv.shape)} {recv.dtype} on {recv.device}"
+                    )
+                table = torch.full((1,), recv.data_ptr(), dtype=torch.int64, device=rows.device)
             self.send(rows, plan, gates, scale_rows, outputs, self.buffer.num_sms, table)
             return
         if recv is not None:
-            raise ValueError("the dispatch writes into peers' recv buffers; only a rank alone in its group takes a "
-                             "recv tensor of its own")
+            raise ValueError(
+                "the dispatch writes into peers' recv buffers; only a rank alone in its group takes a "
+                "recv tensor of its own"
+            )
         main = torch.cuda.current_stream(rows.device)
         self.buffer.comm_stream.wait_stream(main)
         with torch.cuda.stream(self.buffer.comm_stream):
             self.send(rows, plan, gates, scale_rows, outputs, self.params.comm_blocks)
 
-    def send(self, rows: Tensor, plan: RoutingPlan, gates: Tensor, scale_rows: bool, outputs: Optional[Tensor],
-             blocks: int, recv_table: Optional[Tensor] = None):
+    def send(
+        self,
+        rows: Tensor,
+        plan: RoutingPlan,
+        gates: Tensor,
+        scale_rows: bool,
+        outputs: Tensor | None,
+        blocks: int,
+        recv_table: Tensor | None = None,
+    ):
         """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks;
         ``recv_table`` ([P] int64 on the device) replaces the workspace's table of recv buffers."""
         b = self.buffer
-        b.op.dispatch(b.kernel_shape, rows, plan.route_order, plan.route_position, plan.rank_tokens,
-                      plan.rank_token_counts, b.layout, b.peer_recv if recv_table is None else recv_table,
-                      b.peer_origin, b.peer_stage, b.peer_stage_routes,
-                      b.peer_stage_scale, b.peer_meta, b.route_row, b.route_stage, gates, scale_rows,
-                      b.none if outputs is None else outputs, b.row_dot, b.shape.top_k, b.error_address, blocks)
+        b.op.dispatch(
+            b.kernel_shape,
+            rows,
+            plan.route_order,
+            plan.route_position,
+            plan.rank_tokens,
+            plan.rank_token_counts,
+            b.layout,
+            b.peer_recv if recv_table is None else recv_table,
+            b.peer_origin,
+            b.peer_stage,
+            b.peer_stage_routes,
+            b.peer_stage_scale,
+            b.peer_meta,
+            b.route_row,
+            b.route_stage,
+            gates,
+            scale_rows,
+            b.none if outputs is None else outputs,
+            b.row_dot,
+            b.shape.top_k,
+            b.error_address,
+            blocks,
+        )
 
-    def combine(self, plan: RoutingPlan, expert_out: Tensor, gates: Optional[Tensor], out: Tensor,
-                route_grad: Optional[Tensor], finish_on_main: bool):
+    def combine(
+        self,
+        plan: RoutingPlan,
+        expert_out: Tensor,
+        gates: Tensor | None,
+        out: Tensor,
+        route_grad: Tensor | None,
+        finish_on_main: bool,
+    ):
         """out[token] = sum over its kept routes of gate (1 if gates is None) x the route's expert output,
         ``expert_out`` ([R, H]) holding GEMM2's rows here by recv row. A token's routes on another rank
         are summed there (with the gates the dispatch took along), and one row a token and rank crosses
@@ -200,23 +254,48 @@ class FusedKernels:
         if finish_on_main:
             self.reduce(plan, expert_out, gates, out, route_grad, self.gemm2_grid)
 
-    def reduce(self, plan: RoutingPlan, expert_out: Tensor, gates: Optional[Tensor], out: Tensor,
-               route_grad: Optional[Tensor], blocks: int):
+    def reduce(
+        self,
+        plan: RoutingPlan,
+        expert_out: Tensor,
+        gates: Tensor | None,
+        out: Tensor,
+        route_grad: Tensor | None,
+        blocks: int,
+    ):
         """One launch of the combine kernel, on the current stream, over ``blocks`` thread blocks."""
         b = self.buffer
         weighted = gates is not None
         chunk_tiles, num_chunks = self.chunking
-        b.op.combine(b.kernel_shape, expert_out, b.peer_reduced, b.peer_row_dot, b.peer_meta, b.route_row,
-                     b.route_stage, plan.route_position, b.stage_routes, b.stage_scale, weighted,
-                     gates if weighted else b.none, out, b.none if route_grad is None else route_grad, b.shape.top_k,
-                     chunk_tiles * self.params.tile_n, self.params.tile_n, num_chunks, b.layout, b.error_address,
-                     blocks)
+        b.op.combine(
+            b.kernel_shape,
+            expert_out,
+            b.peer_reduced,
+            b.peer_row_dot,
+            b.peer_meta,
+            b.route_row,
+            b.route_stage,
+            plan.route_position,
+            b.stage_routes,
+            b.stage_scale,
+            weighted,
+            gates if weighted else b.none,
+            out,
+            b.none if route_grad is None else route_grad,
+            b.shape.top_k,
+            chunk_tiles * self.params.tile_n,
+            self.params.tile_n,
+            num_chunks,
+            b.layout,
+            b.error_address,
+            blocks,
+        )
 
     def reset_combine_claims(self):
         """Let the next ``reduce`` launches claim every work unit again (the exchange zeroes the claim
         counter once a call; benchmarks that relaunch the combine alone reset it themselves)."""
         claim = self.buffer.layout_offsets.totals + TOTAL_COMBINE_CLAIM
-        self.buffer.layout[claim:claim + 1].zero_()
+        self.buffer.layout[claim : claim + 1].zero_()
 
     def join(self, device, *used_on_comm: Tensor):
         """Orders the caller's stream after the communication stream's work of this call."""
@@ -228,7 +307,7 @@ class FusedKernels:
                 tensor.record_stream(self.buffer.comm_stream)
         main.wait_stream(self.buffer.comm_stream)
 
-    def first_layer(self, rows: Tensor, h: Tensor, keep_pre: bool) -> Union[Tensor, Tuple[Tensor, Tensor], None]:
+    def first_layer(self, rows: Tensor, h: Tensor, keep_pre: bool) -> Tensor | tuple[Tensor, Tensor] | None:
         """The experts' first layer on the received ``rows``: their activations into ``h`` ([R, F]).
 
         Gated experts on the Triton GEMM compute the activations in GEMM1's epilogue. Elsewhere a
@@ -240,7 +319,7 @@ class FusedKernels:
         tensors from the library's GEMM), else None.
         """
         if self.library_first_layer:
-            products = self._library_products(rows[:h.shape[0]], "w1", "w3")
+            products = self._library_products(rows[: h.shape[0]], "w1", "w3")
             self.activations(products, h)
             return products if keep_pre else None
         if self.gated:
@@ -258,8 +337,9 @@ class FusedKernels:
         self.activations(products, h)
         return products if keep_pre else None
 
-    def first_layer_backward(self, rows: Tensor, grad_pre: Tensor, pre: Union[Tensor, Tuple[Tensor, Tensor]],
-                             act: Optional[Tensor]):
+    def first_layer_backward(
+        self, rows: Tensor, grad_pre: Tensor, pre: Tensor | tuple[Tensor, Tensor], act: Tensor | None
+    ):
         """From the received output gradients ``rows`` ([R, H]): the gradient of the first layer's
         products into ``grad_pre`` ([R, F], gated [R, 2F]) and, unless ``act`` is None, the activations
         again into ``act`` ([R, F]) for W2's gradient. ``pre`` is what ``first_layer`` returned.
@@ -270,43 +350,53 @@ class FusedKernels:
         experts and 0-18 % for GELU ones (docs/decisions.md).
         """
         if isinstance(pre, tuple):  # the library's products
-            (grad_h, ) = self._library_products(rows[:grad_pre.shape[0]], "w2")
+            (grad_h,) = self._library_products(rows[: grad_pre.shape[0]], "w2")
         else:
             grad_h = torch.empty((grad_pre.shape[0], self.ffn), dtype=grad_pre.dtype, device=grad_pre.device)
             self.gemm1(rows, grad_h, backward=True)
         self.activations_backward(grad_h, pre, grad_pre, act)
 
-    def activations(self, pre: Union[Tensor, Tuple[Tensor, Tensor]], h: Tensor):
+    def activations(self, pre: Tensor | tuple[Tensor, Tensor], h: Tensor):
         """The elementwise step after a first layer's products: the activations of ``pre`` (the
         products as ``first_layer`` returns them) into ``h`` ([R, F]; it may be ``pre`` itself for
         ungated experts)."""
         from ..kernels.triton_activation import activation_kernel  # triton is an extra
-        first, up = self._product_halves(pre)
-        self._elementwise(activation_kernel, (), first, up, (h, ), GATED=self.gated)
 
-    def activations_backward(self, grad_h: Tensor, pre: Union[Tensor, Tuple[Tensor, Tensor]], grad_pre: Tensor,
-                             act: Optional[Tensor]):
+        first, up = self._product_halves(pre)
+        self._elementwise(activation_kernel, (), first, up, (h,), GATED=self.gated)
+
+    def activations_backward(
+        self, grad_h: Tensor, pre: Tensor | tuple[Tensor, Tensor], grad_pre: Tensor, act: Tensor | None
+    ):
         """The elementwise step after the backward's ``g = dY @ W2`` (``grad_h``, [R, F], contiguous):
         the gradient of the products ``pre`` into ``grad_pre`` and, unless ``act`` is None, the
         activations again into ``act`` (as ``first_layer_backward``)."""
         from ..kernels.triton_activation import activation_backward_kernel  # triton is an extra
-        first, up = self._product_halves(pre)
-        self._elementwise(activation_backward_kernel, (grad_h, ), first, up, (grad_pre, grad_h if act is None else act),
-                          GATED=self.gated, STORE_ACT=act is not None)
 
-    def _product_halves(self, pre: Union[Tensor, Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
+        first, up = self._product_halves(pre)
+        self._elementwise(
+            activation_backward_kernel,
+            (grad_h,),
+            first,
+            up,
+            (grad_pre, grad_h if act is None else act),
+            GATED=self.gated,
+            STORE_ACT=act is not None,
+        )
+
+    def _product_halves(self, pre: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """(z, u) of the first layer's products: the library's pair as it is; a gated expert's
         [R, 2F] side by side; an ungated expert's [R, F] twice (the kernels read no u then)."""
         if isinstance(pre, tuple):
             return pre
-        return (pre[:, :self.ffn], pre[:, self.ffn:]) if self.gated else (pre, pre)
+        return (pre[:, : self.ffn], pre[:, self.ffn :]) if self.gated else (pre, pre)
 
     @property
     def expert_ends(self) -> Tensor:
         """[L] int32 on the device: where each local expert's received rows end (the layout's words,
         the groups' offsets for ``torch._grouped_mm``)."""
         start = self.buffer.layout_offsets.expert_start
-        return self.buffer.layout[start + 1:start + 1 + self.num_local]
+        return self.buffer.layout[start + 1 : start + 1 + self.num_local]
 
     @property
     def library_first_layer(self) -> bool:
@@ -314,46 +404,71 @@ class FusedKernels:
         in the group (no tile waits for a dispatch) with stacked, gated bf16 experts on sm_90. It
         made EP=1 training steps of AutoEP's Mixtral- and Qwen3-like blocks 2-4 % faster than the
         Triton GEMM1, whose epilogue holds up its MMAs (docs/decisions.md)."""
-        return (self.alone and self.gated and self.library_wgrad and self.experts.stacked() is not None)
+        return self.alone and self.gated and self.library_wgrad and self.experts.stacked() is not None
 
     @torch.no_grad()  # the fused autograd function differentiates the layer, not autograd's graph of it
-    def _library_products(self, rows: Tensor, *names: str) -> Tuple[Tensor, ...]:
+    def _library_products(self, rows: Tensor, *names: str) -> tuple[Tensor, ...]:
         """Per local expert, over its rows (the layout's expert ends group them): ``rows @ W^T`` for
         ``w1`` and ``w3`` ([L, F, H]), ``rows @ W2`` for ``w2`` ([L, H, F]; the output gradient's product).
         Rows past the last expert's end are not computed."""
         weights = dict(zip(("w1", "w3", "w2"), self.experts.stacked()))
-        return tuple(torch._grouped_mm(rows, weights[name] if name == "w2" else weights[name].transpose(-2, -1),
-                                       offs=self.expert_ends) for name in names)
+        return tuple(
+            torch._grouped_mm(
+                rows, weights[name] if name == "w2" else weights[name].transpose(-2, -1), offs=self.expert_ends
+            )
+            for name in names
+        )
 
-    def _elementwise(self, kernel, leading: Tuple[Tensor, ...], z: Tensor, u: Tensor, trailing: Tuple[Tensor, ...],
-                     **constants):
+    def _elementwise(
+        self, kernel, leading: tuple[Tensor, ...], z: Tensor, u: Tensor, trailing: tuple[Tensor, ...], **constants
+    ):
         """One launch of ``kernel(*leading, z, u, z's row stride, *trailing, ...)``, an elementwise
         kernel of ``kernels.triton_activation``, over [R, F] blocks. ``z`` and ``u`` ([R, F]) are two
         tensors or the halves of one [R, 2F] (``u`` is ``z`` where the kernel reads no up products);
         the others are contiguous. The kernel stops at the rows received this call (a layout word)."""
         from ..kernels.triton_gemm import ACTIVATION_CODES
+
         dense = leading + trailing
         rows = min(t.shape[0] for t in (z, u) + dense)
         block_m, block_n, warps = ELEMENTWISE_BLOCK
         if rows == 0:
             return
         # The kernels index rows by these strides: F or 2F for dense tensors, z's for z and u.
-        if (z.shape[1] != self.ffn or u.shape[1] != self.ffn or z.stride() != u.stride() or z.stride(1) != 1
-                or not all(t.is_contiguous() for t in dense)):
-            raise RuntimeError(f"ds_comet: the first layer's elementwise kernel needs [R, {self.ffn}] z and u of one "
-                               f"row stride and contiguous rows otherwise, got z {list(z.shape)} {z.stride()}, u "
-                               f"{list(u.shape)} {u.stride()}, others {[t.stride() for t in dense]}")
+        if (
+            z.shape[1] != self.ffn
+            or u.shape[1] != self.ffn
+            or z.stride() != u.stride()
+            or z.stride(1) != 1
+            or not all(t.is_contiguous() for t in dense)
+        ):
+            raise RuntimeError(
+                f"ds_comet: the first layer's elementwise kernel needs [R, {self.ffn}] z and u of one "
+                f"row stride and contiguous rows otherwise, got z {list(z.shape)} {z.stride()}, u "
+                f"{list(u.shape)} {u.stride()}, others {[t.stride() for t in dense]}"
+            )
         received = self.buffer.layout_offsets.totals + TOTAL_RECV_ROWS
         kernel[(-(-rows // block_m), -(-self.ffn // block_n))](
-            *leading, z, u, z.stride(0), *trailing, self.buffer.layout[received:received + 1], self.ffn,
-            ACTIVATION=ACTIVATION_CODES[self.activation], BM=block_m, BN=block_n, num_warps=warps, **constants)
+            *leading,
+            z,
+            u,
+            z.stride(0),
+            *trailing,
+            self.buffer.layout[received : received + 1],
+            self.ffn,
+            ACTIVATION=ACTIVATION_CODES[self.activation],
+            BM=block_m,
+            BN=block_n,
+            num_warps=warps,
+            **constants,
+        )
 
-    def gemm1(self, rows: Tensor, out: Tensor, backward: bool, pre: Optional[Tensor] = None, activate: bool = True):
+    def gemm1(self, rows: Tensor, out: Tensor, backward: bool, pre: Tensor | None = None, activate: bool = True):
         """GEMM1 on ``rows`` (``gemm1_kernel``): forward, the activations into ``out`` ([R, F]) and,
         if ``pre`` is given, the products before them into it ([R, F], gated [R, 2F]); forward
         without ``activate`` (ungated experts), the products ``rows @ W1^T + b1`` into ``out``
         ([R, F]); backward, ``rows @ W2`` into ``out`` ([R, F])."""
         from ..kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
+
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         # A gated forward holds two accumulators, so its tile is at most 128 columns wide; the
         # backward holds one and takes GEMM2's width (2x faster on gated shapes, docs/decisions.md).
@@ -361,40 +476,105 @@ class FusedKernels:
         # The backward reads none of the epilogue's switches, a forward without ``activate`` not the
         # activation: fixed there, every expert kind shares one compile instead of identical ones.
         activate = activate and not backward
-        epilogue = (dict(HAS_BIAS=False, GATED=False, ACTIVATION=0) if backward else
-                    dict(HAS_BIAS=self.has_bias, GATED=self.gated,
-                         ACTIVATION=ACTIVATION_CODES[self.activation] if activate else 0))
-        with_descriptor_scratch(lambda: gemm1_kernel[(self.grid, )](
-            rows, out, out if pre is None else pre, t["w2"] if backward else t["w1"], t["w3"], t["b1"],
-            t["b3"], b.layout, b.tile_counters, b.error_address, b.kernel_shape.timeout_ns, b.rank, self.hidden,
-            self.ffn, self.num_local, lo.expert_start, lo.tile_start, lo.local_tiles, lo.remote_tiles,
-            lo.totals + TOTAL_TILES, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=tile_n, BK=TILE_K,
-            GROUP_M=GROUP_M, NUM_PROGS=self.grid, BACKWARD=backward, ACTIVATE=activate,
-            STORE_PRE=pre is not None, WAIT=True, INTERPRET=_interpreting(), num_warps=8, num_stages=3, **epilogue))
+        epilogue = (
+            dict(HAS_BIAS=False, GATED=False, ACTIVATION=0)
+            if backward
+            else dict(
+                HAS_BIAS=self.has_bias,
+                GATED=self.gated,
+                ACTIVATION=ACTIVATION_CODES[self.activation] if activate else 0,
+            )
+        )
+        with_descriptor_scratch(
+            lambda: gemm1_kernel[(self.grid,)](
+                rows,
+                out,
+                out if pre is None else pre,
+                t["w2"] if backward else t["w1"],
+                t["w3"],
+                t["b1"],
+                t["b3"],
+                b.layout,
+                b.tile_counters,
+                b.error_address,
+                b.kernel_shape.timeout_ns,
+                b.rank,
+                self.hidden,
+                self.ffn,
+                self.num_local,
+                lo.expert_start,
+                lo.tile_start,
+                lo.local_tiles,
+                lo.remote_tiles,
+                lo.totals + TOTAL_TILES,
+                L_POW2=self.l_pow2,
+                BM=self.params.tile_m,
+                BN=tile_n,
+                BK=TILE_K,
+                GROUP_M=GROUP_M,
+                NUM_PROGS=self.grid,
+                BACKWARD=backward,
+                ACTIVATE=activate,
+                STORE_PRE=pre is not None,
+                WAIT=True,
+                INTERPRET=_interpreting(),
+                num_warps=8,
+                num_stages=3,
+                **epilogue,
+            )
+        )
 
     def gemm2(self, rows: Tensor, out: Tensor, backward: bool):
         """GEMM2 on ``rows`` (the activations [R, F], or the backward's first-layer gradients [R, F] or
         [R, 2F]) into ``out`` ([R, H], by recv row), column chunk by column chunk, each finished row
         counted for the combine (here for this rank's routes, on a reduce counter for the others')."""
         from ..kernels.triton_gemm import gemm2_kernel
+
         if out.shape != (rows.shape[0], self.hidden) or not out.is_contiguous():  # the kernel writes [R, H] rows
-            raise ValueError(f"GEMM2's output must be a contiguous [{rows.shape[0]}, {self.hidden}] tensor, got "
-                             f"{list(out.shape)} with strides {out.stride()}")
+            raise ValueError(
+                f"GEMM2's output must be a contiguous [{rows.shape[0]}, {self.hidden}] tensor, got "
+                f"{list(out.shape)} with strides {out.stride()}"
+            )
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         chunk_tiles, _ = self.chunking
         if backward:  # rows = dA ([R, F] or [R, 2F]) @ W1 (+ up part @ W3); W1 is [F, H], i.e. [K, N]
             w, w3, bias, lda, second = t["w1"], t["w3"], t["b2"], rows.shape[1], self.gated
         else:  # rows = h @ W2^T; W2 is [H, F], i.e. [N, K]
             w, w3, bias, lda, second = t["w2"], t["w2"], t["b2"], self.ffn, False
-        with_descriptor_scratch(lambda: gemm2_kernel[(self.gemm2_grid, )](
-            rows, lda, w, w3, bias, b.origin, out, b.gemm2_counters, b.layout, self.ffn, self.hidden,
-            self.num_local, lo.expert_start, lo.tile_start, lo.totals + TOTAL_TILES,
-            EP_SIZE=b.shape.ep_size, L_POW2=self.l_pow2, BM=self.params.tile_m, BN=self.params.tile_n, BK=TILE_K,
-            GROUP_M=GROUP_M, CHUNK_TILES=chunk_tiles, NUM_PROGS=self.gemm2_grid,
-            HAS_BIAS=self.has_bias and not backward, SECOND=second, W_NK=not backward,
-            num_warps=8 if self.params.tile_n >= 256 else 4, num_stages=3))
+        with_descriptor_scratch(
+            lambda: gemm2_kernel[(self.gemm2_grid,)](
+                rows,
+                lda,
+                w,
+                w3,
+                bias,
+                b.origin,
+                out,
+                b.gemm2_counters,
+                b.layout,
+                self.ffn,
+                self.hidden,
+                self.num_local,
+                lo.expert_start,
+                lo.tile_start,
+                lo.totals + TOTAL_TILES,
+                EP_SIZE=b.shape.ep_size,
+                L_POW2=self.l_pow2,
+                BM=self.params.tile_m,
+                BN=self.params.tile_n,
+                BK=TILE_K,
+                GROUP_M=GROUP_M,
+                CHUNK_TILES=chunk_tiles,
+                NUM_PROGS=self.gemm2_grid,
+                HAS_BIAS=self.has_bias and not backward,
+                SECOND=second,
+                W_NK=not backward,
+                num_warps=8 if self.params.tile_n >= 256 else 4,
+                num_stages=3,
+            )
+        )
 
-    def wgrad(self, a: Tensor, b: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    def wgrad(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor | None]:
         """Per local expert l: a[rows of l]^T @ b[rows of l] ([L, M, N] in a's dtype) and, when the
         experts have biases, a's column sums over those rows ([L, M]).
 
@@ -403,6 +583,7 @@ class FusedKernels:
         """
         num_local, (M, N) = self.num_local, (a.shape[1], b.shape[1])
         from ..kernels.triton_gemm import expert_column_sums_kernel, wgrad_kernel
+
         if self.library_wgrad:
             # Nothing waits in this phase, so the library's kernel serves: the Triton one ran at
             # 0.79-1.05x its rate on the SwiGLU shapes (docs/decisions.md). Rows past the last
@@ -413,9 +594,25 @@ class FusedKernels:
             weight = torch.empty((num_local, M, N), dtype=a.dtype, device=a.device)
             # GEMM1's grid, not GEMM2's: beside the combine's tail either would do, but in shape 1's
             # training step dW1 took 8.4 ms on GEMM2's 128 programs against 3.3 on 123 (docs/decisions.md).
-            wgrad_kernel[(self.grid, )](a, a.stride(0), b, b.stride(0), weight, self.buffer.layout,
-                                        self.buffer.layout_offsets.expert_start, M, N, num_local, BM=128, BN=256,
-                                        BK=64, GROUP_M=GROUP_M, NUM_PROGS=self.grid, num_warps=8, num_stages=3)
+            wgrad_kernel[(self.grid,)](
+                a,
+                a.stride(0),
+                b,
+                b.stride(0),
+                weight,
+                self.buffer.layout,
+                self.buffer.layout_offsets.expert_start,
+                M,
+                N,
+                num_local,
+                BM=128,
+                BN=256,
+                BK=64,
+                GROUP_M=GROUP_M,
+                NUM_PROGS=self.grid,
+                num_warps=8,
+                num_stages=3,
+            )
         if not self.has_bias:
             return weight, None
         # The bias gradients read a once more at memory speed: 1.0-1.75x faster than a library
@@ -423,16 +620,27 @@ class FusedKernels:
         sums = torch.empty((num_local, M), dtype=a.dtype, device=a.device)
         block_r, block_m, warps = COLUMN_SUMS_BLOCK
         expert_column_sums_kernel[(-(-M // block_m), num_local)](
-            a, a.stride(0), sums, self.buffer.layout, self.buffer.layout_offsets.expert_start, M, BR=block_r,
-            BM=block_m, num_warps=warps)
+            a,
+            a.stride(0),
+            sums,
+            self.buffer.layout,
+            self.buffer.layout_offsets.expert_start,
+            M,
+            BR=block_r,
+            BM=block_m,
+            num_warps=warps,
+        )
         return weight, sums
 
     @property
     def library_wgrad(self) -> bool:
         """Whether the weight gradients run as ``torch._grouped_mm`` (else ``wgrad_kernel``): bf16
         experts on sm_90, where torch builds it from CUTLASS's Hopper grouped GEMM."""
-        return (self.buffer.shape.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-                and self.buffer.capability == (9, 0))
+        return (
+            self.buffer.shape.dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm")
+            and self.buffer.capability == (9, 0)
+        )
 
 
 def with_descriptor_scratch(launch):
@@ -451,7 +659,7 @@ def with_descriptor_scratch(launch):
     return contextvars.copy_context().run(run)
 
 
-def _scratch(size: int, alignment: int, stream: Optional[int]) -> Tensor:
+def _scratch(size: int, alignment: int, stream: int | None) -> Tensor:
     # On the device and stream Triton launches on: the launch uses it before anything queued after
     # it can reuse it. The caching allocator's blocks are 512-byte aligned, more than TMA asks.
     return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())

@@ -6,7 +6,6 @@ rates below are H200 figures (docs/benchmarks.md); the rule uses their ratios, n
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from ..config import CometMoEConfig
 
@@ -40,8 +39,17 @@ def rule_n_chunks(hidden: int, ffn: int, tile_n: int, ep_size: int) -> int:
     return min(4 if ffn >= 8192 else 8, max(math.ceil(hidden / tile_n) // 2, 1))
 
 
-def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool, top_k: int, ep_size: int,
-                      max_tokens: int, elem_bytes: int, num_sms: int) -> FusedParameters:
+def choose_parameters(
+    config: CometMoEConfig,
+    hidden: int,
+    ffn: int,
+    gated: bool,
+    top_k: int,
+    ep_size: int,
+    max_tokens: int,
+    elem_bytes: int,
+    num_sms: int,
+) -> FusedParameters:
     """The per-shape rule; every value can be pinned in the "moe" section. ``max_tokens`` >= 1: the
     group agrees on a workspace only at a call where some rank has tokens (selection.py)."""
     comm_blocks = config.comm_blocks
@@ -76,12 +84,19 @@ def choose_parameters(config: CometMoEConfig, hidden: int, ffn: int, gated: bool
         n_chunks = min(config.n_chunks, math.ceil(hidden / tile_n))
     else:
         n_chunks = rule_n_chunks(hidden, ffn, tile_n, ep_size)
-    return FusedParameters(comm_blocks=comm_blocks, combine_blocks=combine_blocks, tile_m=config.tile_m,
-                           tile_n=tile_n, n_chunks=n_chunks, gemm1_tile_n=gemm1_tile_n)
+    return FusedParameters(
+        comm_blocks=comm_blocks,
+        combine_blocks=combine_blocks,
+        tile_m=config.tile_m,
+        tile_n=tile_n,
+        n_chunks=n_chunks,
+        gemm1_tile_n=gemm1_tile_n,
+    )
 
 
-def max_received_rows(max_tokens, top_k, num_experts, ep_size, drop_tokens, capacity_factor, eval_capacity_factor,
-                      min_capacity) -> int:
+def max_received_rows(
+    max_tokens, top_k, num_experts, ep_size, drop_tokens, capacity_factor, eval_capacity_factor, min_capacity
+) -> int:
     """Most rows one rank can receive in a call, from the gate's own capacity rule (without dropping:
     every rank's tokens sent to this rank's experts, each at most once per local expert)."""
     num_local = num_experts // ep_size
@@ -93,10 +108,12 @@ def max_received_rows(max_tokens, top_k, num_experts, ep_size, drop_tokens, capa
     return max(rows, 1)
 
 
-def offsets_overflow(recv_rows: int, routes: int, hidden: int, ffn: int, gated: bool) -> Optional[str]:
+def offsets_overflow(recv_rows: int, routes: int, hidden: int, ffn: int, gated: bool) -> str | None:
     """Why the kernels' 32-bit row offsets cannot address this workspace, or None."""
     widest = max(hidden, ffn * (2 if gated else 1))
     if max(recv_rows, routes) * widest >= 2**31:
-        return (f"{max(recv_rows, routes)} rows of up to {widest} elements exceed the fused kernels' 32-bit "
-                "offsets; lower \"moe\": {\"max_tokens_per_rank\"} or the tokens per micro-batch")
+        return (
+            f"{max(recv_rows, routes)} rows of up to {widest} elements exceed the fused kernels' 32-bit "
+            'offsets; lower "moe": {"max_tokens_per_rank"} or the tokens per micro-batch'
+        )
     return None

@@ -10,7 +10,7 @@ calls (``hooks_reason``).
 import importlib.util
 import os
 import socket
-from typing import List, Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -20,8 +20,12 @@ from .workspace import allocator_ipc_refusal
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 # Module-level hooks make nn.Module.__call__ take its slow path; a direct call would skip them.
-GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                "_global_backward_pre_hooks")
+GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
@@ -45,34 +49,39 @@ def saved_tensor_hooks_active() -> bool:
     return top is None or top(False) is not None  # unknown: assume they are
 
 
-def tokens_reason(tokens: torch.Tensor) -> Optional[str]:
+def tokens_reason(tokens: torch.Tensor) -> str | None:
     """Why the fused kernels cannot take these tokens, or None."""
     if tokens.device.type != "cuda":
         return f"the tokens are on {tokens.device.type}; the fused kernels need CUDA"
     current = torch.cuda.current_device()
     if tokens.device.index is not None and tokens.device.index != current:
-        return (f"the tokens are on {tokens.device} but the current CUDA device is cuda:{current}, where the fused "
-                f"workspace is built (call torch.cuda.set_device({tokens.device.index}) first, as DeepSpeed's "
-                "launcher does for each rank)")
+        return (
+            f"the tokens are on {tokens.device} but the current CUDA device is cuda:{current}, where the fused "
+            f"workspace is built (call torch.cuda.set_device({tokens.device.index}) first, as DeepSpeed's "
+            "launcher does for each rank)"
+        )
     if tokens.dtype not in FUSED_DTYPES:
-        return (f"the tokens are {tokens.dtype}; the fused kernels run bf16 and fp16 (enable \"bf16\" or \"fp16\" "
-                "in the ds_config)")
+        return (
+            f'the tokens are {tokens.dtype}; the fused kernels run bf16 and fp16 (enable "bf16" or "fp16" '
+            "in the ds_config)"
+        )
     return None
 
 
-def runtime_reason() -> Optional[str]:
+def runtime_reason() -> str | None:
     """Why this machine's software cannot run the fused kernels (Triton, the CUDA op), or None."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install 'ds_comet[triton]')"
     import triton
+
     if not hasattr(triton.language, "make_tensor_descriptor"):  # the GEMMs' TMA weight tiles
         return f"triton {triton.__version__} is older than 3.4 (pip install 'triton>=3.4')"
     from ..kernels.ops import op_unavailable_reason
+
     return op_unavailable_reason()
 
 
-def structure_reason(experts: LocalExperts, hidden: int, top_k: int,
-                     scale_before: bool = False) -> Union[FusedExperts, str]:
+def structure_reason(experts: LocalExperts, hidden: int, top_k: int, scale_before: bool = False) -> FusedExperts | str:
     """The experts as the kernels read them, or why the kernels cannot compute this layer (no device needed)."""
     fused = experts.fused(hidden)
     if isinstance(fused, str):
@@ -82,13 +91,16 @@ def structure_reason(experts: LocalExperts, hidden: int, top_k: int,
     if top_k > MAX_COMBINE_TOP_K:
         return f"k = {top_k}: the fused combine takes at most {MAX_COMBINE_TOP_K} routes per token"
     if scale_before:
-        return ("the router's scores are applied before the experts (\"score_apply\": \"pre\"), which the fused "
-                "kernels do not do; use \"post\" (every AutoEP preset's default)")
+        return (
+            'the router\'s scores are applied before the experts ("score_apply": "pre"), which the fused '
+            'kernels do not do; use "post" (every AutoEP preset\'s default)'
+        )
     return fused
 
 
-def local_reason(experts: LocalExperts, tokens: torch.Tensor, top_k: int,
-                 scale_before: bool = False) -> Union[FusedExperts, str]:
+def local_reason(
+    experts: LocalExperts, tokens: torch.Tensor, top_k: int, scale_before: bool = False
+) -> FusedExperts | str:
     """This rank's answer for these tokens: the experts as the kernels read them, or why not."""
     reason = tokens_reason(tokens)
     if reason is not None:
@@ -102,35 +114,43 @@ def local_reason(experts: LocalExperts, tokens: torch.Tensor, top_k: int,
     return runtime_reason() or fused
 
 
-def group_reason(hosts: Sequence[str], gpus: Sequence[Optional[str]]) -> Optional[str]:
+def group_reason(hosts: Sequence[str], gpus: Sequence[str | None]) -> str | None:
     """Why the group's ranks, by host and GPU, cannot share a fused workspace, or None."""
     if len(set(hosts)) > 1:
-        return ("the expert-parallel group spans nodes; the fused kernels need peer memory access inside one node "
-                "(the layer runs the reference pipeline's NCCL all-to-alls)")
+        return (
+            "the expert-parallel group spans nodes; the fused kernels need peer memory access inside one node "
+            "(the layer runs the reference pipeline's NCCL all-to-alls)"
+        )
     if len(set(gpus)) < len(gpus):
         refusal = allocator_ipc_refusal()
         if refusal is not None:
-            return (f"ranks of the expert-parallel group share a GPU, so the fused workspace would go through CUDA "
-                    f"IPC, which cannot share the caching allocator's blocks with {refusal} (change "
-                    "PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF)")
+            return (
+                f"ranks of the expert-parallel group share a GPU, so the fused workspace would go through CUDA "
+                f"IPC, which cannot share the caching allocator's blocks with {refusal} (change "
+                "PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF)"
+            )
     return None
 
 
-def hooks_reason(modules: List[torch.nn.Module]) -> Optional[str]:
+def hooks_reason(modules: list[torch.nn.Module]) -> str | None:
     """Why hooks on the experts (or every module's global hooks) would not run on the fused kernels,
     which compute the experts without calling them."""
     for name in GLOBAL_HOOKS:
         if getattr(torch.nn.modules.module, name, None):
-            return (f"a global module hook is registered ({name[8:]}); the fused kernels do not call the experts, "
-                    "so it would not run")
+            return (
+                f"a global module hook is registered ({name[8:]}); the fused kernels do not call the experts, "
+                "so it would not run"
+            )
     for module in modules:
         hooked = module_hooks(module)
         if hooked:
-            return (f"an expert's {type(module).__name__} has {' and '.join(hooked)}, which the fused kernels would "
-                    "not run: they compute the experts without calling them")
+            return (
+                f"an expert's {type(module).__name__} has {' and '.join(hooked)}, which the fused kernels would "
+                "not run: they compute the experts without calling them"
+            )
     return None
 
 
-def module_hooks(module: torch.nn.Module) -> List[str]:
+def module_hooks(module: torch.nn.Module) -> list[str]:
     """The kinds of hooks registered on ``module`` ("forward_hooks", ...), none when it has none."""
     return [name[1:] for name in MODULE_HOOKS if getattr(module, name)]

@@ -9,8 +9,6 @@ the rounding of those partial sums. Where the group spans nodes the same rows tr
 (chunked.py).
 """
 
-from typing import List, Tuple
-
 import torch
 from deepspeed import comm as dist
 from torch import Tensor
@@ -27,19 +25,27 @@ class _AllToAllV(torch.autograd.Function):
     the error); its gradient is the same exchange reversed."""
 
     @staticmethod
-    def forward(ctx, rows: Tensor, send_splits: List[int], recv_splits: List[int], waits: CollectiveWaits,
-                what: str) -> Tensor:
+    def forward(
+        ctx, rows: Tensor, send_splits: list[int], recv_splits: list[int], waits: CollectiveWaits, what: str
+    ) -> Tensor:
         ctx.send_splits, ctx.recv_splits, ctx.waits, ctx.what = send_splits, recv_splits, waits, what
-        received = rows.new_empty((sum(recv_splits), ) + tuple(rows.shape[1:]))
-        work = dist.all_to_all_single(received, rows.contiguous(), output_split_sizes=recv_splits,
-                                      input_split_sizes=send_splits, group=waits.group, async_op=True)
+        received = rows.new_empty((sum(recv_splits),) + tuple(rows.shape[1:]))
+        work = dist.all_to_all_single(
+            received,
+            rows.contiguous(),
+            output_split_sizes=recv_splits,
+            input_split_sizes=send_splits,
+            group=waits.group,
+            async_op=True,
+        )
         waits.wait(work, what, rows.is_cuda)
         return received
 
     @staticmethod
     def backward(ctx, grad_received: Tensor):
-        grad_rows = _AllToAllV.apply(grad_received, ctx.recv_splits, ctx.send_splits, ctx.waits,
-                                     f"the gradients of {ctx.what}")
+        grad_rows = _AllToAllV.apply(
+            grad_received, ctx.recv_splits, ctx.send_splits, ctx.waits, f"the gradients of {ctx.what}"
+        )
         return grad_rows, None, None, None, None
 
 
@@ -48,7 +54,7 @@ class _AllToAllV(torch.autograd.Function):
 # 2.11 to a backward that exchanged the wrong rows: gradients off by as much as themselves, or a
 # gloo size mismatch. Stock DeepSpeed's _AllToAll compiles to the same wrong gradients there.
 @torch.compiler.disable
-def exchange(rows: Tensor, send_splits: List[int], recv_splits: List[int], waits: CollectiveWaits, what: str) -> Tensor:
+def exchange(rows: Tensor, send_splits: list[int], recv_splits: list[int], waits: CollectiveWaits, what: str) -> Tensor:
     """``rows`` ([R, ...], grouped by destination rank as ``send_splits`` says) exchanged over
     ``waits.group``: the rows every rank sends this one, by source rank."""
     return _AllToAllV.apply(rows, send_splits, recv_splits, waits, what)
@@ -61,7 +67,7 @@ def pack_routes(local_experts: Tensor, gates: Tensor) -> Tensor:
     return torch.cat([local_experts.float(), gates.float()], dim=1)
 
 
-def unpack_routes(routes: Tensor) -> Tuple[Tensor, Tensor]:
+def unpack_routes(routes: Tensor) -> tuple[Tensor, Tensor]:
     """``pack_routes``'s inverse: (local experts [R, k] int64, gates [R, k] fp32)."""
     top_k = routes.shape[1] // 2
     return routes.detach()[:, :top_k].long(), routes[:, top_k:]
@@ -72,7 +78,7 @@ def sum_rows(values: Tensor, row: Tensor, slot: Tensor, num_rows: int, slots: in
     ``slots``) tells apart the values of one row. Gathered, not scattered: no atomics (a
     deterministic sum), and autograd keeps the indices rather than the values."""
     width = values.shape[-1]
-    lookup = torch.full((num_rows * slots, ), values.shape[0], dtype=torch.int64, device=values.device)
+    lookup = torch.full((num_rows * slots,), values.shape[0], dtype=torch.int64, device=values.device)
     lookup[row * slots + slot] = torch.arange(values.shape[0], device=values.device)
     padded = torch.cat([values, values.new_zeros((1, width))])  # the last row: a place with no value
     return padded.index_select(0, lookup).view(num_rows, slots, width).float().sum(dim=1)
@@ -92,8 +98,15 @@ class ReferencePipeline:
 
     name = "reference"
 
-    def __init__(self, experts: LocalExperts, num_experts: int, ep_size: int, group=None,
-                 wait_timeout_s: float = 60.0, layer_name: str = "MoE layer"):
+    def __init__(
+        self,
+        experts: LocalExperts,
+        num_experts: int,
+        ep_size: int,
+        group=None,
+        wait_timeout_s: float = 60.0,
+        layer_name: str = "MoE layer",
+    ):
         self.experts = experts
         self.num_experts = num_experts
         self.ep_size = ep_size
@@ -132,8 +145,9 @@ class ReferencePipeline:
             return self._forward_by_node(tokens, indices, weights, scale_before, planned, chunks)
         return self._forward_by_rank(tokens, indices, weights, scale_before, planned, chunks)
 
-    def _forward_by_rank(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool, planned: int,
-                         chunks: int) -> Tensor:
+    def _forward_by_rank(
+        self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool, planned: int, chunks: int
+    ) -> Tensor:
         """Each token once to each rank that holds one of its routes (``forward``)."""
         plan = plan_rank_rows(indices, self.num_experts, self.ep_size, planned)
         send_rows, recv_rows, routes_per_expert = self._splits(plan.route_counts, plan.rank_rows, chunks)
@@ -148,8 +162,9 @@ class ReferencePipeline:
             returned = self._there_and_back(rows, routes, send_rows, recv_rows, chunks, work, "ranks")
         return self._sum_pairs(returned, plan, tokens.shape[0], min(weights.shape[0], self.ep_size))
 
-    def _forward_by_node(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool, planned: int,
-                         chunks: int) -> Tensor:
+    def _forward_by_node(
+        self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool, planned: int, chunks: int
+    ) -> Tensor:
         """Each token once to each node that holds one of its routes, then inside that node once to
         each rank that holds one (``"internode_forwarding"``).
 
@@ -176,36 +191,44 @@ class ReferencePipeline:
         return self._sum_pairs(returned, plan, tokens.shape[0], min(weights.shape[0], nodes))
 
     @staticmethod
-    def _pair_rows(plan: RankPlan, num_sent: int, tokens: Tensor, weights: Tensor) -> Tuple[Tensor, Tensor]:
+    def _pair_rows(plan: RankPlan, num_sent: int, tokens: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         """The first ``num_sent`` pairs of ``plan`` as they travel: their tokens' rows, and their
         routes (``pack_routes``: the destination's experts and the gates)."""
         pair_token = plan.pair_token[:num_sent]
-        return (tokens.index_select(0, pair_token),
-                pack_routes(plan.local_experts[:num_sent], weights.t().index_select(0, pair_token)))
+        return (
+            tokens.index_select(0, pair_token),
+            pack_routes(plan.local_experts[:num_sent], weights.t().index_select(0, pair_token)),
+        )
 
     @staticmethod
     def _sum_pairs(returned: Tensor, plan: RankPlan, num_tokens: int, slots: int) -> Tensor:
         """Each token's returned rows ([pairs sent, H], at most ``slots`` a token) summed in fp32, in
         their dtype."""
         pairs = returned.shape[0]
-        return sum_rows(returned, plan.pair_token[:pairs], plan.pair_slot[:pairs], num_tokens,
-                        slots).to(returned.dtype)
+        return sum_rows(returned, plan.pair_token[:pairs], plan.pair_slot[:pairs], num_tokens, slots).to(returned.dtype)
 
-    def _there_and_back(self, rows: Tensor, routes: Tensor, send_rows: List[int], recv_rows: List[int], chunks: int,
-                        work, peers: str) -> Tensor:
+    def _there_and_back(
+        self, rows: Tensor, routes: Tensor, send_rows: list[int], recv_rows: list[int], chunks: int, work, peers: str
+    ) -> Tensor:
         """``work``'s rows for ``rows`` and their ``routes`` (grouped by destination rank as
         ``send_rows`` says), exchanged over the group there and back, whole or in ``chunks``;
         ``peers`` ("ranks" or "nodes") names the destinations in the errors of the whole exchange."""
         if chunks > 1:
-            return chunked_exchange(rows, routes, send_rows, recv_rows, chunks, work, self.experts.parameters(),
-                                    self.waits())
+            return chunked_exchange(
+                rows, routes, send_rows, recv_rows, chunks, work, self.experts.parameters(), self.waits()
+            )
         waits = self.waits()
         received_rows = exchange(rows, send_rows, recv_rows, waits, f"the rows the other {peers} send it")
         received_routes = exchange(routes, send_rows, recv_rows, waits, "the routes of those rows")
-        return exchange(work(received_rows, received_routes, 0), recv_rows, send_rows, waits,
-                        f"its rows, back from their experts' {peers}")
+        return exchange(
+            work(received_rows, received_routes, 0),
+            recv_rows,
+            send_rows,
+            waits,
+            f"its rows, back from their experts' {peers}",
+        )
 
-    def _lane_splits(self, node_rows: Tensor, lane: int, chunks: int) -> Tuple[List[int], List[int]]:
+    def _lane_splits(self, node_rows: Tensor, lane: int, chunks: int) -> tuple[list[int], list[int]]:
         """The host splits of the exchange between nodes: ``node_rows`` ([nodes]) rows go to the rank
         of each node in this rank's ``lane``, none to the others; and the rows each rank sends here."""
         rows_to_rank = torch.zeros(self.ep_size, dtype=node_rows.dtype, device=node_rows.device)
@@ -215,15 +238,22 @@ class ReferencePipeline:
         self._check_chunks_agree(received[:, 1].tolist())
         return sent[:, 0].tolist(), received[:, 0].tolist()
 
-    def _splits(self, route_counts: Tensor, rank_rows: Tensor,
-                chunks: int) -> Tuple[List[int], List[int], List[List[int]]]:
+    def _splits(
+        self, route_counts: Tensor, rank_rows: Tensor, chunks: int
+    ) -> tuple[list[int], list[int], list[list[int]]]:
         """The exchange's host splits from this call's plan (``route_counts`` [ep, C, L],
         ``rank_rows`` [ep]) and the counts the other ranks send: (rows sent to each rank, rows
         received from each rank, routes for each local expert in each of the ``chunks`` the rows
         travel in: C, or 1 for the whole exchange)."""
         ep_size, planned, num_local = route_counts.shape
-        sends = torch.cat([route_counts.view(ep_size, -1), rank_rows.view(ep_size, 1),
-                           torch.full((ep_size, 1), chunks, dtype=rank_rows.dtype, device=rank_rows.device)], dim=1)
+        sends = torch.cat(
+            [
+                route_counts.view(ep_size, -1),
+                rank_rows.view(ep_size, 1),
+                torch.full((ep_size, 1), chunks, dtype=rank_rows.dtype, device=rank_rows.device),
+            ],
+            dim=1,
+        )
         received_counts = self.exchange_counts(sends.view(-1)) if ep_size > 1 else sends.view(-1)
         # The uneven splits must be host integers for all_to_all_single: one small copy of the counts.
         sent, received = torch.cat([sends.view(-1), received_counts]).view(2, ep_size, planned * num_local + 2).cpu()
@@ -233,7 +263,7 @@ class ReferencePipeline:
             routes = routes.sum(dim=0, keepdim=True)
         return sent[:, -2].tolist(), received[:, -2].tolist(), routes.tolist()
 
-    def _check_chunks_agree(self, chunks_of_ranks: List[int]) -> None:
+    def _check_chunks_agree(self, chunks_of_ranks: list[int]) -> None:
         """Every rank of the group must send its rows in as many chunks (the same collectives);
         ``chunks_of_ranks`` holds each rank's count for this call. Every rank sees them all and
         raises alike, before any row moves."""
@@ -244,9 +274,10 @@ class ReferencePipeline:
             f"ds_comet: {self.layer_name}: the ranks of its expert-parallel group would exchange this call's rows "
             f"in different numbers of chunks ({chunks_of_ranks}, by rank of the group): ranks {whole} run it under "
             f"saved-tensor hooks (non-reentrant activation checkpointing, or torch.autograd.graph.saved_tensors_hooks)"
-            f" and send the rows whole, the others do not. Checkpoint the MoE layers alike on every rank")
+            f" and send the rows whole, the others do not. Checkpoint the MoE layers alike on every rank"
+        )
 
-    def _local_routes(self, rows: Tensor, routes: Tensor, routes_per_expert: List[int], scale_before: bool) -> Tensor:
+    def _local_routes(self, rows: Tensor, routes: Tensor, routes_per_expert: list[int], scale_before: bool) -> Tensor:
         """For each received row ([R, H], with its ``routes``, [R, 2k] as ``pack_routes`` makes them),
         the weighted sum of its routes' expert outputs, in the experts' output dtype."""
         local, gates = unpack_routes(routes)
@@ -254,7 +285,7 @@ class ReferencePipeline:
         flat = local.reshape(-1)
         # Routes sorted by local expert (stable: by source rank, token, then slot); others last.
         keys = torch.where(flat < 0, torch.full_like(flat, self.experts.num_local), flat)
-        order = torch.argsort(keys, stable=True)[:sum(routes_per_expert)]
+        order = torch.argsort(keys, stable=True)[: sum(routes_per_expert)]
         route_row = order // top_k
         # Each route's place among its row's routes on this rank (fewer than min(k, local experts)).
         route_slot = ((local >= 0).long().cumsum(dim=1) - 1).reshape(-1).index_select(0, order)
@@ -283,6 +314,10 @@ class ReferencePipeline:
         """
         received = torch.empty_like(send_counts)
         work = dist.all_to_all_single(received, send_counts, group=self.group, async_op=True)
-        self.waits().wait(work, "the expert counts of the other ranks (the reference pipeline's first exchange of "
-                          "a call)", received.is_cuda, read_back=True)
+        self.waits().wait(
+            work,
+            "the expert counts of the other ranks (the reference pipeline's first exchange of a call)",
+            received.is_cuda,
+            read_back=True,
+        )
         return received

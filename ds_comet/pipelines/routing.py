@@ -8,7 +8,6 @@ device: building a plan needs no host sync and no dense ``[S, E, C]`` tensor.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -24,10 +23,10 @@ class RoutingPlan:
     """[E] int64: kept routes of this rank's tokens per global expert."""
     num_tokens: int
     top_k: int
-    rank_tokens: Optional[Tensor] = None
+    rank_tokens: Tensor | None = None
     """[ep, S] int32 (``plan_routes_cuda``, for the fused dispatch): row d lists, in token order, the
     tokens with a kept route to one of rank d's experts; only its first ``rank_token_counts[d]`` are set."""
-    rank_token_counts: Optional[Tensor] = None
+    rank_token_counts: Tensor | None = None
     """[ep] int64: how many tokens each rank gets, once a token."""
 
     def rank_counts(self, ep_size: int) -> Tensor:
@@ -35,7 +34,7 @@ class RoutingPlan:
         return self.expert_counts.view(ep_size, -1).sum(dim=1)
 
 
-def _routes_shape(indices: Tensor) -> Tuple[int, int]:
+def _routes_shape(indices: Tensor) -> tuple[int, int]:
     """(k, tokens) of the gate's ``indices``."""
     if indices.dim() != 2:
         raise ValueError(f"gate indices must be [k, tokens], got shape {tuple(indices.shape)}")
@@ -85,6 +84,7 @@ class RankPlan:
     in chunks: chunk c of a block of B rows is its rows ``[c B / C, (c + 1) B / C)`` (``chunk_bounds``).
     Built on the device with no host sync.
     """
+
     pair_token: Tensor
     """[ep*S] int64: the token of each pair."""
     pair_slot: Tensor
@@ -126,8 +126,9 @@ def plan_rank_rows(indices: Tensor, num_experts: int, ep_size: int, chunks: int 
     order = torch.argsort(keys.reshape(-1))  # real pairs first, by destination then token
     pair_dest, pair_token = order // num_tokens, order % num_tokens
     route_dest, route_expert = dest[:, pair_token], flat[:, pair_token]  # [k, ep*S]
-    local = torch.where(route_dest == pair_dest, route_expert - pair_dest * num_local,
-                        torch.full_like(route_expert, -1))
+    local = torch.where(
+        route_dest == pair_dest, route_expert - pair_dest * num_local, torch.full_like(route_expert, -1)
+    )
     rank_rows = hit.sum(dim=0)
     # Each real pair's chunk; the other pairs have no local expert and are not counted.
     pair_chunk = 0
@@ -139,8 +140,13 @@ def plan_rank_rows(indices: Tensor, num_experts: int, ep_size: int, chunks: int 
     where = torch.where(local >= 0, (pair_dest * chunks + pair_chunk) * num_local + local, bins)
     route_counts = torch.zeros(bins + 1, dtype=torch.int64, device=flat.device)
     route_counts.scatter_add_(0, where.reshape(-1), torch.ones_like(where).reshape(-1))
-    return RankPlan(pair_token, slot[pair_token, pair_dest.clamp(max=ep_size - 1)], local.t().contiguous(), rank_rows,
-                    route_counts[:bins].view(ep_size, chunks, num_local))
+    return RankPlan(
+        pair_token,
+        slot[pair_token, pair_dest.clamp(max=ep_size - 1)],
+        local.t().contiguous(),
+        rank_rows,
+        route_counts[:bins].view(ep_size, chunks, num_local),
+    )
 
 
 def exclusive_cumsum(values: Tensor) -> Tensor:
@@ -160,7 +166,7 @@ def host_to_device(tensor: Tensor, device: torch.device) -> Tensor:
     return tensor.to(device)
 
 
-def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> Tuple[int, int]:
+def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> tuple[int, int]:
     """Rows this rank's tokens send to other ranks of the group: one per kept route (what the fused
     pipeline's combine brings back), and one per (token, destination rank) with a kept route there
     (what both pipelines' dispatches send, and the reference pipeline's combine brings back).

@@ -22,19 +22,19 @@ without dropping) is agreed on the same way: if any rank's has hooks, every rank
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as torch_dist
 from deepspeed.utils import log_dist, log_dist_once, logger
 
 from ..config import CometMoEConfig
+from .chunked import rule_chunks
+from .collective_waits import gather_objects
 from .expert_weights import LocalExperts
 from .fused import FusedPipeline
 from .parameters import choose_parameters, offsets_overflow
-from .chunked import rule_chunks
-from .collective_waits import gather_objects
 from .policy import group_reason, hooks_reason, local_reason, module_hooks, node_name, structure_reason
 from .reference import ReferencePipeline
 from .workspace import BufferShape, get_buffer
@@ -49,9 +49,11 @@ _LAYER_NUMBERS = itertools.count()
 # the agreement sizes the fused workspace and the reference pipeline's internode chunks by the most
 # tokens a rank feeds (unless "max_tokens_per_rank" fixes it); sized by such a call, the workspace
 # would refuse the next call that has any, and the chunks would stay at the rule's fewest.
-NO_TOKENS_YET = ("no rank of the group has tokens in this call, and the group's agreement (the fused workspace, the "
-                 "internode chunks) is sized by the first call that has some (or by \"moe\": "
-                 "{\"max_tokens_per_rank\"})")
+NO_TOKENS_YET = (
+    "no rank of the group has tokens in this call, and the group's agreement (the fused workspace, the "
+    'internode chunks) is sized by the first call that has some (or by "moe": '
+    '{"max_tokens_per_rank"})'
+)
 
 
 @dataclass
@@ -68,11 +70,12 @@ class LayerSpec:
     whether any was yes to ``router_agreed(hooked_anywhere)``, so that every rank takes that
     forward, or none.
     """
+
     num_experts: int
     ep_size: int
     top_k: int
     row_bound: Callable[[int, bool], int]
-    settings: Callable[[], Tuple[Tuple[str, object], ...]] = tuple
+    settings: Callable[[], tuple[tuple[str, object], ...]] = tuple
     scale_before: bool = False
     router_hooked: Callable[[], bool] = bool
     router_agreed: Callable[[bool], None] = bool
@@ -86,7 +89,7 @@ class GroupDisagreement(RuntimeError):
     """The ranks of an expert-parallel group called a layer with settings that do not line up."""
 
 
-Pipeline = Union[ReferencePipeline, FusedPipeline]
+Pipeline = ReferencePipeline | FusedPipeline
 
 
 class PipelineSelection:
@@ -97,19 +100,20 @@ class PipelineSelection:
     ``reason`` says why the last call did not run the fused one (None when it did).
     """
 
-    def __init__(self, spec: LayerSpec, experts: LocalExperts, config: CometMoEConfig, name: Optional[str] = None):
+    def __init__(self, spec: LayerSpec, experts: LocalExperts, config: CometMoEConfig, name: str | None = None):
         self.spec = spec
         self.experts = experts
         self.config = config
         self.group = None
-        self.reference = ReferencePipeline(experts, spec.num_experts, spec.ep_size,
-                                           wait_timeout_s=config.wait_timeout_s)
-        self.fused: Optional[FusedPipeline] = None
+        self.reference = ReferencePipeline(
+            experts, spec.num_experts, spec.ep_size, wait_timeout_s=config.wait_timeout_s
+        )
+        self.fused: FusedPipeline | None = None
         self.name = name or f"MoE layer {next(_LAYER_NUMBERS)}"
-        self.reason: Optional[str] = None
+        self.reason: str | None = None
         self._agreed_key = None  # what the agreement was made for: the tokens' dtype, width, device, settings
-        self._agreed_reason: Optional[str] = None
-        self._hooked: Optional[List[torch.nn.Module]] = None
+        self._agreed_reason: str | None = None
+        self._hooked: list[torch.nn.Module] | None = None
         self._said = set()
 
     @property
@@ -135,7 +139,7 @@ class PipelineSelection:
             return
         fused = structure_reason(self.experts, hidden, self.spec.top_k, self.spec.scale_before)
         if isinstance(fused, str):
-            raise ValueError(f"\"overlap\": \"fused\" was asked for, but {fused}")
+            raise ValueError(f'"overlap": "fused" was asked for, but {fused}')
 
     def pipeline_for(self, tokens: torch.Tensor) -> Pipeline:
         """The pipeline for a call on ``tokens`` ([S, H]); the first call (and one on tokens of another
@@ -158,11 +162,11 @@ class PipelineSelection:
                 self._warn_skipped_hooks(hooks)
             return self.fused
         if self.config.overlap == "fused":
-            raise RuntimeError(f"ds_comet: {self.name}: \"overlap\": \"fused\" was asked for, but {reason}")
+            raise RuntimeError(f'ds_comet: {self.name}: "overlap": "fused" was asked for, but {reason}')
         self._say_once(reason, tokens)
         return self.reference
 
-    def _hookable(self) -> List[torch.nn.Module]:
+    def _hookable(self) -> list[torch.nn.Module]:
         if self._hooked is None:  # walked once: it costs more than checking the hooks on every call
             self._hooked = self.experts.hookable_modules()
         return self._hooked
@@ -174,11 +178,13 @@ class PipelineSelection:
             hooked = module_hooks(module)
             if not hooked:
                 continue
-            message = (f"ds_comet: {self.name}: its {type(module).__name__} container has {' and '.join(hooked)}, "
-                       "which never run under the comet backend: stock calls the container on its capacity buffer, "
-                       "which comet does not build. Register them on the expert modules (deepspeed_experts[i]), "
-                       "which the reference pipeline calls: hooks there at the layer's first call keep it on that "
-                       "pipeline")
+            message = (
+                f"ds_comet: {self.name}: its {type(module).__name__} container has {' and '.join(hooked)}, "
+                "which never run under the comet backend: stock calls the container on its capacity buffer, "
+                "which comet does not build. Register them on the expert modules (deepspeed_experts[i]), "
+                "which the reference pipeline calls: hooks there at the layer's first call keep it on that "
+                "pipeline"
+            )
             if message not in self._said:
                 self._said.add(message)
                 logger.warning(message)
@@ -191,10 +197,12 @@ class PipelineSelection:
         if hooks in self._said:
             return
         self._said.add(hooks)
-        logger.warning(f"ds_comet: {self.name}: {hooks}. They are skipped on this rank: the expert-parallel group "
-                       "chose the fused pipeline at the layer's first call, and one rank cannot change pipelines "
-                       "alone (DeepSpeed's flops profiler will not count the experts). Register such hooks before "
-                       "the layer's first call, or set \"moe\": {\"overlap\": \"none\"}, for them to run")
+        logger.warning(
+            f"ds_comet: {self.name}: {hooks}. They are skipped on this rank: the expert-parallel group "
+            "chose the fused pipeline at the layer's first call, and one rank cannot change pipelines "
+            "alone (DeepSpeed's flops profiler will not count the experts). Register such hooks before "
+            'the layer\'s first call, or set "moe": {"overlap": "none"}, for them to run'
+        )
 
     def _say_once(self, reason: str, tokens: torch.Tensor) -> None:
         if reason in self._said:
@@ -208,22 +216,28 @@ class PipelineSelection:
         else:
             log_dist(message, ranks=[0])
 
-    def _settings(self, tokens: torch.Tensor) -> Tuple[Tuple[str, object], ...]:
-        return (("overlap", self.config.overlap), ("num_experts", self.spec.num_experts),
-                ("ep_size", self.spec.ep_size), ("k", self.spec.top_k),
+    def _settings(self, tokens: torch.Tensor) -> tuple[tuple[str, object], ...]:
+        return (
+            (
+                ("overlap", self.config.overlap),
+                ("num_experts", self.spec.num_experts),
+                ("ep_size", self.spec.ep_size),
+                ("k", self.spec.top_k),
                 ("internode_chunks", self.config.internode_chunks),
-                ("internode_forwarding", self.config.internode_forwarding)) + self.spec.settings() + (
-                    ("hidden size", tokens.shape[-1]), ("dtype", str(tokens.dtype)),
-                    ("experts", self.experts.structure()))
+                ("internode_forwarding", self.config.internode_forwarding),
+            )
+            + self.spec.settings()
+            + (("hidden size", tokens.shape[-1]), ("dtype", str(tokens.dtype)), ("experts", self.experts.structure()))
+        )
 
     # Under torch.compile this runs as written, not traced: a collective on Python objects, the op's
     # build, the symmetric-memory rendezvous and new CUDA streams, once per layer.
     @torch._disable_dynamo
-    def _agree(self, tokens: torch.Tensor) -> Optional[str]:
+    def _agree(self, tokens: torch.Tensor) -> str | None:
         """One collective: every rank's settings, local answer, host, GPU and token count; then, if every
         rank can run the fused pipeline, its workspace. Returns why not fused, or None."""
         if self.config.overlap == "none":
-            fused = "\"overlap\" is \"none\""
+            fused = '"overlap" is "none"'
         else:
             try:
                 fused = local_reason(self.experts, tokens, self.spec.top_k, self.spec.scale_before)
@@ -241,15 +255,19 @@ class PipelineSelection:
         if self.group is None and self.spec.ep_size == 1:
             everyone = [local]
         else:
-            everyone = gather_objects(local, self.reference.waits(),
-                                      "the other ranks' settings for this layer (the group's agreement at its first "
-                                      "call)")
+            everyone = gather_objects(
+                local,
+                self.reference.waits(),
+                "the other ranks' settings for this layer (the group's agreement at its first call)",
+            )
         self._check_settings([entry[0] for entry in everyone])
         self.spec.router_agreed(any(entry[5] for entry in everyone))
         failures = [(rank, entry[1]) for rank, entry in enumerate(everyone) if isinstance(entry[1], RankFailure)]
         if failures:
-            raise RuntimeError(f"ds_comet: {self.name}: checking the fused pipeline failed on "
-                               + "; ".join(f"rank {rank}: {failure}" for rank, failure in failures))
+            raise RuntimeError(
+                f"ds_comet: {self.name}: checking the fused pipeline failed on "
+                + "; ".join(f"rank {rank}: {failure}" for rank, failure in failures)
+            )
         most_tokens = max(entry[4] for entry in everyone)
         if self.config.max_tokens_per_rank is None and most_tokens == 0:
             return NO_TOKENS_YET  # before anything is sized: the standing agreement, if any, keeps its sizes
@@ -261,8 +279,9 @@ class PipelineSelection:
         reason = group_reason([entry[2] for entry in everyone], [entry[3] for entry in everyone])
         if reason is not None:
             return reason
-        return self._build_fused(tokens, fused, most_tokens,
-                                 shared_device=len({entry[3] for entry in everyone}) < len(everyone))
+        return self._build_fused(
+            tokens, fused, most_tokens, shared_device=len({entry[3] for entry in everyone}) < len(everyone)
+        )
 
     def _internode_chunks(self, nodes: set, most_tokens: int) -> int:
         """The reference pipeline's chunks: 1 inside a node; across nodes the config's, else the rule's."""
@@ -272,7 +291,7 @@ class PipelineSelection:
             return self.config.internode_chunks
         return rule_chunks(self.spec.top_k, self.config.max_tokens_per_rank or most_tokens)
 
-    def _forwarding_ranks(self, nodes: List[str]) -> Optional[int]:
+    def _forwarding_ranks(self, nodes: list[str]) -> int | None:
         """Ranks a node holds, where the reference pipeline forwards tokens inside nodes
         (``"internode_forwarding"`` on a group that spans nodes); else None."""
         if not self.config.internode_forwarding or len(set(nodes)) == 1:
@@ -283,41 +302,62 @@ class PipelineSelection:
         blocks = nodes[::per_node]  # each node's name once, if its ranks come together
         if len(set(blocks)) == len(blocks) and nodes == [name for name in blocks for _ in range(per_node)]:
             return per_node
-        message = (f"ds_comet: {self.name}: \"internode_forwarding\" needs the expert-parallel group's ranks to fill "
-                   f"its nodes in order, the same number each; its ranks' nodes are {nodes}: each token goes to each "
-                   "rank instead")
+        message = (
+            f'ds_comet: {self.name}: "internode_forwarding" needs the expert-parallel group\'s ranks to fill '
+            f"its nodes in order, the same number each; its ranks' nodes are {nodes}: each token goes to each "
+            "rank instead"
+        )
         # Said by the group's first rank: global rank 0 may be in another group.
         if message not in self._said and torch_dist.get_rank(self.group) == 0:
             self._said.add(message)
             logger.warning(message)
         return None
 
-    def _check_settings(self, settings: List[Tuple[Tuple[str, object], ...]]) -> None:
-        for index, (field, value) in enumerate(settings[0]):
+    def _check_settings(self, settings: list[tuple[tuple[str, object], ...]]) -> None:
+        for field, value in settings[0]:
             values = [dict(rank_settings).get(field) for rank_settings in settings]
             if any(v != value for v in values):
                 by_value = {}
                 for rank, v in enumerate(values):
                     by_value.setdefault(repr(v), []).append(rank)
                 described = "; ".join(f"ranks {ranks}: {v}" for v, ranks in by_value.items())
-                raise GroupDisagreement(f"ds_comet: {self.name}: the ranks of the expert-parallel group disagree on "
-                                        f"{field} ({described}); every rank must build and call the layer alike")
+                raise GroupDisagreement(
+                    f"ds_comet: {self.name}: the ranks of the expert-parallel group disagree on "
+                    f"{field} ({described}); every rank must build and call the layer alike"
+                )
 
-    def _build_fused(self, tokens: torch.Tensor, experts, most_tokens: int, shared_device: bool) -> Optional[str]:
+    def _build_fused(self, tokens: torch.Tensor, experts, most_tokens: int, shared_device: bool) -> str | None:
         spec, config = self.spec, self.config
         max_tokens = config.max_tokens_per_rank or most_tokens
         hidden = tokens.shape[-1]
         num_sms = torch.cuda.get_device_properties(tokens.device).multi_processor_count
-        params = choose_parameters(config, hidden, experts.ffn, experts.gated, spec.top_k, spec.ep_size,
-                                   max_tokens, tokens.element_size(), num_sms)
+        params = choose_parameters(
+            config,
+            hidden,
+            experts.ffn,
+            experts.gated,
+            spec.top_k,
+            spec.ep_size,
+            max_tokens,
+            tokens.element_size(),
+            num_sms,
+        )
         # Per mode, as the gate's capacity follows it; the workspace holds the larger.
         row_bounds = {train: spec.row_bound(max_tokens, train) for train in (True, False)}
         rows = max(row_bounds.values())
         reason = offsets_overflow(rows, max_tokens * spec.top_k, hidden, experts.ffn, experts.gated)
         if reason is not None:
             return reason
-        shape = BufferShape(ep_size=spec.ep_size, num_experts=spec.num_experts, hidden=hidden, dtype=tokens.dtype,
-                            max_tokens=max_tokens, max_recv_rows=rows, top_k=spec.top_k, tile_m=params.tile_m)
+        shape = BufferShape(
+            ep_size=spec.ep_size,
+            num_experts=spec.num_experts,
+            hidden=hidden,
+            dtype=tokens.dtype,
+            max_tokens=max_tokens,
+            max_recv_rows=rows,
+            top_k=spec.top_k,
+            tile_m=params.tile_m,
+        )
         workspace = get_buffer(self.group, shape, config.wait_timeout_s, shared_device)
         by_received = config.activation_rows == "received"
         self.fused = FusedPipeline(workspace, experts, params, spec.num_experts, row_bounds, by_received)
@@ -327,19 +367,23 @@ class PipelineSelection:
             message = bound_rows_warning(row_bounds[True], spec.top_k * max_tokens, row_bytes)
             if message is not None:
                 log_dist_once(message, ranks=[0], level=logging.WARNING)  # once a job, not once a layer
-        log_dist(f"ds_comet: {self.name} runs the fused pipeline ({params}, workspace for {max_tokens} tokens per "
-                 "rank)", ranks=[0])
+        log_dist(
+            f"ds_comet: {self.name} runs the fused pipeline ({params}, workspace for {max_tokens} tokens per rank)",
+            ranks=[0],
+        )
         return None
 
 
-def bound_rows_warning(rows: int, balanced: int, row_bytes: int) -> Optional[str]:
+def bound_rows_warning(rows: int, balanced: int, row_bytes: int) -> str | None:
     """What to tell a user whose layer keeps activations for ``rows`` received rows a training call
     (``"activation_rows": "bound"``), where a balanced router sends a rank ``balanced``, each row
     keeping ``row_bytes`` (its input, its output and the products before the activation); None
     below BOUND_ROWS_WARN times."""
     if rows < BOUND_ROWS_WARN * balanced:
         return None
-    return (f"ds_comet: a training call of an MoE layer of this shape keeps activations for up to {rows} received "
-            f"rows ({rows * row_bytes / 2**30:.2f} GiB a layer), {rows / balanced:.0f}x the {balanced} a balanced "
-            "router sends a rank; \"moe\": {\"activation_rows\": \"received\"} sizes them by the rows each call "
-            "receives (one host sync a layer call)")
+    return (
+        f"ds_comet: a training call of an MoE layer of this shape keeps activations for up to {rows} received "
+        f"rows ({rows * row_bytes / 2**30:.2f} GiB a layer), {rows / balanced:.0f}x the {balanced} a balanced "
+        'router sends a rank; "moe": {"activation_rows": "received"} sizes them by the rows each call '
+        "receives (one host sync a layer call)"
+    )

@@ -19,7 +19,6 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as torch_dist
@@ -84,6 +83,7 @@ def _ipc_peer_pointers(local: torch.Tensor, group, rank: int, ep_size: int):
     torch's caching allocator. Each peer gets its own share, whose reference count it releases.
     """
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
     shares = [None if peer == rank else reduce_tensor(local)[1] for peer in range(ep_size)]
     everyone = [None] * ep_size
     torch_dist.all_gather_object(everyone, shares, group=group)
@@ -91,7 +91,7 @@ def _ipc_peer_pointers(local: torch.Tensor, group, rank: int, ep_size: int):
     return [t.data_ptr() for t in opened], opened
 
 
-def allocator_ipc_refusal() -> Optional[str]:
+def allocator_ipc_refusal() -> str | None:
     """What in the caching allocator's settings CUDA IPC cannot share between ranks on one GPU, or None.
 
     Read as torch reads them: PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF; the last value of a
@@ -135,19 +135,27 @@ class CometBuffer:
         # into its own row of `reduced`, which the row's source pulls; `row_dot` keeps the backward's
         # gate-gradient dot product of each received row.
         stage_entries = shape.max_staged_rows * shape.top_k
-        parts = [("recv", shape.max_recv_rows * H * elem), ("stage", shape.max_staged_rows * H * elem),
-                 ("reduced", shape.max_staged_rows * H * elem), ("origin", shape.max_recv_rows * 8),
-                 ("row_dot", shape.max_recv_rows * 4), ("stage_routes", stage_entries * 8),
-                 ("stage_scale", stage_entries * 4), ("meta", self.meta_offsets.total * 4)]
+        parts = [
+            ("recv", shape.max_recv_rows * H * elem),
+            ("stage", shape.max_staged_rows * H * elem),
+            ("reduced", shape.max_staged_rows * H * elem),
+            ("origin", shape.max_recv_rows * 8),
+            ("row_dot", shape.max_recv_rows * 4),
+            ("stage_routes", stage_entries * 8),
+            ("stage_scale", stage_entries * 4),
+            ("meta", self.meta_offsets.total * 4),
+        ]
         self._byte_offset, total = {}, 0
         for name, nbytes in parts:
             self._byte_offset[name] = total
             total += _align(nbytes)
         if shared_device:
-            logger.warning(f"ds_comet: rank {self.rank} shares its GPU with another rank of its expert-parallel "
-                           "group; the fused kernels will run time-sliced between them, far slower than with "
-                           "one rank a GPU (under MPS, which runs their kernels side by side, a rank's waiting "
-                           "kernels can hold the SMs its peer needs until the wait times out)")
+            logger.warning(
+                f"ds_comet: rank {self.rank} shares its GPU with another rank of its expert-parallel "
+                "group; the fused kernels will run time-sliced between them, far slower than with "
+                "one rank a GPU (under MPS, which runs their kernels side by side, a rank's waiting "
+                "kernels can hold the SMs its peer needs until the wait times out)"
+            )
             self._storage = torch.empty(total, dtype=torch.uint8, device=self.device)
             bases, self._peer_storage = _ipc_peer_pointers(self._storage, group, self.rank, P)
         else:
@@ -162,16 +170,17 @@ class CometBuffer:
         self.recv = self._part("recv", shape.dtype, (shape.max_recv_rows, H))
         self.stage = self._part("stage", shape.dtype, (shape.max_staged_rows, H))
         self.reduced = self._part("reduced", shape.dtype, (shape.max_staged_rows, H))
-        self.origin = self._part("origin", torch.int64, (shape.max_recv_rows, ))
-        self.row_dot = self._part("row_dot", torch.float32, (shape.max_recv_rows, ))
-        self.stage_routes = self._part("stage_routes", torch.int64, (stage_entries, ))
-        self.stage_scale = self._part("stage_scale", torch.float32, (stage_entries, ))
-        self.meta = self._part("meta", torch.int32, (self.meta_offsets.total, ))
+        self.origin = self._part("origin", torch.int64, (shape.max_recv_rows,))
+        self.row_dot = self._part("row_dot", torch.float32, (shape.max_recv_rows,))
+        self.stage_routes = self._part("stage_routes", torch.int64, (stage_entries,))
+        self.stage_scale = self._part("stage_scale", torch.float32, (stage_entries,))
+        self.meta = self._part("meta", torch.int32, (self.meta_offsets.total,))
         self.meta.zero_()
 
         def table(name, extra_bytes=0):
-            return torch.tensor([b + self._byte_offset[name] + extra_bytes for b in bases], dtype=torch.int64,
-                                device=self.device)
+            return torch.tensor(
+                [b + self._byte_offset[name] + extra_bytes for b in bases], dtype=torch.int64, device=self.device
+            )
 
         self.peer_recv = table("recv")
         self.peer_reduced = table("reduced")
@@ -186,9 +195,14 @@ class CometBuffer:
         # wait for before they count on the sources (all of it this rank's meta).
         own_meta = bases[self.rank] + self._byte_offset["meta"]
         self.gemm2_counters = torch.tensor(
-            [own_meta + 4 * (self.meta_offsets.chunk_counter if p == self.rank else self.meta_offsets.reduce_counter)
-             for p in range(P)], dtype=torch.int64, device=self.device)
-        self.tile_counters = self.meta[self.meta_offsets.tile_counter:]
+            [
+                own_meta + 4 * (self.meta_offsets.chunk_counter if p == self.rank else self.meta_offsets.reduce_counter)
+                for p in range(P)
+            ],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        self.tile_counters = self.meta[self.meta_offsets.tile_counter :]
         self.layout = torch.zeros(self.layout_offsets.total, dtype=torch.int32, device=self.device)
         self.route_row = torch.zeros(shape.max_routes, dtype=torch.int64, device=self.device)
         self.route_stage = torch.zeros(shape.max_routes, dtype=torch.int32, device=self.device)
@@ -203,10 +217,10 @@ class CometBuffer:
         torch.cuda.synchronize(self.device)
         torch_dist.barrier(group=group)
 
-    def _part(self, name, dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+    def _part(self, name, dtype, shape: tuple[int, ...]) -> torch.Tensor:
         start = self._byte_offset[name]
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return self._storage[start:start + nbytes].view(dtype).view(shape)
+        return self._storage[start : start + nbytes].view(dtype).view(shape)
 
     def _kernel_shape(self, timeout_s: float):
         ks = self.op.GroupShape()
@@ -216,13 +230,35 @@ class CometBuffer:
         ks.max_stage_pieces = self.shape.max_stage_pieces
         ks.timeout_ns = int(timeout_s * 1e9)
         meta = self.op.MetaOffsets()
-        for field in ("counts", "exchange_flag", "tile_counter", "chunk_counter", "stage_counter", "reduce_counter",
-                      "generation"):
+        for field in (
+            "counts",
+            "exchange_flag",
+            "tile_counter",
+            "chunk_counter",
+            "stage_counter",
+            "reduce_counter",
+            "generation",
+        ):
             setattr(meta, field, getattr(self.meta_offsets, field))
         offsets = self.op.LayoutOffsets()
-        for field in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row",
-                      "dest_rel", "dest_tile", "send_order", "piece_start", "stage_send", "stage_dest_row",
-                      "stage_dest_piece", "stage_recv_row", "stage_recv_piece", "totals"):
+        for field in (
+            "expert_start",
+            "tile_start",
+            "local_tiles",
+            "remote_tiles",
+            "send_offset",
+            "dest_row",
+            "dest_rel",
+            "dest_tile",
+            "send_order",
+            "piece_start",
+            "stage_send",
+            "stage_dest_row",
+            "stage_dest_piece",
+            "stage_recv_row",
+            "stage_recv_piece",
+            "totals",
+        ):
             setattr(offsets, field, getattr(self.layout_offsets, field))
         ks.meta, ks.layout = meta, offsets
         return ks
@@ -245,12 +281,14 @@ class CometBuffer:
 
     def check_tokens(self, num_tokens: int):
         if num_tokens > self.shape.max_tokens:
-            raise ValueError(f"this MoE layer got {num_tokens} tokens on one rank but the fused workspace was "
-                             f"sized for {self.shape.max_tokens}; set \"moe\": {{\"max_tokens_per_rank\": "
-                             f"{num_tokens}}} (or more) in the ds_config")
+            raise ValueError(
+                f"this MoE layer got {num_tokens} tokens on one rank but the fused workspace was "
+                f'sized for {self.shape.max_tokens}; set "moe": {{"max_tokens_per_rank": '
+                f"{num_tokens}}} (or more) in the ds_config"
+            )
 
 
-_BUFFERS: Dict[tuple, CometBuffer] = {}
+_BUFFERS: dict[tuple, CometBuffer] = {}
 
 
 def get_buffer(group, shape: BufferShape, timeout_s: float, shared_device: bool = False) -> CometBuffer:

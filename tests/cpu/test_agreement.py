@@ -19,8 +19,15 @@ def disagreement_case(field):
     hidden = 32 if field == "hidden size" and rank == 1 else 16
     k = 2 if field == "k" and rank == 1 else 1
     capacity = 2.0 if field == "capacity_factor" and rank == 1 else 1.0
-    layer = ds_comet.MoE(hidden, FeedForward(hidden, 24), num_experts=2 * world, ep_size=world, k=k,
-                         capacity_factor=capacity, config=COMET)
+    layer = ds_comet.MoE(
+        hidden,
+        FeedForward(hidden, 24),
+        num_experts=2 * world,
+        ep_size=world,
+        k=k,
+        capacity_factor=capacity,
+        config=COMET,
+    )
     layer.set_deepspeed_parallelism()
     dtype = torch.float64 if field == "dtype" and rank == 1 else torch.float32
     layer.to(dtype)
@@ -69,6 +76,7 @@ def call_alone_on_rank_0(layer):
     import time
 
     from ds_comet.kernels.ops import CometWaitTimeout
+
     if dist.get_rank() != 0:
         return None
     start = time.monotonic()
@@ -118,6 +126,7 @@ def raising_peer_case():
     exchange (as a rank out of memory would): rank 0's error must say why, not only who."""
     import ds_comet.pipelines.reference as reference
     from ds_comet.kernels.ops import CometWaitTimeout
+
     rank = dist.get_rank()
     layer = called_layer("blocks.5.moe")
     if rank != 0:
@@ -142,6 +151,7 @@ def gate_raising_peer_case():
     """Both ranks call the layer; in the next call every rank but 0 feeds fewer tokens than the
     gate's min_capacity, which stock's gate refuses before any exchange: rank 0's error must quote it."""
     from ds_comet.kernels.ops import CometWaitTimeout
+
     layer = called_layer("blocks.6.moe")  # min_capacity 4, k 1
     if dist.get_rank() != 0:
         with pytest.raises(AssertionError, match="min_capacity"):
@@ -167,8 +177,9 @@ def test_a_peer_that_raises_is_named_with_its_error(cpu_pool):
     finally:
         cpu_pool.stop()  # rank 0's exchange is still posted, and the notes stay in the group's store
     for rank in range(1, cpu_world_size()):
-        assert (f"global rank {rank} raised in blocks.5.moe: OutOfMemoryError: stand-in: rank {rank} ran out of "
-                "memory") in message, message
+        assert (
+            f"global rank {rank} raised in blocks.5.moe: OutOfMemoryError: stand-in: rank {rank} ran out of memory"
+        ) in message, message
 
 
 def gate_hooked_on_one_rank_case():
@@ -176,10 +187,12 @@ def gate_hooked_on_one_rank_case():
     group) has a hook from before the first call, its peers' none: every rank must take stock's
     forward, or the ranks' collectives would pair wrongly. Returns how often each rank ran it."""
     from deepspeed.moe.sharded_moe import TopKGate
+
     world = dist.get_world_size()
     config = {"moe": {"backend": "comet", "overlap": "none", "wait_timeout_s": 5.0}}
-    layer = ds_comet.MoE(16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, k=2, drop_tokens=False,
-                         config=config)
+    layer = ds_comet.MoE(
+        16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, k=2, drop_tokens=False, config=config
+    )
     layer.set_deepspeed_parallelism()
     gate = layer.deepspeed_moe.gate
     seen = []

@@ -16,6 +16,7 @@ FP32_REL = 1e-5
 
 def _seed():
     import torch
+
     return torch.randint(1, 10**6, ()).item()
 
 
@@ -38,30 +39,40 @@ def test_zero2_training_steps_match_autoep(cpu_pool, preset):
 
 @pytest.mark.parametrize("first,second", [("deepspeed", "comet"), ("comet", "deepspeed")])
 def test_checkpoints_resume_across_backends(cpu_pool, tmp_path, first, second):
-    cpu_pool.run(checkpoint_case, preset="mixtral", seed=_seed(), save_dir=str(tmp_path / "ckpt"), first=first,
-                 second=second)
+    cpu_pool.run(
+        checkpoint_case, preset="mixtral", seed=_seed(), save_dir=str(tmp_path / "ckpt"), first=first, second=second
+    )
 
 
 def test_autoep_keys_the_comet_backend_replaces_are_named():
     from ds_comet.integrations.autoep.layer import REPLACED_KEYS, replaced_keys_message
+
     assert replaced_keys_message({"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}) is None
     message = replaced_keys_message({"enabled": True, "combine_impl": "weighted_sum", "comm_max_tokens_per_rank": 8192})
     assert "combine_impl (the combine)" in message and "max_tokens_per_rank" in message, message
     # GroupedExperts follows these where the reference pipeline runs: no warning may call them moot.
-    assert replaced_keys_message({"enabled": True, "use_grouped_mm": True, "gate_up_impl": "fused",
-                                  "disable_triton_grouped_mm": True}) is None
+    assert (
+        replaced_keys_message(
+            {"enabled": True, "use_grouped_mm": True, "gate_up_impl": "fused", "disable_triton_grouped_mm": True}
+        )
+        is None
+    )
     assert set(REPLACED_KEYS) <= set(_autoep_section_keys())
     # A key set to AutoEP's own default changes nothing that the comet backend replaces.
-    assert replaced_keys_message({"enabled": True, "combine_impl": "auto", "comm_num_sm": 12,
-                                  "async_split_plan": False}) is None
+    assert (
+        replaced_keys_message({"enabled": True, "combine_impl": "auto", "comm_num_sm": 12, "async_split_plan": False})
+        is None
+    )
 
 
 def test_a_graphed_gate_asked_for_autoep_layers_is_named():
     from ds_comet.config import CometMoEConfig
     from ds_comet.integrations.autoep.layer import moe_keys_message
+
     assert moe_keys_message(CometMoEConfig(backend="comet")) is None
     assert "AutoEP's layers route with their own router" in moe_keys_message(
-        CometMoEConfig(backend="comet", cuda_graph_gate=True))
+        CometMoEConfig(backend="comet", cuda_graph_gate=True)
+    )
 
 
 def _autoep_section_keys():
@@ -70,6 +81,7 @@ def _autoep_section_keys():
     import re
 
     from deepspeed.module_inject import auto_ep_config
+
     return set(re.findall(r'param_dict\.get\("(\w+)"', inspect.getsource(auto_ep_config.parse_autoep_config)))
 
 
@@ -78,8 +90,9 @@ def zero3_case():
     import torch
 
     from tests.support.autoep_models import engine_for
+
     engine_for("mixtral", "deepspeed", 0, 3, torch.float32)  # AutoEP itself takes ZeRO-3
-    with pytest.raises(NotImplementedError, match="does not run ZeRO stage 3.*\"stage\": 1} or 2"):
+    with pytest.raises(NotImplementedError, match='does not run ZeRO stage 3.*"stage": 1} or 2'):
         engine_for("mixtral", "comet", 0, 3, torch.float32, overlap="none")
 
 
@@ -93,6 +106,7 @@ def deepep_case(autoep_size):
     import torch
 
     from tests.support.autoep_models import ds_config, tiny_model
+
     config = ds_config("mixtral", "comet", 0, torch.float32, overlap="none")
     config["expert_parallel"].update(autoep_size=autoep_size, comm_backend="deepep", comm_max_tokens_per_rank=64)
     model = tiny_model("mixtral")
@@ -105,6 +119,7 @@ def deepep_case(autoep_size):
 
 def test_deepep_conflicts_only_where_autoep_would_use_it(cpu_pool):
     from tests.support.dist_pool import cpu_world_size
+
     assert all(message is None for message in cpu_pool.run(deepep_case, autoep_size=1))
     if cpu_world_size() > 1:
         for message in cpu_pool.run(deepep_case, autoep_size=cpu_world_size()):

@@ -20,14 +20,32 @@ def free_port():
 
 def bench(ranks, *args):
     """ds_comet.bench.internode on ``ranks`` CPU ranks with ``args``: the finished process."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-           str(free_port()), "-m", "ds_comet.bench.internode", "--custom", "64,96,4,2,48", *args]
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "ds_comet.bench.internode",
+        "--custom",
+        "64,96,4,2,48",
+        *args,
+    ]
     # A session of its own, so that a run past its time is killed with its ranks (which could be
     # building an op: left running, they would race the next build in the same directory).
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -54,10 +72,27 @@ def test_internode_bench_refuses_one_node(tmp_path):
 
 
 def test_internode_bench_times_forwarding_inside_nodes(tmp_path):
-    done = bench(4, "--ranks-per-node", "2", "--forwarding", "--chunks", "1,2", "--iters", "2", "--warmup", "1",
-                 "--no-backward", "--out", str(tmp_path))
+    done = bench(
+        4,
+        "--ranks-per-node",
+        "2",
+        "--forwarding",
+        "--chunks",
+        "1,2",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--no-backward",
+        "--out",
+        str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.load(open(tmp_path / "internode.json"))["H64-F96-E4-k2-T48"]
     assert {arm: (entry["chunks"], entry["ranks_per_node"]) for arm, entry in results.items()} == {
-        "1": (1, None), "2": (2, None), "1 fwd": (1, 2), "2 fwd": (2, 2)}
+        "1": (1, None),
+        "2": (2, None),
+        "1 fwd": (1, 2),
+        "2 fwd": (2, 2),
+    }
     assert "1 fwd" in done.stdout

@@ -11,8 +11,14 @@ from ds_comet.bench.power import agreed_steps, summarize
 
 
 def test_samples_are_summarized_skipping_unreadable_fields():
-    lines = ["1455, 669.50, Active", "1500, 661.00, Active", "1980, [N/A], Not Active", "", "garbled line",
-             "1470, 670.50, Active"]
+    lines = [
+        "1455, 669.50, Active",
+        "1500, 661.00, Active",
+        "1980, [N/A], Not Active",
+        "",
+        "garbled line",
+        "1470, 670.50, Active",
+    ]
     summary = summarize(lines)
     assert summary["sm_mhz"] == 1485  # the median of four clocks
     assert summary["watts"] == pytest.approx((669.5 + 661.0 + 670.5) / 3)

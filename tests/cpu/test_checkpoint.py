@@ -19,13 +19,18 @@ HIDDEN, FFN, EXPERTS_PER_RANK = 16, 24, 2
 
 
 class Net(nn.Module):
-
     def __init__(self, ds_config):
         super().__init__()
         self.inp = nn.Linear(HIDDEN, HIDDEN)
         ep_size = dist.get_world_size()
-        self.moe = ds_comet.build_moe(ds_config, hidden_size=HIDDEN, expert=FeedForward(HIDDEN, FFN),
-                                      num_experts=EXPERTS_PER_RANK * ep_size, ep_size=ep_size, k=2)
+        self.moe = ds_comet.build_moe(
+            ds_config,
+            hidden_size=HIDDEN,
+            expert=FeedForward(HIDDEN, FFN),
+            num_experts=EXPERTS_PER_RANK * ep_size,
+            ep_size=ep_size,
+            k=2,
+        )
         self.out = nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x):
@@ -58,7 +63,7 @@ def train(engine, first_step, steps):
         target = torch.randn(4, 8, HIDDEN, generator=generator)
         torch.manual_seed(step)  # the gate's top-2 sampling noise
         output, l_aux = engine(x)
-        loss = ((output - target)**2).mean() + 0.01 * l_aux
+        loss = ((output - target) ** 2).mean() + 0.01 * l_aux
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

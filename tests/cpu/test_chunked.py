@@ -32,8 +32,11 @@ def test_chunk_plan_covers_every_row_once(chunks):
     starts = [sum(send[:dest]) for dest in range(ep_size)]
     for c in range(chunks):
         # Chunk c of each destination's block, destination by destination, as the receiver cuts it.
-        expected = [starts[dest] + row for dest in range(ep_size)
-                    for row in range(send[dest] * c // chunks, send[dest] * (c + 1) // chunks)]
+        expected = [
+            starts[dest] + row
+            for dest in range(ep_size)
+            for row in range(send[dest] * c // chunks, send[dest] * (c + 1) // chunks)
+        ]
         assert plan.send_index[c].tolist() == expected
         assert plan.send_splits[c] == [send[d] * (c + 1) // chunks - send[d] * c // chunks for d in range(ep_size)]
         assert plan.recv_splits[c] == [recv[d] * (c + 1) // chunks - recv[d] * c // chunks for d in range(ep_size)]
@@ -51,6 +54,7 @@ def test_rule_and_node_names(monkeypatch):
 def chunked_case(seed, expert_kind, k, chunks, input_grad, tokens_per_rank, autocast=False):
     """The same layer and tokens with and without declared node boundaries: equal results."""
     import ds_comet.pipelines.reference as reference
+
     chunked_calls = []
     chunked_exchange = reference.chunked_exchange
     reference.chunked_exchange = lambda *args: chunked_calls.append(args[4]) or chunked_exchange(*args)
@@ -102,8 +106,15 @@ def _layer_results(per_node, moe, seed, expert_kind, k, input_grad, tokens_per_r
         os.environ[RANKS_PER_NODE_VAR] = per_node
     try:
         torch.manual_seed(seed)
-        layer = ds_comet.MoE(24, make_expert(expert_kind, 24, 40), num_experts=3 * world, ep_size=world, k=k,
-                             drop_tokens=False, config={"moe": moe})
+        layer = ds_comet.MoE(
+            24,
+            make_expert(expert_kind, 24, 40),
+            num_experts=3 * world,
+            ep_size=world,
+            k=k,
+            drop_tokens=False,
+            config={"moe": moe},
+        )
         layer.set_deepspeed_parallelism()
         reset_experts_(layer, seed)
         generator = torch.Generator().manual_seed(seed * 7 + rank)
@@ -115,36 +126,57 @@ def _layer_results(per_node, moe, seed, expert_kind, k, input_grad, tokens_per_r
             out, l_aux, _ = layer(tokens)
         torch.autograd.backward([out, l_aux], [grad_out, torch.tensor(0.01)])
         reference = layer.deepspeed_moe.pipelines.reference
-        return dict(out=out.detach(), input=tokens.grad, **{name: p.grad for name, p in layer.named_parameters()},
-                    chunks=reference.chunks, ranks_per_node=reference.ranks_per_node)
+        return dict(
+            out=out.detach(),
+            input=tokens.grad,
+            **{name: p.grad for name, p in layer.named_parameters()},
+            chunks=reference.chunks,
+            ranks_per_node=reference.ranks_per_node,
+        )
     finally:
         os.environ.pop(RANKS_PER_NODE_VAR, None)
 
 
-@pytest.mark.parametrize("expert_kind,k,chunks,input_grad,tokens_per_rank,autocast", [
-    ("gelu", 2, 3, True, (40, 17), False),
-    ("swiglu", 3, None, True, (33, 0), False),
-    ("gelu", 1, 5, False, (9, 30), False),
-    ("swiglu", 2, 3, True, (40, 25), True),
-], ids=["gelu-k2-3chunks", "swiglu-k3-rule-empty-rank", "k1-5chunks-no-input-grad", "bf16-autocast"])
-def test_chunked_exchange_equals_the_whole_one(cpu_pool, expert_kind, k, chunks, input_grad, tokens_per_rank,
-                                               autocast):
-    cpu_pool.run(chunked_case, seed=torch.randint(1, 10**6, ()).item(), expert_kind=expert_kind, k=k, chunks=chunks,
-                 input_grad=input_grad, tokens_per_rank=tokens_per_rank, autocast=autocast)
+@pytest.mark.parametrize(
+    "expert_kind,k,chunks,input_grad,tokens_per_rank,autocast",
+    [
+        ("gelu", 2, 3, True, (40, 17), False),
+        ("swiglu", 3, None, True, (33, 0), False),
+        ("gelu", 1, 5, False, (9, 30), False),
+        ("swiglu", 2, 3, True, (40, 25), True),
+    ],
+    ids=["gelu-k2-3chunks", "swiglu-k3-rule-empty-rank", "k1-5chunks-no-input-grad", "bf16-autocast"],
+)
+def test_chunked_exchange_equals_the_whole_one(cpu_pool, expert_kind, k, chunks, input_grad, tokens_per_rank, autocast):
+    cpu_pool.run(
+        chunked_case,
+        seed=torch.randint(1, 10**6, ()).item(),
+        expert_kind=expert_kind,
+        k=k,
+        chunks=chunks,
+        input_grad=input_grad,
+        tokens_per_rank=tokens_per_rank,
+        autocast=autocast,
+    )
 
 
 def forwarding_case(seed, expert_kind, k, chunks, tokens_per_rank, autocast):
     """Two ranks a declared node: each token forwarded inside its destination nodes gives what sending
     it to each rank gives, outputs and every gradient; the rows a rank sends go to its own lane only."""
     import ds_comet.pipelines.reference as reference
+
     rank, world = dist.get_rank(), dist.get_world_size()
     results, splits = {}, []
     exchange = reference.exchange
     reference.exchange = lambda rows, send, recv, *rest: splits.append(list(send)) or exchange(rows, send, recv, *rest)
     try:
         for forwarding in (False, True):
-            moe = {"backend": "comet", "overlap": "none", "internode_chunks": chunks,
-                   "internode_forwarding": forwarding}
+            moe = {
+                "backend": "comet",
+                "overlap": "none",
+                "internode_chunks": chunks,
+                "internode_forwarding": forwarding,
+            }
             splits.clear()
             results[forwarding] = _layer_results("2", moe, seed, expert_kind, k, True, tokens_per_rank, autocast)
     finally:
@@ -167,15 +199,30 @@ def pool_of_four():
     pool.stop()
 
 
-@pytest.mark.parametrize("expert_kind,k,chunks,tokens_per_rank,autocast", [
-    ("gelu", 3, 1, (40, 17, 0, 25), False),
-    ("swiglu", 2, 3, (33, 8, 21, 40), False),
-    ("swiglu", 4, 2, (24, 30, 9, 16), True),
-], ids=["gelu-k3-whole-empty-rank", "swiglu-k2-3chunks", "bf16-autocast-k4-2chunks"])
-def test_forwarding_inside_nodes_equals_sending_to_each_rank(pool_of_four, expert_kind, k, chunks, tokens_per_rank,
-                                                              autocast):
-    assert pool_of_four.run(forwarding_case, seed=torch.randint(1, 10**6, ()).item(), expert_kind=expert_kind, k=k,
-                            chunks=chunks, tokens_per_rank=tokens_per_rank, autocast=autocast) == [4] * 4
+@pytest.mark.parametrize(
+    "expert_kind,k,chunks,tokens_per_rank,autocast",
+    [
+        ("gelu", 3, 1, (40, 17, 0, 25), False),
+        ("swiglu", 2, 3, (33, 8, 21, 40), False),
+        ("swiglu", 4, 2, (24, 30, 9, 16), True),
+    ],
+    ids=["gelu-k3-whole-empty-rank", "swiglu-k2-3chunks", "bf16-autocast-k4-2chunks"],
+)
+def test_forwarding_inside_nodes_equals_sending_to_each_rank(
+    pool_of_four, expert_kind, k, chunks, tokens_per_rank, autocast
+):
+    assert (
+        pool_of_four.run(
+            forwarding_case,
+            seed=torch.randint(1, 10**6, ()).item(),
+            expert_kind=expert_kind,
+            k=k,
+            chunks=chunks,
+            tokens_per_rank=tokens_per_rank,
+            autocast=autocast,
+        )
+        == [4] * 4
+    )
 
 
 def test_a_stalled_rank_ends_forwarding_waits_with_an_error_naming_it(pool_of_four):
@@ -193,6 +240,7 @@ def autoep_chunked_case(seed):
     """AutoEP on ds_comet across declared nodes (one rank a node) against AutoEP itself."""
     import ds_comet.pipelines.reference as reference
     from tests.support.autoep_models import gradients_case
+
     chunked_exchange, calls = reference.chunked_exchange, []
     reference.chunked_exchange = lambda *args: calls.append(args[4]) or chunked_exchange(*args)
     os.environ[RANKS_PER_NODE_VAR] = "1"
@@ -218,14 +266,27 @@ def stalled_rank_case(per_node, forwarding=False):
     import time
 
     from ds_comet.kernels.ops import CometWaitTimeout
+
     rank, world = dist.get_rank(), dist.get_world_size()
     if per_node:
         os.environ[RANKS_PER_NODE_VAR] = per_node
     try:
-        moe = {"backend": "comet", "overlap": "none", "internode_chunks": 3, "wait_timeout_s": 2.0,
-               "internode_forwarding": forwarding}
-        layer = ds_comet.MoE(24, make_expert("gelu", 24, 40), num_experts=2 * world, ep_size=world, k=2,
-                             drop_tokens=False, config={"moe": moe})
+        moe = {
+            "backend": "comet",
+            "overlap": "none",
+            "internode_chunks": 3,
+            "wait_timeout_s": 2.0,
+            "internode_forwarding": forwarding,
+        }
+        layer = ds_comet.MoE(
+            24,
+            make_expert("gelu", 24, 40),
+            num_experts=2 * world,
+            ep_size=world,
+            k=2,
+            drop_tokens=False,
+            config={"moe": moe},
+        )
         layer.set_deepspeed_parallelism()
         layer.deepspeed_moe.pipelines.name = "blocks.1.moe"
         calls = []
@@ -276,6 +337,7 @@ def checkpointed_case(seed, hooks_on):
     the rows go whole and the results are those of the run without nodes; on some ranks only, every
     rank raises the same clear error before any row moves."""
     import ds_comet.pipelines.reference as reference
+
     rank, world = dist.get_rank(), dist.get_world_size()
     moe = {"backend": "comet", "overlap": "none", "internode_chunks": 3}
     chunked_exchange, calls = reference.chunked_exchange, []
@@ -286,8 +348,15 @@ def checkpointed_case(seed, hooks_on):
             if per_node:
                 os.environ[RANKS_PER_NODE_VAR] = per_node
             torch.manual_seed(seed)
-            layer = ds_comet.MoE(24, make_expert("gelu", 24, 40), num_experts=2 * world, ep_size=world, k=2,
-                                 drop_tokens=False, config={"moe": moe})
+            layer = ds_comet.MoE(
+                24,
+                make_expert("gelu", 24, 40),
+                num_experts=2 * world,
+                ep_size=world,
+                k=2,
+                drop_tokens=False,
+                config={"moe": moe},
+            )
             layer.set_deepspeed_parallelism()
             layer.deepspeed_moe.pipelines.name = "blocks.2.moe"
             reset_experts_(layer, seed)
@@ -314,8 +383,10 @@ def checkpointed_case(seed, hooks_on):
 
 def test_saved_tensor_hooks_on_every_rank_send_the_rows_whole(cpu_pool):
     world = cpu_world_size()
-    assert cpu_pool.run(checkpointed_case, seed=torch.randint(1, 10**6, ()).item(),
-                        hooks_on=list(range(world))) == [None] * world
+    assert (
+        cpu_pool.run(checkpointed_case, seed=torch.randint(1, 10**6, ()).item(), hooks_on=list(range(world)))
+        == [None] * world
+    )
 
 
 def test_saved_tensor_hooks_on_some_ranks_only_are_an_error_on_every_rank(cpu_pool):

@@ -79,9 +79,10 @@ def test_a_peer_that_gave_up_before_this_wait_began_says_this_rank_came_late(gro
     store.set(f"{REPORT_KEY}1", f"{time.time() - 0.3 - 40:.3f} blocks.0.moe: the expert counts")
     message, took = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
     assert "global rank(s) 1 of the group did not report a wait of their own" in message, message
-    assert ("global rank(s) 1 (blocks.0.moe: the expert counts, 40.0 s before) gave up their own waits before this "
-            "rank's wait began: this rank came to the call more than \"wait_timeout_s\" after its peers") in message, \
-        message
+    assert (
+        "global rank(s) 1 (blocks.0.moe: the expert counts, 40.0 s before) gave up their own waits before this "
+        'rank\'s wait began: this rank came to the call more than "wait_timeout_s" after its peers'
+    ) in message, message
     assert "every other rank of the group is waiting too" not in message, message
     assert took < 0.3, took  # a rank that gave up reports no more: nobody to wait for
 
@@ -139,10 +140,14 @@ def test_a_silent_rank_that_noted_its_error_is_named_with_it(group_of_four, monk
     noted(monkeypatch, 3, ValueError("this MoE layer got 9000 tokens on one rank"))
     noted(monkeypatch, 2, RuntimeError("a rank that waits"))  # it reports waiting: not a cause
     noted(monkeypatch, 1, MemoryError("out of memory an hour ago"), at=time.time() - 3600)  # caught, survived
-    assert store.get(f"{FAILURE_KEY}3").decode().endswith(
-        " in blocks.0.moe: ValueError: this MoE layer got 9000 tokens on one rank")
+    assert (
+        store.get(f"{FAILURE_KEY}3")
+        .decode()
+        .endswith(" in blocks.0.moe: ValueError: this MoE layer got 9000 tokens on one rank")
+    )
     message, _ = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
-    assert ("global rank(s) 1, 3 of the group did not report a wait of their own" in message
-            and "; global rank 3 raised in blocks.0.moe: ValueError: this MoE layer got 9000 tokens" in message), \
-        message
+    assert (
+        "global rank(s) 1, 3 of the group did not report a wait of their own" in message
+        and "; global rank 3 raised in blocks.0.moe: ValueError: this MoE layer got 9000 tokens" in message
+    ), message
     assert "rank 1 raised" not in message and "rank 2 raised" not in message, message

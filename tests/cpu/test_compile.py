@@ -40,6 +40,7 @@ GELU = {torch._C._nn.gelu, torch.nn.functional.gelu}  # the experts' activation 
 def _recording(backend: str, graphs: list):
     """``backend`` that also keeps every graph Dynamo hands it."""
     from torch._dynamo.backends.registry import lookup_backend
+
     inner = lookup_backend(backend)
 
     def compile_fn(gm, example_inputs):
@@ -104,8 +105,11 @@ def compile_case(seed, k, backend, calls=2, tokens_per_rank=48):
 # shapes), the state a training job runs in. Each case costs 7-20 s on two cores, so the "eager"
 # backend (the same Dynamo trace as aot_eager's, without AOT autograd) runs one case, one call:
 # where aot_eager fails and it passes, the AOT part is at fault.
-@pytest.mark.parametrize("backend,k,calls", [("aot_eager", 1, 2), ("aot_eager", 2, 2), ("eager", 2, 1)],
-                         ids=["aot_eager-k1", "aot_eager-k2", "eager-k2"])
+@pytest.mark.parametrize(
+    "backend,k,calls",
+    [("aot_eager", 1, 2), ("aot_eager", 2, 2), ("eager", 2, 1)],
+    ids=["aot_eager-k1", "aot_eager-k2", "eager-k2"],
+)
 def test_compiled_matches_eager(cpu_pool, backend, k, calls):
     seed = torch.randint(1, 10**6, ()).item()
     cpu_pool.run(compile_case, seed=seed, k=k, backend=backend, calls=calls)
@@ -115,16 +119,32 @@ BF16_REL = 1e-2  # as tests/gpu/test_fused.py: bf16 outputs
 BF16_GRAD_REL = 2e-2  # gradients sum many bf16 products
 
 
-def fused_compile_case(seed, cuda_graph_gate, backend="aot_eager", hidden=512, ffn=1024, experts_per_rank=4, k=2,
-                       tokens_per_rank=256, calls=3):
+def fused_compile_case(
+    seed,
+    cuda_graph_gate,
+    backend="aot_eager",
+    hidden=512,
+    ffn=1024,
+    experts_per_rank=4,
+    k=2,
+    tokens_per_rank=256,
+    calls=3,
+):
     """The fused layer compiled against its own eager calls, training steps (train-mode gate, fresh tokens)."""
     rank, ep_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
-    config = {"moe": {"backend": "comet", "overlap": "fused", "wait_timeout_s": 20.0,
-                      "cuda_graph_gate": cuda_graph_gate}}
+    config = {
+        "moe": {"backend": "comet", "overlap": "fused", "wait_timeout_s": 20.0, "cuda_graph_gate": cuda_graph_gate}
+    }
     torch.manual_seed(seed)
-    layer = ds_comet.MoE(hidden, make_expert("gelu", hidden, ffn), num_experts=experts_per_rank * ep_size,
-                         ep_size=ep_size, k=k, config=config)
+    layer = ds_comet.MoE(
+        hidden,
+        make_expert("gelu", hidden, ffn),
+        num_experts=experts_per_rank * ep_size,
+        ep_size=ep_size,
+        k=k,
+        config=config,
+    )
     layer.set_deepspeed_parallelism()
     reset_experts_(layer, seed)
     layer.to(device=device, dtype=torch.bfloat16).train()
@@ -136,8 +156,9 @@ def fused_compile_case(seed, cuda_graph_gate, backend="aot_eager", hidden=512, f
     # the gate's noise (top-2 sampling) then differs from the eager call's: stock's gate as well.
     with torch._inductor.config.patch(fallback_random=True):
         for call in range(calls):
-            errors.append(_fused_compile_step(layer, compiled, seed, call, rank, cuda_graph_gate, device, hidden,
-                                              tokens_per_rank))
+            errors.append(
+                _fused_compile_step(layer, compiled, seed, call, rank, cuda_graph_gate, device, hidden, tokens_per_rank)
+            )
     assert graphs, "nothing was compiled"  # the gate; the experts run in the fused call, which is not traced
     return max(errors)
 
@@ -150,7 +171,7 @@ def _fused_compile_step(layer, compiled, seed, call, rank, cuda_graph_gate, devi
     noise_seed = seed * 7 + call * 3 + rank  # the gate's top-2 sampling
     # The first call is compiled: the layer's one-time selection and workspace run under it.
     steps = {}
-    for name in (("compiled", "eager") if call == 0 else ("eager", "compiled")):
+    for name in ("compiled", "eager") if call == 0 else ("eager", "compiled"):
         module = compiled if name == "compiled" else layer
         steps[name] = _unwrapped(run_step(module, tokens, loss_weight, noise_seed))
     moe = layer.deepspeed_moe
@@ -176,9 +197,13 @@ def _fused_compile_step(layer, compiled, seed, call, rank, cuda_graph_gate, devi
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fused kernels run on GPUs")
-@pytest.mark.parametrize("backend,cuda_graph_gate", [("aot_eager", False), ("aot_eager", True), ("inductor", False)],
-                         ids=["eager-gate", "graphed-gate", "inductor"])
+@pytest.mark.parametrize(
+    "backend,cuda_graph_gate",
+    [("aot_eager", False), ("aot_eager", True), ("inductor", False)],
+    ids=["eager-gate", "graphed-gate", "inductor"],
+)
 def test_fused_compiled_matches_eager(gpu_pool, backend, cuda_graph_gate):
-    worst = gpu_pool.run(fused_compile_case, seed=torch.randint(1, 10**6, ()).item(), cuda_graph_gate=cuda_graph_gate,
-                         backend=backend)
+    worst = gpu_pool.run(
+        fused_compile_case, seed=torch.randint(1, 10**6, ()).item(), cuda_graph_gate=cuda_graph_gate, backend=backend
+    )
     assert max(worst) < BF16_GRAD_REL

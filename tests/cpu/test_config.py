@@ -12,7 +12,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.config import DeepSpeedConfig
 
 import ds_comet
-from ds_comet import CometMOELayer, CometMoEConfig, build_moe, moe_config_from
+from ds_comet import CometMoEConfig, CometMOELayer, build_moe, moe_config_from
 from ds_comet.experts import FeedForward
 from tests.support.dist_pool import cpu_world_size
 
@@ -86,22 +86,25 @@ def test_deepspeed_accepts_the_section():
     assert parsed.monitor_config.comet.enabled is False
 
 
-@pytest.mark.parametrize("section,words", [
-    ({"backend": "auto"}, ["moe.backend", "'deepspeed', 'comet'"]),
-    ({"backend": "Comet"}, ["moe.backend", "'deepspeed', 'comet'"]),
-    ({"overlap": "always"}, ["moe.overlap", "'auto', 'fused', 'none'"]),
-    ({"backend": "comet", "overlapp": "none"}, ["unknown key 'moe.overlapp'", "backend, overlap"]),
-    ([1, 2], ["'moe' must be a JSON object"]),
-    # JSON values of the wrong type are errors, not converted.
-    ({"backend": "comet", "comm_blocks": True}, ["'moe.comm_blocks' is True"]),
-    ({"backend": "comet", "n_chunks": "4"}, ["'moe.n_chunks' is '4'"]),
-    ({"backend": "comet", "max_tokens_per_rank": 1024.0}, ["'moe.max_tokens_per_rank' is 1024.0"]),
-    ({"backend": "comet", "cuda_graph_gate": "yes"}, ["'moe.cuda_graph_gate' is 'yes'"]),
-    # The kernels count the wait in 64-bit nanoseconds.
-    ({"backend": "comet", "wait_timeout_s": float("inf")}, ["'moe.wait_timeout_s' is inf"]),
-    ({"backend": "comet", "wait_timeout_s": 1e10}, ["'moe.wait_timeout_s' is 10000000000.0", "1000000"]),
-    ({"backend": "comet", "wait_timeout_s": 1e-10}, ["'moe.wait_timeout_s' is 1e-10", "0.001"]),
-])
+@pytest.mark.parametrize(
+    "section,words",
+    [
+        ({"backend": "auto"}, ["moe.backend", "'deepspeed', 'comet'"]),
+        ({"backend": "Comet"}, ["moe.backend", "'deepspeed', 'comet'"]),
+        ({"overlap": "always"}, ["moe.overlap", "'auto', 'fused', 'none'"]),
+        ({"backend": "comet", "overlapp": "none"}, ["unknown key 'moe.overlapp'", "backend, overlap"]),
+        ([1, 2], ["'moe' must be a JSON object"]),
+        # JSON values of the wrong type are errors, not converted.
+        ({"backend": "comet", "comm_blocks": True}, ["'moe.comm_blocks' is True"]),
+        ({"backend": "comet", "n_chunks": "4"}, ["'moe.n_chunks' is '4'"]),
+        ({"backend": "comet", "max_tokens_per_rank": 1024.0}, ["'moe.max_tokens_per_rank' is 1024.0"]),
+        ({"backend": "comet", "cuda_graph_gate": "yes"}, ["'moe.cuda_graph_gate' is 'yes'"]),
+        # The kernels count the wait in 64-bit nanoseconds.
+        ({"backend": "comet", "wait_timeout_s": float("inf")}, ["'moe.wait_timeout_s' is inf"]),
+        ({"backend": "comet", "wait_timeout_s": 1e10}, ["'moe.wait_timeout_s' is 10000000000.0", "1000000"]),
+        ({"backend": "comet", "wait_timeout_s": 1e-10}, ["'moe.wait_timeout_s' is 1e-10", "0.001"]),
+    ],
+)
 def test_bad_config_names_key_and_choices(section, words):
     with pytest.raises(ValueError) as error:
         moe_config_from({"moe": section})
@@ -113,6 +116,7 @@ def test_the_default_wait_and_its_roll_call_end_before_the_nccl_watchdog():
     """The watchdog aborts the process after 10 minutes (torch's default for DeepSpeed's expert
     groups) without naming a rank: the bounded wait, then the roll call as long again, must end first."""
     from ds_comet.pipelines.collective_waits import STORE_SLACK_S
+
     default = CometMoEConfig(backend="comet").wait_timeout_s
     assert 2 * default + STORE_SLACK_S < 600, default
     assert default >= 120, default  # and a rank a minute or two behind its peers does not end the job
@@ -142,13 +146,16 @@ def test_config_files_read_as_deepspeed_reads_them(tmp_path):
 
 def test_comet_keys_under_the_deepspeed_backend_are_reported(monkeypatch):
     import ds_comet.config as config
+
     said = []
     monkeypatch.setattr(config.logger, "warning", said.append)
     monkeypatch.setattr(config, "_warned_ignored", set())
     for _ in range(2):  # once, not once per layer
         assert moe_config_from({"moe": {"overlap": "fused", "comm_blocks": 8}}).backend == "deepspeed"
-    assert said == ["ds_config 'moe' keys comm_blocks, overlap only apply to \"backend\": \"comet\"; this job "
-                    "runs stock DeepSpeed's MoE and ignores them"]
+    assert said == [
+        'ds_config \'moe\' keys comm_blocks, overlap only apply to "backend": "comet"; this job '
+        "runs stock DeepSpeed's MoE and ignores them"
+    ]
     moe_config_from({"moe": {"backend": "deepspeed"}})
     assert len(said) == 1
 
@@ -163,13 +170,16 @@ def test_build_moe_rejects_config_keyword():
         build_moe({}, config={}, expert=expert(), **MOE_KWARGS)
 
 
-@pytest.mark.parametrize("kwargs,error,words", [
-    (dict(use_tutel=True), ValueError, "use_tutel"),
-    (dict(enable_expert_tensor_parallelism=True), NotImplementedError, "expert tensor parallelism"),
-    (dict(k=5), ValueError, "k (5)"),
-    (dict(k=0), ValueError, "k (0)"),
-    (dict(ep_size=3), ValueError, "multiple of ep_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        (dict(use_tutel=True), ValueError, "use_tutel"),
+        (dict(enable_expert_tensor_parallelism=True), NotImplementedError, "expert tensor parallelism"),
+        (dict(k=5), ValueError, "k (5)"),
+        (dict(k=0), ValueError, "k (0)"),
+        (dict(ep_size=3), ValueError, "multiple of ep_size"),
+    ],
+)
 def test_unsupported_refused_at_construction(kwargs, error, words):
     with pytest.raises(error) as raised:
         ds_comet.MoE(**{**MOE_KWARGS, "expert": expert(), **kwargs})
@@ -205,7 +215,7 @@ def test_a_bad_moe_section_fails_before_deepspeed_builds_the_engine(monkeypatch)
     initialize_module = importlib.import_module("ds_comet.initialize")
 
     def engine_built(*args, **kwargs):
-        raise AssertionError("deepspeed.initialize ran before the \"moe\" section was checked")
+        raise AssertionError('deepspeed.initialize ran before the "moe" section was checked')
 
     monkeypatch.setattr(initialize_module.deepspeed, "initialize", engine_built)
     with pytest.raises(ValueError, match="overlap"):
@@ -222,21 +232,32 @@ def test_a_bad_moe_section_fails_before_deepspeed_builds_the_engine(monkeypatch)
 
 def test_comet_layers_built_with_other_settings_than_the_section_are_named():
     from ds_comet.initialize import refuse_other_settings
-    model = torch.nn.ModuleDict({"plain": ds_comet.MoE(**MOE_KWARGS, expert=expert()),  # the defaults
-                                 "tuned": ds_comet.MoE(**MOE_KWARGS, expert=expert(),
-                                                       config={"moe": {"backend": "comet", "overlap": "none"}})})
+
+    model = torch.nn.ModuleDict(
+        {
+            "plain": ds_comet.MoE(**MOE_KWARGS, expert=expert()),  # the defaults
+            "tuned": ds_comet.MoE(
+                **MOE_KWARGS, expert=expert(), config={"moe": {"backend": "comet", "overlap": "none"}}
+            ),
+        }
+    )
     refuse_other_settings(model.plain, CometMoEConfig(backend="comet"))
     refuse_other_settings(model.tuned, CometMoEConfig(backend="comet", overlap="none"))
     with pytest.raises(ValueError) as raised:
         refuse_other_settings(model, CometMoEConfig(backend="comet", overlap="none", wait_timeout_s=300))
     message = str(raised.value)
     default = CometMoEConfig(backend="comet").wait_timeout_s
-    assert (f"plain.deepspeed_moe (overlap: 'auto' (the ds_config: 'none'), wait_timeout_s: {default!r} (the "
-            "ds_config: 300.0))") in message, message
+    assert (
+        f"plain.deepspeed_moe (overlap: 'auto' (the ds_config: 'none'), wait_timeout_s: {default!r} (the "
+        "ds_config: 300.0))"
+    ) in message, message
     assert f"tuned.deepspeed_moe (wait_timeout_s: {default!r} (the ds_config: 300.0))" in message, message
     assert "ds_comet.MoE(..., config=ds_config)" in message, message
-    with pytest.raises(ValueError, match=r"plain.deepspeed_moe \(backend: 'comet' \(the ds_config: 'deepspeed'\)\).*"
-                       r"deepspeed.moe.layer.MoE"):
+    with pytest.raises(
+        ValueError,
+        match=r"plain.deepspeed_moe \(backend: 'comet' \(the ds_config: 'deepspeed'\)\).*"
+        r"deepspeed.moe.layer.MoE",
+    ):
         refuse_other_settings(model, CometMoEConfig(backend="deepspeed"))
 
 

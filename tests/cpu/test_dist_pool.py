@@ -44,10 +44,23 @@ def test_shared_gpus_need_gloo():
 def test_shards_split_the_selected_tests_into_disjoint_parts():
     def collected(shard):
         env = dict(os.environ, DS_COMET_TEST_SHARD=shard) if shard else dict(os.environ)
-        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                               os.path.join(os.path.dirname(__file__), "test_routing.py")], capture_output=True,
-                              text=True, timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-                                  os.path.abspath(__file__)))))
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--collect-only",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                os.path.join(os.path.dirname(__file__), "test_routing.py"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        )
         return done.returncode, [line for line in done.stdout.splitlines() if "::" in line], done.stderr
 
     _, everything, _ = collected(None)

@@ -42,8 +42,18 @@ STEPS = 30
 MICRO_BATCH, SEQ_LEN, TOP_K, LAYERS = 8, 64, 2, 2  # the example's defaults with configs/zero*.json
 LOG_LINE = re.compile(r"^step (\d+) \| loss ([0-9.]+) \| aux ([0-9.]+) \| tokens/s (\d+)$", re.MULTILINE)
 # The launchers' rank environment must come from the launcher under test, not from this process.
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def config(name):
@@ -61,8 +71,9 @@ def read_monitor(directory):
     for name in sorted(os.listdir(directory)):
         if name.endswith(".csv"):
             with open(os.path.join(directory, name), newline="") as handle:
-                series[name[:-4]] = [(int(step), float(value)) for step, value in csv.reader(handle)
-                                     if step.lstrip("-").isdigit()]
+                series[name[:-4]] = [
+                    (int(step), float(value)) for step, value in csv.reader(handle) if step.lstrip("-").isdigit()
+                ]
     return series
 
 
@@ -115,13 +126,26 @@ def _launch(cmd, monitor_dir, env_extra, expect_success) -> Run:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     # A CPU test everywhere: gloo ranks in fp32, also on a machine with GPUs (where the example
     # would otherwise train in bf16 over NCCL and the runs would no longer agree bit for bit).
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu",
-               PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        CUDA_VISIBLE_DEVICES="",
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+    )
     env.update(env_extra or {})
     start = time.perf_counter()
     # A session of its own, so that a run past its time is killed with all the ranks it started.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True, errors="replace")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+    )
     try:
         output, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -139,18 +163,37 @@ def example_args(ds_config, monitor_dir, steps=STEPS, *extra):
     """The example's arguments; ds_config is a name under configs/ or a path, monitor_dir None for the config's own."""
     path = ds_config if os.path.isabs(ds_config) else config(ds_config)
     monitor = ["--monitor-dir", str(monitor_dir)] if monitor_dir else []
-    return [SCRIPT, "--deepspeed_config", path, "--steps", str(steps), "--log-interval", "1", "--eval-batches", "2",
-            *monitor, *extra]
+    return [
+        SCRIPT,
+        "--deepspeed_config",
+        path,
+        "--steps",
+        str(steps),
+        "--log-interval",
+        "1",
+        "--eval-batches",
+        "2",
+        *monitor,
+        *extra,
+    ]
 
 
-def torchrun(tmp_dir, name, ds_config, steps=STEPS, *extra, monitor_dir=None, expect_success=True,
-             env_extra=None) -> Run:
+def torchrun(
+    tmp_dir, name, ds_config, steps=STEPS, *extra, monitor_dir=None, expect_success=True, env_extra=None
+) -> Run:
     """The example under torchrun; its metrics in monitor_dir (default: tmp_dir/name, through --monitor-dir)."""
     given = monitor_dir is not None
     monitor_dir = monitor_dir or os.path.join(tmp_dir, name)
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS), "--master_port",
-           str(port)] + example_args(ds_config, None if given else monitor_dir, steps, *extra)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(RANKS),
+        "--master_port",
+        str(port),
+    ] + example_args(ds_config, None if given else monitor_dir, steps, *extra)
     return launch(cmd, port, monitor_dir, env_extra=env_extra, expect_success=expect_success)
 
 
@@ -160,8 +203,10 @@ def assert_same_losses(run, reference, steps, tol, what):
     assert not missing, f"{what}: no loss logged for steps {missing}{run.tail()}"
     worst = max(steps, key=lambda s: abs(ours[s] - theirs[s]))
     diff = abs(ours[worst] - theirs[worst])
-    assert diff <= tol, (f"{what}: loss at step {worst} is {ours[worst]:.6f}, expected {theirs[worst]:.6f} "
-                         f"(|diff| {diff:.2e} > {tol:g}){run.tail()}")
+    assert diff <= tol, (
+        f"{what}: loss at step {worst} is {ours[worst]:.6f}, expected {theirs[worst]:.6f} "
+        f"(|diff| {diff:.2e} > {tol:g}){run.tail()}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +224,11 @@ def hjson_config(source, path, monitor_dir):
     """Writes configs/<source>.json to path as HJSON with comments, its csv_monitor writing to monitor_dir."""
     with open(config(source)) as handle:
         ds_config = json.load(handle)
-    ds_config["csv_monitor"] = {"enabled": True, "output_path": os.path.dirname(monitor_dir),
-                                "job_name": os.path.basename(monitor_dir)}
+    ds_config["csv_monitor"] = {
+        "enabled": True,
+        "output_path": os.path.dirname(monitor_dir),
+        "job_name": os.path.basename(monitor_dir),
+    }
     body = json.dumps(ds_config, indent=2)
     with open(path, "w") as handle:
         handle.write("// " + source + " with DeepSpeed's CSV monitor (HJSON: DeepSpeed reads comments)\n")
@@ -222,8 +270,10 @@ def assert_expert_counts(run, steps_per_window=1, seq_len=SEQ_LEN):
         for step in windows:
             counts = [run.by_step(name)[step] for name in names]
             assert all(c >= 0 and c == int(c) for c in counts), counts
-            assert sum(counts) == tokens, (f"layer {layer}, window ending at step {step}: the experts' counts "
-                                           f"{counts} sum to {sum(counts)}, not the {tokens} tokens routed")
+            assert sum(counts) == tokens, (
+                f"layer {layer}, window ending at step {step}: the experts' counts "
+                f"{counts} sum to {sum(counts)}, not the {tokens} tokens routed"
+            )
         assert len(windows) == len(run.losses) // steps_per_window
 
 
@@ -246,13 +296,18 @@ def test_torchrun_zero2_comet_learns(comet_run):
     assert "Train_Samples_lr" in comet_run.series, sorted(comet_run.series)
     assert_expert_counts(comet_run)
     # The run's facts at its start step, its summary at its last.
-    run_info = {name: comet_run.series[f"Run_{name}"] for name in ("start_step", "world_size", "zero_stage",
-                                                                   "tokens_per_step")}
-    assert run_info == dict(start_step=[(0, 0)], world_size=[(0, RANKS)], zero_stage=[(0, 2)],
-                            tokens_per_step=[(0, RANKS * MICRO_BATCH * SEQ_LEN)]), run_info
+    run_info = {
+        name: comet_run.series[f"Run_{name}"] for name in ("start_step", "world_size", "zero_stage", "tokens_per_step")
+    }
+    assert run_info == dict(
+        start_step=[(0, 0)],
+        world_size=[(0, RANKS)],
+        zero_stage=[(0, 2)],
+        tokens_per_step=[(0, RANKS * MICRO_BATCH * SEQ_LEN)],
+    ), run_info
     lrs = comet_run.by_step("Train_Steps_lr")
     assert lrs[1] < lrs[5] == lrs[STEPS], f"learning rates {lrs}: the 5-step warm-up is not what was used"
-    summary = {name[len("Summary_"):]: rows for name, rows in comet_run.series.items() if name.startswith("Summary_")}
+    summary = {name[len("Summary_") :]: rows for name, rows in comet_run.series.items() if name.startswith("Summary_")}
     assert all(rows[-1][0] == STEPS for rows in summary.values()), summary
     assert abs(summary["final_loss"][-1][1] - comet_run.losses[STEPS]) < 1e-9, summary
     assert abs(summary["eval_loss"][-1][1] - evaluated) < 1e-3, summary
@@ -260,8 +315,7 @@ def test_torchrun_zero2_comet_learns(comet_run):
     assert "peak_memory_mib" not in summary, "peak accelerator memory reported on CPU"
     throughput = comet_run.value("throughput")
     assert throughput is not None and abs(throughput - summary["steady_tokens_per_s"][-1][1]) < 1, comet_run.tail()
-    print(f"\ntorchrun zero2_comet: loss {start:.3f} -> {end:.3f}, eval {evaluated:.3f}, "
-          f"{comet_run.seconds:.0f} s")
+    print(f"\ntorchrun zero2_comet: loss {start:.3f} -> {end:.3f}, eval {evaluated:.3f}, {comet_run.seconds:.0f} s")
 
 
 def test_deepspeed_launcher_zero1_comet(workdir, comet_run):
@@ -272,7 +326,8 @@ def test_deepspeed_launcher_zero1_comet(workdir, comet_run):
         pytest.skip("the deepspeed launcher is not on PATH")
     port = free_port()
     cmd = [deepspeed_cli, "--num_gpus", str(RANKS), "--master_port", str(port)] + example_args(
-        "zero1_comet", monitor_dir, steps, "--log-level", "info")
+        "zero1_comet", monitor_dir, steps, "--log-level", "info"
+    )
     run = launch(cmd, port, monitor_dir)
     assert sorted(run.losses) == list(range(1, steps + 1)), run.tail()
     assert [s for s, *_ in run.logged] == list(range(1, steps + 1)), run.tail()
@@ -307,8 +362,9 @@ def test_mpirun_zero2_comet(workdir, comet_run):
     port = free_port()
     run = launch(cmd, port, monitor_dir, env_extra={"MASTER_PORT": str(port)})
     assert f"world size {RANKS} " in run.output, run.tail()
-    assert f"ranks from the MPI launcher's environment (MASTER_ADDR 127.0.0.1, MASTER_PORT {port})" in run.output, \
+    assert f"ranks from the MPI launcher's environment (MASTER_ADDR 127.0.0.1, MASTER_PORT {port})" in run.output, (
         run.tail()
+    )
     assert sorted(run.losses) == list(range(1, steps + 1)), run.tail()
     assert_same_losses(run, comet_run, range(1, steps + 1), 1e-3, "mpirun against torchrun")
     print(f"\nmpirun zero2_comet: {run.losses[1]:.3f} -> {run.losses[steps]:.3f}, {run.seconds:.0f} s")
@@ -374,12 +430,31 @@ def test_save_and_resume(workdir, comet_run, first_half):
     assert_same_losses(second, comet_run, range(SAVE_AT + 1, STEPS + 1), 1e-3, "resumed run")
     assert os.path.isfile(os.path.join(save_dir, f"step{STEPS}", "SHA256SUMS"))
     # The comparison tool reads the same from the two monitor directories.
-    check = subprocess.run([sys.executable, PLOT_LOSSES, "resume-check", "--full", comet_run.monitor_dir, "--resumed",
-                            second.monitor_dir, "--from-step", str(SAVE_AT), "--first-tol", "1e-3", "--tol", "1e-3"],
-                           capture_output=True, text=True, timeout=60)
+    check = subprocess.run(
+        [
+            sys.executable,
+            PLOT_LOSSES,
+            "resume-check",
+            "--full",
+            comet_run.monitor_dir,
+            "--resumed",
+            second.monitor_dir,
+            "--from-step",
+            str(SAVE_AT),
+            "--first-tol",
+            "1e-3",
+            "--tol",
+            "1e-3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert check.returncode == 0 and "resume check passed" in check.stdout, check.stdout + check.stderr
-    print(f"\nresume at {SAVE_AT}: loss {second.losses[SAVE_AT + 1]:.4f} at step {SAVE_AT + 1} "
-          f"(uninterrupted {comet_run.losses[SAVE_AT + 1]:.4f}), {first.seconds:.0f} s + {second.seconds:.0f} s")
+    print(
+        f"\nresume at {SAVE_AT}: loss {second.losses[SAVE_AT + 1]:.4f} at step {SAVE_AT + 1} "
+        f"(uninterrupted {comet_run.losses[SAVE_AT + 1]:.4f}), {first.seconds:.0f} s + {second.seconds:.0f} s"
+    )
 
 
 def overwrite_middle(path, data):
@@ -395,12 +470,15 @@ def overwrite_middle(path, data):
 
 def test_resume_refuses_a_damaged_checkpoint(workdir, first_half):
     save_dir = checkpoint_copy(first_half, workdir, "damaged")
-    damaged = [f"layer_0_expert_{4 * RANKS - 1}_mp_rank_00_model_states.pt",
-               f"zero_pp_rank_{RANKS - 1}_mp_rank_00_optim_states.pt"]
+    damaged = [
+        f"layer_0_expert_{4 * RANKS - 1}_mp_rank_00_model_states.pt",
+        f"zero_pp_rank_{RANKS - 1}_mp_rank_00_optim_states.pt",
+    ]
     for name in damaged:
         overwrite_middle(os.path.join(save_dir, "step15", name), os.urandom(64))
-    run = torchrun(workdir, "damaged_resume", "zero2_comet", STEPS, "--save-dir", save_dir, "--resume",
-                   expect_success=False)
+    run = torchrun(
+        workdir, "damaged_resume", "zero2_comet", STEPS, "--save-dir", save_dir, "--resume", expect_success=False
+    )
     assert run.returncode != 0, f"resumed from a damaged checkpoint{run.tail()}"
     assert "resumed from" not in run.output and not run.logged, run.tail()
     assert "checkpoint step15 in " + save_dir + " is damaged" in run.output, run.tail()
@@ -413,17 +491,30 @@ def test_resume_refuses_a_damaged_checkpoint(workdir, first_half):
 def test_resume_refuses_a_checkpoint_of_another_shape(workdir, first_half):
     save_dir = checkpoint_copy(first_half, workdir, "other_shape")
     experts = 2 * RANKS  # the first half ran the default, 4 a rank
-    run = torchrun(workdir, "other_shape_resume", "zero2_comet", STEPS, "--save-dir", save_dir, "--resume",
-                   "--experts", str(experts), expect_success=False)
+    run = torchrun(
+        workdir,
+        "other_shape_resume",
+        "zero2_comet",
+        STEPS,
+        "--save-dir",
+        save_dir,
+        "--resume",
+        "--experts",
+        str(experts),
+        expect_success=False,
+    )
     assert run.returncode != 0 and "resumed from" not in run.output, run.tail()
-    assert (f"checkpoint step{SAVE_AT} in {save_dir} was saved by a run of another shape: --experts {4 * RANKS} "
-            f"(this run: {experts}); resume with the flags") in run.output, run.tail()
+    assert (
+        f"checkpoint step{SAVE_AT} in {save_dir} was saved by a run of another shape: --experts {4 * RANKS} "
+        f"(this run: {experts}); resume with the flags"
+    ) in run.output, run.tail()
 
 
 def test_non_finite_loss_after_resume_stops_the_run(workdir, first_half):
     # A checkpoint that is whole (its manifest matches) but whose fp32 master weights are NaN: the
     # resumed run trains one step on the loaded weights, then on NaNs.
     import torch
+
     save_dir = checkpoint_copy(first_half, workdir, "non_finite")
     checkpoint_dir = os.path.join(save_dir, "step10")
     name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -436,12 +527,25 @@ def test_non_finite_loss_after_resume_stops_the_run(workdir, first_half):
     manifest[name] = sha256_file(path)
     with open(os.path.join(checkpoint_dir, "SHA256SUMS"), "w") as handle:
         handle.write("".join(f"{digest}  {file}\n" for file, digest in sorted(manifest.items())))
-    run = torchrun(workdir, "non_finite_resume", "zero2_comet", STEPS, "--save-dir", save_dir, "--resume-tag", "step10",
-                   "--save-interval", "1", expect_success=False)
+    run = torchrun(
+        workdir,
+        "non_finite_resume",
+        "zero2_comet",
+        STEPS,
+        "--save-dir",
+        save_dir,
+        "--resume-tag",
+        "step10",
+        "--save-interval",
+        "1",
+        expect_success=False,
+    )
     assert run.returncode != 0, f"trained on after non-finite losses{run.tail()}"
     assert "resumed from" in run.output and "at step 10" in run.output, run.tail()
-    match = re.search(r"error: step (\d+): the loss is not finite .* after resuming from checkpoint step10 in "
-                      + re.escape(save_dir), run.output)
+    match = re.search(
+        r"error: step (\d+): the loss is not finite .* after resuming from checkpoint step10 in " + re.escape(save_dir),
+        run.output,
+    )
     assert match and 10 < int(match.group(1)) <= 15, run.tail()
     stopped = int(match.group(1))
     # No checkpoint of the non-finite state: the step that went wrong saved nothing.
@@ -452,8 +556,9 @@ def test_non_finite_loss_after_resume_stops_the_run(workdir, first_half):
 def single_process(*args):
     """The example as one process without a launcher (it must stop before it starts a process group)."""
     port = free_port()
-    return launch([sys.executable, SCRIPT, "--deepspeed_config", config("zero2_comet"), *args], port,
-                  expect_success=False)
+    return launch(
+        [sys.executable, SCRIPT, "--deepspeed_config", config("zero2_comet"), *args], port, expect_success=False
+    )
 
 
 def test_resume_without_a_checkpoint_is_an_error(workdir, first_half, example):
@@ -463,10 +568,12 @@ def test_resume_without_a_checkpoint_is_an_error(workdir, first_half, example):
     assert run.returncode == 1, f"exit status {run.returncode}{run.tail()}"
     assert f"error: --resume: no checkpoint in {empty}: it has no 'latest' file" in run.output, run.tail()
     # The same check, in this process: a tag that is not there is named with the ones that are.
-    with pytest.raises(SystemExit, match=re.escape(f"no checkpoint step7 in {first_half[2]} (there: step10, step15, "
-                                                   "step5)")):
-        example.main(["--deepspeed_config", config("zero2_comet"), "--save-dir", first_half[2], "--resume-tag",
-                      "step7"])
+    with pytest.raises(
+        SystemExit, match=re.escape(f"no checkpoint step7 in {first_half[2]} (there: step10, step15, step5)")
+    ):
+        example.main(
+            ["--deepspeed_config", config("zero2_comet"), "--save-dir", first_half[2], "--resume-tag", "step7"]
+        )
 
 
 # Loaded into every process of a run (sitecustomize): the last rank's optimizer file of step10
@@ -494,12 +601,25 @@ def test_a_failed_save_keeps_latest_and_the_earlier_checkpoint_of_its_tag(workdi
     os.makedirs(hook)
     with open(os.path.join(hook, "sitecustomize.py"), "w") as handle:
         handle.write(FULL_DISK_AT_STEP10.format(name=f"zero_pp_rank_{RANKS - 1}_mp_rank_00_optim_states.pt"))
-    run = torchrun(workdir, "disk_full", "zero2_comet", 12, "--save-dir", save_dir, "--save-interval", "5",
-                   expect_success=False, env_extra={"PYTHONPATH": os.pathsep.join([hook, REPO])})
+    run = torchrun(
+        workdir,
+        "disk_full",
+        "zero2_comet",
+        12,
+        "--save-dir",
+        save_dir,
+        "--save-interval",
+        "5",
+        expect_success=False,
+        env_extra={"PYTHONPATH": os.pathsep.join([hook, REPO])},
+    )
     assert run.returncode != 0, run.tail()
     assert "saved checkpoint " + os.path.join(save_dir, "step5") in run.output, run.tail()
-    assert re.search(r"DiskFullError: \[Errno 28\] saving checkpoint step10: the disk is full: [0-9.]+ \w+ free "
-                     r"under " + re.escape(save_dir), run.output), run.tail()
+    assert re.search(
+        r"DiskFullError: \[Errno 28\] saving checkpoint step10: the disk is full: [0-9.]+ \w+ free "
+        r"under " + re.escape(save_dir),
+        run.output,
+    ), run.tail()
     with open(os.path.join(save_dir, "latest")) as handle:
         assert handle.read() == "step5", "latest names a checkpoint that a rank did not finish writing"
     for tag in ("step5", "step10"):  # step5 replaced whole, step10 the earlier run's, untouched
@@ -515,10 +635,13 @@ def test_a_failed_save_keeps_latest_and_the_earlier_checkpoint_of_its_tag(workdi
 def assert_step_shares(run, timed_steps):
     """--step-shares: every part of the timed steps was seen, and the printed line and the monitor's
     summary say the same."""
-    line = re.search(r"step shares over (\d+) steps \([\d.]+ ms/step\): MoE layers ([\d.]+) ms \([\d.]+%: "
-                     r"forward ([\d.]+), backward ([\d.]+)\), optimizer step ([\d.]+) ms", run.output)
+    line = re.search(
+        r"step shares over (\d+) steps \([\d.]+ ms/step\): MoE layers ([\d.]+) ms \([\d.]+%: "
+        r"forward ([\d.]+), backward ([\d.]+)\), optimizer step ([\d.]+) ms",
+        run.output,
+    )
     assert line and int(line.group(1)) == timed_steps, run.tail()
-    summary = {name[len("Summary_"):]: rows[-1][1] for name, rows in run.series.items() if name.startswith("Summary_")}
+    summary = {name[len("Summary_") :]: rows[-1][1] for name, rows in run.series.items() if name.startswith("Summary_")}
     parts = ("moe_forward", "moe_backward", "optimizer", "rest")
     assert all(summary[f"{part}_ms"] > 0 for part in parts), summary  # the hooks saw each part
     printed = [float(line.group(i)) for i in (3, 4, 5)]
@@ -544,9 +667,22 @@ def test_comet_backend_matches_stock(comet_run, stock_run, tmp_path):
     assert all(comet_run.by_step(name) == stock_run.by_step(name) for name in counts)
     # The comparison tool reads both monitor directories.
     summary_path = tmp_path / "summary.json"
-    done = subprocess.run([sys.executable, PLOT_LOSSES, "plot", "--json", str(summary_path), "--max-diff-tol", "1e-3",
-                           f"stock={stock_run.monitor_dir}", f"comet={comet_run.monitor_dir}"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            PLOT_LOSSES,
+            "plot",
+            "--json",
+            str(summary_path),
+            "--max-diff-tol",
+            "1e-3",
+            f"stock={stock_run.monitor_dir}",
+            f"comet={comet_run.monitor_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(summary_path.read_text())["runs"]
     assert [row["steps"] for row in rows] == [STEPS, STEPS], rows
@@ -559,8 +695,20 @@ def test_comet_backend_matches_stock(comet_run, stock_run, tmp_path):
 # --------------------------------------------------------------------------------------------
 
 HF_STEPS, HF_SEQ_LEN = 8, 32
-HF_MIXTRAL = ("--hf-model", "mixtral", "--hidden", "64", "--ffn", "128", "--layers", str(LAYERS), "--heads", "4",
-              "--seq-len", str(HF_SEQ_LEN))
+HF_MIXTRAL = (
+    "--hf-model",
+    "mixtral",
+    "--hidden",
+    "64",
+    "--ffn",
+    "128",
+    "--layers",
+    str(LAYERS),
+    "--heads",
+    "4",
+    "--seq-len",
+    str(HF_SEQ_LEN),
+)
 
 
 def test_hf_mixtral_autoep_comet_matches_autoep(workdir):
@@ -569,8 +717,21 @@ def test_hf_mixtral_autoep_comet_matches_autoep(workdir):
     # own router and experts, so the two runs route alike and train along one loss curve, to rounding.
     autoep = torchrun(workdir, "hf_autoep", "zero2_deepspeed", HF_STEPS, *HF_MIXTRAL)
     save_dir = os.path.join(workdir, "hf_checkpoints")
-    comet = torchrun(workdir, "hf_autoep_comet", "zero2_comet", HF_STEPS, *HF_MIXTRAL, "--log-level", "info",
-                     "--save-dir", save_dir, "--save-at", "4", "--no-final-save", "--step-shares")
+    comet = torchrun(
+        workdir,
+        "hf_autoep_comet",
+        "zero2_comet",
+        HF_STEPS,
+        *HF_MIXTRAL,
+        "--log-level",
+        "info",
+        "--save-dir",
+        save_dir,
+        "--save-at",
+        "4",
+        "--no-final-save",
+        "--step-shares",
+    )
     assert f"model mixtral | world size {RANKS} " in autoep.output, autoep.tail()
     assert f"moe layers {LAYERS} x AutoEPMoELayer |" in autoep.output, autoep.tail()
     # ds_comet.initialize converted AutoEP's layers: its own log line, and the layers' class.
@@ -586,8 +747,10 @@ def test_hf_mixtral_autoep_comet_matches_autoep(workdir):
         assert_expert_counts(run, seq_len=HF_SEQ_LEN)
     worst = max(steps, key=lambda s: abs(comet.losses[s] - autoep.losses[s]) / autoep.losses[s])
     relative = abs(comet.losses[worst] - autoep.losses[worst]) / autoep.losses[worst]
-    assert relative <= 1e-4, (f"step {worst}: loss {comet.losses[worst]:.7f} under comet, {autoep.losses[worst]:.7f} "
-                              f"under AutoEP (relative difference {relative:.1e}){comet.tail()}")
+    assert relative <= 1e-4, (
+        f"step {worst}: loss {comet.losses[worst]:.7f} under comet, {autoep.losses[worst]:.7f} "
+        f"under AutoEP (relative difference {relative:.1e}){comet.tail()}"
+    )
     counts = [name for name in autoep.series if name.startswith("Train_Steps_expert_tokens_")]
     assert all(comet.by_step(name) == autoep.by_step(name) for name in counts)
     assert_step_shares(comet, HF_STEPS - 5)  # AutoEP's layer class, as ds_comet converts it
@@ -599,8 +762,10 @@ def test_hf_mixtral_autoep_comet_matches_autoep(workdir):
     assert len(expert_files) == LAYERS * 4 * RANKS and any("optim_states" in name for name in manifest), manifest
     with open(os.path.join(save_dir, "latest")) as handle:
         assert handle.read() == "step4"
-    print(f"\nMixtral under AutoEP: loss {autoep.losses[1]:.4f} -> {autoep.losses[HF_STEPS]:.4f}, comet's largest "
-          f"relative difference {relative:.1e} at step {worst}; {autoep.seconds:.0f} s + {comet.seconds:.0f} s")
+    print(
+        f"\nMixtral under AutoEP: loss {autoep.losses[1]:.4f} -> {autoep.losses[HF_STEPS]:.4f}, comet's largest "
+        f"relative difference {relative:.1e} at step {worst}; {autoep.seconds:.0f} s + {comet.seconds:.0f} s"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -627,12 +792,19 @@ def plot_losses():
 
 
 def test_ranks_from_mpi_launcher_env(example):
-    openmpi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-               "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29575"}
+    openmpi = {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29575",
+    }
     env = dict(openmpi)
     assert example.adopt_mpi_launcher_env(env)
     assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")} == dict(
-        RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29575")
+        RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29575"
+    )
     hydra = {"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
     env = dict(hydra)
     example.adopt_mpi_launcher_env(env)
@@ -651,6 +823,7 @@ def test_gpu_preset_and_configs(example):
     fine = example.parse_args(["--preset", "gpu-fine", "--deepspeed_config", "x.json", "--k", "2"])
     assert (fine.hidden, fine.ffn, fine.experts, fine.k, fine.seq_len) == (2048, 1408, 64, 2, args.seq_len)
     import ds_comet
+
     for stage in (1, 2):
         for backend in ("comet", "deepspeed"):
             path = config(f"gpu_zero{stage}_{backend}")
@@ -665,12 +838,17 @@ def test_gpu_preset_and_configs(example):
             assert moe.max_tokens_per_rank == ds_config["train_micro_batch_size_per_gpu"] * args.seq_len == 8192, path
 
 
-@pytest.mark.parametrize("flag,value,words", [("--log-interval", "0", "must be a positive integer"),
-                                               ("--heads", "0", "must be a positive integer"),
-                                               ("--moe-every", "0", "must be a positive integer"),
-                                               ("--ep-size", "0", "must be a positive integer"),
-                                               ("--warmup", "-1", "must be 0 or more"),
-                                               ("--corpus-mb", "0", "must be a positive number")])
+@pytest.mark.parametrize(
+    "flag,value,words",
+    [
+        ("--log-interval", "0", "must be a positive integer"),
+        ("--heads", "0", "must be a positive integer"),
+        ("--moe-every", "0", "must be a positive integer"),
+        ("--ep-size", "0", "must be a positive integer"),
+        ("--warmup", "-1", "must be 0 or more"),
+        ("--corpus-mb", "0", "must be a positive number"),
+    ],
+)
 def test_flags_out_of_range_are_refused_by_name(example, capsys, flag, value, words):
     with pytest.raises(SystemExit):
         example.parse_args(["--deepspeed_config", "x.json", flag, value])
@@ -679,23 +857,61 @@ def test_flags_out_of_range_are_refused_by_name(example, capsys, flag, value, wo
 
 def test_hf_models_from_the_options(example):
     pytest.importorskip("transformers")
-    args = example.parse_args(["--hf-model", "qwen3_moe", "--deepspeed_config", "x.json", "--hidden", "96", "--ffn",
-                               "80", "--heads", "6", "--layers", "3", "--k", "3", "--seq-len", "16"])
+    args = example.parse_args(
+        [
+            "--hf-model",
+            "qwen3_moe",
+            "--deepspeed_config",
+            "x.json",
+            "--hidden",
+            "96",
+            "--ffn",
+            "80",
+            "--heads",
+            "6",
+            "--layers",
+            "3",
+            "--k",
+            "3",
+            "--seq-len",
+            "16",
+        ]
+    )
     qwen = example.hf_moe_model(args, num_experts=8).config
-    assert (qwen.vocab_size, qwen.hidden_size, qwen.moe_intermediate_size, qwen.num_attention_heads, qwen.head_dim,
-            qwen.num_hidden_layers, qwen.num_experts, qwen.num_experts_per_tok) == (256, 96, 80, 6, 16, 3, 8, 3)
+    assert (
+        qwen.vocab_size,
+        qwen.hidden_size,
+        qwen.moe_intermediate_size,
+        qwen.num_attention_heads,
+        qwen.head_dim,
+        qwen.num_hidden_layers,
+        qwen.num_experts,
+        qwen.num_experts_per_tok,
+    ) == (256, 96, 80, 6, 16, 3, 8, 3)
     assert qwen.norm_topk_prob and not qwen.output_router_logits
     args = example.parse_args(["--hf-model", "mixtral", "--deepspeed_config", "x.json"])
     mixtral = example.hf_moe_model(args, num_experts=4).config
-    assert (mixtral.vocab_size, mixtral.hidden_size, mixtral.intermediate_size, mixtral.num_local_experts,
-            mixtral.num_experts_per_tok) == (256, 64, 128, 4, 2)
+    assert (
+        mixtral.vocab_size,
+        mixtral.hidden_size,
+        mixtral.intermediate_size,
+        mixtral.num_local_experts,
+        mixtral.num_experts_per_tok,
+    ) == (256, 64, 128, 4, 2)
     # AutoEP's section is added for the model's preset, and a config's own section is kept.
     config = {"moe": {"backend": "comet"}}
     assert example.add_expert_parallel_section(config, "mixtral", 2, on_cpu=True) == {
-        "enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False}
+        "enabled": True,
+        "autoep_size": 2,
+        "preset_model": "mixtral",
+        "use_grouped_mm": False,
+    }
     own = {"expert_parallel": {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}}
     assert example.add_expert_parallel_section(own, "mixtral", 2, on_cpu=False) == {
-        "enabled": True, "autoep_size": 1, "preset_model": "mixtral"}
+        "enabled": True,
+        "autoep_size": 1,
+        "preset_model": "mixtral",
+    }
     with pytest.raises(SystemExit):
         example.parse_args(["--hf-model", "mixtral", "--gated", "--deepspeed_config", "x.json"])
 
@@ -703,8 +919,9 @@ def test_hf_models_from_the_options(example):
 def test_config_read_as_deepspeed_reads_it(example, tmp_path):
     # HJSON with comments and quoteless keys, as DeepSpeed accepts it.
     hjson_path = tmp_path / "commented.json"
-    hjson_path.write_text("// a comment\n{\n  # another\n  train_micro_batch_size_per_gpu: 4\n"
-                          "  moe: {backend: \"comet\"}\n}\n")
+    hjson_path.write_text(
+        '// a comment\n{\n  # another\n  train_micro_batch_size_per_gpu: 4\n  moe: {backend: "comet"}\n}\n'
+    )
     assert example.read_ds_config(str(hjson_path)) == {"train_micro_batch_size_per_gpu": 4, "moe": {"backend": "comet"}}
     # A key given twice is an error that names it, as in DeepSpeed, also inside a section.
     twice = tmp_path / "twice.json"
@@ -723,12 +940,15 @@ def test_config_read_as_deepspeed_reads_it(example, tmp_path):
 
 def test_a_full_disk_is_named(example, tmp_path):
     import torch
+
     # torch.save's zip writer reports a short write as RuntimeError("... unexpected pos ..."), a
     # plain write as OSError ENOSPC; /dev/full fails every write with ENOSPC.
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
-    for write in (lambda: torch.save({"weights": torch.zeros(1 << 16)}, "/dev/full"),
-                  lambda: open("/dev/full", "wb").write(b"x" * (1 << 20))):
+    for write in (
+        lambda: torch.save({"weights": torch.zeros(1 << 16)}, "/dev/full"),
+        lambda: open("/dev/full", "wb").write(b"x" * (1 << 20)),
+    ):
         with pytest.raises(example.DiskFullError) as raised:
             with example.explain_disk_full(str(tmp_path), "saving checkpoint step7"):
                 write()
@@ -797,8 +1017,11 @@ def test_plot_summary_and_png(tmp_path, plot_losses, capsys):
     stock = {s: 5.0 - 0.01 * s for s in range(1, 31)}
     balanced = {(0, 0): 100, (0, 1): 100, (1, 0): 150, (1, 1): 50}
     write_monitor(tmp_path / "stock", stock, expert_tokens=balanced)
-    write_monitor(tmp_path / "comet", {s: v + (0.02 if s == 7 else 0.0) for s, v in stock.items()},
-                  summary=dict(moe_forward_ms=1.5, moe_backward_ms=2.25, optimizer_ms=4.0, rest_ms=3.0))
+    write_monitor(
+        tmp_path / "comet",
+        {s: v + (0.02 if s == 7 else 0.0) for s, v in stock.items()},
+        summary=dict(moe_forward_ms=1.5, moe_backward_ms=2.25, optimizer_ms=4.0, rest_ms=3.0),
+    )
     png = tmp_path / "curves.png"
     runs = [f"stock={tmp_path / 'stock'}", f"comet={tmp_path / 'comet'}"]
     status = plot_losses.main(["plot", "--out", str(png), "--json", str(tmp_path / "s.json")] + runs)
@@ -822,28 +1045,43 @@ def test_plot_without_matplotlib_fails_with_the_reason(tmp_path):
     # matplotlib present or not on this machine, the tool runs here as if it could not be imported.
     write_monitor(tmp_path / "run", {s: 5.0 - 0.01 * s for s in range(1, 11)})
     png = tmp_path / "curves.png"
-    no_matplotlib = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
-                     "runpy.run_path(sys.argv[0], run_name='__main__')")
-    done = subprocess.run([sys.executable, "-c", no_matplotlib, PLOT_LOSSES, "plot", "--out", str(png),
-                           f"run={tmp_path / 'run'}"], capture_output=True, text=True, timeout=60)
+    no_matplotlib = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", no_matplotlib, PLOT_LOSSES, "plot", "--out", str(png), f"run={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 3, (done.returncode, done.stdout, done.stderr)
     assert f"cannot draw {png}: matplotlib cannot be imported" in done.stderr, done.stderr
     assert not png.exists()
     # Without --out it was not asked to draw: the table alone is a success.
-    done = subprocess.run([sys.executable, "-c", no_matplotlib, PLOT_LOSSES, "plot", f"run={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", no_matplotlib, PLOT_LOSSES, "plot", f"run={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and "| run |" in done.stdout, done.stdout + done.stderr
 
 
 def test_rounds_ratios_per_round(tmp_path, plot_losses, capsys):
     def run(name, tokens, memory):
-        path = write_monitor(tmp_path / name, {1: 3.0, 2: 2.9},
-                             summary=dict(steady_tokens_per_s=tokens, peak_memory_mib=memory))
+        path = write_monitor(
+            tmp_path / name, {1: 3.0, 2: 2.9}, summary=dict(steady_tokens_per_s=tokens, peak_memory_mib=memory)
+        )
         return f"{name.replace('_', '/')}={path}"
 
     # The host drifts between rounds: comet is 1.2x and 1.5x of the stock run beside it, not of stock's mean.
-    runs = [run("stock_1", 100.0, 50.0), run("comet_1", 120.0, 40.0), run("stock_2", 80.0, 50.0),
-            run("comet_2", 120.0, 45.0)]
+    runs = [
+        run("stock_1", 100.0, 50.0),
+        run("comet_1", 120.0, 40.0),
+        run("stock_2", 80.0, 50.0),
+        run("comet_2", 120.0, 45.0),
+    ]
     json_path = tmp_path / "rounds.json"
     assert plot_losses.main(["rounds", "--json", str(json_path)] + runs) == 0
     summary = json.loads(json_path.read_text())
@@ -863,10 +1101,13 @@ SHARED_RANKS = os.path.join(REPO, "scripts", "shared_gpu_ranks.sh")
 
 def test_shared_gpu_ranks_environment():
     # One write per rank: print(*values) writes each value apart, and unbuffered ranks then interleave.
-    report = ("import os, sys; sys.stdout.write(' '.join(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
-              "'MASTER_PORT')) + '\\n')")
-    done = subprocess.run(["bash", SHARED_RANKS, "3", "29599", sys.executable, "-c", report], capture_output=True,
-                          text=True, timeout=60)
+    report = (
+        "import os, sys; sys.stdout.write(' '.join(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+        "'MASTER_PORT')) + '\\n')"
+    )
+    done = subprocess.run(
+        ["bash", SHARED_RANKS, "3", "29599", sys.executable, "-c", report], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.split("\n")[:-1]) == [f"{rank} 3 0 29599" for rank in range(3)], done.stdout
 
@@ -912,8 +1153,12 @@ def test_shared_gpu_ranks_failure_stops_the_others(tmp_path):
     # stop both and exit with rank 1's status.
     pid_file = str(tmp_path / "child.pid")
     began = time.monotonic()
-    done = subprocess.run(["bash", SHARED_RANKS, "3", "29598", sys.executable, "-c", SHARED_RANKS_CASE, pid_file, "0"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["bash", SHARED_RANKS, "3", "29598", sys.executable, "-c", SHARED_RANKS_CASE, pid_file, "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 7, (done.returncode, done.stderr)
     assert time.monotonic() - began < 60
     assert all(_wait_gone(int(pid), 10) for pid in open(pid_file).read().split()), "rank 0 outlived the launcher"
@@ -923,8 +1168,12 @@ def test_shared_gpu_ranks_failure_stops_the_others(tmp_path):
 def test_shared_gpu_ranks_stops_every_rank_on_term(tmp_path, ignore_term):
     pid_file = str(tmp_path / "child.pid")
     command = ["bash", SHARED_RANKS, "2", "29596", sys.executable, "-c", SHARED_RANKS_CASE, pid_file, "1"]
-    launcher = subprocess.Popen(command + (["ignore-term"] if ignore_term else []), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, env=dict(os.environ, GRACE_S="1"))
+    launcher = subprocess.Popen(
+        command + (["ignore-term"] if ignore_term else []),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, GRACE_S="1"),
+    )
     deadline = time.monotonic() + 60
     while not os.path.exists(pid_file) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -946,8 +1195,13 @@ def test_train_compare_checks_its_knobs(tmp_path, shared, knob):
     # mode runs (a failing statement there would stop it earlier, silently, under set -e).
     env = dict(os.environ, TRAIN_COMPARE_CPU="1", TRAIN_COMPARE_SHARED_GPU=shared, OUT=str(tmp_path / "out"))
     env[knob] = "0"
-    done = subprocess.run(["bash", os.path.join(REPO, "scripts", "train_compare.sh")], capture_output=True, text=True,
-                          timeout=120, env=env)
+    done = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts", "train_compare.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     assert f"{knob} must be a positive integer" in done.stderr
 
@@ -955,7 +1209,12 @@ def test_train_compare_checks_its_knobs(tmp_path, shared, knob):
 def test_train_compare_refuses_mpirun_check_without_its_baseline(tmp_path):
     # (c) compares the mpirun losses with (a)'s comet run: without (a) it would compare with nothing.
     env = dict(os.environ, TRAIN_COMPARE_CPU="1", PARTS="bc", OUT=str(tmp_path / "out"))
-    done = subprocess.run(["bash", os.path.join(REPO, "scripts", "train_compare.sh")], capture_output=True, text=True,
-                          timeout=120, env=env)
+    done = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts", "train_compare.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     assert "(c) compares with (a)'s comet run" in done.stderr

@@ -63,6 +63,7 @@ class DroppingMLP(MixtralStyleMLP):
 def _registry(monkeypatch):
     # Each test registers what it needs; the registry is left as it was.
     import ds_comet.experts as experts
+
     monkeypatch.setattr(experts, "_LAYOUTS", dict(experts._LAYOUTS))
 
 
@@ -126,8 +127,9 @@ def test_layouts_that_do_not_fit_the_class_are_refused():
 
 def test_fused_asked_for_checks_the_experts_when_the_layer_is_built():
     fused = {"moe": {"backend": "comet", "overlap": "fused"}}
-    with pytest.raises(ValueError,
-                       match=r"\"fused\" was asked for, but the expert is a MixtralStyleMLP.*register_expert"):
+    with pytest.raises(
+        ValueError, match=r"\"fused\" was asked for, but the expert is a MixtralStyleMLP.*register_expert"
+    ):
         ds_comet.MoE(16, MixtralStyleMLP(16, 24), num_experts=4, k=2, config=fused)
     register_expert(MixtralStyleMLP, first="w1", up="w3", second="w2", activation="silu")
     layer = ds_comet.MoE(16, MixtralStyleMLP(16, 24), num_experts=4, k=2, config=fused)
@@ -161,13 +163,17 @@ class _NormalisedExpert(torch.nn.Module):
         return self.fc(self.norm(x))
 
 
-@pytest.mark.parametrize("norm,refused", [(torch.nn.BatchNorm1d(16), True), (torch.nn.LayerNorm(16), False)],
-                         ids=["batchnorm", "layernorm"])
+@pytest.mark.parametrize(
+    "norm,refused", [(torch.nn.BatchNorm1d(16), True), (torch.nn.LayerNorm(16), False)], ids=["batchnorm", "layernorm"]
+)
 def test_an_expert_that_mixes_rows_is_refused_by_name(norm, refused):
     # BatchNorm in training makes a row's output depend on the batch: ds_comet gives an expert its
     # routed rows, stock its zero-padded capacity buffer; the two would differ without a word.
     expert = _NormalisedExpert(16, norm)
-    build = lambda: ds_comet.MoE(16, expert, num_experts=2, k=1, config={"moe": {"backend": "comet"}})
+
+    def build():
+        return ds_comet.MoE(16, expert, num_experts=2, k=1, config={"moe": {"backend": "comet"}})
+
     if refused:
         with pytest.raises(ValueError, match=r"not row-wise: its submodule 'norm' \(BatchNorm1d\).*LayerNorm"):
             build()

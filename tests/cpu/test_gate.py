@@ -22,11 +22,32 @@ aten = torch.ops.aten
 MODEL_DIM = 12
 
 
-def make_gate(k, num_experts=8, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4,
-              noisy_gate_policy=None, drop_tokens=True, use_rts=True, top2_2nd_expert_sampling=True, seed=0):
+def make_gate(
+    k,
+    num_experts=8,
+    capacity_factor=1.0,
+    eval_capacity_factor=1.0,
+    min_capacity=4,
+    noisy_gate_policy=None,
+    drop_tokens=True,
+    use_rts=True,
+    top2_2nd_expert_sampling=True,
+    seed=0,
+):
     torch.manual_seed(seed)
-    return TopKGate(MODEL_DIM, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-                    noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
+    return TopKGate(
+        MODEL_DIM,
+        num_experts,
+        k,
+        capacity_factor,
+        eval_capacity_factor,
+        min_capacity,
+        noisy_gate_policy,
+        drop_tokens,
+        use_rts,
+        None,
+        top2_2nd_expert_sampling,
+    )
 
 
 def make_tokens(gate, num_tokens, seed, skew=0.0, dtype=torch.float32):
@@ -58,19 +79,29 @@ def run_gate(routes_fn, gate, tokens, used_token, seed, mix_seed):
     gate_weights = torch.randn(gates.shape, generator=generator).to(tokens.device)
     loss = l_aux_weight * l_aux + (gates * gate_weights).sum()
     weight_grad, input_grad = torch.autograd.grad(loss, [gate.wg.weight, inputs])
-    return dict(l_aux=l_aux.detach(), num_experts=num_experts, indices=indices, gates=gates.detach(),
-                exp_counts=exp_counts, rng_state=rng_state, weight_grad=weight_grad, input_grad=input_grad)
+    return dict(
+        l_aux=l_aux.detach(),
+        num_experts=num_experts,
+        indices=indices,
+        gates=gates.detach(),
+        exp_counts=exp_counts,
+        rng_state=rng_state,
+        weight_grad=weight_grad,
+        input_grad=input_grad,
+    )
 
 
 def assert_bitwise_equal(actual, expected):
     assert type(actual["num_experts"]) is int and actual["num_experts"] == expected["num_experts"]
     for name in ("l_aux", "indices", "gates", "exp_counts", "rng_state", "weight_grad", "input_grad"):
         a, e = actual[name], expected[name]
-        assert (a.dtype, a.shape) == (e.dtype, e.shape), \
+        assert (a.dtype, a.shape) == (e.dtype, e.shape), (
             f"{name}: {a.dtype} {tuple(a.shape)} vs {e.dtype} {tuple(e.shape)}"
+        )
         # NaN only where stock has NaN (the aux loss of an empty batch is a mean over nothing).
-        same = torch.equal(a, e) or (a.is_floating_point() and torch.equal(a.isnan(), e.isnan())
-                                     and torch.equal(a[~a.isnan()], e[~e.isnan()]))
+        same = torch.equal(a, e) or (
+            a.is_floating_point() and torch.equal(a.isnan(), e.isnan()) and torch.equal(a[~a.isnan()], e[~e.isnan()])
+        )
         assert same, f"{name} differs from stock"
 
 
@@ -148,7 +179,7 @@ def prepare(case, seed, device="cpu"):
         # lower index) and every third token a copy of another (ties across tokens for the capacity).
         with torch.no_grad():
             gate.wg.weight[-2] = gate.wg.weight[1]
-        tokens[1::3] = tokens[0::3][:len(tokens[1::3])]
+        tokens[1::3] = tokens[0::3][: len(tokens[1::3])]
     used_token = None
     if extra.get("used_token"):
         generator = torch.Generator().manual_seed(seed + 1)
@@ -163,8 +194,11 @@ def prepare(case, seed, device="cpu"):
 # torch ops and with the op's gate kernels (the fused layer's path).
 # "cuda:1-kernels": the gate kernels on a GPU other than the current one (the bindings must launch
 # on the tensors' device and its current stream, not on the current device).
-DEVICES = (["cpu"] + (["cuda", "cuda-kernels"] if torch.cuda.is_available() else []) +
-           (["cuda:1-kernels"] if torch.cuda.device_count() > 1 else []))
+DEVICES = (
+    ["cpu"]
+    + (["cuda", "cuda-kernels"] if torch.cuda.is_available() else [])
+    + (["cuda:1-kernels"] if torch.cuda.device_count() > 1 else [])
+)
 # Sizes the kernels split over many threads and blocks (CUDA only: stock's CPU gate is slow there).
 LARGE_CASES = [
     (dict(k=2, num_experts=64, capacity_factor=0.5, min_capacity=0), 4099, dict(skew=3.0)),
@@ -180,16 +214,24 @@ def routes_on(device):
     if not device.endswith("-kernels"):
         return device, gate_routes
     from ds_comet.kernels.ops import load_op, op_unavailable_reason
+
     reason = op_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
     op = load_op()
-    return device[:-len("-kernels")], lambda gate, tokens, used_token: gate_routes(gate, tokens, used_token, op=op)
+    return device[: -len("-kernels")], lambda gate, tokens, used_token: gate_routes(gate, tokens, used_token, op=op)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", CASES + [pytest.param(case, marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA only")) for case in LARGE_CASES], ids=case_id)
+@pytest.mark.parametrize(
+    "case",
+    CASES
+    + [
+        pytest.param(case, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only"))
+        for case in LARGE_CASES
+    ],
+    ids=case_id,
+)
 def test_matches_stock_bitwise(case, device, forward_calls):
     if case[1] > 1000 and device == "cpu":
         pytest.skip("a large case: CUDA only")
@@ -269,9 +311,13 @@ class OpLog(TorchDispatchMode):
 
     def launches(self):
         """Ops that would be kernels: no views, no host-side scalar work."""
-        return [func for func, args in self.ops
-                if not func.is_view and func not in (aten.lift_fresh.default, aten._local_scalar_dense.default)
-                and not self._on_host(args)]
+        return [
+            func
+            for func, args in self.ops
+            if not func.is_view
+            and func not in (aten.lift_fresh.default, aten._local_scalar_dense.default)
+            and not self._on_host(args)
+        ]
 
     def _on_host(self, args):
         inputs = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
@@ -386,8 +432,9 @@ def test_hooked_gate_without_dropping_keeps_the_fast_path(k, forward_calls, monk
     assert len(warned) == 1 and f"top-{k} gate without dropping" in warned[0] and "skipped" in warned[0], warned
     hooked_from_the_start = make_gate(k=k, drop_tokens=False)
     hooked_from_the_start.register_forward_hook(lambda module, args, output: None)
-    run_gate(gate_routes, hooked_from_the_start, make_tokens(hooked_from_the_start, 40, seed=3), None, seed=4,
-             mix_seed=8)
+    run_gate(
+        gate_routes, hooked_from_the_start, make_tokens(hooked_from_the_start, 40, seed=3), None, seed=4, mix_seed=8
+    )
     assert len(forward_calls) == 2 and len(warned) == 1  # through stock's forward, which runs the hooks
 
 
@@ -453,6 +500,7 @@ def test_top2_kernel_gumbel_noise_is_torchs_for_every_uniform_draw():
     ties to stock's sampler), bit for bit."""
     routes_on("cuda-kernels")  # skips where the op cannot be built
     from ds_comet.kernels.ops import load_op
+
     uniform = torch.arange(2**24, device="cuda", dtype=torch.float64).mul_(2.0**-24).float()
     finfo = torch.finfo(torch.float32)
     low, high = torch.tensor(finfo.tiny, device="cuda"), torch.tensor(1 - finfo.eps, device="cuda")
@@ -485,8 +533,10 @@ GRAPH_CASES = [
 
 def graphed_routes():
     from ds_comet.integrations.legacy.gate_graph import GateGraphs
+
     _, kernels = routes_on("cuda-kernels")  # skips where the op cannot be built
     from ds_comet.kernels.ops import load_op
+
     graphs, op = GateGraphs(), load_op()
     return graphs, lambda gate, tokens, used_token: graphs.routes(gate, tokens, used_token, op)
 
@@ -546,7 +596,7 @@ def test_cuda_graph_gate_runs_eagerly_while_a_backward_is_due_and_recaptures_mov
         with torch.no_grad():  # ZeRO may move a parameter: the next call captures anew
             gate.wg.weight.data = gate.wg.weight.data.clone()
     # The second round recaptured for the moved weight and dropped the first round's graph.
-    assert [key[0][0] for key in graphs._captured] == [(storages[1], )] and storages[0] != storages[1]
+    assert [key[0][0] for key in graphs._captured] == [(storages[1],)] and storages[0] != storages[1]
     assert accumulator is not None
 
 
@@ -567,12 +617,14 @@ def test_cuda_graph_gate_refuses_a_backward_whose_activations_a_later_replay_reu
 def test_graphed_gate_runs_eagerly_where_it_cannot_capture(case):
     # CPU tokens (and, on any device, a used_token mask) take the eager routing, untouched.
     from ds_comet.integrations.legacy.gate_graph import GateGraphs
+
     graphs = GateGraphs()
     for seed in (1, 2):
         gate, tokens, used_token = prepare(case, seed)
         expected = run_gate(stock_routes, gate, tokens, used_token, seed, mix_seed=seed + 5)
-        actual = run_gate(lambda g, t, u: graphs.routes(g, t, u, None), gate, tokens, used_token, seed,
-                          mix_seed=seed + 5)
+        actual = run_gate(
+            lambda g, t, u: graphs.routes(g, t, u, None), gate, tokens, used_token, seed, mix_seed=seed + 5
+        )
         assert_bitwise_equal(actual, expected)
     assert not graphs._captured
 
@@ -615,6 +667,7 @@ def test_cuda_graph_gate_of_several_layers_matches_stock_in_any_order(order):
     or outputs."""
     from ds_comet.integrations.legacy.gate_graph import GateGraphs
     from ds_comet.kernels.ops import load_op
+
     graphed_routes()  # skips where the op cannot be built
     op = load_op()
     cases = [(dict(k=2), 301, {}), (dict(k=4, num_experts=16), 301, dict(skew=2.0)), (dict(k=1), 301, {})]
@@ -638,8 +691,11 @@ def test_cuda_graph_gate_of_several_layers_matches_stock_in_any_order(order):
                 other, other_tokens = layers[(i + 1) % len(layers)]
                 other.eval()
                 with torch.no_grad():
-                    outputs += [t for t in routes_of((i + 1) % len(layers))(other, other_tokens, None)
-                                if isinstance(t, torch.Tensor)]
+                    outputs += [
+                        t
+                        for t in routes_of((i + 1) % len(layers))(other, other_tokens, None)
+                        if isinstance(t, torch.Tensor)
+                    ]
                 other.train()
             loss = loss + l_aux + (gates * fresh_tokens(gates, seed + i)).sum()
             inputs.append(x)
@@ -663,6 +719,7 @@ def test_cuda_graph_gate_runs_eagerly_where_a_graph_could_differ(context):
     """Autocast caches a cast of the weight, non-reentrant checkpointing compares saved tensors, and
     a layer captures at most MAX_SIGNATURES signatures: there the gate runs eagerly, as stock's."""
     from ds_comet.integrations.legacy.gate_graph import MAX_SIGNATURES
+
     graphs, graphed = graphed_routes()
     gate, tokens, _ = prepare((dict(k=2), 101, {}), 8, "cuda")
     counts = range(90, 91 + MAX_SIGNATURES) if context == "many-token-counts" else [101, 101]
@@ -673,15 +730,19 @@ def test_cuda_graph_gate_runs_eagerly_where_a_graph_could_differ(context):
                 expected = run_gate(stock_routes, gate, x, None, seed, mix_seed=seed + 5)
                 actual = run_gate(graphed, gate, x, None, seed, mix_seed=seed + 5)
         elif context == "checkpoint":
+
             def through_checkpoint(routes_fn):
                 def wrapped(g, t, u):
                     def body(inputs):
                         l_aux, _, _, gates_, _ = routes_fn(g, inputs, u)
                         return l_aux, gates_
+
                     l_aux, gates_ = torch.utils.checkpoint.checkpoint(body, t, use_reentrant=False)
                     _, num, indices, _, counts_ = stock_routes(g, t.detach())  # the non-differentiable outputs
                     return l_aux, num, indices, gates_, counts_
+
                 return wrapped
+
             expected = run_gate(through_checkpoint(stock_routes), gate, x, None, seed, mix_seed=seed + 5)
             actual = run_gate(through_checkpoint(graphed), gate, x, None, seed, mix_seed=seed + 5)
         else:
@@ -695,13 +756,16 @@ def test_cuda_graph_gate_runs_eagerly_where_a_graph_could_differ(context):
     assert len(graphs._captured) == (MAX_SIGNATURES if context == "many-token-counts" else 0)
 
 
-@pytest.mark.parametrize("capacity_factor,min_capacity,dropped", [(1e9, 0, 0), (1.0, 2**31, 0), (1.0, 2**32 + 1, 0),
-                                                                   (-1e10, -2**32 + 5, 202)])
+@pytest.mark.parametrize(
+    "capacity_factor,min_capacity,dropped",
+    [(1e9, 0, 0), (1.0, 2**31, 0), (1.0, 2**32 + 1, 0), (-1e10, -(2**32) + 5, 202)],
+)
 def test_top2_capacity_past_int32_like_stock(capacity_factor, min_capacity, dropped):
     # "Never drop" spelled as a huge capacity (or "drop all" as a hugely negative one): the queue
     # positions it is compared with are int32.
-    gate = make_gate(2, capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
-                     min_capacity=min_capacity)
+    gate = make_gate(
+        2, capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor, min_capacity=min_capacity
+    )
     tokens = make_tokens(gate, 101, seed=1, skew=3.0)
     expected = run_gate(stock_routes, gate, tokens, None, 5, 6)
     actual = run_gate(gate_routes, gate, tokens, None, 5, 6)
@@ -726,12 +790,14 @@ def test_capacity_is_remembered_per_type_of_factor(monkeypatch):
     monkeypatch.setattr(gate_module, "_capacities", {})
     tokens = torch.randn(50, MODEL_DIM)
     for factor in (1.2, np.float64(1.2), 1.2):
-        gate = make_gate(1, num_experts=2, capacity_factor=factor, eval_capacity_factor=factor, min_capacity=0,
-                         use_rts=False)
+        gate = make_gate(
+            1, num_experts=2, capacity_factor=factor, eval_capacity_factor=factor, min_capacity=0, use_rts=False
+        )
         with torch.no_grad():
             gate.wg.weight.zero_()  # every token ties, so expert 0 gets all 50 and the capacity binds
-        assert_bitwise_equal(run_gate(gate_routes, gate, tokens, None, 3, 4), run_gate(stock_routes, gate, tokens,
-                                                                                        None, 3, 4))
+        assert_bitwise_equal(
+            run_gate(gate_routes, gate, tokens, None, 3, 4), run_gate(stock_routes, gate, tokens, None, 3, 4)
+        )
 
 
 def test_graphs_captured_for_moved_parameters_are_dropped():
@@ -739,6 +805,7 @@ def test_graphs_captured_for_moved_parameters_are_dropped():
     # old parameter storage can never replay: it must not hold its memory pool and one of the
     # layer's MAX_SIGNATURES slots, which would send the current storage to the eager gate for good.
     from ds_comet.integrations.legacy.gate_graph import GateGraphs, _signature
+
     gate = TopKGate(16, 4, k=2)
     graphs, tokens = GateGraphs(), torch.randn(8, 16)
     old = _signature(gate, tokens, None, list(gate.parameters()), True)

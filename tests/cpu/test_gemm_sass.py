@@ -87,8 +87,14 @@ def test_no_predicated_collective_and_little_spilling(tmp_path):
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton_cache"))
     env.pop("TRITON_INTERPRET", None)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "kernel.cubin")], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "kernel.cubin")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if result.stdout.startswith("SKIP"):
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

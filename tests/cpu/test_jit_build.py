@@ -29,8 +29,9 @@ guarded_build(directory, build)
 
 
 def start_builder(directory, script=KILLED_BUILDER):
-    builder = subprocess.Popen([sys.executable, "-c", script, str(directory)], stdout=subprocess.PIPE,
-                               stdin=subprocess.PIPE, text=True)
+    builder = subprocess.Popen(
+        [sys.executable, "-c", script, str(directory)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True
+    )
     said = []
     reader = threading.Thread(target=lambda: said.extend(line.strip() for line in builder.stdout), daemon=True)
     reader.start()
@@ -85,8 +86,7 @@ def test_a_live_builder_is_waited_for_boundedly_and_named(tmp_path):
     try:
         started = time.monotonic()
         with pytest.raises(TimeoutError, match=f"process {builder.pid} on .*TORCH_EXTENSIONS_DIR"):
-            guarded_build(str(tmp_path), lambda: pytest.fail("built while another process held the build"),
-                          wait_s=1.0)
+            guarded_build(str(tmp_path), lambda: pytest.fail("built while another process held the build"), wait_s=1.0)
         assert time.monotonic() - started < 20
         assert os.path.exists(tmp_path / "lock"), "a live builder's lock must stay"
     finally:
@@ -151,9 +151,11 @@ def test_a_note_that_was_there_before_the_wait_or_is_no_note_does_not_stop_the_b
         (tmp_path / FAILURE_NAME).write_text(note)
         release = guard.close
     else:
+
         def release():
             (tmp_path / FAILURE_NAME).write_text(note)
             guard.close()
+
     waits = on_wait(monkeypatch, release)
     assert guarded_build(str(tmp_path), lambda: "built", wait_s=30) == "built"
     assert waits == [True] and not os.path.exists(tmp_path / FAILURE_NAME)
@@ -178,7 +180,7 @@ def test_a_torch_build_that_holds_its_lock_is_waited_for_not_broken(tmp_path):
         with pytest.raises(TimeoutError, match=f"processes \\[{builder.pid}\\] on .* still build in"):
             guarded_build(str(tmp_path), lambda: pytest.fail("built beside a live torch build"), wait_s=1.0)
         assert os.path.exists(tmp_path / "lock"), "a live build's lock must stay"
-        threading.Timer(0.5, tell, args=(builder, )).start()
+        threading.Timer(0.5, tell, args=(builder,)).start()
         assert guarded_build(str(tmp_path), lambda: "built", wait_s=60) == "built"
         assert builder.wait(timeout=30) == 0, "the torch build could not release its own lock"
     finally:
@@ -237,6 +239,7 @@ def test_deepspeeds_cpu_comm_op_loads_past_a_lock_an_interrupted_launch_left(tmp
     """What the example runs before init_distributed on CPU: torch would wait on this lock forever."""
     from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
     from torch.utils.cpp_extension import _get_build_directory
+
     jit_build.build_cpu_comm_op()  # built in this run's extensions (a load where it is already)
     built = _get_build_directory(ShareMemCommBuilder.NAME, verbose=False)
     extensions = tmp_path / "extensions"
@@ -244,8 +247,9 @@ def test_deepspeeds_cpu_comm_op_loads_past_a_lock_an_interrupted_launch_left(tmp
     shutil.copytree(built, target, ignore=shutil.ignore_patterns("lock", GUARD_NAME, FAILURE_NAME))
     open(target / "lock", "w").close()  # torch's lock, left by a launch interrupted during the build
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions))
-    result = subprocess.run([sys.executable, "-c", BUILD_CPU_COMM_OP], env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", BUILD_CPU_COMM_OP], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "loaded True" in result.stdout, result.stdout[-2000:]
     assert not os.path.exists(target / "lock")

@@ -10,13 +10,13 @@ import pytest
 import torch
 from deepspeed.ops.op_builder.all_ops import ALL_OPS
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+from torch.utils.cpp_extension import include_paths
 
 import ds_comet.op_builder as op_builder
 from ds_comet.kernels import constants, layout
-from ds_comet.report import report
 from ds_comet.op_builder import CometBuilder
 from ds_comet.op_builder.comet import plain_arch_list
-from torch.utils.cpp_extension import include_paths
+from ds_comet.report import report
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(os.path.dirname(TESTS_DIR), "csrc")
@@ -44,8 +44,10 @@ def test_incompatible_without_cuda_says_why():
         builder.jit_load(verbose=False)
 
 
-@pytest.mark.parametrize("given,expected", [("9.0a", "9.0"), ("9.0a;8.0 10.0f+PTX", "9.0;8.0;10.0+PTX"),
-                                            ("8.0 8.0", "8.0"), ("9.0+PTX", "9.0+PTX")])
+@pytest.mark.parametrize(
+    "given,expected",
+    [("9.0a", "9.0"), ("9.0a;8.0 10.0f+PTX", "9.0;8.0;10.0+PTX"), ("8.0 8.0", "8.0"), ("9.0+PTX", "9.0+PTX")],
+)
 def test_plain_arch_list(given, expected):
     assert plain_arch_list(given) == expected
 
@@ -64,8 +66,23 @@ def kernel_objects(tmp_path_factory):
     built = {}
     for source in CUDA_SOURCES:
         obj = tmp_path_factory.mktemp("kernels") / (os.path.basename(source) + ".o")
-        result = subprocess.run(["nvcc", "-std=c++17", "-c", "-o", str(obj), "-gencode", "arch=compute_90a,code=sm_90a",
-                                 "-I", CSRC, source], capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [
+                "nvcc",
+                "-std=c++17",
+                "-c",
+                "-o",
+                str(obj),
+                "-gencode",
+                "arch=compute_90a,code=sm_90a",
+                "-I",
+                CSRC,
+                source,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         built[source] = (result, obj)
     return built
 
@@ -87,24 +104,49 @@ def test_gate_kernels_round_as_torch_under_the_builders_flags(monkeypatch, tmp_p
     args = [arg for arg in CometBuilder().nvcc_args() if arg]
     assert "--use_fast_math" not in args and "-O3" in args
     ptx = tmp_path / "gate_kernels.ptx"
-    result = subprocess.run(["nvcc", *args, "-ptx", "-arch=sm_90a", "-I", CSRC, "-o", str(ptx),
-                             os.path.join(CSRC, "gate_kernels.cu")], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        ["nvcc", *args, "-ptx", "-arch=sm_90a", "-I", CSRC, "-o", str(ptx), os.path.join(CSRC, "gate_kernels.cu")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     text = ptx.read_text()
     assert "lg2.approx" not in text and ".ftz" not in text
 
 
-@pytest.mark.skipif(shutil.which("g++") is None or not os.path.exists(os.path.join(CUDA_INCLUDE, "cuda_runtime.h")),
-                    reason="needs g++ and the CUDA runtime headers")
+@pytest.mark.skipif(
+    shutil.which("g++") is None or not os.path.exists(os.path.join(CUDA_INCLUDE, "cuda_runtime.h")),
+    reason="needs g++ and the CUDA runtime headers",
+)
 @needs_nvcc
 def test_torch_binding_compiles_and_links_to_the_kernels(kernel_objects, tmp_path):
     # CPU torch has no CUDA headers: a stand-in for the one the binding includes (tests/stubs).
-    includes = [os.path.join(TESTS_DIR, "stubs"), *include_paths(), sysconfig.get_paths()["include"], CUDA_INCLUDE,
-                CSRC]
+    includes = [
+        os.path.join(TESTS_DIR, "stubs"),
+        *include_paths(),
+        sysconfig.get_paths()["include"],
+        CUDA_INCLUDE,
+        CSRC,
+    ]
     binding = tmp_path / "binding.o"
-    result = subprocess.run(["g++", "-std=c++17", "-c", "-O0", "-w", "-DTORCH_EXTENSION_NAME=ds_comet_ops",
-                             *[f"-I{path}" for path in includes], os.path.join(CSRC, "comet_binding.cpp"), "-o",
-                             str(binding)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-c",
+            "-O0",
+            "-w",
+            "-DTORCH_EXTENSION_NAME=ds_comet_ops",
+            *[f"-I{path}" for path in includes],
+            os.path.join(CSRC, "comet_binding.cpp"),
+            "-o",
+            str(binding),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     # Every launcher the binding calls must be defined, with the same signature, by the kernels: a
     # declaration in comet.h that drifts from its definition builds, and fails only when the op loads.
@@ -124,18 +166,27 @@ def test_constants_match_the_compiled_header(tmp_path):
     # Python reads csrc/comet.h's DS_COMET_CONSTANTS lines; compiled, the same list must give the same
     # values (the binding's codes() exports them with this very macro, checked again at load).
     source = tmp_path / "constants.cpp"
-    source.write_text("#include <cstdio>\n#include \"comet.h\"\n"
-                      "#define PRINT(name, value) std::printf(\"%s %lld\\n\", #name, (long long)ds_comet::k##name);\n"
-                      "int main() { DS_COMET_CONSTANTS(PRINT) return 0; }\n")
+    source.write_text(
+        '#include <cstdio>\n#include "comet.h"\n'
+        '#define PRINT(name, value) std::printf("%s %lld\\n", #name, (long long)ds_comet::k##name);\n'
+        "int main() { DS_COMET_CONSTANTS(PRINT) return 0; }\n"
+    )
     binary = tmp_path / "constants"
-    built = subprocess.run(["g++", "-std=c++17", f"-I{CSRC}", f"-I{CUDA_INCLUDE}", str(source), "-o", str(binary)],
-                           capture_output=True, text=True, timeout=120)
+    built = subprocess.run(
+        ["g++", "-std=c++17", f"-I{CSRC}", f"-I{CUDA_INCLUDE}", str(source), "-o", str(binary)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert built.returncode == 0, built.stderr[-4000:]
     printed = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.split("\n")
     compiled = {name: int(value) for name, value in (line.split() for line in printed if line)}
     assert compiled == constants.CONSTANTS
     assert (constants.TOTAL_ERROR_CLAIM, constants.WAIT_DISPATCH_TILE, constants.MAX_COMBINE_TOP_K) == (
-        compiled["TotalErrorClaim"], compiled["WaitDispatchTile"], compiled["MaxCombineTopK"])
+        compiled["TotalErrorClaim"],
+        compiled["WaitDispatchTile"],
+        compiled["MaxCombineTopK"],
+    )
 
 
 def test_layout_parts_do_not_overlap():
@@ -163,6 +214,7 @@ def test_report_verdict_where_the_fused_pipeline_can_run(monkeypatch):
     pytest.importorskip("triton")
     import ds_comet.kernels.ops
     import ds_comet.report as report_module
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ds_comet.kernels.ops, "op_unavailable_reason", lambda: None)
     verdict = report_module.pipeline_verdict({"moe": {"backend": "comet"}})
@@ -171,7 +223,8 @@ def test_report_verdict_where_the_fused_pipeline_can_run(monkeypatch):
     assert report_module.pipeline_verdict({"moe": {"backend": "comet", "overlap": "none"}}).startswith("reference")
     monkeypatch.setattr(ds_comet.kernels.ops, "op_unavailable_reason", lambda: "nvcc not found")
     assert report_module.pipeline_verdict({"moe": {"backend": "comet", "overlap": "fused"}}) == (
-        "error: \"overlap\": \"fused\" was asked for, but nvcc not found")
+        'error: "overlap": "fused" was asked for, but nvcc not found'
+    )
 
 
 def test_report_verdict_names_a_triton_too_old_as_the_layers_do(monkeypatch):
@@ -180,6 +233,7 @@ def test_report_verdict_names_a_triton_too_old_as_the_layers_do(monkeypatch):
     triton = pytest.importorskip("triton")
     import ds_comet.kernels.ops
     import ds_comet.report as report_module
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ds_comet.kernels.ops, "op_unavailable_reason", lambda: None)
     monkeypatch.delattr(triton.language, "make_tensor_descriptor")
@@ -191,6 +245,7 @@ def test_a_jit_build_says_why_it_compiles(tmp_path):
     """Not built, or built before a source changed (a pull, an edit): the build is announced with
     the reason, since it takes a minute; built after every source: it only loads, silently."""
     from ds_comet.kernels.ops import build_needed
+
     library, header, kernels = tmp_path / "op.so", tmp_path / "comet.h", tmp_path / "comet_kernels.cu"
     header.write_text("")
     kernels.write_text("")

@@ -13,8 +13,16 @@ from deepspeed import comm as dist
 import ds_comet
 from ds_comet.experts import reset_expert_
 from tests.support.dist_pool import cpu_world_size
-from tests.support.moe_helpers import (COMET, assert_same_step, build_pair, make_expert, per_rank, reset_experts_,
-                                       routing_stats, run_step)
+from tests.support.moe_helpers import (
+    COMET,
+    assert_same_step,
+    build_pair,
+    make_expert,
+    per_rank,
+    reset_experts_,
+    routing_stats,
+    run_step,
+)
 
 HIDDEN, FFN = 24, 40
 # fp32 arithmetic against a float64 evaluation: rounding, not the pipeline, sets this bound.
@@ -25,14 +33,36 @@ P = cpu_world_size()
 EP_SIZES = sorted({1, max([d for d in range(1, P) if P % d == 0], default=1), P})
 
 
-def parity_case(seed, ep_size, num_experts, k, drop_tokens=True, capacity_factor=1.0, eval_capacity_factor=1.0,
-                min_capacity=4, train=True, use_residual=False, noisy_gate_policy=None, use_rts=True,
-                expert_kind="gelu", tokens_per_rank=(48, 48), skew=0.0):
+def parity_case(
+    seed,
+    ep_size,
+    num_experts,
+    k,
+    drop_tokens=True,
+    capacity_factor=1.0,
+    eval_capacity_factor=1.0,
+    min_capacity=4,
+    train=True,
+    use_residual=False,
+    noisy_gate_policy=None,
+    use_rts=True,
+    expert_kind="gelu",
+    tokens_per_rank=(48, 48),
+    skew=0.0,
+):
     rank = dist.get_rank()
-    moe_kwargs = dict(num_experts=num_experts, ep_size=ep_size, k=k, drop_tokens=drop_tokens,
-                      capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
-                      min_capacity=min_capacity, use_residual=use_residual, noisy_gate_policy=noisy_gate_policy,
-                      use_rts=use_rts)
+    moe_kwargs = dict(
+        num_experts=num_experts,
+        ep_size=ep_size,
+        k=k,
+        drop_tokens=drop_tokens,
+        capacity_factor=capacity_factor,
+        eval_capacity_factor=eval_capacity_factor,
+        min_capacity=min_capacity,
+        use_residual=use_residual,
+        noisy_gate_policy=noisy_gate_policy,
+        use_rts=use_rts,
+    )
     stock, comet = build_pair(seed, HIDDEN, FFN, expert_kind, **moe_kwargs)
     generator = torch.Generator().manual_seed(seed * 17 + rank)
     tokens = torch.randn(per_rank(tokens_per_rank, rank), HIDDEN, generator=generator)
@@ -75,16 +105,18 @@ def test_expert_counts(cpu_pool, num_experts, ep_size, k):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_capacity_overflow_and_empty_experts(cpu_pool, k):
     seed = torch.randint(1, 10**6, ()).item()
-    stats = cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=4 * P, k=k, capacity_factor=0.5,
-                         min_capacity=0, skew=6.0)
+    stats = cpu_pool.run(
+        parity_case, seed=seed, ep_size=P, num_experts=4 * P, k=k, capacity_factor=0.5, min_capacity=0, skew=6.0
+    )
     assert total(stats, "dropped_routes") > 0
     assert total(stats, "empty_experts") > 0
 
 
 def test_token_routed_to_no_kept_expert(cpu_pool):
     seed = torch.randint(1, 10**6, ()).item()
-    stats = cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=2 * P, k=1, capacity_factor=0.25,
-                         min_capacity=0, skew=2.0)
+    stats = cpu_pool.run(
+        parity_case, seed=seed, ep_size=P, num_experts=2 * P, k=1, capacity_factor=0.25, min_capacity=0, skew=2.0
+    )
     assert total(stats, "tokens_with_no_expert") > 0
 
 
@@ -97,8 +129,7 @@ def test_eval_mode(cpu_pool, k):
 @pytest.mark.parametrize("k", [1, 2])
 def test_use_residual(cpu_pool, k):
     seed = torch.randint(1, 10**6, ()).item()
-    cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=2 * P, k=k, use_residual=True,
-                 expert_kind="sequential")
+    cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=2 * P, k=k, use_residual=True, expert_kind="sequential")
 
 
 @pytest.mark.parametrize("policy", ["Jitter", "RSample"])
@@ -117,16 +148,23 @@ def test_uneven_tokens_without_drops(cpu_pool, k):
     # Stock DeepSpeed runs uneven token counts only without drops: its capacity is then agreed
     # across the group, so its equal all-to-all splits line up.
     seed = torch.randint(1, 10**6, ()).item()
-    cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=4 * P, k=k, drop_tokens=False,
-                 tokens_per_rank=(37, 61))
+    cpu_pool.run(parity_case, seed=seed, ep_size=P, num_experts=4 * P, k=k, drop_tokens=False, tokens_per_rank=(37, 61))
 
 
 def float64_case(seed, num_experts, k, tokens_per_rank, capacity_factor, expert_kind="gelu"):
     """The comet layer against a float64 evaluation of the same routes, every expert on every rank."""
     rank, ep_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    layer = ds_comet.MoE(HIDDEN, make_expert(expert_kind, HIDDEN, FFN), num_experts, ep_size, k,
-                         capacity_factor=capacity_factor, min_capacity=0, config=COMET)
+    layer = ds_comet.MoE(
+        HIDDEN,
+        make_expert(expert_kind, HIDDEN, FFN),
+        num_experts,
+        ep_size,
+        k,
+        capacity_factor=capacity_factor,
+        min_capacity=0,
+        config=COMET,
+    )
     layer.set_deepspeed_parallelism()
     reset_experts_(layer, seed)
     experts64 = []
@@ -169,11 +207,19 @@ def float64_case(seed, num_experts, k, tokens_per_rank, capacity_factor, expert_
     return int((indices < 0).sum())
 
 
-@pytest.mark.parametrize("k,tokens_per_rank,capacity_factor", [(1, (29, 70), 1.0), (2, (64, 9), 0.5),
-                                                                (4, (50, 33), 0.75), (2, (0, 40), 0.5)])
+@pytest.mark.parametrize(
+    "k,tokens_per_rank,capacity_factor", [(1, (29, 70), 1.0), (2, (64, 9), 0.5), (4, (50, 33), 0.75), (2, (0, 40), 0.5)]
+)
 def test_float64_uneven_tokens_with_drops(cpu_pool, k, tokens_per_rank, capacity_factor):
     # Stock DeepSpeed cannot run this: with drops its capacity follows each rank's token count.
     seed = torch.randint(1, 10**6, ()).item()
-    dropped = cpu_pool.run(float64_case, seed=seed, num_experts=4 * P, k=k, tokens_per_rank=tokens_per_rank,
-                           capacity_factor=capacity_factor, expert_kind="swiglu" if k == 2 else "gelu")
+    dropped = cpu_pool.run(
+        float64_case,
+        seed=seed,
+        num_experts=4 * P,
+        k=k,
+        tokens_per_rank=tokens_per_rank,
+        capacity_factor=capacity_factor,
+        expert_kind="swiglu" if k == 2 else "gelu",
+    )
     assert sum(dropped) > 0

@@ -13,8 +13,9 @@ def random_routes(generator, top_k, num_tokens, num_experts, drop_fraction):
     return torch.where(dropped, torch.full_like(indices, -1), indices)
 
 
-@pytest.mark.parametrize("top_k,num_tokens,num_experts,drop_fraction", [(1, 37, 4, 0.0), (2, 64, 8, 0.3),
-                                                                         (4, 19, 6, 0.5), (3, 5, 3, 1.0)])
+@pytest.mark.parametrize(
+    "top_k,num_tokens,num_experts,drop_fraction", [(1, 37, 4, 0.0), (2, 64, 8, 0.3), (4, 19, 6, 0.5), (3, 5, 3, 1.0)]
+)
 def test_plan_matches_brute_force(top_k, num_tokens, num_experts, drop_fraction):
     generator = torch.Generator().manual_seed(top_k * 100 + num_tokens)
     indices = random_routes(generator, top_k, num_tokens, num_experts, drop_fraction)
@@ -31,7 +32,7 @@ def test_plan_matches_brute_force(top_k, num_tokens, num_experts, drop_fraction)
     for ep_size in (p for p in range(2, num_experts + 1) if num_experts % p == 0):
         num_local = num_experts // ep_size
         assert plan.rank_counts(ep_size).tolist() == [
-            sum(plan.expert_counts[r * num_local:(r + 1) * num_local].tolist()) for r in range(ep_size)
+            sum(plan.expert_counts[r * num_local : (r + 1) * num_local].tolist()) for r in range(ep_size)
         ], ep_size
 
 
@@ -55,8 +56,7 @@ def test_plan_drops_ids_past_the_last_expert(past_the_end):
 
 def test_remote_rows_count_routes_and_token_rank_pairs():
     # 4 experts on 2 ranks (2 each), this rank is 0; columns are tokens, rows the top-k slots.
-    indices = torch.tensor([[0, 2, 3, -1, 1],
-                            [2, 3, 1, 2, 4]])  # 4 is past the last expert: dropped
+    indices = torch.tensor([[0, 2, 3, -1, 1], [2, 3, 1, 2, 4]])  # 4 is past the last expert: dropped
     route_rows, once_rows = remote_rows(indices, num_experts=4, ep_size=2, rank=0)
     # Remote routes: token 0 -> 2; token 1 -> 2 and 3; token 2 -> 3; token 3 -> 2.
     assert route_rows == 5
@@ -64,27 +64,38 @@ def test_remote_rows_count_routes_and_token_rank_pairs():
     assert once_rows == 4
 
 
-@pytest.mark.parametrize("top_k,num_tokens,num_experts,ep_size,drop_fraction,chunks", [
-    (1, 37, 4, 2, 0.0, 1), (2, 64, 8, 4, 0.3, 3), (4, 19, 8, 2, 0.5, 2), (8, 23, 16, 4, 0.1, 5), (3, 5, 6, 3, 1.0, 2),
-    (4, 0, 8, 2, 0.0, 4), (2, 6, 4, 2, 0.0, 8)])
+@pytest.mark.parametrize(
+    "top_k,num_tokens,num_experts,ep_size,drop_fraction,chunks",
+    [
+        (1, 37, 4, 2, 0.0, 1),
+        (2, 64, 8, 4, 0.3, 3),
+        (4, 19, 8, 2, 0.5, 2),
+        (8, 23, 16, 4, 0.1, 5),
+        (3, 5, 6, 3, 1.0, 2),
+        (4, 0, 8, 2, 0.0, 4),
+        (2, 6, 4, 2, 0.0, 8),
+    ],
+)
 def test_rank_plan_matches_brute_force(top_k, num_tokens, num_experts, ep_size, drop_fraction, chunks):
     generator = torch.Generator().manual_seed(top_k * 100 + num_tokens + ep_size)
     indices = random_routes(generator, top_k, num_tokens, num_experts, drop_fraction)
-    indices[0, :num_tokens // 4] = num_experts  # past the last expert: dropped, as in the plan kernel
+    indices[0, : num_tokens // 4] = num_experts  # past the last expert: dropped, as in the plan kernel
     plan = plan_rank_rows(indices, num_experts, ep_size, chunks)
 
     num_local = num_experts // ep_size
     kept = [[int(e) if 0 <= e < num_experts else -1 for e in indices[:, s]] for s in range(num_tokens)]
-    pairs = [(d, s) for d in range(ep_size) for s in range(num_tokens)
-             if any(e // num_local == d for e in kept[s] if e >= 0)]
+    pairs = [
+        (d, s) for d in range(ep_size) for s in range(num_tokens) if any(e // num_local == d for e in kept[s] if e >= 0)
+    ]
     num_pairs = len(pairs)
     rank_rows = [sum(1 for d, _ in pairs if d == rank) for rank in range(ep_size)]
     assert plan.rank_rows.tolist() == rank_rows
     assert plan.pair_token[:num_pairs].tolist() == [s for _, s in pairs]
     route_counts = [[[0] * num_local for _ in range(chunks)] for _ in range(ep_size)]
     for p, (d, s) in enumerate(pairs):
-        assert plan.local_experts[p].tolist() == [e - d * num_local if e >= 0 and e // num_local == d else -1
-                                                  for e in kept[s]], (d, s)
+        assert plan.local_experts[p].tolist() == [
+            e - d * num_local if e >= 0 and e // num_local == d else -1 for e in kept[s]
+        ], (d, s)
         ranks_of_token = sorted({e // num_local for e in kept[s] if e >= 0})
         assert plan.pair_slot[p] == ranks_of_token.index(d), (d, s)
         # The pair's chunk: the one whose rows of its destination's block hold it.

@@ -20,8 +20,9 @@ from ds_comet.pipelines.workspace import BufferShape
 
 
 def layer(overlap):
-    return ds_comet.MoE(16, FeedForward(16, 32), num_experts=4, k=2,
-                        config={"moe": {"backend": "comet", "overlap": overlap}})
+    return ds_comet.MoE(
+        16, FeedForward(16, 32), num_experts=4, k=2, config={"moe": {"backend": "comet", "overlap": overlap}}
+    )
 
 
 class _Said:
@@ -53,18 +54,20 @@ def test_fused_asked_for_but_unavailable_is_an_error():
 def test_none_runs_the_reference():
     moe = layer("none").deepspeed_moe
     assert moe.pipelines.pipeline_for(torch.randn(8, 16)) is moe.pipelines.reference
-    assert moe.pipelines.reason == "\"overlap\" is \"none\""
+    assert moe.pipelines.reason == '"overlap" is "none"'
 
 
 def test_expert_recognition():
     assert fused_expert(FeedForward(8, 16, "gelu_tanh")).activation == "gelu_tanh"
     gated = fused_expert(GatedFeedForward(8, 16))
     assert gated.gate is not None and gated.activation == "silu"
-    sequential = fused_expert(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU("tanh"),
-                                                  torch.nn.Linear(16, 8)))
+    sequential = fused_expert(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU("tanh"), torch.nn.Linear(16, 8))
+    )
     assert sequential.activation == "gelu_tanh"
-    assert isinstance(fused_expert(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                                       torch.nn.Linear(16, 8))), str)
+    assert isinstance(
+        fused_expert(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))), str
+    )
     assert isinstance(fused_expert(torch.nn.Linear(8, 8)), str)
 
 
@@ -115,21 +118,27 @@ def test_activations_sized_by_a_dropless_bound_warn_from_ep4(ep_size, warned):
 
 def test_running_out_of_memory_with_bound_sized_activations_names_the_key():
     from ds_comet.pipelines.fused import FusedPipeline
+
     bound = FusedPipeline(None, None, None, num_experts=8, row_bounds={True: 4096, False: 8192})
     bound.layer_name = "blocks.1.moe"
-    with pytest.raises(torch.OutOfMemoryError, match=r"(?s)CUDA out of memory.*blocks\.1\.moe .*4096 a call.*"
-                       r"\"activation_rows\": \"received\""):
+    with pytest.raises(
+        torch.OutOfMemoryError,
+        match=r"(?s)CUDA out of memory.*blocks\.1\.moe .*4096 a call.*"
+        r"\"activation_rows\": \"received\"",
+    ):
         bound.raise_with_sizing_hint(torch.OutOfMemoryError("CUDA out of memory"), 4096)
     bound.raise_with_sizing_hint(ValueError("something else"), 4096)  # returns: the caller re-raises it
-    received = FusedPipeline(None, None, None, num_experts=8, row_bounds={True: 4096, False: 8192},
-                             size_by_received=True)
+    received = FusedPipeline(
+        None, None, None, num_experts=8, row_bounds={True: 4096, False: 8192}, size_by_received=True
+    )
     received.raise_with_sizing_hint(torch.OutOfMemoryError("CUDA out of memory"), 4096)
 
 
 @pytest.mark.parametrize("ep_size", [2, 4, 8])
-@pytest.mark.parametrize("k,drop_tokens,capacity_factor,skew", [(1, True, 1.0, 0.0), (2, True, 1.25, 3.0),
-                                                                (4, True, 0.5, 0.0), (2, False, 1.0, 4.0),
-                                                                (8, False, 1.0, 0.0)])
+@pytest.mark.parametrize(
+    "k,drop_tokens,capacity_factor,skew",
+    [(1, True, 1.0, 0.0), (2, True, 1.25, 3.0), (4, True, 0.5, 0.0), (2, False, 1.0, 4.0), (8, False, 1.0, 0.0)],
+)
 def test_workspace_bound_holds_for_real_routes(ep_size, k, drop_tokens, capacity_factor, skew):
     num_experts, hidden = 4 * ep_size, 12
     torch.manual_seed(k)
@@ -149,11 +158,21 @@ def test_workspace_bound_holds_for_real_routes(ep_size, k, drop_tokens, capacity
     received = torch.stack(sources).view(ep_size, ep_size, num_experts // ep_size).sum(dim=(0, 2))
     bound = max_received_rows(64, k, num_experts, ep_size, drop_tokens, capacity_factor, capacity_factor, 4)
     assert received.max().item() <= bound, (received.tolist(), bound)
-    shape = BufferShape(ep_size=ep_size, num_experts=num_experts, hidden=hidden, dtype=torch.bfloat16,
-                        max_tokens=64, max_recv_rows=bound, top_k=k, tile_m=128)
+    shape = BufferShape(
+        ep_size=ep_size,
+        num_experts=num_experts,
+        hidden=hidden,
+        dtype=torch.bfloat16,
+        max_tokens=64,
+        max_recv_rows=bound,
+        top_k=k,
+        tile_m=128,
+    )
     staged_here = staged.sum(dim=0)
     assert (staged_here <= received).all() and staged_here.max().item() <= shape.max_staged_rows, (
-        staged_here.tolist(), shape.max_staged_rows)
+        staged_here.tolist(),
+        shape.max_staged_rows,
+    )
     # Each source's rows arrive in pieces of STAGE_PIECE_ROWS, its last one possibly part full.
     pieces = (-(-staged // constants.STAGE_PIECE_ROWS)).sum(dim=0)
     assert pieces.max().item() <= shape.max_stage_pieces, (pieces.tolist(), shape.max_stage_pieces)
@@ -167,19 +186,23 @@ def test_parameter_rule():
     assert small.n_chunks == 4 and heavy.n_chunks == 8
     # The rule keeps two column tiles a chunk (H2048: 8 tiles, 4 chunks; H256: 1 chunk); a pinned
     # count is only capped at one tile a chunk.
-    assert [choose_parameters(config, hidden, 1408, True, 4, 2, 8192, 2, 132).n_chunks
-            for hidden in (256, 512, 1000, 2048, 7168)] == [1, 1, 2, 4, 8]
+    assert [
+        choose_parameters(config, hidden, 1408, True, 4, 2, 8192, 2, 132).n_chunks
+        for hidden in (256, 512, 1000, 2048, 7168)
+    ] == [1, 1, 2, 4, 8]
     assert choose_parameters(CometMoEConfig(n_chunks=8), 2048, 1408, True, 4, 2, 8192, 2, 132).n_chunks == 8
     # Alone in the group nothing overlaps GEMM2, so the rule takes one chunk; a pinned count stays.
-    assert [choose_parameters(config, 2048, 1408, True, 4, ep_size, 8192, 2, 132).n_chunks
-            for ep_size in (1, 2, 8)] == [1, 4, 4]
+    assert [
+        choose_parameters(config, 2048, 1408, True, 4, ep_size, 8192, 2, 132).n_chunks for ep_size in (1, 2, 8)
+    ] == [1, 4, 4]
     assert choose_parameters(CometMoEConfig(n_chunks=4), 2048, 1408, True, 4, 1, 8192, 2, 132).n_chunks == 4
     # More ranks send a larger share of the routes over the links: never fewer communication blocks.
     for shape in ((4096, 14336, False, 2), (7168, 2048, False, 8), (2048, 1408, True, 4)):
         blocks = [choose_parameters(config, *shape, ep_size, 8192, 2, 132).comm_blocks for ep_size in (1, 2, 4, 8)]
         assert blocks == sorted(blocks) and 8 <= blocks[0] and blocks[-1] <= 132 // 6, (shape, blocks)
-    pinned = choose_parameters(CometMoEConfig(comm_blocks=20, n_chunks=64, tile_n=256), 512, 1024, True, 2, 2,
-                               100, 2, 132)
+    pinned = choose_parameters(
+        CometMoEConfig(comm_blocks=20, n_chunks=64, tile_n=256), 512, 1024, True, 2, 2, 100, 2, 132
+    )
     assert pinned.comm_blocks == 20 and pinned.n_chunks == 2 and pinned.tile_n == 256
     # A gated GEMM1's two 256-column accumulators need more shared memory than an SM has.
     assert pinned.gemm1_tile_n == 128
@@ -191,19 +214,23 @@ def test_parameter_rule():
     assert (ruled.gemm1_tile_n, ruled.tile_n) == (256, 256)
     # The combine's blocks: enough to keep pace with GEMM2 (more where GEMM2 is short against the
     # bytes to combine), never more than the dispatch's, and as pinned when pinned.
-    combine = [choose_parameters(config, hidden, ffn, False, k, 2, 4096, 2, 132).combine_blocks
-               for hidden, ffn, k in ((4096, 14336, 2), (7168, 4096, 8), (7168, 2048, 8), (7168, 1024, 8))]
+    combine = [
+        choose_parameters(config, hidden, ffn, False, k, 2, 4096, 2, 132).combine_blocks
+        for hidden, ffn, k in ((4096, 14336, 2), (7168, 4096, 8), (7168, 2048, 8), (7168, 1024, 8))
+    ]
     assert combine == sorted(combine) and combine[0] < combine[-1], combine
     for shape in ((4096, 14336, False, 2), (7168, 2048, False, 8), (2048, 1408, True, 4), (64, 64, False, 1)):
         params = choose_parameters(config, *shape, 2, 8192, 2, 132)
         assert 1 <= params.combine_blocks <= params.comm_blocks, (shape, params)
-    assert choose_parameters(CometMoEConfig(combine_blocks=5), 4096, 14336, False, 2, 2, 8192, 2,
-                             132).combine_blocks == 5
+    assert (
+        choose_parameters(CometMoEConfig(combine_blocks=5), 4096, 14336, False, 2, 2, 8192, 2, 132).combine_blocks == 5
+    )
     # More than the dispatch's blocks is lowered to them (they could otherwise starve GEMM1).
     lowered = choose_parameters(CometMoEConfig(combine_blocks=30), 4096, 14336, False, 2, 2, 8192, 2, 132)
     assert lowered.combine_blocks == lowered.comm_blocks < 30
-    pinned = choose_parameters(CometMoEConfig(comm_blocks=500, combine_blocks=500), 4096, 14336, False, 2, 2, 8192,
-                               2, 132)
+    pinned = choose_parameters(
+        CometMoEConfig(comm_blocks=500, combine_blocks=500), 4096, 14336, False, 2, 2, 8192, 2, 132
+    )
     assert pinned.comm_blocks == pinned.combine_blocks == 131
     assert choose_parameters(CometMoEConfig(), 4096, 14336, True, 2, 2, 8192, 2, 132).gemm1_tile_n == 128
 
@@ -211,14 +238,22 @@ def test_parameter_rule():
 def test_error_record_messages():
     record = torch.zeros(constants.ERROR_RECORD_WORDS, dtype=torch.int64)
     assert describe_error_record(record) is None
-    fields = (constants.ERROR_FILLED, constants.ERROR_RANK, constants.ERROR_KIND, constants.ERROR_INDEX,
-              constants.ERROR_TARGET, constants.ERROR_OBSERVED, constants.ERROR_WAITED_NS)
+    fields = (
+        constants.ERROR_FILLED,
+        constants.ERROR_RANK,
+        constants.ERROR_KIND,
+        constants.ERROR_INDEX,
+        constants.ERROR_TARGET,
+        constants.ERROR_OBSERVED,
+        constants.ERROR_WAITED_NS,
+    )
     record[list(fields)] = torch.tensor([1, 1, constants.WAIT_COMBINE_CHUNK, 3, 975, 0, 20 * 10**9])
     message = describe_error_record(record)
     assert "rank 1 waited 20.0 s for the expert outputs of column chunk 3 to reach 975" in message
     record[constants.ERROR_KIND] = constants.WAIT_COMBINE_REDUCE
     assert "waited 20.0 s for its own GEMM2's rows of other ranks' tokens in column chunk 3" in describe_error_record(
-        record)
+        record
+    )
     record[list(fields[2:6])] = torch.tensor([constants.WORKSPACE_OVERFLOW, 0, 100, 130])
     assert "max_tokens_per_rank" in describe_error_record(record)
 
@@ -235,8 +270,7 @@ def test_grouped_weight_gradients_map_to_their_parameters(gated):
     grads = fused.gradients(dw1, db1, dw3, db3, dw2, db2)
     expected = {}
     for l, e in enumerate(experts):
-        expected.update({e.first.weight: dw1[l], e.first.bias: db1[l], e.second.weight: dw2[l],
-                         e.second.bias: db2[l]})
+        expected.update({e.first.weight: dw1[l], e.first.bias: db1[l], e.second.weight: dw2[l], e.second.bias: db2[l]})
         if gated:
             expected.update({e.gate.weight: dw3[l], e.gate.bias: db3[l]})
     params = fused.parameters()
@@ -279,6 +313,7 @@ def test_expert_tables_follow_the_modules(gated):
 
 def test_rows_for_kernels_aligns_views():
     from ds_comet.pipelines.fused import rows_for_kernels
+
     base = torch.randn(5 * 16 + 3, dtype=torch.bfloat16)
     aligned = base[:80].view(5, 16)
     assert aligned.data_ptr() % 16 == 0
@@ -337,20 +372,25 @@ def test_expert_weights_the_kernels_would_misread_are_refused():
 
     ok = specs(FeedForward(8, 16), FeedForward(8, 16))
     assert expert_tensors_reason(ok, 8, torch.float32, torch.device("cpu")) is None
-    assert "maps 8 -> 8 features, the tokens have 12" in expert_tensors_reason(ok, 12, torch.float32,
-                                                                                torch.device("cpu"))
-    assert "FFN width differs" in expert_tensors_reason(specs(FeedForward(8, 16), FeedForward(8, 24)), 8,
-                                                        torch.float32, torch.device("cpu"))
+    assert "maps 8 -> 8 features, the tokens have 12" in expert_tensors_reason(
+        ok, 12, torch.float32, torch.device("cpu")
+    )
+    assert "FFN width differs" in expert_tensors_reason(
+        specs(FeedForward(8, 16), FeedForward(8, 24)), 8, torch.float32, torch.device("cpu")
+    )
     mixed = FeedForward(8, 16).bfloat16()
     mixed.fc1.bias.data = mixed.fc1.bias.data.float()
     assert "expert 0's bias is torch.float32 on cpu, the tokens torch.bfloat16" in expert_tensors_reason(
-        specs(mixed), 8, torch.bfloat16, torch.device("cpu"))
+        specs(mixed), 8, torch.bfloat16, torch.device("cpu")
+    )
     transposed = FeedForward(8, 16)
     transposed.fc2.weight = torch.nn.Parameter(torch.randn(16, 8).t())
-    assert "expert 0's weight is not contiguous" in expert_tensors_reason(specs(transposed), 8, torch.float32,
-                                                                        torch.device("cpu"))
-    assert "on cpu, the tokens torch.float32 on meta" in expert_tensors_reason(ok, 8, torch.float32,
-                                                                               torch.device("meta"))
+    assert "expert 0's weight is not contiguous" in expert_tensors_reason(
+        specs(transposed), 8, torch.float32, torch.device("cpu")
+    )
+    assert "on cpu, the tokens torch.float32 on meta" in expert_tensors_reason(
+        ok, 8, torch.float32, torch.device("meta")
+    )
     gated_wide = GatedFeedForward(8, 16)
     gated_wide.up_proj = torch.nn.Linear(8, 24, bias=False)
     assert "FFN width differs" in expert_tensors_reason(specs(gated_wide), 8, torch.float32, torch.device("cpu"))
@@ -380,7 +420,7 @@ def test_hooks_after_the_agreement_are_skipped_with_a_warning_not_a_switch(monke
         assert pipelines.pipeline_for(tokens) is pipelines.fused
     warned = [line for line in said.lines if "They are skipped on this rank" in line]
     assert len(warned) == 1 and "an expert's Linear has forward_hooks" in warned[0], said.lines
-    assert "\"overlap\": \"none\"" in warned[0] and "before the layer's first call" in warned[0]
+    assert '"overlap": "none"' in warned[0] and "before the layer's first call" in warned[0]
     handle.remove()
     handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
     try:
@@ -403,8 +443,11 @@ def test_hooks_at_the_agreement_keep_the_group_on_the_reference_pipeline(monkeyp
     moe.experts.deepspeed_experts[0].register_forward_pre_hook(lambda module, args: None)
     tokens = torch.randn(8, 16)
     if overlap == "fused":
-        with pytest.raises(RuntimeError, match=r"\"fused\" was asked for, but an expert's FeedForward has "
-                                               r"forward_pre_hooks"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"\"fused\" was asked for, but an expert's FeedForward has "
+            r"forward_pre_hooks",
+        ):
             moe.pipelines.pipeline_for(tokens)
     else:
         assert moe.pipelines.pipeline_for(tokens) is moe.pipelines.reference
@@ -434,6 +477,7 @@ def test_a_call_without_tokens_on_any_rank_defers_the_workspace(monkeypatch):
     # which no rank has any, it would refuse the next call that has some. Such a call runs the
     # reference pipeline (nothing to compute) and the group agrees again at the next call.
     from types import SimpleNamespace
+
     pipelines = layer("fused").deepspeed_moe.pipelines
     pipelines.set_group(object())
     monkeypatch.setattr(selection_module, "local_reason", lambda *args: _KernelsCanRun())
@@ -458,8 +502,13 @@ def test_a_call_without_tokens_on_any_rank_defers_the_workspace(monkeypatch):
     assert pipelines.pipeline_for(torch.randn(5, 16)) is pipelines.fused and pipelines.reason is None
     assert built == [5]
     # A pinned "max_tokens_per_rank" sizes the workspace without any tokens.
-    pinned = ds_comet.MoE(16, FeedForward(16, 32), num_experts=4, k=2,
-                          config={"moe": {"backend": "comet", "overlap": "fused", "max_tokens_per_rank": 64}})
+    pinned = ds_comet.MoE(
+        16,
+        FeedForward(16, 32),
+        num_experts=4,
+        k=2,
+        config={"moe": {"backend": "comet", "overlap": "fused", "max_tokens_per_rank": 64}},
+    )
     pipelines = pinned.deepspeed_moe.pipelines
     pipelines.set_group(object())
     monkeypatch.setattr(pipelines, "_build_fused", build)
@@ -472,8 +521,11 @@ def test_a_call_without_tokens_leaves_the_internode_chunks_to_the_next_call(monk
     # an empty call in another dtype change those of the standing agreement.
     pipelines = layer("auto").deepspeed_moe.pipelines
     pipelines.set_group(object())
-    monkeypatch.setattr(selection_module, "gather_objects",
-                        lambda local, waits, what: [local, local[:2] + ("another-node", ) + local[3:]])
+    monkeypatch.setattr(
+        selection_module,
+        "gather_objects",
+        lambda local, waits, what: [local, local[:2] + ("another-node",) + local[3:]],
+    )
     assert pipelines.pipeline_for(torch.randn(0, 16)) is pipelines.reference
     assert pipelines.reason == selection_module.NO_TOKENS_YET and pipelines.reference.chunks == 1
     pipelines.pipeline_for(torch.randn(16384, 16))
@@ -491,8 +543,13 @@ def test_static_checks_run_again_for_new_dtype_or_width(monkeypatch):
     pipelines = moe.pipelines
     agreed = []
     monkeypatch.setattr(pipelines, "_agree", lambda t: agreed.append((t.dtype, t.shape[-1])) or "stub")
-    for tokens in (torch.randn(8, 16), torch.randn(5, 16), torch.randn(8, 16).half(), torch.randn(8, 16).half(),
-                   torch.randn(8, 16)):
+    for tokens in (
+        torch.randn(8, 16),
+        torch.randn(5, 16),
+        torch.randn(8, 16).half(),
+        torch.randn(8, 16).half(),
+        torch.randn(8, 16),
+    ):
         assert pipelines.pipeline_for(tokens) is pipelines.reference
     assert agreed == [(torch.float32, 16), (torch.float16, 16), (torch.float32, 16)]
 
@@ -503,6 +560,7 @@ def test_tokens_on_another_gpu_than_the_current_one_are_a_reason(monkeypatch):
     from types import SimpleNamespace
 
     from ds_comet.pipelines.policy import tokens_reason
+
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     on_gpu_1 = SimpleNamespace(device=torch.device("cuda", 1), dtype=torch.bfloat16)
     assert "call torch.cuda.set_device(1) first" in tokens_reason(on_gpu_1)
@@ -535,21 +593,28 @@ def test_expert_tables_refuse_weights_converted_after_the_choice():
         tables.get(fused, tokens)
 
 
-@pytest.mark.parametrize("settings, expected", [
-    ({}, None),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "expandable segments"),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"}, "expandable segments"),
-    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "expandable segments"),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None),
-    # torch reads PYTORCH_ALLOC_CONF alone when it is set, and the last value of a key
-    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"}, None),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "cudaMallocAsync"),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:native,max_split_size_mb:128"}, None),
-])
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({}, None),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "expandable segments"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"}, "expandable segments"),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "expandable segments"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None),
+        # torch reads PYTORCH_ALLOC_CONF alone when it is set, and the last value of a key
+        (
+            {"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+            None,
+        ),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"}, None),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "cudaMallocAsync"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "backend:native,max_split_size_mb:128"}, None),
+    ],
+)
 def test_allocator_settings_that_cuda_ipc_cannot_share(monkeypatch, settings, expected):
     # Ranks that share a GPU pass their workspace through CUDA IPC; the choice refuses these by name.
     from ds_comet.pipelines.workspace import allocator_ipc_refusal
+
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
     for name, value in settings.items():
@@ -589,8 +654,9 @@ def test_forwarding_inside_nodes_needs_nodes_filled_in_order(monkeypatch):
     warned = []
     monkeypatch.setattr(selection_module.logger, "warning", warned.append)
     monkeypatch.setattr(selection_module.torch_dist, "get_rank", lambda group=None: 0)  # the group's first rank
-    moe = ds_comet.MoE(16, FeedForward(16, 32), num_experts=4, k=2,
-                       config={"moe": {"backend": "comet", "internode_forwarding": True}})
+    moe = ds_comet.MoE(
+        16, FeedForward(16, 32), num_experts=4, k=2, config={"moe": {"backend": "comet", "internode_forwarding": True}}
+    )
     pipelines = moe.deepspeed_moe.pipelines
     assert pipelines._forwarding_ranks(["a", "a", "b", "b"]) == 2
     assert pipelines._forwarding_ranks(["a", "a", "a", "a"]) is None  # one node: nothing crosses

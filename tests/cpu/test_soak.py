@@ -21,8 +21,11 @@ def test_random_reference_calls_match_float64(cpu_pool):
 
 def test_the_soak_rule_flags_a_wrong_tensor_and_allows_what_the_dtype_cannot_do():
     torch.manual_seed(0)
-    exact = {"output": torch.randn(16, 8, dtype=torch.float64), "grad w": torch.randn(8, 8, dtype=torch.float64),
-             "grad deepspeed_moe.gate.wg.weight": torch.randn(4, 8, dtype=torch.float64)}
+    exact = {
+        "output": torch.randn(16, 8, dtype=torch.float64),
+        "grad w": torch.randn(8, 8, dtype=torch.float64),
+        "grad deepspeed_moe.gate.wg.weight": torch.randn(4, 8, dtype=torch.float64),
+    }
     near = {name: (value * (1 + 1e-3 * torch.randn_like(value))).to(torch.bfloat16) for name, value in exact.items()}
 
     def judged(tested_changes, reference_changes=None):
@@ -44,6 +47,7 @@ def test_the_soak_rule_flags_a_wrong_tensor_and_allows_what_the_dtype_cannot_do(
     assert few["failed"] == [] and few["worst"]["gate gradient vs float64"] > 1.0
     flipped = dict(near, **{"grad w": near["grad w"].flip(0)})
     assert len(_compare(dict(exact=exact, tested=flipped, reference=near), torch.bfloat16, num_tokens=1)["failed"]) == 1
+
     # Where the dtype itself is far from float64 (the reference pipeline is 30% off), the tested
     # pipeline may be as far, and not three times as far.
     def noisy(scale):
@@ -59,6 +63,7 @@ def test_a_recorded_call_replays_alike(cpu_pool):
     # A record as the soak writes one (its case with the case's seed, and the call), replayed twice:
     # the same distances both times, every tensor reported, on every rank.
     import random
+
     rng = random.Random(torch.randint(1, 10**6, ()).item())
     world = cpu_world_size()
     case = dict(draw_case(rng, world, on_gpu=False), seed=rng.randint(1, 10**6))

@@ -15,7 +15,6 @@ FORWARD, BACKWARD, OPTIMIZER, REST = 20.0, 30.0, 5.0, 7.0
 
 
 class FakeClock:
-
     def __init__(self):
         self.now = 0.0
 
@@ -24,7 +23,6 @@ class FakeClock:
 
 
 class Charged(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, x, clock):
         ctx.clock = clock
@@ -34,13 +32,12 @@ class Charged(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.saved_tensors
+        _ = ctx.saved_tensors  # unpacking is what makes a non-reentrant checkpoint recompute
         ctx.clock.now += BACKWARD
         return grad * 3, None
 
 
 class Layer(torch.nn.Module):
-
     def __init__(self, clock):
         super().__init__()
         self.clock = clock
@@ -69,11 +66,15 @@ def train_step(shares, layer, clock, call, measure=True):
     return x
 
 
-@pytest.mark.parametrize("call, recomputed", [
-    (lambda layer, h: layer(h), 0.0),
-    (lambda layer, h: checkpoint(layer, h, use_reentrant=True), FORWARD),
-    (lambda layer, h: checkpoint(layer, h, use_reentrant=False), FORWARD),
-], ids=["plain", "reentrant_checkpoint", "non_reentrant_checkpoint"])
+@pytest.mark.parametrize(
+    "call, recomputed",
+    [
+        (lambda layer, h: layer(h), 0.0),
+        (lambda layer, h: checkpoint(layer, h, use_reentrant=True), FORWARD),
+        (lambda layer, h: checkpoint(layer, h, use_reentrant=False), FORWARD),
+    ],
+    ids=["plain", "reentrant_checkpoint", "non_reentrant_checkpoint"],
+)
 def test_each_part_is_charged_once(clock, call, recomputed):
     layer = Layer(clock)
     shares = StepShares(torch.nn.Sequential(layer), torch.device("cpu"), layers=[layer])

@@ -20,26 +20,26 @@ def _seed():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_fused_outputs_and_gradients_match_autoep(gpu_pool, preset, activation_rows):
     pytest.importorskip("transformers")
-    for errors, loss_diff, ran_fused in gpu_pool.run(gradients_case, preset=preset, seed=_seed(), dtype_name="bf16",
-                                                     overlap="fused", activation_rows=activation_rows):
+    for errors, loss_diff, ran_fused in gpu_pool.run(
+        gradients_case, preset=preset, seed=_seed(), dtype_name="bf16", overlap="fused", activation_rows=activation_rows
+    ):
         assert ran_fused == {True}, "the comet layers did not run the fused pipeline"
         # Both round the same fp32 computation to bf16: comet may not stray further from it than
         # AutoEP does (twice, or a bf16 rounding's worth, whichever is larger).
-        worse = {name: e for name, e in errors.items()
-                 if e["comet_vs_exact"] > max(2 * e["autoep_vs_exact"], BF16_REL)}
+        worse = {name: e for name, e in errors.items() if e["comet_vs_exact"] > max(2 * e["autoep_vs_exact"], BF16_REL)}
         assert not worse, sorted(worse.items(), key=lambda item: -item[1]["comet_vs_exact"])[:6]
         assert loss_diff < 2e-2, loss_diff
 
 
 def test_fused_zero2_training_matches_autoep(gpu_pool):
     pytest.importorskip("transformers")
-    for losses, comet_losses, errors in gpu_pool.run(training_case, preset="mixtral", seed=_seed(), steps=4,
-                                                      dtype_name="bf16", overlap="fused"):
+    for losses, comet_losses, errors in gpu_pool.run(
+        training_case, preset="mixtral", seed=_seed(), steps=4, dtype_name="bf16", overlap="fused"
+    ):
         assert comet_losses == pytest.approx(losses, rel=2e-2), (losses, comet_losses)
         # Judged as the gradients are: no further from AutoEP trained in fp32 than AutoEP in bf16 is
         # (twice, or a bf16 rounding's worth), weight by weight.
-        worse = {name: e for name, e in errors.items()
-                 if e["comet_vs_exact"] > max(2 * e["autoep_vs_exact"], BF16_REL)}
+        worse = {name: e for name, e in errors.items() if e["comet_vs_exact"] > max(2 * e["autoep_vs_exact"], BF16_REL)}
         assert not worse, sorted(worse.items(), key=lambda item: -item[1]["comet_vs_exact"])[:6]
 
 
@@ -52,8 +52,14 @@ def user_expert_case(seed):
     layers = {}
     for overlap in ("none", "fused"):
         torch.manual_seed(seed)
-        layer = ds_comet.MoE(512, MixtralStyleMLP(512, 768), num_experts=4 * ep_size, ep_size=ep_size, k=2,
-                             config={"moe": {"backend": "comet", "overlap": overlap}})
+        layer = ds_comet.MoE(
+            512,
+            MixtralStyleMLP(512, 768),
+            num_experts=4 * ep_size,
+            ep_size=ep_size,
+            k=2,
+            config={"moe": {"backend": "comet", "overlap": overlap}},
+        )
         layer.set_deepspeed_parallelism()
         for i, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
             ds_comet.experts.reset_expert_(expert, seed * 100 + rank * 4 + i)

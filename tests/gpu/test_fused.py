@@ -70,8 +70,9 @@ def _float64_output(layer, tokens, seed, expert_kind, hidden, ffn):
 def _fused_pipeline(layer):
     """The layer's fused pipeline, asserting that its last call ran it."""
     pipelines = layer.deepspeed_moe.pipelines
-    assert pipelines.fused is not None and pipelines.reason is None, \
+    assert pipelines.fused is not None and pipelines.reason is None, (
         f"the fused pipeline did not run: {pipelines.reason}"
+    )
     return pipelines.fused
 
 
@@ -92,14 +93,40 @@ def _poison(layer):
     workspace.row_dot.fill_(float("nan"))
 
 
-def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,
-               capacity_factor=1.0, min_capacity=4, skew=0.0, calls=2, moe=None, dtype="bf16"):
+def fused_case(
+    seed,
+    hidden,
+    ffn,
+    experts_per_rank,
+    k,
+    tokens_per_rank,
+    expert_kind="gelu",
+    drop_tokens=True,
+    capacity_factor=1.0,
+    min_capacity=4,
+    skew=0.0,
+    calls=2,
+    moe=None,
+    dtype="bf16",
+):
     rank, ep_size = dist.get_rank(), dist.get_world_size()
     num_experts = experts_per_rank * ep_size
     dtype = DTYPES[dtype]
-    layers = _layers(seed, hidden, ffn, expert_kind, moe=moe, dtype=dtype, num_experts=num_experts, ep_size=ep_size,
-                     k=k, drop_tokens=drop_tokens, capacity_factor=capacity_factor,
-                     eval_capacity_factor=capacity_factor, min_capacity=min_capacity)
+    layers = _layers(
+        seed,
+        hidden,
+        ffn,
+        expert_kind,
+        moe=moe,
+        dtype=dtype,
+        num_experts=num_experts,
+        ep_size=ep_size,
+        k=k,
+        drop_tokens=drop_tokens,
+        capacity_factor=capacity_factor,
+        eval_capacity_factor=capacity_factor,
+        min_capacity=min_capacity,
+    )
     device = torch.device("cuda", torch.cuda.current_device())
     stats = []
     for call in range(calls):
@@ -166,25 +193,52 @@ def fused_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_k
             dist.all_gather(everyone, counts)
             # Tokens with a kept route to each rank: what this rank stages there, once a token.
             kept = (idx >= 0) & (idx < num)
-            staged = torch.stack([(kept & (idx.long() // (num // ep_size) == d)).any(dim=0).sum()
-                                  for d in range(ep_size)])
+            staged = torch.stack(
+                [(kept & (idx.long() // (num // ep_size) == d)).any(dim=0).sum() for d in range(ep_size)]
+            )
             staged_by_all = [torch.empty_like(staged) for _ in range(ep_size)]
             dist.all_gather(staged_by_all, staged)
-            expected_layout = reference_layout([c.tolist() for c in everyone], rank, pipeline.params.tile_m,
-                                               [s.tolist() for s in staged_by_all])
+            expected_layout = reference_layout(
+                [c.tolist() for c in everyone], rank, pipeline.params.tile_m, [s.tolist() for s in staged_by_all]
+            )
             lo, layout = pipeline.workspace.layout_offsets, pipeline.workspace.layout.tolist()
-            for key in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row",
-                        "dest_rel", "dest_tile", "send_order", "piece_start") + STAGE_KEYS:
+            for key in (
+                "expert_start",
+                "tile_start",
+                "local_tiles",
+                "remote_tiles",
+                "send_offset",
+                "dest_row",
+                "dest_rel",
+                "dest_tile",
+                "send_order",
+                "piece_start",
+            ) + STAGE_KEYS:
                 start = getattr(lo, key)
-                assert layout[start:start + len(expected_layout[key])] == expected_layout[key], key
+                assert layout[start : start + len(expected_layout[key])] == expected_layout[key], key
             # What the combine's waits count to: the own routes' rows and the rows staged on other ranks.
             totals = expected_layout["totals"]
             assert (layout[lo.totals + TOTAL_OWN_ROUTES], layout[lo.totals + TOTAL_STAGED_SENT]) == (
-                totals["own_routes"], totals["staged_sent"])
-            _check_one_row_a_rank(idx, num, plan, rank, ep_size, pipeline.workspace.route_stage.tolist(),
-                                  expected_layout["stage_dest_row"])
-        stats.append(dict(err=err, dropped=int((indices < 0).sum()), no_route=int(no_route.sum()),
-                          empty_experts=int((counts == 0).sum())))
+                totals["own_routes"],
+                totals["staged_sent"],
+            )
+            _check_one_row_a_rank(
+                idx,
+                num,
+                plan,
+                rank,
+                ep_size,
+                pipeline.workspace.route_stage.tolist(),
+                expected_layout["stage_dest_row"],
+            )
+        stats.append(
+            dict(
+                err=err,
+                dropped=int((indices < 0).sum()),
+                no_route=int(no_route.sum()),
+                empty_experts=int((counts == 0).sum()),
+            )
+        )
     return stats
 
 
@@ -221,57 +275,137 @@ FORWARD_CASES = [
     dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(640, 384), skew=4.0, min_capacity=0),
     dict(hidden=1408, ffn=704, experts_per_rank=4, k=4, tokens_per_rank=(333, 1000), expert_kind="swiglu"),
     dict(hidden=384, ffn=768, experts_per_rank=8, k=8, tokens_per_rank=(300, 257), drop_tokens=False),
-    dict(hidden=256, ffn=512, experts_per_rank=1, k=1, tokens_per_rank=(200, 77), expert_kind="sequential",
-         capacity_factor=0.5, min_capacity=0),
+    dict(
+        hidden=256,
+        ffn=512,
+        experts_per_rank=1,
+        k=1,
+        tokens_per_rank=(200, 77),
+        expert_kind="sequential",
+        capacity_factor=0.5,
+        min_capacity=0,
+    ),
     dict(hidden=320, ffn=640, experts_per_rank=2, k=1, tokens_per_rank=(256, 256), drop_tokens=False, skew=50.0),
     # The combine reads k routes in passes of 1, 2, 4 or 8: k = 3 fills a pass partly, k = 12 takes two.
     dict(hidden=448, ffn=512, experts_per_rank=3, k=3, tokens_per_rank=(211, 300), skew=4.0),
     dict(hidden=264, ffn=384, experts_per_rank=8, k=12, tokens_per_rank=(150, 97)),
     # k = 5 leaves three of a pass of 8 empty; a rank with no tokens still serves its experts.
     dict(hidden=640, ffn=768, experts_per_rank=4, k=5, tokens_per_rank=(257, 190)),
-    dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(0, 300), capacity_factor=0.5,
-         min_capacity=0),
+    dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(0, 300), capacity_factor=0.5, min_capacity=0),
     # The combine stages a unit's routes in shared memory, at most 3,000 of them: with k = 24 a unit
     # holds 125 tokens instead of 128 (three passes of 8 routes each).
     dict(hidden=256, ffn=256, experts_per_rank=16, k=24, tokens_per_rank=(300, 129)),
     # The extreme splits: GEMM1 on one program beside a dispatch on every other SM (comm_blocks is
     # capped there), and a combine on one block beside GEMM2, which every SM finishes after GEMM2.
-    dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(700, 500), skew=4.0,
-         moe=dict(comm_blocks=100000, combine_blocks=1)),
+    dict(
+        hidden=512,
+        ffn=1024,
+        experts_per_rank=4,
+        k=2,
+        tokens_per_rank=(700, 500),
+        skew=4.0,
+        moe=dict(comm_blocks=100000, combine_blocks=1),
+    ),
     # The gate replayed from CUDA graphs: the first call captures, the later ones replay.
     dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(512, 512), moe=dict(cuda_graph_gate=True)),
-    dict(hidden=448, ffn=512, experts_per_rank=3, k=3, tokens_per_rank=(211, 300), skew=4.0,
-         moe=dict(cuda_graph_gate=True)),
+    dict(
+        hidden=448,
+        ffn=512,
+        experts_per_rank=3,
+        k=3,
+        tokens_per_rank=(211, 300),
+        skew=4.0,
+        moe=dict(cuda_graph_gate=True),
+    ),
     # fp16 takes the same kernels with the other element type: a kernel reading fp16 as bf16 is far off.
-    dict(hidden=512, ffn=1024, experts_per_rank=4, k=2, tokens_per_rank=(640, 384), skew=4.0, min_capacity=0,
-         dtype="fp16"),
-    dict(hidden=1408, ffn=704, experts_per_rank=4, k=4, tokens_per_rank=(333, 1000), expert_kind="swiglu",
-         dtype="fp16"),
+    dict(
+        hidden=512,
+        ffn=1024,
+        experts_per_rank=4,
+        k=2,
+        tokens_per_rank=(640, 384),
+        skew=4.0,
+        min_capacity=0,
+        dtype="fp16",
+    ),
+    dict(
+        hidden=1408, ffn=704, experts_per_rank=4, k=4, tokens_per_rank=(333, 1000), expert_kind="swiglu", dtype="fp16"
+    ),
     # A small gated layer, an FFN narrower than one column tile, three of four experts a token.
-    dict(hidden=64, ffn=96, experts_per_rank=4, k=3, tokens_per_rank=(48, 60), expert_kind="swiglu",
-         drop_tokens=False),
+    dict(hidden=64, ffn=96, experts_per_rank=4, k=3, tokens_per_rank=(48, 60), expert_kind="swiglu", drop_tokens=False),
     # bf16 experts take the library's grouped GEMM for their weight gradients: every token
     # on one expert leaves the others' groups empty, which must give zero gradients. Equal token
     # counts: without drops stock caps its capacity at the rank's own token count, so ranks with
     # fewer tokens than the busiest expert's routes would post all-to-alls of different sizes.
-    dict(hidden=512, ffn=768, experts_per_rank=4, k=1, tokens_per_rank=(300, 300), expert_kind="swiglu",
-         drop_tokens=False, skew=50.0),
+    dict(
+        hidden=512,
+        ffn=768,
+        experts_per_rank=4,
+        k=1,
+        tokens_per_rank=(300, 300),
+        expert_kind="swiglu",
+        drop_tokens=False,
+        skew=50.0,
+    ),
     # Activations sized by the rows each call receives: without dropping, and with every row on one
     # rank's expert (the other rank receives none and keeps one row).
-    dict(hidden=384, ffn=768, experts_per_rank=8, k=8, tokens_per_rank=(300, 257), drop_tokens=False,
-         moe=dict(activation_rows="received")),
-    dict(hidden=512, ffn=768, experts_per_rank=4, k=1, tokens_per_rank=(300, 300), expert_kind="swiglu",
-         drop_tokens=False, skew=50.0, moe=dict(activation_rows="received")),
+    dict(
+        hidden=384,
+        ffn=768,
+        experts_per_rank=8,
+        k=8,
+        tokens_per_rank=(300, 257),
+        drop_tokens=False,
+        moe=dict(activation_rows="received"),
+    ),
+    dict(
+        hidden=512,
+        ffn=768,
+        experts_per_rank=4,
+        k=1,
+        tokens_per_rank=(300, 300),
+        expert_kind="swiglu",
+        drop_tokens=False,
+        skew=50.0,
+        moe=dict(activation_rows="received"),
+    ),
     # GEMM2 and the combine in four column chunks however many ranks run the suite: the rule takes
     # one chunk at EP=1, where nothing overlaps GEMM2.
-    dict(hidden=1024, ffn=512, experts_per_rank=4, k=2, tokens_per_rank=(300, 211), expert_kind="swiglu",
-         skew=4.0, min_capacity=0, moe=dict(n_chunks=4)),
+    dict(
+        hidden=1024,
+        ffn=512,
+        experts_per_rank=4,
+        k=2,
+        tokens_per_rank=(300, 211),
+        expert_kind="swiglu",
+        skew=4.0,
+        min_capacity=0,
+        moe=dict(n_chunks=4),
+    ),
 ]
-FORWARD_IDS = ["uniform", "skewed-drops", "swiglu-odd-sizes", "k8-no-drop", "one-local-expert", "all-to-one-expert",
-               "k3-skewed", "k12-two-passes", "k5", "rank-without-tokens", "k24-capped-units",
-               "extreme-sm-splits", "graphed-gate", "graphed-gate-k3-skewed", "fp16-skewed-drops",
-               "fp16-swiglu-odd-sizes", "swiglu-narrow-k3", "swiglu-empty-experts", "k8-received-rows",
-               "swiglu-empty-experts-received-rows", "swiglu-four-chunks"]
+FORWARD_IDS = [
+    "uniform",
+    "skewed-drops",
+    "swiglu-odd-sizes",
+    "k8-no-drop",
+    "one-local-expert",
+    "all-to-one-expert",
+    "k3-skewed",
+    "k12-two-passes",
+    "k5",
+    "rank-without-tokens",
+    "k24-capped-units",
+    "extreme-sm-splits",
+    "graphed-gate",
+    "graphed-gate-k3-skewed",
+    "fp16-skewed-drops",
+    "fp16-swiglu-odd-sizes",
+    "swiglu-narrow-k3",
+    "swiglu-empty-experts",
+    "k8-received-rows",
+    "swiglu-empty-experts-received-rows",
+    "swiglu-four-chunks",
+]
 
 
 def _experts_or_skip(gpu_pool, case) -> int:
@@ -335,9 +469,24 @@ def _exact_copy(stock, hidden, template, device, dtype, **moe_kwargs):
     return layer.to(device=device, dtype=dtype).to(torch.float64)
 
 
-def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, expert_kind="gelu", drop_tokens=True,
-                  capacity_factor=1.0, min_capacity=4, skew=0.0, micro_batches=2, frozen_experts=False,
-                  input_grad=True, moe=None, dtype="bf16"):
+def backward_case(
+    seed,
+    hidden,
+    ffn,
+    experts_per_rank,
+    k,
+    tokens_per_rank,
+    expert_kind="gelu",
+    drop_tokens=True,
+    capacity_factor=1.0,
+    min_capacity=4,
+    skew=0.0,
+    micro_batches=2,
+    frozen_experts=False,
+    input_grad=True,
+    moe=None,
+    dtype="bf16",
+):
     """Training steps (train-mode gate, gradients accumulated over micro-batches) on every pipeline.
 
     Every gradient (input, gate weight, each expert weight and bias) of the fused pipeline is
@@ -346,15 +495,22 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
     as a job that freezes the experts or feeds the layer a constant would.
     """
     rank, ep_size = dist.get_rank(), dist.get_world_size()
-    moe_kwargs = dict(num_experts=experts_per_rank * ep_size, ep_size=ep_size, k=k, drop_tokens=drop_tokens,
-                      capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
-                      min_capacity=min_capacity)
+    moe_kwargs = dict(
+        num_experts=experts_per_rank * ep_size,
+        ep_size=ep_size,
+        k=k,
+        drop_tokens=drop_tokens,
+        capacity_factor=capacity_factor,
+        eval_capacity_factor=capacity_factor,
+        min_capacity=min_capacity,
+    )
     dtype = DTYPES[dtype]
     layers = _layers(seed, hidden, ffn, expert_kind, moe=moe, dtype=dtype, **moe_kwargs)
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(seed)
-    layers["exact"] = _exact_copy(layers["stock"], hidden, make_expert(expert_kind, hidden, ffn), device, dtype,
-                                  **moe_kwargs)
+    layers["exact"] = _exact_copy(
+        layers["stock"], hidden, make_expert(expert_kind, hidden, ffn), device, dtype, **moe_kwargs
+    )
     stock_runs = not drop_tokens or len(set(tokens_per_rank)) == 1
     if not stock_runs:
         del layers["stock"]
@@ -391,10 +547,15 @@ def backward_case(seed, hidden, ffn, experts_per_rank, k, tokens_per_rank, exper
 
     errors = {}
     params = {name: dict(layer.named_parameters()) for name, layer in layers.items()}
-    compared = [(f"input grad {i}", {name: grads[i] for name, grads in input_grads.items()})
-                for i in range(micro_batches if input_grad else 0)]
-    compared += [(pname, {name: params[name][pname].grad for name in layers})
-                 for pname, param in params["exact"].items() if param.requires_grad]
+    compared = [
+        (f"input grad {i}", {name: grads[i] for name, grads in input_grads.items()})
+        for i in range(micro_batches if input_grad else 0)
+    ]
+    compared += [
+        (pname, {name: params[name][pname].grad for name in layers})
+        for pname, param in params["exact"].items()
+        if param.requires_grad
+    ]
     frozen = [pname for pname, param in params["fused"].items() if not param.requires_grad]
     assert all(params["fused"][pname].grad is None for pname in frozen), "a frozen parameter got a gradient"
     assert len(frozen) == (len(list(layers["fused"].deepspeed_moe.experts.parameters())) if frozen_experts else 0)
@@ -418,8 +579,11 @@ def test_fused_backward(gpu_pool, case):
     assert max(worst) < BF16_GRAD_REL
 
 
-@pytest.mark.parametrize("frozen_experts,input_grad", [(True, True), (False, False), (True, False)],
-                         ids=["frozen-experts", "no-input-grad", "gate-only"])
+@pytest.mark.parametrize(
+    "frozen_experts,input_grad",
+    [(True, True), (False, False), (True, False)],
+    ids=["frozen-experts", "no-input-grad", "gate-only"],
+)
 def test_fused_backward_partial_gradients(gpu_pool, frozen_experts, input_grad):
     # Skewed and uneven: rank 1 routes almost nothing to its own experts, and the gradients that are
     # not needed are not asked for, while every rank still returns its peers' rows.
@@ -451,14 +615,24 @@ def autocast_case(seed, k, moe=None, dtype="bf16"):
     _fused_pipeline(layers["fused"])
     (out, l_aux, counts, grad), (want, want_l_aux, want_counts, want_grad) = results["fused"], results["stock"]
     assert torch.equal(l_aux, want_l_aux) and torch.equal(counts, want_counts)
-    assert rel(out, want) < 2 * BF16_REL and rel(grad, want_grad) < 2 * BF16_GRAD_REL, (rel(out, want),
-                                                                                          rel(grad, want_grad))
+    assert rel(out, want) < 2 * BF16_REL and rel(grad, want_grad) < 2 * BF16_GRAD_REL, (
+        rel(out, want),
+        rel(grad, want_grad),
+    )
 
 
-@pytest.mark.parametrize("k,moe,dtype", [(1, None, "bf16"), (2, None, "bf16"), (4, None, "bf16"),
-                                         (2, dict(cuda_graph_gate=True), "bf16"), (2, None, "fp16"),
-                                         (4, None, "fp16")],
-                         ids=["k1", "k2", "k4", "k2-graphed-gate", "k2-fp16", "k4-fp16"])
+@pytest.mark.parametrize(
+    "k,moe,dtype",
+    [
+        (1, None, "bf16"),
+        (2, None, "bf16"),
+        (4, None, "bf16"),
+        (2, dict(cuda_graph_gate=True), "bf16"),
+        (2, None, "fp16"),
+        (4, None, "fp16"),
+    ],
+    ids=["k1", "k2", "k4", "k2-graphed-gate", "k2-fp16", "k4-fp16"],
+)
 def test_fused_under_autocast_matches_stock(gpu_pool, k, moe, dtype):
     gpu_pool.run(autocast_case, seed=_seed(), k=k, moe=moe, dtype=dtype)
 
@@ -498,15 +672,21 @@ def checkpoint_case(seed, use_reentrant, moe=None):
     for mode in ("checkpointed", "plain-again"):
         out, l_aux, grad, grads = results[mode]
         assert torch.equal(l_aux, want_l_aux), mode
-        assert rel(out, want_out) < 1e-6 and rel(grad, want_grad) < 1e-6, (mode, rel(out, want_out),
-                                                                             rel(grad, want_grad))
+        assert rel(out, want_out) < 1e-6 and rel(grad, want_grad) < 1e-6, (
+            mode,
+            rel(out, want_out),
+            rel(grad, want_grad),
+        )
         assert grads.keys() == want_grads.keys() and len(grads) > 2, (mode, sorted(grads))
         worst = max(rel(grads[name], want) for name, want in want_grads.items())
         assert worst < 1e-6, (mode, worst)
 
 
-@pytest.mark.parametrize("use_reentrant,moe", [(True, None), (False, None), (False, dict(cuda_graph_gate=True))],
-                         ids=["reentrant", "non-reentrant", "non-reentrant-graphed-gate"])
+@pytest.mark.parametrize(
+    "use_reentrant,moe",
+    [(True, None), (False, None), (False, dict(cuda_graph_gate=True))],
+    ids=["reentrant", "non-reentrant", "non-reentrant-graphed-gate"],
+)
 def test_fused_under_activation_checkpointing(gpu_pool, use_reentrant, moe):
     gpu_pool.run(checkpoint_case, seed=_seed(), use_reentrant=use_reentrant, moe=moe)
 
@@ -519,8 +699,14 @@ class _ZeroNet(torch.nn.Module):
         ep_size = dist.get_world_size()
         torch.manual_seed(seed)
         self.inp = torch.nn.Linear(hidden, hidden)
-        self.moe = ds_comet.build_moe(ds_config, hidden_size=hidden, expert=make_expert("gelu", hidden, ffn),
-                                      num_experts=4 * ep_size, ep_size=ep_size, k=2)
+        self.moe = ds_comet.build_moe(
+            ds_config,
+            hidden_size=hidden,
+            expert=make_expert("gelu", hidden, ffn),
+            num_experts=4 * ep_size,
+            ep_size=ep_size,
+            k=2,
+        )
         self.out = torch.nn.Linear(hidden, hidden)
         # deepspeed.initialize sets the expert-parallel groups (a second set_deepspeed_parallelism asserts);
         # with ep_size equal to the world size the expert-parallel rank is the global rank.
@@ -540,20 +726,29 @@ def zero2_case(seed, hidden=256, ffn=512, steps=2, precision="bf16", scale_power
     after each overflow (hysteresis 1), so this holds for a few steps only.
     """
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
     device = torch.device("cuda", torch.cuda.current_device())
     results = {}
     for backend in ("deepspeed", "comet"):
-        mixed = {"bf16": {"enabled": True}} if precision == "bf16" else {
-            "fp16": {"enabled": True, "initial_scale_power": scale_power, "hysteresis": 1}}
-        ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, **mixed,
-                     "zero_optimization": {"stage": 2},
-                     "zero_allow_untested_optimizer": True, "steps_per_print": 10**6,
-                     "moe": {"backend": backend, "overlap": "fused"} if backend == "comet" else {"backend": backend}}
+        mixed = (
+            {"bf16": {"enabled": True}}
+            if precision == "bf16"
+            else {"fp16": {"enabled": True, "initial_scale_power": scale_power, "hysteresis": 1}}
+        )
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+            **mixed,
+            "zero_optimization": {"stage": 2},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**6,
+            "moe": {"backend": backend, "overlap": "fused"} if backend == "comet" else {"backend": backend},
+        }
         model = _ZeroNet(ds_config, hidden, ffn, seed)
-        groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
-                                                                       "name": "dense"})
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=0.5),
-                                               config=ds_config)
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "dense"}
+        )
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=0.5), config=ds_config)
         losses = []
         for step in range(steps * 2):
             generator = torch.Generator(device=device).manual_seed(seed + 1000 * step + dist.get_rank())
@@ -561,7 +756,7 @@ def zero2_case(seed, hidden=256, ffn=512, steps=2, precision="bf16", scale_power
             target = torch.randn(4, 64, hidden, generator=generator, device=device).to(DTYPES[precision])
             torch.manual_seed(step)  # the gate's top-2 sampling
             output, l_aux = engine(x)
-            loss = ((output.float() - target.float())**2).mean() + 0.01 * l_aux
+            loss = ((output.float() - target.float()) ** 2).mean() + 0.01 * l_aux
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -569,10 +764,15 @@ def zero2_case(seed, hidden=256, ffn=512, steps=2, precision="bf16", scale_power
             _fused_pipeline(engine.module.moe)
             if scale_power < 32:
                 assert engine.skipped_steps < steps, "the loss scaler skipped every step: nothing was compared"
-        results[backend] = (losses, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()},
-                            engine.skipped_steps)
-    (stock_losses, stock_state, stock_skipped), (comet_losses, comet_state, comet_skipped) = (results["deepspeed"],
-                                                                                          results["comet"])
+        results[backend] = (
+            losses,
+            {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()},
+            engine.skipped_steps,
+        )
+    (stock_losses, stock_state, stock_skipped), (comet_losses, comet_state, comet_skipped) = (
+        results["deepspeed"],
+        results["comet"],
+    )
     assert stock_skipped == comet_skipped, (stock_skipped, comet_skipped)
     if scale_power >= 32:
         assert comet_skipped == steps, f"only {comet_skipped} of {steps} overflowing steps were skipped"
@@ -589,15 +789,25 @@ def plan_case(seed):
     tokens each rank gets once, against a list made here."""
     from ds_comet.kernels.ops import load_op
     from ds_comet.pipelines.routing import plan_routes_cuda
+
     op = load_op()
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator(device=device).manual_seed(seed + dist.get_rank())
     # The kernel gives each block 1, 2 or 4 experts, the fewest with which one wave of blocks covers
     # every expert (4 past that): on 132 SMs (H100, H200) the expert counts below take each of
     # those paths, and 1201 experts take several waves.
-    cases = [(2, 8192, 8, 0.1, 0.0), (4, 333, 64, 0.5, 3.0), (8, 1000, 32, 0.0, 0.0), (1, 5, 3, 1.0, 0.0),
-             (2, 0, 4, 0.0, 0.0), (3, 2047, 300, 0.2, 8.0), (1, 70000, 2, 0.3, 0.0), (2, 999, 200, 0.1, 0.0),
-             (8, 3001, 256, 0.05, 2.0), (1, 4000, 1201, 0.1, 4.0)]
+    cases = [
+        (2, 8192, 8, 0.1, 0.0),
+        (4, 333, 64, 0.5, 3.0),
+        (8, 1000, 32, 0.0, 0.0),
+        (1, 5, 3, 1.0, 0.0),
+        (2, 0, 4, 0.0, 0.0),
+        (3, 2047, 300, 0.2, 8.0),
+        (1, 70000, 2, 0.3, 0.0),
+        (2, 999, 200, 0.1, 0.0),
+        (8, 3001, 256, 0.05, 2.0),
+        (1, 4000, 1201, 0.1, 4.0),
+    ]
     for k, tokens, experts, drop, skew in cases:
         scores = torch.rand(tokens, experts, generator=generator, device=device)
         scores[:, 0] += skew  # skewed: most routes go to expert 0, some experts get none
@@ -606,7 +816,7 @@ def plan_case(seed):
         if skew == 8.0:  # ids past the last expert, or far below -1, count as dropped in both
             indices[0, :5] = experts
             indices[-1, 5:8] = experts + 7
-            indices[-1, 8] = -2**31
+            indices[-1, 8] = -(2**31)
         ranks = max(p for p in (1, 2, 3, 4, 8) if experts % p == 0)
         want, got = plan_routes(indices, experts), plan_routes_cuda(op, indices, experts, ranks)
         for field in ("route_order", "route_position", "expert_counts"):
@@ -617,15 +827,16 @@ def plan_case(seed):
             here = (kept & (indices.long() // (experts // ranks) == d)).any(dim=0)
             listed = here.nonzero().flatten()
             assert got.rank_token_counts[d].item() == listed.numel(), (k, tokens, experts, d)
-            assert torch.equal(got.rank_tokens[d, :listed.numel()].long(), listed), (k, tokens, experts, d)
+            assert torch.equal(got.rank_tokens[d, : listed.numel()].long(), listed), (k, tokens, experts, d)
 
 
 def test_plan_kernel_matches_plan_routes(gpu_pool):
     gpu_pool.run(plan_case, seed=_seed())
 
 
-@pytest.mark.parametrize("precision,scale_power", [("bf16", 8), ("fp16", 8), ("fp16", 32)],
-                         ids=["bf16", "fp16", "fp16-overflow"])
+@pytest.mark.parametrize(
+    "precision,scale_power", [("bf16", 8), ("fp16", 8), ("fp16", 32)], ids=["bf16", "fp16", "fp16-overflow"]
+)
 def test_zero2_training_step_matches_stock(gpu_pool, precision, scale_power):
     gpu_pool.run(zero2_case, seed=_seed(), precision=precision, scale_power=scale_power)
 
@@ -692,8 +903,17 @@ def activation_rows_case(seed):
     device = torch.device("cuda", torch.cuda.current_device())
     results = {}
     for mode in ("bound", "received"):
-        layers = _layers(seed, 256, 384, "swiglu", moe={"activation_rows": mode}, num_experts=4 * ep_size,
-                         ep_size=ep_size, k=4, drop_tokens=False)
+        layers = _layers(
+            seed,
+            256,
+            384,
+            "swiglu",
+            moe={"activation_rows": mode},
+            num_experts=4 * ep_size,
+            ep_size=ep_size,
+            k=4,
+            drop_tokens=False,
+        )
         layer = layers["fused"].train()
         generator = torch.Generator(device=device).manual_seed(seed + rank)
         # Skewed toward one expert, and a different token count on each rank.
@@ -731,8 +951,9 @@ def shared_expandable_case(seed):
     # Read by the layer's choice only: the allocator took its settings when CUDA started.
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     try:
-        layers = _layers(seed, 128, 256, "gelu", moe={"overlap": "fused"}, num_experts=2 * ep_size, ep_size=ep_size,
-                         k=1)
+        layers = _layers(
+            seed, 128, 256, "gelu", moe={"overlap": "fused"}, num_experts=2 * ep_size, ep_size=ep_size, k=1
+        )
         tokens = torch.randn(1, 32, 128, device=torch.device("cuda", torch.cuda.current_device())).to(torch.bfloat16)
         with torch.no_grad(), pytest.raises(RuntimeError, match="expandable segments"):
             layers["fused"](tokens)
@@ -753,6 +974,7 @@ def step_shares_case(seed):
     """StepShares on the device's clock (CUDA events) around fused calls: it finds the comet layer
     and charges each measured step's forward, backward and optimizer step."""
     from ds_comet.step_shares import StepShares, moe_layers
+
     ep_size = dist.get_world_size()
     layers = _layers(seed, 128, 256, "gelu", num_experts=2 * ep_size, ep_size=ep_size, k=2)
     layer = layers["fused"]
@@ -822,8 +1044,17 @@ def raising_peer_case(seed):
     """The ranks but 0 call the layer with more tokens than its workspace holds and raise; rank 0's
     kernel gives up on them, and its error carries their reason."""
     rank, ep_size = dist.get_rank(), dist.get_world_size()
-    layers = _layers(seed, 256, 512, "gelu", timeout_s=2.0, moe={"max_tokens_per_rank": 64},
-                     num_experts=2 * ep_size, ep_size=ep_size, k=1)
+    layers = _layers(
+        seed,
+        256,
+        512,
+        "gelu",
+        timeout_s=2.0,
+        moe={"max_tokens_per_rank": 64},
+        num_experts=2 * ep_size,
+        ep_size=ep_size,
+        k=1,
+    )
     layers["fused"].deepspeed_moe.pipelines.name = "blocks.2.moe"
     device = torch.device("cuda", torch.cuda.current_device())
     with torch.no_grad():
@@ -844,6 +1075,8 @@ def test_wait_timeout_carries_the_reason_a_peer_raised(gpu_pool):
     message = gpu_pool.run(raising_peer_case, seed=_seed(), timeout=120)[0]
     assert "the expert counts of peer rank" in message, message
     for rank in range(1, gpu_pool.world_size):
-        assert (f"global rank {rank} raised in blocks.2.moe: ValueError: this MoE layer got 96 tokens on one rank but "
-                "the fused workspace was sized for 64") in message, message
+        assert (
+            f"global rank {rank} raised in blocks.2.moe: ValueError: this MoE layer got 96 tokens on one rank but "
+            "the fused workspace was sized for 64"
+        ) in message, message
     gpu_pool.stop()

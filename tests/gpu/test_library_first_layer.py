@@ -36,15 +36,16 @@ def test_gated_activation_kernels_match_torch_and_stop_at_the_received_rows(acti
     zu = (pre, pre[:, ffn:], 2 * ffn) if packed else (z, u, ffn)  # z, u and their row stride
     total = torch.tensor([received], dtype=torch.int32, device="cuda")
     h, h_again, h_unasked = (torch.full((rows, ffn), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    grad_pre, grad_pre_again = (torch.full((rows, 2 * ffn), 7.0, dtype=torch.bfloat16, device="cuda")
-                                for _ in range(2))
+    grad_pre, grad_pre_again = (torch.full((rows, 2 * ffn), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     grid, blocks = (-(-rows // 32), -(-ffn // 128)), dict(BM=32, BN=128)
     code = ACTIVATION_CODES[activation]
     activation_kernel[grid](*zu, h, total, ffn, ACTIVATION=code, GATED=True, **blocks)
-    activation_backward_kernel[grid](g, *zu, grad_pre, h_again, total, ffn, ACTIVATION=code, GATED=True,
-                                     STORE_ACT=True, **blocks)
-    activation_backward_kernel[grid](g, *zu, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code, GATED=True,
-                                     STORE_ACT=False, **blocks)
+    activation_backward_kernel[grid](
+        g, *zu, grad_pre, h_again, total, ffn, ACTIVATION=code, GATED=True, STORE_ACT=True, **blocks
+    )
+    activation_backward_kernel[grid](
+        g, *zu, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code, GATED=True, STORE_ACT=False, **blocks
+    )
 
     zf, uf = z.float().requires_grad_(), u.float().requires_grad_()
     want = ACTIVATIONS[activation](zf) * uf
@@ -71,18 +72,33 @@ def test_activation_backward_kernel_without_gate_matches_torch(activation):
     rows, received, ffn = 301, 259, 392
     z, g = ((3 * torch.randn(rows, ffn, device="cuda")).to(torch.bfloat16) for _ in range(2))
     total = torch.tensor([received], dtype=torch.int32, device="cuda")
-    grad_pre, h, grad_pre_again, h_unasked, h_forward = (torch.full((rows, ffn), 7.0, dtype=torch.bfloat16,
-                                                                    device="cuda") for _ in range(5))
+    grad_pre, h, grad_pre_again, h_unasked, h_forward = (
+        torch.full((rows, ffn), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(5)
+    )
     grid, code = (-(-rows // 32), -(-ffn // 128)), ACTIVATION_CODES[activation]
     activation_kernel[grid](z, z, ffn, h_forward, total, ffn, ACTIVATION=code, GATED=False, BM=32, BN=128)
-    activation_backward_kernel[grid](g, z, z, ffn, grad_pre, h, total, ffn, ACTIVATION=code, GATED=False,
-                                     STORE_ACT=True, BM=32, BN=128)
-    activation_backward_kernel[grid](g, z, z, ffn, grad_pre_again, h_unasked, total, ffn, ACTIVATION=code,
-                                     GATED=False, STORE_ACT=False, BM=32, BN=128)
+    activation_backward_kernel[grid](
+        g, z, z, ffn, grad_pre, h, total, ffn, ACTIVATION=code, GATED=False, STORE_ACT=True, BM=32, BN=128
+    )
+    activation_backward_kernel[grid](
+        g,
+        z,
+        z,
+        ffn,
+        grad_pre_again,
+        h_unasked,
+        total,
+        ffn,
+        ACTIVATION=code,
+        GATED=False,
+        STORE_ACT=False,
+        BM=32,
+        BN=128,
+    )
 
     zf = z.float().requires_grad_()
     want = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}[activation](zf)
-    dz, = torch.autograd.grad(want, [zf], g.float())
+    (dz,) = torch.autograd.grad(want, [zf], g.float())
     n = received
     assert rel(h[:n], want[:n].detach()) < BF16_REL and torch.equal(h_forward, h), seed
     assert rel(grad_pre[:n], dz[:n]) < BF16_REL, seed
@@ -111,8 +127,9 @@ def library_against_triton_case(seed: int):
 
     results = {}
     for library in (True, False):
-        layer = autoep_layer("mixtral", 256, 384, 8, 2, 1, device, torch.bfloat16, seed,
-                             {"backend": "comet", "overlap": "fused"}).train()
+        layer = autoep_layer(
+            "mixtral", 256, 384, 8, 2, 1, device, torch.bfloat16, seed, {"backend": "comet", "overlap": "fused"}
+        ).train()
         x = tokens.clone().requires_grad_()
         saved = FusedKernels.library_first_layer, FusedKernels._library_products
         FusedKernels._library_products = counted

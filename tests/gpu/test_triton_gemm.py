@@ -204,8 +204,9 @@ check(30, 32, 24, 2, 1, 16, 16, 1, False, "relu", 7, with_bias=False)
 def test_triton_gemms_in_interpreter():
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT, repo_root], env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, repo_root], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert result.stdout.count("ok ") == 7
 
@@ -264,21 +265,29 @@ def test_a_gemm1_wait_that_gives_up_fills_the_error_record_from_one_wait(tmp_pat
     """Every GEMM1 program waits for rows that never come and gives up at about the same time: the
     record must describe one of those waits (its tile and that tile's row count), not a mix."""
     import torch
+
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import json
+
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton_cache"))
     env.pop("TRITON_INTERPRET", None)
     # The kernel traps, which ends the CUDA context: its own process.
-    result = subprocess.run([sys.executable, "-c", GIVE_UP_SCRIPT, repo_root], env=env, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", GIVE_UP_SCRIPT, repo_root], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     from ds_comet.kernels import constants as C
+
     record = out["record"]
-    flag, rank, kind, index = (record[C.ERROR_FILLED], record[C.ERROR_RANK], record[C.ERROR_KIND],
-                               record[C.ERROR_INDEX])
+    flag, rank, kind, index = (
+        record[C.ERROR_FILLED],
+        record[C.ERROR_RANK],
+        record[C.ERROR_KIND],
+        record[C.ERROR_INDEX],
+    )
     target, seen, waited = record[C.ERROR_TARGET], record[C.ERROR_OBSERVED], record[C.ERROR_WAITED_NS]
     assert out["trapped"] and flag == 1, out
     assert (rank, kind, seen) == (3, 2, 0), out  # rank as launched, WAIT_DISPATCH_TILE, nothing arrived
@@ -290,6 +299,7 @@ def test_a_gemm1_wait_that_gives_up_fills_the_error_record_from_one_wait(tmp_pat
 def test_the_gemm_error_claim_is_the_layouts():
     from ds_comet.kernels import constants
     from ds_comet.kernels.triton_gemm import ERROR_CLAIM_AFTER_TILES, ERROR_RECORD_WAIT_NS, WAIT_DISPATCH_TILE
+
     assert ERROR_CLAIM_AFTER_TILES == constants.TOTAL_ERROR_CLAIM - constants.TOTAL_TILES
     assert constants.TOTAL_ERROR_CLAIM < constants.TOTALS_WORDS
     assert ERROR_RECORD_WAIT_NS.value == constants.ERROR_RECORD_WAIT_NS
@@ -364,7 +374,8 @@ def test_the_first_layers_elementwise_steps_in_interpreter():
     against float64 autograd, stopping at the call's received rows."""
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", ELEMENTWISE_SCRIPT, repo_root], env=env, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", ELEMENTWISE_SCRIPT, repo_root], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert result.stdout.count("ok ") == 4

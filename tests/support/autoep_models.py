@@ -1,8 +1,6 @@
 """Tiny Hugging Face MoE models for the AutoEP tests (random weights from a config, no download),
 and the cases the CPU and GPU tests share: AutoEP against AutoEP on ds_comet, same seed and data."""
 
-from typing import Dict
-
 import pytest
 import torch
 from deepspeed import comm as dist
@@ -24,39 +22,94 @@ def tiny_model(preset: str, hidden: int = 64, ffn: int = 96, experts_per_rank: i
     """
     transformers = pytest.importorskip("transformers")
     experts = experts_per_rank * dist.get_world_size()
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=2 if preset == "deepseek_v3" else 1,
-                  num_attention_heads=4, max_position_embeddings=64)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=2 if preset == "deepseek_v3" else 1,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
     if preset == "mixtral":
-        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            intermediate_size=ffn, num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2, **common))
+        return transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(
+                intermediate_size=ffn, num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2, **common
+            )
+        )
     if preset == "qwen3_moe":
-        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            intermediate_size=2 * ffn, moe_intermediate_size=ffn, num_key_value_heads=2, num_experts=experts,
-            num_experts_per_tok=3, norm_topk_prob=True, head_dim=16, **common))
+        return transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                intermediate_size=2 * ffn,
+                moe_intermediate_size=ffn,
+                num_key_value_heads=2,
+                num_experts=experts,
+                num_experts_per_tok=3,
+                norm_topk_prob=True,
+                head_dim=16,
+                **common,
+            )
+        )
     if preset == "deepseek_v3":  # sigmoid scores, group-limited top-k, score correction bias, a shared expert
-        return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-            intermediate_size=2 * ffn, moe_intermediate_size=ffn, num_key_value_heads=4, n_routed_experts=experts,
-            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
-            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, **common))
+        return transformers.DeepseekV3ForCausalLM(
+            transformers.DeepseekV3Config(
+                intermediate_size=2 * ffn,
+                moe_intermediate_size=ffn,
+                num_key_value_heads=4,
+                n_routed_experts=experts,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                n_group=2,
+                topk_group=1,
+                first_k_dense_replace=1,
+                kv_lora_rank=16,
+                q_lora_rank=16,
+                qk_rope_head_dim=8,
+                v_head_dim=16,
+                qk_nope_head_dim=8,
+                **common,
+            )
+        )
     raise ValueError(preset)
 
 
-def ds_config(preset: str, backend: str, zero_stage: int, dtype: torch.dtype, overlap: str = "auto",
-              activation_rows: str = "bound") -> Dict:
-    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
-              "zero_optimization": {"stage": zero_stage},
-              "expert_parallel": {"enabled": True, "autoep_size": dist.get_world_size(), "preset_model": preset,
-                                  "use_grouped_mm": torch.cuda.is_available()},
-              "moe": ({"backend": backend, "overlap": overlap, "activation_rows": activation_rows}
-                      if backend == "comet" else {"backend": backend})}
+def ds_config(
+    preset: str,
+    backend: str,
+    zero_stage: int,
+    dtype: torch.dtype,
+    overlap: str = "auto",
+    activation_rows: str = "bound",
+) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": zero_stage},
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": dist.get_world_size(),
+            "preset_model": preset,
+            "use_grouped_mm": torch.cuda.is_available(),
+        },
+        "moe": (
+            {"backend": backend, "overlap": overlap, "activation_rows": activation_rows}
+            if backend == "comet"
+            else {"backend": backend}
+        ),
+    }
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
     return config
 
 
-def engine_for(preset: str, backend: str, seed: int, zero_stage: int, dtype: torch.dtype, overlap: str = "auto",
-               activation_rows: str = "bound"):
+def engine_for(
+    preset: str,
+    backend: str,
+    seed: int,
+    zero_stage: int,
+    dtype: torch.dtype,
+    overlap: str = "auto",
+    activation_rows: str = "bound",
+):
     torch.manual_seed(seed)
     model = tiny_model(preset)
     config = ds_config(preset, backend, zero_stage, dtype, overlap, activation_rows)
@@ -74,8 +127,9 @@ def comet_layers(engine):
     return [m for m in engine.module.modules() if type(m).__name__ == "CometAutoEPMoELayer"]
 
 
-def _forward_backward(preset: str, backend: str, seed: int, dtype: torch.dtype, overlap: str,
-                      activation_rows: str = "bound"):
+def _forward_backward(
+    preset: str, backend: str, seed: int, dtype: torch.dtype, overlap: str, activation_rows: str = "bound"
+):
     engine = engine_for(preset, backend, seed, 0, dtype, overlap, activation_rows)
     ids = batch(seed, 0, engine.device)
     # The converted model called directly and torch.autograd.grad, not the engine's forward and
@@ -88,8 +142,9 @@ def _forward_backward(preset: str, backend: str, seed: int, dtype: torch.dtype, 
     return engine, {"logits": out.logits.detach().float(), **grads}, out.loss.item()
 
 
-def gradients_case(preset: str, seed: int, dtype_name: str = "fp32", overlap: str = "auto",
-                   activation_rows: str = "bound"):
+def gradients_case(
+    preset: str, seed: int, dtype_name: str = "fp32", overlap: str = "auto", activation_rows: str = "bound"
+):
     """One forward and backward of AutoEP and of AutoEP on ds_comet (its activations sized as
     ``activation_rows`` says): the logits and every parameter's gradient, by name.
 

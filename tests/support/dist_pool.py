@@ -48,8 +48,9 @@ def cpu_world_size() -> int:
     if requested is None:
         return CPU_DEFAULT_WORLD_SIZE
     if requested < 2:
-        raise ValueError(f"{WORLD_SIZE_VAR}={requested}: the CPU tests exchange tokens between ranks and need at "
-                         "least 2")
+        raise ValueError(
+            f"{WORLD_SIZE_VAR}={requested}: the CPU tests exchange tokens between ranks and need at least 2"
+        )
     return requested
 
 
@@ -102,19 +103,23 @@ def free_port() -> int:
 
 def _rank_main(rank, world_size, port, backend, gpu_ranks, tasks, results):
     # LOCAL_RANK is the device: DeepSpeed's engine places its model on cuda:LOCAL_RANK.
-    os.environ.update(MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port),
-                      RANK=str(rank),
-                      LOCAL_RANK=str(rank // gpu_ranks),
-                      WORLD_SIZE=str(world_size),
-                      LOCAL_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank // gpu_ranks),
+        WORLD_SIZE=str(world_size),
+        LOCAL_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     sys.path.insert(0, REPO_ROOT)
     import torch
+
     torch.set_num_threads(1)
     if backend == "nccl" or gpu_ranks > 1:
         torch.cuda.set_device(rank // gpu_ranks)
     import deepspeed
+
     if backend == "gloo":
         # DeepSpeed binds the rank's CUDA device whenever one is visible, whatever the backend, and
         # torch (2.11) then builds every new group by splitting the default one, which gloo cannot.
@@ -135,7 +140,6 @@ def _rank_main(rank, world_size, port, backend, gpu_ranks, tasks, results):
 
 
 class DistPool:
-
     def __init__(self, world_size: int, backend: str = "gloo", start_timeout: float = 600.0, gpu_ranks: int = 1):
         """gpu_ranks > 1: that many gloo ranks share each GPU (see the module's docstring)."""
         if gpu_ranks > 1 and backend != "gloo":
@@ -151,16 +155,19 @@ class DistPool:
             # Here, once, before any rank starts (a minute on two cores): a rank that the start
             # timeout kills mid-build would otherwise leave torch's lock behind (jit_build.py).
             from ds_comet.kernels.jit_build import build_cpu_comm_op
+
             build_cpu_comm_op(self.start_timeout)
         ctx = mp.get_context("spawn")
         port = self.port = free_port()
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.procs = [
-            ctx.Process(target=_rank_main,
-                        args=(rank, self.world_size, port, self.backend, self.gpu_ranks, self.tasks[rank],
-                              self.results),
-                        daemon=True) for rank in range(self.world_size)
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, self.world_size, port, self.backend, self.gpu_ranks, self.tasks[rank], self.results),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
         ]
         for proc in self.procs:
             proc.start()
@@ -185,7 +192,8 @@ class DistPool:
                 missing = sorted(set(range(self.world_size)) - set(answers))
                 self.stop()
                 details = "".join(f"\n--- rank {r} ---\n{v}" for r, v in failures)
-                raise TimeoutError(f"ranks {missing} gave no answer to {what} within {timeout:.0f} s{details}")
+                message = f"ranks {missing} gave no answer to {what} within {timeout:.0f} s{details}"
+                raise TimeoutError(message) from None
             answers[rank] = value
             if not ok:
                 failures.append((rank, value))

@@ -17,15 +17,28 @@ STAGE_KEYS = ("stage_send", "stage_dest_row", "stage_dest_piece", "stage_recv_ro
 def reference_layout(counts, rank, tile_m, staged=None):
     ep_size, num_experts = len(counts), len(counts[0])
     num_local = num_experts // ep_size
-    out = {k: [] for k in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row",
-                           "dest_rel", "dest_tile", "send_order", "piece_start")}
+    out = {
+        k: []
+        for k in (
+            "expert_start",
+            "tile_start",
+            "local_tiles",
+            "remote_tiles",
+            "send_offset",
+            "dest_row",
+            "dest_rel",
+            "dest_tile",
+            "send_order",
+            "piece_start",
+        )
+    }
     dest_row, dest_rel, dest_tile = [0] * num_experts, [0] * num_experts, [0] * num_experts
     for d in range(ep_size):
         order = [(d - j) % ep_size for j in range(ep_size)]
         start = tiles = 0
         for l in range(num_local):
             e = d * num_local + l
-            before_me = sum(counts[q][e] for q in order[:order.index(rank)])
+            before_me = sum(counts[q][e] for q in order[: order.index(rank)])
             dest_row[e], dest_rel[e], dest_tile[e] = start + before_me, before_me, tiles
             if d == rank:
                 out["expert_start"].append(start)
@@ -74,20 +87,36 @@ def reference_layout(counts, rank, tile_m, staged=None):
     out["stage_dest_piece"] = [sum(pieces_of[q][d] for q in range(rank)) for d in range(ep_size)]
     out["stage_recv_row"] = [sum(staged[q][rank] for q in range(p)) for p in range(ep_size + 1)]
     out["stage_recv_piece"] = [sum(pieces_of[q][rank] for q in range(p)) for p in range(ep_size + 1)]
-    out["totals"] = dict(tiles=out["tile_start"][-1], kept=offset, recv_rows=out["expert_start"][-1], pieces=pieces,
-                         own_routes=sum(counts[rank][rank * num_local + l] for l in range(num_local)),
-                         staged_sent=sum(staged[rank]))
+    out["totals"] = dict(
+        tiles=out["tile_start"][-1],
+        kept=offset,
+        recv_rows=out["expert_start"][-1],
+        pieces=pieces,
+        own_routes=sum(counts[rank][rank * num_local + l] for l in range(num_local)),
+        staged_sent=sum(staged[rank]),
+    )
     return out
 
 
 def layout_array(layout, offsets):
     """The int32 layout array the kernels read, laid out by the op's offsets."""
     import torch
+
     array = torch.zeros(offsets["layout_total"], dtype=torch.int32)
-    for key in ("expert_start", "tile_start", "local_tiles", "remote_tiles", "send_offset", "dest_row", "dest_rel",
-                "dest_tile", "send_order", "piece_start"):
+    for key in (
+        "expert_start",
+        "tile_start",
+        "local_tiles",
+        "remote_tiles",
+        "send_offset",
+        "dest_row",
+        "dest_rel",
+        "dest_tile",
+        "send_order",
+        "piece_start",
+    ):
         values = torch.tensor(layout[key], dtype=torch.int32)
-        array[offsets[key]:offsets[key] + len(values)] = values
+        array[offsets[key] : offsets[key] + len(values)] = values
     totals = layout["totals"]
     array[offsets["totals"] + offsets["total_tiles"]] = totals["tiles"]
     array[offsets["totals"] + offsets["total_kept"]] = totals["kept"]

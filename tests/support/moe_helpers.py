@@ -1,7 +1,5 @@
 """Model builders and comparisons shared by the tests (they run inside the gloo ranks)."""
 
-from typing import Optional
-
 import deepspeed
 import torch
 from deepspeed import comm as dist
@@ -48,7 +46,7 @@ class MixtralStyleMLP(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def reset_experts_(layer, seed: int, ep_rank: Optional[int] = None) -> None:
+def reset_experts_(layer, seed: int, ep_rank: int | None = None) -> None:
     """Distinct weights for every expert, drawn from its global expert id; ``ep_rank`` for a layer
     whose expert-parallel group is not set yet."""
     moe = layer.deepspeed_moe
@@ -80,8 +78,9 @@ def run_step(layer, tokens, loss_weight, noise_seed, train=True):
     output, l_aux, exp_counts = layer(inputs)
     ((output * loss_weight).sum() + l_aux).backward()
     grads = {name: param.grad for name, param in layer.named_parameters()}
-    return dict(output=output.detach(), l_aux=l_aux.detach(), exp_counts=exp_counts, input_grad=inputs.grad,
-                grads=grads)
+    return dict(
+        output=output.detach(), l_aux=l_aux.detach(), exp_counts=exp_counts, input_grad=inputs.grad, grads=grads
+    )
 
 
 def assert_parameter_grad_close(found, wanted, msg, rtol=1e-5, atol=1e-6):
@@ -116,6 +115,8 @@ def routing_stats(layer, tokens, noise_seed, train=True):
         _, _, num_experts, indices, _, _, _ = gate(tokens.reshape(-1, tokens.shape[-1]), None, True)
     kept = indices[indices >= 0].long()
     per_expert = torch.bincount(kept, minlength=num_experts)
-    return dict(dropped_routes=int((indices < 0).sum()),
-                tokens_with_no_expert=int((indices < 0).all(dim=0).sum()),
-                empty_experts=int((per_expert == 0).sum()))
+    return dict(
+        dropped_routes=int((indices < 0).sum()),
+        tokens_with_no_expert=int((indices < 0).all(dim=0).sum()),
+        empty_experts=int((per_expert == 0).sum()),
+    )

@@ -61,10 +61,17 @@ def draw_case(rng: random.Random, ep_size: int, on_gpu: bool) -> dict:
     num_experts = experts_per_rank * ep_size
     k = rng.randint(1, min(num_experts, 8))
     # A few hidden sizes, odd multiples of 8 among them: the fused workspace is kept per shape.
-    return dict(hidden=rng.choice([64, 136, 264, 512, 712]), ffn=8 * rng.randint(4, 160), num_experts=num_experts, k=k,
-                expert_kind=rng.choice(["gelu", "swiglu"]), drop_tokens=rng.random() < 0.6,
-                capacity_factor=rng.choice([0.5, 1.0, 1.25, 2.0]), min_capacity=rng.choice([0, 4]),
-                dtype=rng.choice(["bf16", "fp16"]) if on_gpu else "fp32")
+    return dict(
+        hidden=rng.choice([64, 136, 264, 512, 712]),
+        ffn=8 * rng.randint(4, 160),
+        num_experts=num_experts,
+        k=k,
+        expert_kind=rng.choice(["gelu", "swiglu"]),
+        drop_tokens=rng.random() < 0.6,
+        capacity_factor=rng.choice([0.5, 1.0, 1.25, 2.0]),
+        min_capacity=rng.choice([0, 4]),
+        dtype=rng.choice(["bf16", "fp16"]) if on_gpu else "fp32",
+    )
 
 
 def draw_call(rng: random.Random, ep_size: int, case: dict) -> dict:
@@ -72,26 +79,42 @@ def draw_call(rng: random.Random, ep_size: int, case: dict) -> dict:
     # Top-1 asserts, as stock does, that a rank has at least min_capacity tokens (and one); every
     # other k takes empty ranks.
     smallest = max(1, case["min_capacity"]) if case["k"] == 1 else 0
-    return dict(tokens=[rng.choice([smallest, rng.randint(smallest, 16), rng.randint(max(smallest, 1), MAX_TOKENS)])
-                        for _ in range(ep_size)],
-                skew=rng.choice([0.0, 0.0, 4.0, 50.0]), train=rng.random() < 0.6, seed=rng.randint(1, 10**6))
+    return dict(
+        tokens=[
+            rng.choice([smallest, rng.randint(smallest, 16), rng.randint(max(smallest, 1), MAX_TOKENS)])
+            for _ in range(ep_size)
+        ],
+        skew=rng.choice([0.0, 0.0, 4.0, 50.0]),
+        train=rng.random() < 0.6,
+        seed=rng.randint(1, 10**6),
+    )
 
 
 def _build(case: dict, seed: int, device, dtype, timeout_s: float):
-    import ds_comet
     from deepspeed import comm as dist
 
+    import ds_comet
     from tests.support.moe_helpers import make_expert, reset_experts_
 
-    moe_kwargs = dict(num_experts=case["num_experts"], ep_size=dist.get_world_size(), k=case["k"],
-                      drop_tokens=case["drop_tokens"], capacity_factor=case["capacity_factor"],
-                      eval_capacity_factor=case["capacity_factor"], min_capacity=case["min_capacity"])
+    moe_kwargs = dict(
+        num_experts=case["num_experts"],
+        ep_size=dist.get_world_size(),
+        k=case["k"],
+        drop_tokens=case["drop_tokens"],
+        capacity_factor=case["capacity_factor"],
+        eval_capacity_factor=case["capacity_factor"],
+        min_capacity=case["min_capacity"],
+    )
     torch.manual_seed(seed)
     template = make_expert(case["expert_kind"], case["hidden"], case["ffn"])
     layers = {}
     for name, overlap in (("tested", "auto"), ("reference", "none"), ("exact", "none")):
-        section = {"backend": "comet", "overlap": overlap, "wait_timeout_s": timeout_s,
-                   "max_tokens_per_rank": MAX_TOKENS}
+        section = {
+            "backend": "comet",
+            "overlap": overlap,
+            "wait_timeout_s": timeout_s,
+            "max_tokens_per_rank": MAX_TOKENS,
+        }
         layer = ds_comet.MoE(case["hidden"], template, config={"moe": section}, **moe_kwargs)
         layer.set_deepspeed_parallelism()
         if name == "tested":
@@ -125,8 +148,10 @@ def _call(layers: dict, tokens, grad_out, train: bool, noise: int) -> dict:
         with torch.set_grad_enabled(train):
             out, l_aux, _ = layer(inputs)
             if train:
-                torch.autograd.backward([out, l_aux], [grad_out.to(dtype).unsqueeze(0),
-                                                       torch.tensor(0.01, dtype=l_aux.dtype, device=l_aux.device)])
+                torch.autograd.backward(
+                    [out, l_aux],
+                    [grad_out.to(dtype).unsqueeze(0), torch.tensor(0.01, dtype=l_aux.dtype, device=l_aux.device)],
+                )
         found = {"output": out.detach()[0]}
         if train:
             found["input grad"] = inputs.grad[0]
@@ -153,8 +178,11 @@ def _compare(results: dict, dtype, num_tokens: int = JUDGED_GATE_TOKENS) -> dict
         if not torch.isfinite(tested).all():
             failed.append(f"{what}: not finite")
             continue
-        errors = {f"{kind} vs float64": rel(tested, exact), f"{kind}: reference vs float64": rel(reference, exact),
-                  f"{kind} vs reference": rel(tested, reference)}
+        errors = {
+            f"{kind} vs float64": rel(tested, exact),
+            f"{kind}: reference vs float64": rel(reference, exact),
+            f"{kind} vs reference": rel(tested, reference),
+        }
         for name, value in errors.items():
             worst[name] = max(worst.get(name, 0.0), value)
         if kind == "gate gradient" and num_tokens < JUDGED_GATE_TOKENS:
@@ -162,14 +190,17 @@ def _compare(results: dict, dtype, num_tokens: int = JUDGED_GATE_TOKENS) -> dict
         from_exact, reference_from_exact = errors[f"{kind} vs float64"], errors[f"{kind}: reference vs float64"]
         allowed = max(out_tol if what == "output" else grad_tol, 2 * reference_from_exact)
         if from_exact > allowed:
-            failed.append(f"{what}: {from_exact:.2e} from float64, where the reference pipeline is "
-                          f"{reference_from_exact:.2e} from it ({errors[f'{kind} vs reference']:.2e} from the "
-                          f"reference)")
+            failed.append(
+                f"{what}: {from_exact:.2e} from float64, where the reference pipeline is "
+                f"{reference_from_exact:.2e} from it ({errors[f'{kind} vs reference']:.2e} from the "
+                f"reference)"
+            )
     return dict(worst=worst, failed=failed)
 
 
-def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: int = 5, progress: int = 0,
-              max_seconds: float = 0.0) -> dict:
+def soak_rank(
+    seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: int = 5, progress: int = 0, max_seconds: float = 0.0
+) -> dict:
     """Runs on every rank of a pool: ``calls`` checked calls of random layers (rank 0 prints a line
     every ``progress`` calls, with the mismatches of every rank, when it is not 0; past
     ``max_seconds``, when not 0, the ranks stop together before the next case). Returns this rank's
@@ -215,8 +246,11 @@ def soak_rank(seed: int, calls: int, timeout_s: float = 30.0, calls_per_case: in
                 # the same calls, so every rank is here together for the sum.
                 mismatches = _sum_over_ranks(len(tally["mismatches"]), device)
                 if rank == 0:
-                    print(f"soak: {tally['calls']}/{calls} calls, {tally['fused_calls']} fused, {mismatches} "
-                          f"mismatches over all ranks, {time.monotonic() - start:.0f} s", flush=True)
+                    print(
+                        f"soak: {tally['calls']}/{calls} calls, {tally['fused_calls']} fused, {mismatches} "
+                        f"mismatches over all ranks, {time.monotonic() - start:.0f} s",
+                        flush=True,
+                    )
         del layers
         if on_gpu:
             torch.cuda.empty_cache()
@@ -244,8 +278,12 @@ def replay_rank(case: dict, call: dict, timeout_s: float = 30.0) -> dict:
         tested, reference = results["tested"][name], results["reference"][name]
         if exact is not None and tested is not None and tested.numel():
             distances[name] = (rel(tested, exact), rel(reference, exact), rel(tested, reference))
-    return dict(tokens=call["tokens"][rank], fused=layers["tested"].deepspeed_moe.pipelines.reason is None,
-                distances=distances, failed=_compare(results, dtype, call["tokens"][rank])["failed"])
+    return dict(
+        tokens=call["tokens"][rank],
+        fused=layers["tested"].deepspeed_moe.pipelines.reason is None,
+        distances=distances,
+        failed=_compare(results, dtype, call["tokens"][rank])["failed"],
+    )
 
 
 def _agree_to_stop(mine: bool, device) -> bool:
@@ -271,29 +309,47 @@ def summarize(tallies: list) -> dict:
     for tally in tallies:
         for kind, value in tally["worst"].items():
             worst[kind] = max(worst.get(kind, 0.0), value)
-    return dict(ranks=len(tallies), calls=tallies[0]["calls"], fused_calls=min(t["fused_calls"] for t in tallies),
-                cases=tallies[0]["cases"], mismatches=sum(len(t["mismatches"]) for t in tallies),
-                hangs=sum(len(t["hangs"]) for t in tallies), worst=worst,
-                seconds=max(t["seconds"] for t in tallies),
-                first_mismatches=[m for t in tallies for m in t["mismatches"]][:5],
-                first_hangs=[h for t in tallies for h in t["hangs"]][:5])
+    return dict(
+        ranks=len(tallies),
+        calls=tallies[0]["calls"],
+        fused_calls=min(t["fused_calls"] for t in tallies),
+        cases=tallies[0]["cases"],
+        mismatches=sum(len(t["mismatches"]) for t in tallies),
+        hangs=sum(len(t["hangs"]) for t in tallies),
+        worst=worst,
+        seconds=max(t["seconds"] for t in tallies),
+        first_mismatches=[m for t in tallies for m in t["mismatches"]][:5],
+        first_hangs=[h for t in tallies for h in t["hangs"]][:5],
+    )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--world-size", type=int, default=2, help="ranks in the expert-parallel group")
-    parser.add_argument("--ranks-per-gpu", type=int, default=None,
-                        help="gloo ranks sharing each GPU (default: one NCCL rank per GPU when there are enough)")
+    parser.add_argument(
+        "--ranks-per-gpu",
+        type=int,
+        default=None,
+        help="gloo ranks sharing each GPU (default: one NCCL rank per GPU when there are enough)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=30.0, help="the layers' wait_timeout_s")
     parser.add_argument("--progress", type=int, default=50, help="rank 0 prints a line every this many calls")
     parser.add_argument("--calls-per-case", type=int, default=5, help="calls of each random layer")
-    parser.add_argument("--max-seconds", type=float, default=0.0,
-                        help="stop, with a full report, at the first case that starts past this many seconds")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=0.0,
+        help="stop, with a full report, at the first case that starts past this many seconds",
+    )
     parser.add_argument("--out", default="soak_out")
-    parser.add_argument("--replay", metavar="SOAK_JSON", default=None,
-                        help="run one recorded mismatch or hang of a report again and print every tensor's distances")
+    parser.add_argument(
+        "--replay",
+        metavar="SOAK_JSON",
+        default=None,
+        help="run one recorded mismatch or hang of a report again and print every tensor's distances",
+    )
     parser.add_argument("--replay-index", type=int, default=0, help="which of the report's mismatches and hangs")
     args = parser.parse_args()
 
@@ -306,8 +362,10 @@ def main():
             tallies = json.load(handle)["tallies"]
         recorded = [entry for tally in tallies for entry in tally["mismatches"] + tally["hangs"]]
         if not 0 <= args.replay_index < len(recorded):
-            raise SystemExit(f"{args.replay} records {len(recorded)} mismatches and hangs; --replay-index "
-                             f"{args.replay_index} is not one of them")
+            raise SystemExit(
+                f"{args.replay} records {len(recorded)} mismatches and hangs; --replay-index "
+                f"{args.replay_index} is not one of them"
+            )
         replayed = recorded[args.replay_index]
         if "seed" not in replayed["case"]:
             raise SystemExit(f"{args.replay} predates recording each case's seed: its calls cannot be replayed")
@@ -327,8 +385,10 @@ def main():
             pool.stop()
         print(json.dumps(replayed, default=str))
         for rank, answer in enumerate(answers):
-            print(f"rank {rank}: {answer['tokens']} tokens, {'fused' if answer['fused'] else 'reference'} pipeline; "
-                  f"failed: {answer['failed'] or 'nothing'}")
+            print(
+                f"rank {rank}: {answer['tokens']} tokens, {'fused' if answer['fused'] else 'reference'} pipeline; "
+                f"failed: {answer['failed'] or 'nothing'}"
+            )
             for name, (tested, reference, between) in answer["distances"].items():
                 print(f"  {name:60} {tested:10.2e} {reference:10.2e} {between:10.2e}")
         print("columns: from float64, the reference pipeline's from float64, from the reference pipeline")
@@ -336,9 +396,16 @@ def main():
     try:
         # A generous bound for the whole run: each call waits at most --timeout, and a rank that
         # gives up returns at once; the pool's own timeout catches a rank that never answers.
-        tallies = pool.run(soak_rank, timeout=max(600.0, 20.0 * args.calls), seed=args.seed, calls=args.calls,
-                           timeout_s=args.timeout, progress=args.progress, max_seconds=args.max_seconds,
-                           calls_per_case=args.calls_per_case)
+        tallies = pool.run(
+            soak_rank,
+            timeout=max(600.0, 20.0 * args.calls),
+            seed=args.seed,
+            calls=args.calls,
+            timeout_s=args.timeout,
+            progress=args.progress,
+            max_seconds=args.max_seconds,
+            calls_per_case=args.calls_per_case,
+        )
     finally:
         pool.stop()
     report = summarize(tallies)

@@ -10,8 +10,6 @@ attributes, the checkpoint format, shared experts and the router-logits outputs.
 turns every ``AutoEPMoELayer`` of the model into one when the ``"moe"`` section says ``"comet"``.
 """
 
-from typing import Optional
-
 import torch
 from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer, RouterOutput
 from torch import Tensor
@@ -21,38 +19,47 @@ from ...pipelines.collective_waits import failures_noted
 from ...pipelines.expert_weights import StackedExperts
 from ...pipelines.selection import LayerSpec, PipelineSelection
 
-
 # "expert_parallel" keys that choose how AutoEP itself exchanges rows or combines: the comet backend
 # replaces those parts, so they do nothing under it. What stands in for each. The keys that choose
 # how GroupedExperts computes (use_grouped_mm, disable_triton_grouped_mm, gate_up_impl) are not
 # here: the reference pipeline calls GroupedExperts, which follows them.
 REPLACED_KEYS = {
-    "combine_impl": "the combine", "row_weighting_impl": "the combine",
-    "async_split_plan": "the exchange", "comm_qp_margin": "the exchange",
-    "comm_num_sm": "the exchange (\"moe\": {\"comm_blocks\"} sets the fused dispatch's SMs)",
-    "comm_max_tokens_per_rank": "the exchange (\"moe\": {\"max_tokens_per_rank\"} sizes the fused workspace)",
+    "combine_impl": "the combine",
+    "row_weighting_impl": "the combine",
+    "async_split_plan": "the exchange",
+    "comm_qp_margin": "the exchange",
+    "comm_num_sm": 'the exchange ("moe": {"comm_blocks"} sets the fused dispatch\'s SMs)',
+    "comm_max_tokens_per_rank": 'the exchange ("moe": {"max_tokens_per_rank"} sizes the fused workspace)',
 }
 
 
-def replaced_keys_message(section: dict) -> Optional[str]:
+def replaced_keys_message(section: dict) -> str | None:
     """What to tell a user whose "expert_parallel" section sets keys the comet backend makes moot
     to values other than AutoEP's defaults."""
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+
     defaults = parse_autoep_config({"enabled": True})
-    found = [f"{key} ({REPLACED_KEYS[key]})" for key in REPLACED_KEYS
-             if key in section and section[key] != getattr(defaults, key, None)]
+    found = [
+        f"{key} ({REPLACED_KEYS[key]})"
+        for key in REPLACED_KEYS
+        if key in section and section[key] != getattr(defaults, key, None)
+    ]
     if not found:
         return None
-    return ("ds_comet: these \"expert_parallel\" keys choose parts of AutoEP's layer that the comet backend "
-            "replaces, so they take no effect: " + "; ".join(found))
+    return (
+        'ds_comet: these "expert_parallel" keys choose parts of AutoEP\'s layer that the comet backend '
+        "replaces, so they take no effect: " + "; ".join(found)
+    )
 
 
-def moe_keys_message(config: CometMoEConfig) -> Optional[str]:
+def moe_keys_message(config: CometMoEConfig) -> str | None:
     """What to tell a user whose "moe" section sets keys that AutoEP's layers do not use."""
     if not config.cuda_graph_gate:
         return None
-    return ("ds_comet: \"moe\": {\"cuda_graph_gate\": true} replays DeepSpeed's TopKGate from CUDA graphs; "
-            "AutoEP's layers route with their own router, which runs as it is")
+    return (
+        'ds_comet: "moe": {"cuda_graph_gate": true} replays DeepSpeed\'s TopKGate from CUDA graphs; '
+        "AutoEP's layers route with their own router, which runs as it is"
+    )
 
 
 def _layer_spec(layer: AutoEPMoELayer) -> LayerSpec:
@@ -63,8 +70,14 @@ def _layer_spec(layer: AutoEPMoELayer) -> LayerSpec:
         return max(ep_size * min(top_k, num_local) * max_tokens, 1)
 
     settings = (("integration", "AutoEP"), ("model family", layer.model_family), ("score_apply", layer.score_apply))
-    return LayerSpec(num_experts=layer.num_experts, ep_size=ep_size, top_k=top_k, row_bound=row_bound,
-                     settings=lambda: settings, scale_before=layer.score_apply == "pre")
+    return LayerSpec(
+        num_experts=layer.num_experts,
+        ep_size=ep_size,
+        top_k=top_k,
+        row_bound=row_bound,
+        settings=lambda: settings,
+        scale_before=layer.score_apply == "pre",
+    )
 
 
 class CometAutoEPMoELayer(AutoEPMoELayer):
@@ -83,17 +96,23 @@ class CometAutoEPMoELayer(AutoEPMoELayer):
         if type(layer) is not AutoEPMoELayer:
             raise TypeError(f"adopt takes an AutoEPMoELayer, got {type(layer).__name__}")
         if layer.comm_backend == "deepep" and layer.ep_size > 1:  # AutoEP uses DeepEP only across ranks
-            raise ValueError("\"expert_parallel\": {\"comm_backend\": \"deepep\"} and \"moe\": {\"backend\": "
-                             "\"comet\"} both replace AutoEP's exchange; keep one of them")
+            raise ValueError(
+                '"expert_parallel": {"comm_backend": "deepep"} and "moe": {"backend": '
+                '"comet"} both replace AutoEP\'s exchange; keep one of them'
+            )
         if layer.folding_group_handles is not None and layer.folding_group_handles.spec.tp_size > 1:
-            raise NotImplementedError("the comet MoE backend does not run AutoEP's folded tensor parallelism "
-                                      "(tensor_parallel.autotp_size > 1); use \"moe\": {\"backend\": \"deepspeed\"}")
+            raise NotImplementedError(
+                "the comet MoE backend does not run AutoEP's folded tensor parallelism "
+                '(tensor_parallel.autotp_size > 1); use "moe": {"backend": "deepspeed"}'
+            )
         # ZeRO-3 leaves each parameter an empty placeholder between its module's own forward hooks;
         # the pipelines read the stacked weights whole, outside those hooks.
         if any(hasattr(param, "ds_id") for param in layer.parameters()):
-            raise NotImplementedError("the comet MoE backend does not run ZeRO stage 3, which partitions the expert "
-                                      "weights that its pipelines read whole; use \"zero_optimization\": {\"stage\": "
-                                      "1} or 2, or \"moe\": {\"backend\": \"deepspeed\"}")
+            raise NotImplementedError(
+                "the comet MoE backend does not run ZeRO stage 3, which partitions the expert "
+                'weights that its pipelines read whole; use "zero_optimization": {"stage": '
+                '1} or 2, or "moe": {"backend": "deepspeed"}'
+            )
         # Everything that can refuse runs before the class changes: a refused layer stays AutoEP's.
         pipelines = PipelineSelection(_layer_spec(layer), StackedExperts(layer.experts), config)
         pipelines.check_structure(layer.hidden_size)
@@ -103,11 +122,14 @@ class CometAutoEPMoELayer(AutoEPMoELayer):
         layer.pipelines = pipelines
         return layer
 
-    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
-                                  folding_group_handles=None) -> None:
+    def set_deepspeed_parallelism(
+        self, use_data_before_expert_parallel_: bool = False, folding_group_handles=None
+    ) -> None:
         if folding_group_handles is not None and folding_group_handles.spec.tp_size > 1:
-            raise NotImplementedError("the comet MoE backend does not run AutoEP's folded tensor parallelism "
-                                      "(tensor_parallel.autotp_size > 1); use \"moe\": {\"backend\": \"deepspeed\"}")
+            raise NotImplementedError(
+                "the comet MoE backend does not run AutoEP's folded tensor parallelism "
+                '(tensor_parallel.autotp_size > 1); use "moe": {"backend": "deepspeed"}'
+            )
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_, folding_group_handles)
         self.pipelines.set_group(self.ep_group)
 

@@ -25,7 +25,6 @@ rounding; the GPU tests compare every output bit for bit with stock's gate.
 """
 
 import weakref
-from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -37,22 +36,21 @@ from torch.nn.modules import module as nn_module
 
 from ...pipelines.policy import GLOBAL_HOOKS, MODULE_HOOKS
 
-_capacities: Dict[tuple, int] = {}
+_capacities: dict[tuple, int] = {}
 _warned_hooks = weakref.WeakSet()  # gates whose skipped hooks were reported
 # gate -> in a layer, whether any rank of its group's gate had hooks when the group last agreed
 # (record_group_hooks); for a gate called on its own, whether it had them at its first call
 _hooked_when_agreed = weakref.WeakKeyDictionary()
-_expert_ids: Dict[tuple, Tensor] = {}
+_expert_ids: dict[tuple, Tensor] = {}
 # The top-2 kernel repeats this function's arithmetic; a replaced one is called as it is.
 _STOCK_GUMBEL = ds.gumbel_rsample
 # Stock's forward looks these up at every call: a replaced one changes stock's answer.
 _STOCK_GATINGS = (ds.top1gating, ds.top2gating, ds.topkgating)
 
 
-def gate_routes(gate: TopKGate,
-                tokens: Tensor,
-                used_token: Optional[Tensor] = None,
-                op=None) -> Tuple[Tensor, int, Tensor, Tensor, Tensor]:
+def gate_routes(
+    gate: TopKGate, tokens: Tensor, used_token: Tensor | None = None, op=None
+) -> tuple[Tensor, int, Tensor, Tensor, Tensor]:
     """``(l_aux, num_experts, indices, gates, exp_counts)`` exactly as ``gate(tokens, used_token, True)``.
 
     ``indices`` is [k, S] int32 with -1 for a route the capacity dropped, ``gates`` [k, S] fp32.
@@ -66,13 +64,13 @@ def gate_routes(gate: TopKGate,
     training = gate.training
     # The prelude of TopKGate.forward: the jitter draws from the RNG before any routing does.
     features = tokens.float()
-    if gate.noisy_gate_policy == 'Jitter' and training:
+    if gate.noisy_gate_policy == "Jitter" and training:
         features = ds.multiplicative_jitter(features, device=tokens.device)
     logits = F.linear(features, weight=gate.wg.weight.float(), bias=None)
     factor = gate.capacity_factor if training else gate.eval_capacity_factor
 
     if gate.k == 1:
-        rsample = training and gate.noisy_gate_policy == 'RSample'
+        rsample = training and gate.noisy_gate_policy == "RSample"
         return _top1(logits, factor, gate.min_capacity, used_token, rsample, gate.use_rts)
     op = op if logits.is_cuda else None
     if gate.k == 2:
@@ -119,7 +117,7 @@ def _reproducible(gate, tokens: Tensor) -> bool:
 
 # Host bookkeeping in a weak dictionary, which torch.compile cannot trace: it runs outside the graph.
 @torch._disable_dynamo
-def _hooks_now_and_when_agreed(gate) -> Tuple[bool, bool]:
+def _hooks_now_and_when_agreed(gate) -> tuple[bool, bool]:
     """Whether the gate (or every module) has hooks now, and the answer that stands for the group
     (``_hooked_when_agreed``; the gate's own at its first call where no group recorded one)."""
     hooked = hooks_now(gate)
@@ -128,8 +126,9 @@ def _hooks_now_and_when_agreed(gate) -> Tuple[bool, bool]:
 
 def hooks_now(gate) -> bool:
     """Whether the gate (or every module) has hooks, which only stock's forward runs."""
-    return (any(getattr(gate, name, None) for name in MODULE_HOOKS)
-            or any(getattr(nn_module, name, None) for name in GLOBAL_HOOKS))
+    return any(getattr(gate, name, None) for name in MODULE_HOOKS) or any(
+        getattr(nn_module, name, None) for name in GLOBAL_HOOKS
+    )
 
 
 @torch._disable_dynamo
@@ -145,11 +144,14 @@ def _warn_skipped_hooks(gate) -> None:
     if gate in _warned_hooks:
         return
     _warned_hooks.add(gate)
-    logger.warning("ds_comet: hooks that appeared on a top-%d gate without dropping (or global module hooks) "
-                   "after its layer's group agreed (at the layer's first call) are skipped: stock's forward, which "
-                   "would run them, all-reduces a capacity over the expert-parallel group that ranks without the "
-                   "hooks do not, so calling it on this rank alone would mismatch their next collectives. Register "
-                   "them before the first call, or set \"moe\": {\"backend\": \"deepspeed\"}, to run them", gate.k)
+    logger.warning(
+        "ds_comet: hooks that appeared on a top-%d gate without dropping (or global module hooks) "
+        "after its layer's group agreed (at the layer's first call) are skipped: stock's forward, which "
+        "would run them, all-reduces a capacity over the expert-parallel group that ranks without the "
+        "hooks do not, so calling it on this rank alone would mismatch their next collectives. Register "
+        'them before the first call, or set "moe": {"backend": "deepspeed"}, to run them',
+        gate.k,
+    )
 
 
 def _capacity(gates: Tensor, factor: float, min_capacity: int) -> int:
@@ -184,14 +186,14 @@ def _rts_sampler(device: torch.device):
     """The sampler stock's random token selection draws from, shared through DeepSpeed's own map."""
     sampler = ds.exp_selection_uniform_map.get(device)
     if sampler is None:
-        unit = torch.distributions.uniform.Uniform(low=torch.tensor(0.0, device=device),
-                                                   high=torch.tensor(1.0, device=device))
+        unit = torch.distributions.uniform.Uniform(
+            low=torch.tensor(0.0, device=device), high=torch.tensor(1.0, device=device)
+        )
         sampler = ds.exp_selection_uniform_map[device] = unit.rsample
     return sampler
 
 
-def _top1(logits: Tensor, factor: float, min_capacity: int, used_token: Optional[Tensor], rsample: bool,
-          use_rts: bool):
+def _top1(logits: Tensor, factor: float, min_capacity: int, used_token: Tensor | None, rsample: bool, use_rts: bool):
     """Top-1 with ``drop_tokens``: stock's selection, without the location scan it only returns."""
     if rsample:
         # Only argmax reads the noisy logits, so they need no graph.
@@ -202,8 +204,11 @@ def _top1(logits: Tensor, factor: float, min_capacity: int, used_token: Optional
 
     choice = torch.argmax(noisy if rsample else gates, dim=1)
     # F.one_hot's int64 mask in one op (one_hot is a fill and a scatter, and on CPU two host checks).
-    mask = torch.eq(choice.unsqueeze(1), _experts(num_experts, logits.device),
-                    out=torch.empty((num_tokens, num_experts), dtype=torch.int64, device=logits.device))
+    mask = torch.eq(
+        choice.unsqueeze(1),
+        _experts(num_experts, logits.device),
+        out=torch.empty((num_tokens, num_experts), dtype=torch.int64, device=logits.device),
+    )
     if used_token is not None:
         mask = ds.einsum("s,se->se", used_token, mask)
     exp_counts = torch.sum(mask, dim=0).detach()
@@ -215,8 +220,10 @@ def _top1(logits: Tensor, factor: float, min_capacity: int, used_token: Optional
     # Which routes survive is decided by topk over the tokens of each expert; its tie-breaking is
     # part of the answer, so it sees exactly stock's input.
     ranked = mask * _rts_sampler(logits.device)(mask.shape) if use_rts else mask
-    assert num_tokens >= min_capacity, ("No. of tokens (batch-size) should be greater than min_capacity. "
-                                        "Either set min_capacity to 0 or increase your batch size.")
+    assert num_tokens >= min_capacity, (
+        "No. of tokens (batch-size) should be greater than min_capacity. "
+        "Either set min_capacity to 0 or increase your batch size."
+    )
     survivors = torch.topk(ranked, k=min(capacity, num_tokens), dim=0)[1]
     mask = mask * torch.zeros_like(mask).scatter_(0, survivors, 1)
 
@@ -268,11 +275,14 @@ def _stock_gumbel_is_fp32(device: torch.device) -> bool:
         one, zero = torch.tensor(1.0, device=device), torch.tensor(0.0, device=device)
         sampler = ds.gumbel_map[device] = torch.distributions.gumbel.Gumbel(zero, one).rsample
     owner = getattr(sampler, "__self__", None)
-    return type(owner) is torch.distributions.gumbel.Gumbel and owner.loc.dtype == torch.float32 and \
-        owner.scale.dtype == torch.float32
+    return (
+        type(owner) is torch.distributions.gumbel.Gumbel
+        and owner.loc.dtype == torch.float32
+        and owner.scale.dtype == torch.float32
+    )
 
 
-def _top2_ops(logits: Tensor, gates: Tensor, capacity: Optional[int], sampling: bool):
+def _top2_ops(logits: Tensor, gates: Tensor, capacity: int | None, sampling: bool):
     """(routes [2, S] int32, one-hot masks, expert counts) of top-2 in torch ops.
 
     ``masks`` is fp32 [3, S, E] with dropping (the first choices before the drop, then both choices
@@ -311,26 +321,27 @@ def _top2_ops(logits: Tensor, gates: Tensor, capacity: Optional[int], sampling: 
         picks = torch.stack([first, second])
     # One-hot rows as fp32 in one op: the masks stock multiplies and averages, equal in value (fp32
     # even where CPU autocast leaves the gates bf16, as stock's .float() masks are).
-    masks = torch.eq(picks.unsqueeze(2), experts, out=gates.new_empty((picks.shape[0], num_tokens, num_experts),
-                                                                       dtype=torch.float32))
+    masks = torch.eq(
+        picks.unsqueeze(2), experts, out=gates.new_empty((picks.shape[0], num_tokens, num_experts), dtype=torch.float32)
+    )
     if capacity is None:
         exp_counts = masks.sum(dim=(0, 1), dtype=torch.int64)
     return picks[-2:].to(torch.int32), masks, exp_counts
 
 
-def _top2_kernels(op, logits: Tensor, gates: Tensor, capacity: Optional[int], sampling: bool):
+def _top2_kernels(op, logits: Tensor, gates: Tensor, capacity: int | None, sampling: bool):
     """``_top2_ops`` in one call of the op, after the one draw from the RNG that stock's Gumbel noise makes."""
     num_tokens, num_experts = gates.shape
     # Gumbel(0, 1).rsample's only random op; the kernel repeats the rest of its arithmetic.
-    uniform = (torch.rand(logits.shape, dtype=torch.float32, device=logits.device) if sampling else
-               logits.new_empty(0))
+    uniform = torch.rand(logits.shape, dtype=torch.float32, device=logits.device) if sampling else logits.new_empty(0)
     routes = torch.empty((2, num_tokens), dtype=torch.int32, device=logits.device)
     masks = gates.new_empty((2 if capacity is None else 3, num_tokens, num_experts))
     exp_counts = torch.empty(num_experts, dtype=torch.int64, device=logits.device)
     # Under autocast the logits are bf16 or fp16: the kernel reads them in their dtype and rounds
     # their noisy sum to it, as stock's in-place add does.
-    op.top2_routes(gates.detach(), logits.detach(), uniform, -1 if capacity is None else capacity, routes, masks,
-                   exp_counts)
+    op.top2_routes(
+        gates.detach(), logits.detach(), uniform, -1 if capacity is None else capacity, routes, masks, exp_counts
+    )
     return routes, masks, exp_counts
 
 
@@ -357,7 +368,7 @@ def _topk(logits: Tensor, k: int, factor: float, min_capacity: int, drop_tokens:
     return l_aux, num_experts, indices, ds._stack_routes(route_gates), exp_counts
 
 
-def _topk_ops(gates: Tensor, top_gate: Tensor, top_idx: Tensor, capacity: Optional[int]):
+def _topk_ops(gates: Tensor, top_gate: Tensor, top_idx: Tensor, capacity: int | None):
     """(mask, kept, indices [k, S] int32, expert counts) of top-k in torch ops: the one-hot mask of
     the choices as fp32, the choices the capacity keeps (bool), the routes with -1 where dropped."""
     num_tokens = gates.shape[0]
@@ -376,7 +387,7 @@ def _topk_ops(gates: Tensor, top_gate: Tensor, top_idx: Tensor, capacity: Option
     return mask.float(), kept, indices, exp_counts
 
 
-def _topk_kernels(op, top_gate: Tensor, top_idx: Tensor, num_experts: int, capacity: Optional[int]):
+def _topk_kernels(op, top_gate: Tensor, top_idx: Tensor, num_experts: int, capacity: int | None):
     """``_topk_ops`` in two calls of the op around stock's capacity topk (kept is fp32 here)."""
     num_tokens, k = top_idx.shape
     device = top_idx.device

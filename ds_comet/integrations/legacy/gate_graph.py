@@ -32,7 +32,6 @@ Signatures captured for the parameters' old storage are dropped at the next capt
 
 import contextlib
 import weakref
-from typing import Dict, Optional, Tuple
 
 import torch
 from deepspeed.moe import sharded_moe
@@ -63,13 +62,29 @@ def _parameter_storage(params) -> tuple:
 
 def _signature(gate, tokens: Tensor, op, params, needs_grad: bool) -> tuple:
     """What a captured graph is only valid for; its first entry is ``_parameter_storage``."""
-    return (_parameter_storage(params), gate.training, needs_grad, torch.is_inference_mode_enabled(),
-            tokens.requires_grad, tuple(p.requires_grad for p in params), tuple(tokens.shape), tokens.dtype,
-            tokens.device, op is None,
-            torch.are_deterministic_algorithms_enabled(), _fp32_matmul_precision(),
-            id(sharded_moe.gumbel_rsample), gate.k,
-            gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy,
-            gate.drop_tokens, gate.use_rts, getattr(gate, "top2_2nd_expert_sampling", None))
+    return (
+        _parameter_storage(params),
+        gate.training,
+        needs_grad,
+        torch.is_inference_mode_enabled(),
+        tokens.requires_grad,
+        tuple(p.requires_grad for p in params),
+        tuple(tokens.shape),
+        tokens.dtype,
+        tokens.device,
+        op is None,
+        torch.are_deterministic_algorithms_enabled(),
+        _fp32_matmul_precision(),
+        id(sharded_moe.gumbel_rsample),
+        gate.k,
+        gate.capacity_factor,
+        gate.eval_capacity_factor,
+        gate.min_capacity,
+        gate.noisy_gate_policy,
+        gate.drop_tokens,
+        gate.use_rts,
+        getattr(gate, "top2_2nd_expert_sampling", None),
+    )
 
 
 class _Captured:
@@ -79,7 +94,7 @@ class _Captured:
         device = tokens.device
         self.pool = torch.cuda.graph_pool_handle()
         self.tokens = tokens.detach().clone().requires_grad_(tokens.requires_grad and needs_grad)
-        self.pending: Optional[weakref.ref] = None  # the context of the forward whose backward is due
+        self.pending: weakref.ref | None = None  # the context of the forward whose backward is due
         self.generation = 0
         self.grad_tokens_index = 0 if self.tokens.requires_grad else None
         self.param_grad_index = {}
@@ -109,12 +124,14 @@ class _Captured:
                 if needs_grad:
                     self.grad_l_aux, self.grad_gates = torch.zeros_like(l_aux), torch.zeros_like(gates)
                     self.backward = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(self.backward, pool=self.pool, stream=side,
-                                          capture_error_mode="thread_local"):
+                    with torch.cuda.graph(
+                        self.backward, pool=self.pool, stream=side, capture_error_mode="thread_local"
+                    ):
                         self.grads = differentiate(inputs, l_aux, gates, self.grad_l_aux, self.grad_gates)
                 # The graphs keep their memory; the eager autograd graph of the capture is not needed.
-                self.l_aux, self.indices, self.gates, self.counts = (t.detach() for t in (l_aux, indices, gates,
-                                                                                           counts))
+                self.l_aux, self.indices, self.gates, self.counts = (
+                    t.detach() for t in (l_aux, indices, gates, counts)
+                )
         finally:
             main.wait_stream(side)
             # The warm-up calls drew from the generator and the capture advanced it; from the state
@@ -172,9 +189,11 @@ class ReplayRoutes(torch.autograd.Function):
     def backward(ctx, grad_l_aux, _grad_indices, grad_gates, _grad_counts):
         captured = ctx.captured
         if captured.backward is None or ctx.generation != captured.generation:
-            raise RuntimeError("the CUDA-graphed gate's activations were reused before this backward (a second "
-                               "backward with retain_graph=True, or a backward after another forward); set "
-                               "\"moe\": {\"cuda_graph_gate\": false}")
+            raise RuntimeError(
+                "the CUDA-graphed gate's activations were reused before this backward (a second "
+                "backward with retain_graph=True, or a backward after another forward); set "
+                '"moe": {"cuda_graph_gate": false}'
+            )
         for static, grad in ((captured.grad_l_aux, grad_l_aux), (captured.grad_gates, grad_gates)):
             if grad is None:
                 static.zero_()
@@ -197,15 +216,19 @@ class GateGraphs:
     """One MoE layer's captured routings, by call signature."""
 
     def __init__(self):
-        self._captured: Dict[tuple, _Captured] = {}
+        self._captured: dict[tuple, _Captured] = {}
 
-    def routes(self, gate, tokens: Tensor, used_token: Optional[Tensor],
-               op) -> Tuple[Tensor, int, Tensor, Tensor, Tensor]:
+    def routes(self, gate, tokens: Tensor, used_token: Tensor | None, op) -> tuple[Tensor, int, Tensor, Tensor, Tensor]:
         """What ``gate_routes(gate, tokens, used_token, op)`` returns, replayed where it can be."""
-        if (used_token is not None or not tokens.is_cuda or torch.cuda.is_current_stream_capturing()
-                or torch.compiler.is_compiling() or torch.is_autocast_enabled(tokens.device.type)
-                or saved_tensor_hooks_active()
-                or not _reproducible(gate, tokens)):
+        if (
+            used_token is not None
+            or not tokens.is_cuda
+            or torch.cuda.is_current_stream_capturing()
+            or torch.compiler.is_compiling()
+            or torch.is_autocast_enabled(tokens.device.type)
+            or saved_tensor_hooks_active()
+            or not _reproducible(gate, tokens)
+        ):
             return gate_routes(gate, tokens, used_token, op)
         params = list(gate.parameters())
         needs_grad = torch.is_grad_enabled() and (tokens.requires_grad or any(p.requires_grad for p in params))
@@ -235,6 +258,7 @@ class GateGraphs:
         except RuntimeError as error:
             # Not a silent fallback: a capture that fails part way can leave torch's CUDA generator
             # in capture mode, and every later random op of the process would fail obscurely.
-            raise RuntimeError(f"ds_comet: capturing the gate's routing in a CUDA graph failed for tokens "
-                               f"{tuple(tokens.shape)} ({error}); set \"moe\": {{\"cuda_graph_gate\": false}}"
-                               ) from error
+            raise RuntimeError(
+                f"ds_comet: capturing the gate's routing in a CUDA graph failed for tokens "
+                f'{tuple(tokens.shape)} ({error}); set "moe": {{"cuda_graph_gate": false}}'
+            ) from error

@@ -6,8 +6,6 @@ modules, so routing, capacity, the aux loss, parameter names, expert attributes 
 exactly stock's; the dispatch, the experts' computation and the combine run on ds_comet's pipelines.
 """
 
-from typing import Optional
-
 import deepspeed.moe.layer
 from deepspeed import comm as dist
 from deepspeed.moe.sharded_moe import MOE_TIMER, MOELayer
@@ -31,18 +29,30 @@ def _layer_spec(moe: MOELayer) -> LayerSpec:
     def row_bound(max_tokens: int, train: bool) -> int:
         # The gate's capacity in the mode's factor; read at the choice, as the gate holds it.
         factor = gate.capacity_factor if train else gate.eval_capacity_factor
-        return max_received_rows(max_tokens, gate.k, num_experts, moe.ep_size, gate.drop_tokens, factor, factor,
-                                 gate.min_capacity)
+        return max_received_rows(
+            max_tokens, gate.k, num_experts, moe.ep_size, gate.drop_tokens, factor, factor, gate.min_capacity
+        )
 
     def settings():  # read at every call: the row bound follows a change of the capacity factors
-        return (("integration", "deepspeed.moe.layer.MoE"), ("capacity_factor", gate.capacity_factor),
-                ("eval_capacity_factor", gate.eval_capacity_factor), ("min_capacity", gate.min_capacity),
-                ("drop_tokens", gate.drop_tokens), ("use_rts", gate.use_rts),
-                ("noisy_gate_policy", gate.noisy_gate_policy))
+        return (
+            ("integration", "deepspeed.moe.layer.MoE"),
+            ("capacity_factor", gate.capacity_factor),
+            ("eval_capacity_factor", gate.eval_capacity_factor),
+            ("min_capacity", gate.min_capacity),
+            ("drop_tokens", gate.drop_tokens),
+            ("use_rts", gate.use_rts),
+            ("noisy_gate_policy", gate.noisy_gate_policy),
+        )
 
-    return LayerSpec(num_experts=num_experts, ep_size=moe.ep_size, top_k=gate.k, row_bound=row_bound,
-                     settings=settings, router_hooked=lambda: hooks_now(gate),
-                     router_agreed=lambda hooked_anywhere: record_group_hooks(gate, hooked_anywhere))
+    return LayerSpec(
+        num_experts=num_experts,
+        ep_size=moe.ep_size,
+        top_k=gate.k,
+        row_bound=row_bound,
+        settings=settings,
+        router_hooked=lambda: hooks_now(gate),
+        router_agreed=lambda hooked_anywhere: record_group_hooks(gate, hooked_anywhere),
+    )
 
 
 class CometMOELayer(MOELayer):
@@ -66,8 +76,9 @@ class CometMOELayer(MOELayer):
         reason = row_mixing_reason(layer.experts.deepspeed_experts[0])
         if reason is not None:
             raise ValueError(reason)
-        pipelines = PipelineSelection(_layer_spec(layer), ModuleExperts(layer.experts, layer.experts.deepspeed_experts),
-                                      config)
+        pipelines = PipelineSelection(
+            _layer_spec(layer), ModuleExperts(layer.experts, layer.experts.deepspeed_experts), config
+        )
         pipelines.check_structure(layer.gate.wg.weight.shape[1])
         if layer.ep_group is not None:
             pipelines.set_group(layer.ep_group)
@@ -81,7 +92,7 @@ class CometMOELayer(MOELayer):
         super()._set_ep_group(ep_group)
         self.pipelines.set_group(ep_group)
 
-    def forward(self, hidden_states: Tensor, used_token: Optional[Tensor] = None) -> Tensor:
+    def forward(self, hidden_states: Tensor, used_token: Tensor | None = None) -> Tensor:
         # DeepSpeed's "wall_clock_breakdown" reads the layer's time as stock's forward records it
         # (fwd_moe; with a device sync, as stock's timer makes). The all-to-alls have no time of
         # their own here, overlapped or inside the pipeline: 1st_a2a and 2nd_a2a stay 0.
@@ -93,20 +104,26 @@ class CometMOELayer(MOELayer):
             self.time_moe = self.timers(MOE_TIMER).elapsed(reset=False)
         return output
 
-    def _forward(self, hidden_states: Tensor, used_token: Optional[Tensor]) -> Tensor:
+    def _forward(self, hidden_states: Tensor, used_token: Tensor | None) -> Tensor:
         if self.ep_size > 1 and self.ep_group is None:
-            raise RuntimeError(f"the MoE layer has ep_size={self.ep_size} but no expert-parallel group: call "
-                               "deepspeed.initialize(...) or the layer's set_deepspeed_parallelism() first")
+            raise RuntimeError(
+                f"the MoE layer has ep_size={self.ep_size} but no expert-parallel group: call "
+                "deepspeed.initialize(...) or the layer's set_deepspeed_parallelism() first"
+            )
         # The steps before the pipeline's exchange: peers wait there for a rank that raised here.
         with failures_noted(self.pipelines.name, self.ep_size):
             hidden = self.gate.wg.weight.shape[1]
             if hidden_states.dim() < 2 or hidden_states.shape[-1] != hidden:
-                raise ValueError(f"ds_comet: {self.pipelines.name} takes hidden states [..., {hidden}] (tokens by "
-                                 f"the model's hidden size), got a tensor of shape {tuple(hidden_states.shape)}")
+                raise ValueError(
+                    f"ds_comet: {self.pipelines.name} takes hidden states [..., {hidden}] (tokens by "
+                    f"the model's hidden size), got a tensor of shape {tuple(hidden_states.shape)}"
+                )
             tokens = hidden_states.reshape(-1, hidden)
             if used_token is not None and used_token.numel() != tokens.shape[0]:
-                raise ValueError(f"ds_comet: {self.pipelines.name}: used_token must hold one entry per token "
-                                 f"({tokens.shape[0]}), got shape {tuple(used_token.shape)}")
+                raise ValueError(
+                    f"ds_comet: {self.pipelines.name}: used_token must hold one entry per token "
+                    f"({tokens.shape[0]}), got shape {tuple(used_token.shape)}"
+                )
             pipeline = self.pipelines.pipeline_for(tokens)
             fused = pipeline is self.pipelines.fused
             # On the fused path the op's gate kernels do the gate's integer bookkeeping.
@@ -128,29 +145,45 @@ class MoE(deepspeed.moe.layer.MoE):
     the layer is stock DeepSpeed's, unchanged. Without a config the layer uses the comet backend.
     """
 
-    def __init__(self,
-                 hidden_size: int,
-                 expert,
-                 num_experts: int = 1,
-                 ep_size: int = 1,
-                 k: int = 1,
-                 capacity_factor: float = 1.0,
-                 eval_capacity_factor: float = 1.0,
-                 min_capacity: int = 4,
-                 use_residual: bool = False,
-                 noisy_gate_policy: Optional[str] = None,
-                 drop_tokens: bool = True,
-                 use_rts: bool = True,
-                 use_tutel: bool = False,
-                 enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True,
-                 config=None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        expert,
+        num_experts: int = 1,
+        ep_size: int = 1,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        use_residual: bool = False,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        use_tutel: bool = False,
+        enable_expert_tensor_parallelism: bool = False,
+        top2_2nd_expert_sampling: bool = True,
+        config=None,
+    ) -> None:
         moe_config = CometMoEConfig(backend="comet") if config is None else moe_config_from(config)
         if moe_config.backend == "comet":
             _refuse_unsupported(num_experts, ep_size, k, use_tutel, enable_expert_tensor_parallelism)
-        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
-                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
-                         enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
+        super().__init__(
+            hidden_size,
+            expert,
+            num_experts,
+            ep_size,
+            k,
+            capacity_factor,
+            eval_capacity_factor,
+            min_capacity,
+            use_residual,
+            noisy_gate_policy,
+            drop_tokens,
+            use_rts,
+            use_tutel,
+            enable_expert_tensor_parallelism,
+            top2_2nd_expert_sampling,
+        )
         self.moe_config = moe_config
         if moe_config.backend == "comet":
             CometMOELayer.adopt(self.deepspeed_moe, moe_config)
@@ -159,16 +192,20 @@ class MoE(deepspeed.moe.layer.MoE):
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if self.ep_size > world or world % self.ep_size:
-            raise ValueError(f"ep_size={self.ep_size} does not divide the {world} ranks of this job: each "
-                             "expert-parallel group takes ep_size ranks; choose an ep_size that divides the world "
-                             "size (and num_experts)")
+            raise ValueError(
+                f"ep_size={self.ep_size} does not divide the {world} ranks of this job: each "
+                "expert-parallel group takes ep_size ranks; choose an ep_size that divides the world "
+                "size (and num_experts)"
+            )
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
 
 
 def _refuse_tensor_parallel():
     if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
-        raise NotImplementedError("the comet MoE backend does not support tensor-parallel non-expert layers "
-                                  "(mpu tensor parallel size > 1); use \"moe\": {\"backend\": \"deepspeed\"}")
+        raise NotImplementedError(
+            "the comet MoE backend does not support tensor-parallel non-expert layers "
+            '(mpu tensor parallel size > 1); use "moe": {"backend": "deepspeed"}'
+        )
 
 
 def _refuse_top_k(num_experts: int, k: int) -> None:
@@ -183,12 +220,16 @@ def _refuse_unsupported(num_experts, ep_size, k, use_tutel, enable_expert_tensor
         raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of ep_size ({ep_size})")
     _refuse_top_k(num_experts, k)
     if use_tutel:
-        raise ValueError("use_tutel=True replaces stock DeepSpeed's dispatch; the comet backend has its own. "
-                         "Drop use_tutel, or use \"moe\": {\"backend\": \"deepspeed\"}")
+        raise ValueError(
+            "use_tutel=True replaces stock DeepSpeed's dispatch; the comet backend has its own. "
+            'Drop use_tutel, or use "moe": {"backend": "deepspeed"}'
+        )
     if enable_expert_tensor_parallelism:
-        raise NotImplementedError("the comet MoE backend does not support expert tensor parallelism; "
-                                  "set enable_expert_tensor_parallelism=False or use "
-                                  "\"moe\": {\"backend\": \"deepspeed\"}")
+        raise NotImplementedError(
+            "the comet MoE backend does not support expert tensor parallelism; "
+            "set enable_expert_tensor_parallelism=False or use "
+            '"moe": {"backend": "deepspeed"}'
+        )
 
 
 def build_moe(ds_config=None, **moe_kwargs) -> deepspeed.moe.layer.MoE:
