@@ -49,6 +49,8 @@ other combine, which cannot start before the dispatch ends, stay for the dispatc
 only by a running block, so no unit waits on a block that is not scheduled.
 """
 
+from types import ModuleType
+
 import torch
 from torch import Tensor
 
@@ -56,12 +58,13 @@ from ..kernels.ops import CometWaitTimeout
 from .collective_waits import post_failure
 from .expert_weights import FusedExperts
 from .fused_kernels import FusedKernels, PointerTables
+from .interface import Pipeline
 from .parameters import FusedParameters
 from .routing import RoutingPlan, plan_routes_cuda
 from .workspace import CometBuffer
 
 
-class FusedPipeline:
+class FusedPipeline(Pipeline):
     """The fused COMET pipeline of one MoE layer on one rank, in the spirit of DeepEP's ``Buffer``.
 
     It owns what a call needs beyond its tokens: the expert-parallel group's workspace
@@ -69,16 +72,24 @@ class FusedPipeline:
     shared by the group's layers of one shape), the kernel parameters (``FusedParameters``), the
     local experts' weights as the kernels read them (``FusedExperts``) and their device pointer
     tables. Build it on every rank of the group at once (``pipelines.selection`` does); call
-    ``forward`` on every rank for every call, in the same order, as with any collective.
+    ``forward`` (``Pipeline.forward``) on every rank for every call, in the same order, as with any
+    collective. The gate before it may do its integer bookkeeping in the workspace's op
+    (``gate_op``) and be replayed from CUDA graphs (``replays_gate``).
 
-    ``num_experts``: the layer's experts over the group; ``row_bounds``: the most rows this rank can
-    receive in one call, by capacity mode (True: the gate's training capacity, False: its eval
-    capacity): the exchange kernel stops with an error rather than let a call exceed it, and
-    activations are sized by it, or, with ``size_by_received``, by the rows each call receives
-    (read back to the host after the exchange: ``"activation_rows": "received"``).
+    Args:
+        workspace: the group's workspace for this layer's shape (``workspace.get_buffer``).
+        experts: the local experts' weights as the kernels read them.
+        params: the kernel parameters (``parameters.choose_parameters``).
+        num_experts: the layer's experts over the group.
+        row_bounds: the most rows this rank can receive in one call, by capacity mode (True: the
+            gate's training capacity, False: its eval capacity): the exchange kernel stops with an
+            error rather than let a call exceed it, and activations are sized by it.
+        size_by_received: size activations by the rows each call receives instead (read back to
+            the host after the exchange: ``"activation_rows": "received"``).
     """
 
     name = "fused"
+    replays_gate = True
 
     def __init__(
         self,
@@ -98,6 +109,11 @@ class FusedPipeline:
         self.tables = PointerTables()
         self.layer_name = "MoE layer"  # in the note its peers read if this rank raises (the selection names it)
 
+    @property
+    def gate_op(self) -> ModuleType:
+        """The workspace's loaded op, whose gate kernels do the gate's integer bookkeeping."""
+        return self.workspace.op
+
     # Under torch.compile the fused call runs as written, behind one graph break. Dynamo would otherwise
     # trace into the fused autograd function around the op's calls and could put its Triton launches
     # in graphs; a functionalized launch (aot_autograd, inductor) runs on copies of the tensors it
@@ -106,18 +122,30 @@ class FusedPipeline:
     # at the first call, not at `import ds_comet` (seconds; DeepSpeed's lazy_disable does the same).
     @torch._disable_dynamo
     def forward(
-        self, tokens: Tensor, indices: Tensor, weights: Tensor, train: bool = True, out: Tensor | None = None
+        self,
+        tokens: Tensor,
+        indices: Tensor,
+        weights: Tensor,
+        *,
+        train: bool = True,
+        scale_before: bool = False,
+        out: Tensor | None = None,
     ) -> Tensor:
-        """The experts' combined output for ``tokens`` ([S, H], bf16 or fp16, on this rank's GPU).
+        """The experts' combined output for ``tokens``: ``Pipeline.forward``'s arguments and result.
 
-        ``indices`` ([k, S], integer): each route's global expert, -1 where the gate dropped it.
-        ``weights`` ([k, S]): each route's gate value (taken in fp32); the output is the weighted
-        sum of the routes' expert outputs, a zero row for a token with no kept route. ``train``
-        picks the capacity bound (``row_bounds``). Under autograd, with gradients wanted for the
-        tokens, the weights or the experts' parameters, the fused backward runs when they flow.
-        ``out`` ([S, H]) receives the output if given (no autograd then). No host sync, unless
+        ``tokens`` are bf16 or fp16 on this rank's GPU; ``train`` picks the capacity bound
+        (``row_bounds``). ``scale_before`` must be False: the kernels weight the routes' outputs,
+        never their rows. Under autograd, with gradients wanted for the tokens, the weights or the
+        experts' parameters, the fused backward runs when they flow. ``out`` ([S, H], the tokens'
+        dtype), if given, receives the output, with no autograd (beyond ``Pipeline``: the GPU
+        tests pass a poisoned tensor to see every row written). No host sync, unless
         ``size_by_received``.
         """
+        if scale_before:
+            raise ValueError(
+                f"ds_comet: {self.layer_name}: the fused pipeline weights the routes' outputs, not their rows "
+                "(scale_before); such a layer runs the reference pipeline"
+            )
         # The kernels weight routes in fp32; autocast makes the top-2 gate's weights bf16 (exact in fp32).
         weights = weights.float()
         try:

@@ -16,6 +16,7 @@ from torch import Tensor
 from .chunked import chunked_exchange
 from .collective_waits import CollectiveWaits, failures_noted
 from .expert_weights import LocalExperts
+from .interface import Pipeline
 from .policy import saved_tensor_hooks_active
 from .routing import RankPlan, plan_rank_rows
 
@@ -84,19 +85,30 @@ def sum_rows(values: Tensor, row: Tensor, slot: Tensor, num_rows: int, slots: in
     return padded.index_select(0, lookup).view(num_rows, slots, width).float().sum(dim=1)
 
 
-class ReferencePipeline:
+class ReferencePipeline(Pipeline):
     """Dispatch, experts and combine of one MoE layer in plain torch, over any process group.
 
-    ``experts``: this rank's local experts; ``num_experts``: the layer's experts over the group
-    (``ep_size`` ranks, ``num_experts / ep_size`` each); ``group``: the expert-parallel process group
-    (None when ``ep_size`` is 1). ``wait_timeout_s`` bounds each wait on the group (the exchange of
-    counts that starts every call, then the rows, their routes and their return, whole or in
-    chunks, and their gradients; on NCCL the host waits only for the counts): a rank whose peers
-    stopped calling the layer gets ``CometWaitTimeout`` naming ``layer_name`` and the ranks that stalled,
-    instead of waiting out the process group's timeout.
+    Runs every layer the comet backend takes, on CPU or GPU, in any dtype, with any expert module;
+    it defines the numbers the fused pipeline is held to. Its call is ``Pipeline.forward``; the
+    gate before it keeps its bookkeeping in torch (``gate_op`` None) and runs eagerly
+    (``replays_gate`` False).
+
+    Args:
+        experts: this rank's local experts (``num_experts / ep_size`` of them).
+        num_experts: the layer's experts over the group.
+        ep_size: the ranks of the expert-parallel group.
+        group: the expert-parallel process group (None when ``ep_size`` is 1).
+        wait_timeout_s: bounds each wait on the group (the exchange of counts that starts every
+            call, then the rows, their routes and their return, whole or in chunks, and their
+            gradients; on NCCL the host waits only for the counts): a rank whose peers stopped
+            calling the layer gets ``CometWaitTimeout`` naming ``layer_name`` and the ranks that
+            stalled, instead of waiting out the process group's timeout.
+        layer_name: the layer's name in errors (``PipelineSelection.name`` sets it).
     """
 
     name = "reference"
+    gate_op = None
+    replays_gate = False
 
     def __init__(
         self,
@@ -118,13 +130,13 @@ class ReferencePipeline:
         # destination node ("internode_forwarding", selection.py); None: straight to each rank.
         self.ranks_per_node = None
 
-    def forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool = False) -> Tensor:
-        """The experts' combined output for ``tokens`` ([S, H]).
+    def forward(
+        self, tokens: Tensor, indices: Tensor, weights: Tensor, *, train: bool = True, scale_before: bool = False
+    ) -> Tensor:
+        """The experts' combined output for ``tokens``: ``Pipeline.forward``'s arguments and result.
 
-        ``indices`` ([k, S], int): each route's global expert, -1 where the gate dropped it.
-        ``weights`` ([k, S], fp32): each route's gate value. The output is the weighted sum of the
-        routes' expert outputs; with ``scale_before`` each route's row is scaled by its weight
-        before its expert (AutoEP's ``score_apply: "pre"``) and the outputs are summed unweighted.
+        ``train`` changes nothing here: the gate has already dropped what its capacity drops, and
+        the rows this call exchanges are sized by what each rank sends, not by a bound.
 
         Each token goes once to each rank that holds one of its routes, with its k routes' local
         experts there (-1: not on that rank) and gates. The receiving rank runs each route's expert

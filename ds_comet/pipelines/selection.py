@@ -34,6 +34,7 @@ from .chunked import rule_chunks
 from .collective_waits import gather_objects
 from .expert_weights import LocalExperts
 from .fused import FusedPipeline
+from .interface import Pipeline
 from .parameters import choose_parameters, offsets_overflow
 from .policy import group_reason, hooks_reason, local_reason, module_hooks, node_name, structure_reason
 from .reference import ReferencePipeline
@@ -87,9 +88,6 @@ class RankFailure(str):
 
 class GroupDisagreement(RuntimeError):
     """The ranks of an expert-parallel group called a layer with settings that do not line up."""
-
-
-Pipeline = ReferencePipeline | FusedPipeline
 
 
 class PipelineSelection:

@@ -144,8 +144,5 @@ class CometAutoEPMoELayer(AutoEPMoELayer):
             pipeline = self.pipelines.pipeline_for(x)
         # The pipelines take routes as [k, T]: route j of token t is entry (j, t).
         indices, weights = routes.selected_experts.t(), routes.top_scores.t()
-        if pipeline is self.pipelines.fused:
-            output = pipeline.forward(x, indices, weights)
-        else:
-            output = pipeline.forward(x, indices, weights, scale_before=self.score_apply == "pre")
+        output = pipeline.forward(x, indices, weights, train=self.training, scale_before=self.score_apply == "pre")
         return self._finalize_output(output.reshape(bsz, seqlen, hdim), x, hidden_states, hdim)

@@ -125,15 +125,11 @@ class CometMOELayer(MOELayer):
                     f"({tokens.shape[0]}), got shape {tuple(used_token.shape)}"
                 )
             pipeline = self.pipelines.pipeline_for(tokens)
-            fused = pipeline is self.pipelines.fused
-            # On the fused path the op's gate kernels do the gate's integer bookkeeping.
-            op = pipeline.workspace.op if fused else None
-            routes = self.gate_graphs.routes if fused and self.gate_graphs is not None else gate_routes
-            self.l_aux, _, indices, weights, self.exp_counts = routes(self.gate, tokens, used_token, op)
-        if fused:
-            output = pipeline.forward(tokens, indices, weights, train=self.gate.training)
-        else:
-            output = pipeline.forward(tokens, indices, weights)
+            # The pipeline says what the gate before it may do: its op's gate kernels may do the
+            # integer bookkeeping, and the gate may be replayed from CUDA graphs.
+            routes = self.gate_graphs.routes if pipeline.replays_gate and self.gate_graphs is not None else gate_routes
+            self.l_aux, _, indices, weights, self.exp_counts = routes(self.gate, tokens, used_token, pipeline.gate_op)
+        output = pipeline.forward(tokens, indices, weights, train=self.gate.training)
         return output.reshape(hidden_states.shape)
 
 
