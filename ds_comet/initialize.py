@@ -6,9 +6,12 @@ DeepSpeed has built the engine (and AutoEP, under ``"expert_parallel"``, has con
 MoE blocks), it turns every MoE layer of the model into its comet version in place when the
 section says ``"backend": "comet"``:
 
-- AutoEP's ``AutoEPMoELayer`` becomes ``CometAutoEPMoELayer``;
 - stock ``deepspeed.moe.layer.MoE``'s inner ``MOELayer`` becomes ``CometMOELayer`` (layers built
-  with ``ds_comet.MoE`` / ``build_moe`` already are).
+  with ``ds_comet.MoE`` / ``build_moe`` already are);
+- AutoEP's ``AutoEPMoELayer`` becomes ``CometAutoEPMoELayer``;
+
+as the integrations' table says (``integrations/layer_classes.py``), which also gives what to tell
+the user once they are converted.
 
 Modules, parameters, optimizer state and checkpoints stay what DeepSpeed made; each comet layer is
 named after its module path in what it logs. A config that asks for comet on a model without MoE
@@ -23,12 +26,11 @@ import functools
 import logging
 
 import deepspeed
-from deepspeed.moe.sharded_moe import MOELayer
 from deepspeed.utils import log_dist, logger
 from torch import nn
 
 from .config import MOE_SECTION, CometMoEConfig, moe_config_from
-from .integrations.legacy.layer import CometMOELayer
+from .integrations.layer_classes import absent_layers, comet_replacements, conversion_notes
 
 
 @functools.wraps(deepspeed.initialize)
@@ -46,13 +48,9 @@ def initialize(*args, **kwargs):
     if MOE_SECTION in param_dict:
         refuse_other_settings(engine.module, config)
     converted = convert_moe_layers(engine.module, config)
-    section = param_dict.get("expert_parallel") or {}
-    if converted and section.get("enabled"):
-        from .integrations.autoep.layer import moe_keys_message, replaced_keys_message
-
-        for message in (replaced_keys_message(section), moe_keys_message(config)):
-            if message is not None:
-                log_dist(message, ranks=[0], level=logging.WARNING)
+    if converted:
+        for message in conversion_notes(param_dict, config):
+            log_dist(message, ranks=[0], level=logging.WARNING)
     return (engine, *rest)
 
 
@@ -63,15 +61,12 @@ def convert_moe_layers(model: nn.Module, config: CometMoEConfig) -> list[str]:
     """
     if config.backend != "comet":
         return []
-    autoep_layer = _autoep_layer_class()
+    replacements = comet_replacements()
     converted = []
     for path, module in model.named_modules():
-        if type(module) is MOELayer:
-            CometMOELayer.adopt(module, config)
-        elif autoep_layer is not None and type(module) is autoep_layer:
-            from .integrations.autoep.layer import CometAutoEPMoELayer
-
-            CometAutoEPMoELayer.adopt(module, config)
+        comet_class = replacements.get(type(module))
+        if comet_class is not None:
+            comet_class.adopt(module, config)
         pipelines = getattr(module, "pipelines", None)
         if pipelines is not None and hasattr(pipelines, "pipeline_for"):
             pipelines.name = path or type(module).__name__
@@ -79,8 +74,7 @@ def convert_moe_layers(model: nn.Module, config: CometMoEConfig) -> list[str]:
     if not converted:
         message = (
             'ds_comet: the ds_config asks for "moe": {"backend": "comet"}, but the model has no MoE layer '
-            "to run it (no deepspeed.moe.layer.MoE and no block AutoEP converted; for a Hugging Face model, "
-            'enable "expert_parallel")'
+            f"to run it: {absent_layers()}"
         )
         if config.overlap == "fused":
             raise ValueError(message)
@@ -121,11 +115,3 @@ def refuse_other_settings(model: nn.Module, config: CometMoEConfig) -> None:
         f'ds_comet: the ds_config\'s "moe" section differs from what these comet layers were built '
         f"with, which they keep: {layers}; {fix}"
     )
-
-
-def _autoep_layer_class():
-    try:
-        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-    except ImportError:  # a DeepSpeed without AutoEP
-        return None
-    return AutoEPMoELayer

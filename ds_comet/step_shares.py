@@ -30,10 +30,11 @@ What counts as what:
   the parameters' gather);
 - the rest: the step's time less both.
 
-MoE layers are DeepSpeed's stock ``MOELayer`` and AutoEP's ``AutoEPMoELayer``, and ds_comet's
-layers, which derive from them. The backward is timed through hooks on the gradients of the
-layer's first input and first output that require one (tensor hooks: the caller may still change
-the output in place); a call without both is timed in the forward only.
+MoE layers are those of the classes in the integrations' table (``integrations/layer_classes.py``:
+DeepSpeed's stock ``MOELayer`` and AutoEP's ``AutoEPMoELayer``), and ds_comet's layers, which
+derive from them. The backward is timed through hooks on the gradients of the layer's first input
+and first output that require one (tensor hooks: the caller may still change the output in place);
+a call without both is timed in the forward only.
 """
 
 import contextlib
@@ -42,13 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def moe_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The MoE layers inside ``module``: stock's ``MOELayer``, AutoEP's layer, and ds_comet's (subclasses)."""
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-    from deepspeed.moe.sharded_moe import MOELayer
-
-    return [layer for layer in module.modules() if isinstance(layer, (MOELayer, AutoEPMoELayer))]
+from .integrations.layer_classes import moe_layers
 
 
 @dataclass

@@ -699,13 +699,11 @@ class AutoEPCausalLMForward:
 
 def moe_layer_classes(module):
     """{class name: count} of the MoE layers that run in ``module`` (stock's, AutoEP's, ds_comet's)."""
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-    from deepspeed.moe.sharded_moe import MOELayer
+    from ds_comet.integrations.layer_classes import moe_layers
 
     found = {}
-    for layer in module.modules():
-        if isinstance(layer, (MOELayer, AutoEPMoELayer)):
-            found[type(layer).__name__] = found.get(type(layer).__name__, 0) + 1
+    for layer in moe_layers(module):
+        found[type(layer).__name__] = found.get(type(layer).__name__, 0) + 1
     return found
 
 

@@ -10,6 +10,8 @@ attributes, the checkpoint format, shared experts and the router-logits outputs.
 turns every ``AutoEPMoELayer`` of the model into one when the ``"moe"`` section says ``"comet"``.
 """
 
+from collections.abc import Mapping
+
 import torch
 from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer, RouterOutput
 from torch import Tensor
@@ -60,6 +62,18 @@ def moe_keys_message(config: CometMoEConfig) -> str | None:
         'ds_comet: "moe": {"cuda_graph_gate": true} replays DeepSpeed\'s TopKGate from CUDA graphs; '
         "AutoEP's layers route with their own router, which runs as it is"
     )
+
+
+def conversion_notes(ds_config: Mapping, config: CometMoEConfig) -> list[str]:
+    """What to tell a user whose model's layers ``ds_comet.initialize`` converted, where the
+    ds_config (a dict) enables AutoEP: the keys of either section that do nothing under the comet
+    backend (``replaced_keys_message``, ``moe_keys_message``). Read through the integrations table
+    (``integrations/layer_classes.py``)."""
+    section = ds_config.get("expert_parallel") or {}
+    if not section.get("enabled"):
+        return []
+    messages = (replaced_keys_message(section), moe_keys_message(config))
+    return [message for message in messages if message is not None]
 
 
 def _layer_spec(layer: AutoEPMoELayer) -> LayerSpec:
