@@ -23,7 +23,31 @@ _warned_ignored = set()
 
 
 class CometMoEConfig(DeepSpeedConfigModel):
-    """Options of the ``"moe"`` section; every key is optional."""
+    """The ``"moe"`` section of a ds_config, validated; every key is optional.
+
+    Made by ``moe_config_from(ds_config)`` (a dict, a JSON path, a ``DeepSpeedConfig``, an engine),
+    or from the section's keys directly: ``CometMoEConfig(backend="comet", overlap="fused")``. Each
+    field's own docstring below says what it does; docs/configuration.md is the users' reference.
+
+    Args:
+        **data: the section's keys and their JSON values (str, int, float, bool; null for the
+            rule's choice where a key has a rule). A value of the wrong type or an unknown key
+            raises pydantic's ``ValidationError``, which ``moe_config_from`` turns into a
+            ``ValueError`` naming the key and the values it takes.
+
+    Attributes:
+        backend: ``"deepspeed"`` (stock MoE) or ``"comet"`` (this package's layers).
+        overlap: ``"auto"``, ``"fused"`` or ``"none"``: which pipeline the comet layers may run.
+        comm_blocks, combine_blocks: int or None: thread blocks of the fused dispatch and combine.
+        tile_m, tile_n: int (tile_n None for the rule): the fused GEMMs' tile.
+        n_chunks: int or None: GEMM2's column chunks.
+        max_tokens_per_rank: int or None: sizes the fused workspace.
+        activation_rows: ``"bound"`` or ``"received"``: how the fused pipeline sizes activations.
+        internode_chunks, internode_forwarding: int or None, bool: the reference pipeline's
+            exchange where the group spans nodes.
+        cuda_graph_gate: bool: replay the DeepSpeed gate from CUDA graphs on the fused path.
+        wait_timeout_s: float seconds: the longest wait on a peer rank.
+    """
 
     # A JSON value of the wrong type (true or "8" for a count, "yes" for a flag) is an error, not
     # converted; an integer is still a valid number of seconds.

@@ -59,17 +59,25 @@ NO_TOKENS_YET = (
 
 @dataclass
 class LayerSpec:
-    """What the pipelines need to know of a layer besides its experts.
+    """What the pipelines need to know of a layer besides its experts; each integration makes one.
 
-    ``row_bound(max_tokens, train)``: the most rows one rank can receive when every rank feeds at
-    most ``max_tokens`` tokens, in training (True) or eval capacity. ``settings()``: (name, value)
-    pairs every rank of the group must share (k, capacity, ...), read at every call: the group agrees
-    again when they change (the row bound, for one, follows the gate's capacity factors).
-    ``scale_before``: the routes' weights scale the rows before the experts (AutoEP's "pre").
-    ``router_hooked()``: whether this rank's router has hooks that only its own forward runs, a
-    forward that holds collectives: the group's agreement gathers every rank's answer and passes
-    whether any was yes to ``router_agreed(hooked_anywhere)``, so that every rank takes that
-    forward, or none.
+    Attributes:
+        num_experts: the layer's experts over the expert-parallel group.
+        ep_size: the ranks of the group.
+        top_k: routes a token (k).
+        row_bound: ``row_bound(max_tokens, train)`` -> int: the most rows one rank can receive
+            when every rank feeds at most ``max_tokens`` tokens, in the gate's training capacity
+            (``train`` True) or its eval capacity; sizes the fused workspace.
+        settings: ``settings()`` -> tuple of (name, value) pairs every rank of the group must
+            share (k, capacity, ...), read at every call: the group agrees again when they change
+            (the row bound, for one, follows the gate's capacity factors).
+        scale_before: the routes' weights scale the rows before the experts (AutoEP's
+            ``"score_apply": "pre"``); such a layer runs the reference pipeline (under
+            ``"overlap": "fused"``, an error).
+        router_hooked: ``router_hooked()`` -> bool: whether this rank's router has hooks that only
+            its own forward runs, a forward that holds collectives.
+        router_agreed: ``router_agreed(hooked_anywhere)``: told, at the group's agreement, whether
+            any rank's ``router_hooked()`` was True, so that every rank takes that forward, or none.
     """
 
     num_experts: int
@@ -93,9 +101,21 @@ class GroupDisagreement(RuntimeError):
 class PipelineSelection:
     """The pipelines of one layer and the choice between them, call by call.
 
-    ``name`` names the layer in messages (``ds_comet.initialize`` sets it to the module's path).
-    ``pipeline_for(tokens)`` returns the pipeline that runs this call: ``reference`` or ``fused``;
-    ``reason`` says why the last call did not run the fused one (None when it did).
+    An integration's layer holds one as ``pipelines`` and, at each call, runs the ``Pipeline``
+    that ``pipeline_for`` hands it.
+
+    Args:
+        spec: the layer as the pipelines see it (``LayerSpec``).
+        experts: this rank's local experts.
+        config: the ``"moe"`` section.
+        name: the layer in messages (``ds_comet.initialize`` sets it to the module's path; by
+            default ``MoE layer <n>``).
+
+    Attributes:
+        reference: the ``ReferencePipeline``, always built.
+        fused: the ``FusedPipeline``, built by the group's agreement where every rank can run it;
+            else None.
+        reason: why the last call did not run the fused pipeline (None when it did).
     """
 
     def __init__(self, spec: LayerSpec, experts: LocalExperts, config: CometMoEConfig, name: str | None = None):
@@ -126,13 +146,15 @@ class PipelineSelection:
                 pipeline.layer_name = value
 
     def set_group(self, group) -> None:
-        """The expert-parallel process group (None for a layer with ep_size 1 and no group)."""
+        """Sets the expert-parallel process group (None for a layer with ep_size 1 and no group); the
+        group agrees again at the next call."""
         self.group = group
         self.reference.group = group
         self._agreed_key = None
 
     def check_structure(self, hidden: int) -> None:
-        """Under ``"overlap": "fused"``: raise now if the kernels cannot compute these experts."""
+        """Under ``"overlap": "fused"``: raises ``ValueError`` now if the kernels cannot compute these
+        experts on tokens of width ``hidden``."""
         if self.config.overlap != "fused":
             return
         fused = structure_reason(self.experts, hidden, self.spec.top_k, self.spec.scale_before)
@@ -140,8 +162,18 @@ class PipelineSelection:
             raise ValueError(f'"overlap": "fused" was asked for, but {fused}')
 
     def pipeline_for(self, tokens: torch.Tensor) -> Pipeline:
-        """The pipeline for a call on ``tokens`` ([S, H]); the first call (and one on tokens of another
-        dtype, width or device, or with other layer settings) makes the group agree, collectively."""
+        """The pipeline that runs a call on ``tokens``.
+
+        The first call (and one on tokens of another dtype, width or device, or with other layer
+        settings) makes the group agree, collectively: every rank of the group must call it.
+
+        Args:
+            tokens: [S, H], the call's tokens (only their dtype, width, device and count are read).
+
+        Returns:
+            ``reference`` or ``fused``; ``reason`` then says why not the fused one. Raises
+            ``RuntimeError`` instead where ``"overlap": "fused"`` was asked for and it cannot run.
+        """
         key = (tokens.dtype, tokens.shape[-1], tokens.device, self.spec.settings())
         if key != self._agreed_key:
             agreed = self._agree(tokens)
