@@ -151,9 +151,9 @@ def bench_fwd_bwd(layers, x, modules, inputs, args):
     return results
 
 
-def bench_shape(name, hidden, ffn, experts, k, tokens, args):
-    ep_size = dist.get_world_size()
-    overrides = {
+def layer_overrides(args):
+    """The ``"moe"`` keys the command line sets for the comet layers."""
+    return {
         key: value
         for key, value in (
             ("comm_blocks", args.comm_blocks),
@@ -164,9 +164,14 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
         )
         if value is not None
     }
+
+
+def build_layers(name, hidden, ffn, experts, k, ep_size, device, args):
+    """{pipeline: layer} of one shape: stock's, the reference and the fused layer (same weights), and
+    on gated shapes AutoEP's block and that block on ds_comet, where AutoEP runs here."""
+    overrides = layer_overrides(args)
     gated = args.gated or name in SWIGLU
     layers = build(hidden, ffn, experts, k, ep_size, gated, args.capacity_factor, overrides)
-    device = torch.device("cuda", torch.cuda.current_device())
     if args.autoep and gated:
         reason = autoep.unavailable_reason()
         if reason is None:
@@ -178,75 +183,86 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
             )
         elif dist.get_rank() == 0:
             print(f"{name}: no AutoEP rows: {reason}", flush=True)
-    for layer in layers.values():
-        layer.eval()
-    x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16)
+    return layers
+
+
+def bench_routing(moe, x, experts, ep_size, args):
+    """(results, plan): the fused layer ``moe``'s gate (stock's call, ``gate_routes``, replayed), its
+    routing plan, the MB its exchanges send, its parameters and its phases relaunched alone."""
     results = {}
-    with torch.no_grad():
-        for pipeline in layers:
-            results[pipeline] = timed(lambda: layers[pipeline](x), args.iters, args.warmup)
-        gate = layers["fused"].deepspeed_moe.gate
-        results["stock_gate"] = timed(lambda: gate(x[0], None, True), args.iters, args.warmup)
-        pipeline = layers["fused"].deepspeed_moe.pipelines.fused
-        op = pipeline.workspace.op
-        results["gate_routes"] = timed(lambda: gate_routes(gate, x[0], op=op), args.iters, args.warmup)
-        graphs = layers["fused"].deepspeed_moe.gate_graphs
-        if graphs is not None:
-            results["gate_routes_graphed"] = timed(lambda: graphs.routes(gate, x[0], None, op), args.iters, args.warmup)
-        _, _, indices, gates, _ = gate_routes(gate, x[0], op=op)
-        results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts, ep_size), args.iters, args.warmup)
-        plan = plan_routes_cuda(op, indices, experts, ep_size)
-        # What crosses the links in each of the four exchanges of a training step, from this rank.
-        route_rows, once_rows = remote_rows(indices, experts, ep_size, dist.get_rank())
-        results["sent_mb_per_route"] = route_rows * hidden * x.element_size() / 1e6
-        results["sent_mb_once_per_rank"] = once_rows * hidden * x.element_size() / 1e6
-        results["comm_blocks"] = pipeline.params.comm_blocks
-        results["combine_blocks"] = pipeline.params.combine_blocks
-        for part, launch in fused_phases(pipeline, x[0], plan, gates.float()).items():
-            results[f"fused_{part}"] = timed(launch, args.iters, args.warmup)
+    gate = moe.gate
+    results["stock_gate"] = timed(lambda: gate(x[0], None, True), args.iters, args.warmup)
+    pipeline = moe.pipelines.fused
+    op = pipeline.workspace.op
+    results["gate_routes"] = timed(lambda: gate_routes(gate, x[0], op=op), args.iters, args.warmup)
+    graphs = moe.gate_graphs
+    if graphs is not None:
+        results["gate_routes_graphed"] = timed(lambda: graphs.routes(gate, x[0], None, op), args.iters, args.warmup)
+    _, _, indices, gates, _ = gate_routes(gate, x[0], op=op)
+    results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts, ep_size), args.iters, args.warmup)
+    plan = plan_routes_cuda(op, indices, experts, ep_size)
+    # What crosses the links in each of the four exchanges of a training step, from this rank.
+    route_rows, once_rows = remote_rows(indices, experts, ep_size, dist.get_rank())
+    hidden = x.shape[-1]
+    results["sent_mb_per_route"] = route_rows * hidden * x.element_size() / 1e6
+    results["sent_mb_once_per_rank"] = once_rows * hidden * x.element_size() / 1e6
+    results["comm_blocks"] = pipeline.params.comm_blocks
+    results["combine_blocks"] = pipeline.params.combine_blocks
+    for part, launch in fused_phases(pipeline, x[0], plan, gates.float()).items():
+        results[f"fused_{part}"] = timed(launch, args.iters, args.warmup)
+    return results, plan
 
-        # What this rank receives, per local expert, and what it sends to / receives from each rank.
-        local = experts // ep_size
-        received = torch.empty_like(plan.expert_counts)
-        dist.all_to_all_single(received, plan.expert_counts)
-        received = received.view(ep_size, local)
-        per_expert = received.sum(0).tolist()
-        send_splits = plan.rank_counts(ep_size).tolist()
-        recv_splits = received.sum(1).tolist()
-        modules = layers["fused"].deepspeed_moe.experts.deepspeed_experts
-        inputs = [torch.randn(rows, hidden, device=device).to(torch.bfloat16) for rows in per_expert]
-        results["experts_loop"] = timed(
-            lambda: [expert_ffn(m, r) for m, r in zip(modules, inputs)], args.iters, args.warmup
-        )
-        results["experts"] = results["experts_loop"]
-        grouped = grouped_ffn(modules, inputs)
-        if grouped is not None:
-            results["experts_grouped"] = timed(grouped, args.iters, args.warmup)
-            results["experts"] = min(results["experts"], results["experts_grouped"])
-        send = torch.randn(sum(send_splits), hidden, device=device).to(torch.bfloat16)
-        recv = torch.empty(sum(recv_splits), hidden, device=device, dtype=torch.bfloat16)
 
-        def a2a():
-            return dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+def bench_bounds(moe, plan, experts, ep_size, hidden, device, args):
+    """(results, expert modules, their inputs): the expert FFNs alone on the rows each local expert
+    of ``moe`` receives under ``plan``, and one all-to-all with the plan's splits."""
+    results = {}
+    # What this rank receives, per local expert, and what it sends to / receives from each rank.
+    local = experts // ep_size
+    received = torch.empty_like(plan.expert_counts)
+    dist.all_to_all_single(received, plan.expert_counts)
+    received = received.view(ep_size, local)
+    per_expert = received.sum(0).tolist()
+    send_splits = plan.rank_counts(ep_size).tolist()
+    recv_splits = received.sum(1).tolist()
+    modules = moe.experts.deepspeed_experts
+    inputs = [torch.randn(rows, hidden, device=device).to(torch.bfloat16) for rows in per_expert]
+    results["experts_loop"] = timed(
+        lambda: [expert_ffn(m, r) for m, r in zip(modules, inputs)], args.iters, args.warmup
+    )
+    results["experts"] = results["experts_loop"]
+    grouped = grouped_ffn(modules, inputs)
+    if grouped is not None:
+        results["experts_grouped"] = timed(grouped, args.iters, args.warmup)
+        results["experts"] = min(results["experts"], results["experts_grouped"])
+    send = torch.randn(sum(send_splits), hidden, device=device).to(torch.bfloat16)
+    recv = torch.empty(sum(recv_splits), hidden, device=device, dtype=torch.bfloat16)
 
-        results["all_to_all"] = timed(a2a, args.iters, args.warmup)
-    results["comm_bound"] = 2 * results["all_to_all"]
-    results["bound"] = max(results["experts"], results["comm_bound"])
-    if args.backward:
-        results.update(bench_fwd_bwd(layers, x, modules, inputs, args))
-        results["comm_bound_fwd_bwd"] = 4 * results["all_to_all"]
-        results["bound_fwd_bwd"] = max(results["experts_fwd_bwd"], results["comm_bound_fwd_bwd"])
-    # The slowest rank sets every step: report the maximum over ranks.
+    def a2a():
+        return dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+
+    results["all_to_all"] = timed(a2a, args.iters, args.warmup)
+    return results, modules, inputs
+
+
+def max_over_ranks(results, device):
+    """``results`` with each value the maximum over ranks (the slowest rank sets every step)."""
     values = torch.tensor([results[key] for key in sorted(results)], device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     results = dict(zip(sorted(results), values.tolist()))
     results.update(comm_blocks=int(results["comm_blocks"]), combine_blocks=int(results["combine_blocks"]))
+    return results
+
+
+def add_ratios(results, backward):
+    """Adds to ``results`` the ratios the tables print: stock, the reference and AutoEP against the
+    fused layer, and the fused layers against their bounds."""
     results.update(
         stock_over_fused=results["stock"] / results["fused"],
         fused_over_bound=results["fused"] / results["bound"],
         reference_over_fused=results["reference"] / results["fused"],
     )
-    if args.backward:
+    if backward:
         results.update(
             stock_over_fused_fwd_bwd=results["stock_fwd_bwd"] / results["fused_fwd_bwd"],
             fused_over_bound_fwd_bwd=results["fused_fwd_bwd"] / results["bound_fwd_bwd"],
@@ -257,11 +273,40 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args):
             autoep_over_comet=results["autoep"] / results["autoep_comet"],
             autoep_comet_over_bound=results["autoep_comet"] / results["bound"],
         )
-        if args.backward:
+        if backward:
             results.update(
                 autoep_over_comet_fwd_bwd=results["autoep_fwd_bwd"] / results["autoep_comet_fwd_bwd"],
                 autoep_comet_over_bound_fwd_bwd=results["autoep_comet_fwd_bwd"] / results["bound_fwd_bwd"],
             )
+
+
+def bench_shape(name, hidden, ffn, experts, k, tokens, args):
+    """Every number of one shape (its entry in bench.json): the layers' times in ms, forward and
+    (unless --no-backward) training step, their parts and bounds, the maximum over ranks, and
+    their ratios."""
+    ep_size = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    layers = build_layers(name, hidden, ffn, experts, k, ep_size, device, args)
+    for layer in layers.values():
+        layer.eval()
+    x = torch.randn(1, tokens, hidden, device=device).to(torch.bfloat16)
+    results = {}
+    moe = layers["fused"].deepspeed_moe
+    with torch.no_grad():
+        for pipeline in layers:
+            results[pipeline] = timed(lambda: layers[pipeline](x), args.iters, args.warmup)
+        routing, plan = bench_routing(moe, x, experts, ep_size, args)
+        results.update(routing)
+        bounds, modules, inputs = bench_bounds(moe, plan, experts, ep_size, hidden, device, args)
+        results.update(bounds)
+    results["comm_bound"] = 2 * results["all_to_all"]
+    results["bound"] = max(results["experts"], results["comm_bound"])
+    if args.backward:
+        results.update(bench_fwd_bwd(layers, x, modules, inputs, args))
+        results["comm_bound_fwd_bwd"] = 4 * results["all_to_all"]
+        results["bound_fwd_bwd"] = max(results["experts_fwd_bwd"], results["comm_bound_fwd_bwd"])
+    results = max_over_ranks(results, device)
+    add_ratios(results, args.backward)
     return results
 
 
@@ -296,27 +341,32 @@ def draw(ax, all_results, bars, ratios, ylabel):
     ax.legend(fontsize=7)
 
 
-def report(all_results, out_dir):
-    columns = (
-        "stock",
-        "reference",
-        "fused",
-        "stock_gate",
-        "gate_routes",
-        "plan",
-        "fused_gemm1",
-        "fused_gemm2",
-        "fused_combine",
-        "experts",
-        "all_to_all",
-        "bound",
-        "stock_over_fused",
-        "fused_over_bound",
-    )
-    lines = ["shape".ljust(28) + "".join(c[:11].rjust(12) for c in columns)]
+FORWARD_COLUMNS = (
+    "stock",
+    "reference",
+    "fused",
+    "stock_gate",
+    "gate_routes",
+    "plan",
+    "fused_gemm1",
+    "fused_gemm2",
+    "fused_combine",
+    "experts",
+    "all_to_all",
+    "bound",
+    "stock_over_fused",
+    "fused_over_bound",
+)
+
+
+def print_forward_table(all_results):
+    lines = ["shape".ljust(28) + "".join(c[:11].rjust(12) for c in FORWARD_COLUMNS)]
     for name, results in all_results.items():
-        lines.append(name.ljust(28) + "".join(f"{results[c]:12.3f}" for c in columns))
+        lines.append(name.ljust(28) + "".join(f"{results[c]:12.3f}" for c in FORWARD_COLUMNS))
     print("forward: times in ms (max over ranks); ratios are plain numbers\n" + "\n".join(lines), flush=True)
+
+
+def print_sent_table(all_results):
     lines = [
         f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
         f"{r['sent_mb_per_route'] / max(r['sent_mb_once_per_rank'], 1e-9):10.2f}"
@@ -327,44 +377,51 @@ def report(all_results, out_dir):
         "(every exchange of both ds_comet pipelines, dispatch and combine), their ratio\n" + "\n".join(lines),
         flush=True,
     )
+
+
+def print_autoep_table(all_results):
+    """The AutoEP rows, where any shape has them."""
     autoep_rows = {name: results for name, results in all_results.items() if "autoep" in results}
-    if autoep_rows:
-        columns = (
-            ("AutoEP", "autoep"),
-            ("AutoEP+comet", "autoep_comet"),
-            ("AutoEP/comet", "autoep_over_comet"),
-            ("comet/bound", "autoep_comet_over_bound"),
+    if not autoep_rows:
+        return
+    columns = (
+        ("AutoEP", "autoep"),
+        ("AutoEP+comet", "autoep_comet"),
+        ("AutoEP/comet", "autoep_over_comet"),
+        ("comet/bound", "autoep_comet_over_bound"),
+    )
+    if all("autoep_fwd_bwd" in results for results in autoep_rows.values()):
+        columns += (
+            ("AutoEP fb", "autoep_fwd_bwd"),
+            ("comet fb", "autoep_comet_fwd_bwd"),
+            ("AutoEP/comet fb", "autoep_over_comet_fwd_bwd"),
+            ("comet/bound fb", "autoep_comet_over_bound_fwd_bwd"),
+            ("AutoEP MiB", "autoep_peak_mib"),
+            ("comet MiB", "autoep_comet_peak_mib"),
         )
-        if all("autoep_fwd_bwd" in results for results in autoep_rows.values()):
-            columns += (
-                ("AutoEP fb", "autoep_fwd_bwd"),
-                ("comet fb", "autoep_comet_fwd_bwd"),
-                ("AutoEP/comet fb", "autoep_over_comet_fwd_bwd"),
-                ("comet/bound fb", "autoep_comet_over_bound_fwd_bwd"),
-                ("AutoEP MiB", "autoep_peak_mib"),
-                ("comet MiB", "autoep_comet_peak_mib"),
-            )
-        lines = ["shape".ljust(40) + "".join(h.rjust(16) for h, _ in columns)]
-        for name, results in autoep_rows.items():
-            lines.append(name.ljust(40) + "".join(f"{results[key]:16.3f}" for _, key in columns))
-        print(
-            "DeepSpeed AutoEP against the same block on ds_comet: ms (fb: forward+backward), ratios, peak MiB\n"
-            + "\n".join(lines),
-            flush=True,
-        )
-    backward = all("fused_fwd_bwd" in results for results in all_results.values())
-    if backward:
-        lines = ["shape".ljust(28) + "".join(h.rjust(12) for h, _ in TRAIN_COLUMNS)]
-        for name, results in all_results.items():
-            lines.append(name.ljust(28) + "".join(f"{results[key]:12.3f}" for _, key in TRAIN_COLUMNS))
-        print(
-            "forward+backward (one training step): times in ms, peak MiB above the step's start (max over ranks)\n"
-            + "\n".join(lines),
-            flush=True,
-        )
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench.json"), "w") as handle:
-        json.dump(all_results, handle, indent=2)
+    lines = ["shape".ljust(40) + "".join(h.rjust(16) for h, _ in columns)]
+    for name, results in autoep_rows.items():
+        lines.append(name.ljust(40) + "".join(f"{results[key]:16.3f}" for _, key in columns))
+    print(
+        "DeepSpeed AutoEP against the same block on ds_comet: ms (fb: forward+backward), ratios, peak MiB\n"
+        + "\n".join(lines),
+        flush=True,
+    )
+
+
+def print_training_table(all_results):
+    lines = ["shape".ljust(28) + "".join(h.rjust(12) for h, _ in TRAIN_COLUMNS)]
+    for name, results in all_results.items():
+        lines.append(name.ljust(28) + "".join(f"{results[key]:12.3f}" for _, key in TRAIN_COLUMNS))
+    print(
+        "forward+backward (one training step): times in ms, peak MiB above the step's start (max over ranks)\n"
+        + "\n".join(lines),
+        flush=True,
+    )
+
+
+def plot(all_results, out_dir, backward):
+    """bench.png under ``out_dir``: the forward's bars, and the training step's with ``backward``."""
     try:
         import matplotlib
 
@@ -394,6 +451,21 @@ def report(all_results, out_dir):
         axes[1][0].set_title("forward+backward (one training step)")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "bench.png"), dpi=120)
+
+
+def report(all_results, out_dir):
+    """Rank 0's report of every shape (``all_results``: {shape: bench_shape's results}): the tables
+    on stdout, then bench.json and bench.png under ``out_dir``."""
+    print_forward_table(all_results)
+    print_sent_table(all_results)
+    print_autoep_table(all_results)
+    backward = all("fused_fwd_bwd" in results for results in all_results.values())
+    if backward:
+        print_training_table(all_results)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench.json"), "w") as handle:
+        json.dump(all_results, handle, indent=2)
+    plot(all_results, out_dir, backward)
 
 
 def main():

@@ -223,6 +223,114 @@ def host_profile(layer, x, dy, steps=10):
     stats.sort_stats("cumulative").print_stats(30)
 
 
+def time_setting(layer, x, xg, dy, gate, device, args):
+    """One setting's eight times in ms, the maximum over ranks: the forward (no_grad, eval) and the
+    training step, each timed, queued back to back, the host's time to queue one, and the device's
+    alone (nan where the host could not get far enough ahead)."""
+    with gate_ops(gate):
+        with torch.no_grad():
+            layer.eval()
+            forward = timed(lambda: layer(x), args.iters, args.warmup)
+            forward_queued, forward_host = back_to_back(lambda: layer(x), args.iters)
+            forward_device = device_only(lambda: layer(x), args.iters)
+        layer.train()
+        step = timed(lambda: train_step(layer, xg, dy), args.iters, args.warmup)
+        step_queued, step_host = back_to_back(lambda: train_step(layer, xg, dy), args.iters)
+        # Few steps: an eager gate's hundreds of launches a step would fill the launch queue,
+        # which blocks the host.
+        step_device = device_only(lambda: train_step(layer, xg, dy), min(args.iters, 5))
+    times = torch.tensor(
+        [
+            forward,
+            step,
+            forward_queued,
+            step_queued,
+            forward_host,
+            step_host,
+            forward_device or float("nan"),
+            step_device or float("nan"),
+        ],
+        device=device,
+    )
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
+
+
+def setting_results(t, rule):
+    """sweep.json's entry for one setting's times ``t`` (``time_setting``); ``rule``: no overrides."""
+    return {
+        "forward": t[0],
+        "fwd_bwd": t[1],
+        "forward_queued": t[2],
+        "fwd_bwd_queued": t[3],
+        "forward_host": t[4],
+        "fwd_bwd_host": t[5],
+        "forward_device": t[6],
+        "fwd_bwd_device": t[7],
+        "rule": rule,
+    }
+
+
+def print_setting(key, t, rule):
+    print(
+        f"{key:94s} forward {t[0]:7.3f} ms  fwd+bwd {t[1]:7.3f} ms{'  (rule)' if rule else ''}"
+        f"\n{'':94s} queued: forward {t[2]:7.3f} ms (host {t[4]:.3f})  fwd+bwd {t[3]:7.3f} ms "
+        f"(host {t[5]:.3f})\n{'':94s} device alone: forward {t[6]:7.3f} ms  fwd+bwd {t[7]:7.3f} ms",
+        flush=True,
+    )
+
+
+def host_times(layer, xg, dy, key, profiled, args):
+    """With ``profiled``, rank 0's cProfile of training steps (every rank steps); with --host-split,
+    rank 0's host time of a training step by part."""
+    if profiled and dist.get_rank() == 0:
+        print(f"== host profile: {key}", flush=True)
+    if profiled:
+        # Every rank steps (the layer's collectives pair up); rank 0 prints.
+        if dist.get_rank() == 0:
+            host_profile(layer, xg, dy)
+        else:
+            for _ in range(13):
+                torch.cuda.synchronize()
+                train_step(layer, xg, dy)
+    if args.host_split and dist.get_rank() == 0:
+        for label, ms in host_split(layer, xg, dy).items():
+            print(f"{'':94s} host split: {label:45s} {ms:7.3f} ms", flush=True)
+
+
+def sweep_shape(name, shape, dtype_name, device, args):
+    """{setting: its results} of one shape in one dtype, every combination of the listed settings."""
+    hidden, ffn, experts, k, tokens = shape
+    dtype = DTYPES[dtype_name]
+    x = torch.randn(1, tokens, hidden, device=device).to(dtype)
+    xg = x.detach().clone().requires_grad_()
+    dy = torch.randn_like(x)
+    results = {}
+    for comm_blocks, combine_blocks, n_chunks, gate in itertools.product(
+        args.comm_blocks, args.combine_blocks, args.n_chunks, args.gate_ops
+    ):
+        overrides = {
+            key: v
+            for key, v in (("comm_blocks", comm_blocks), ("combine_blocks", combine_blocks), ("n_chunks", n_chunks))
+            if v is not None
+        }
+        graphed = {"cuda_graph_gate": True} if gate == "graph" else {}
+        layer = fused_layer(hidden, ffn, experts, k, {**overrides, **graphed}, device, dtype)
+        t = time_setting(layer, x, xg, dy, gate, device, args)
+        params = layer.deepspeed_moe.pipelines.fused.params
+        key = (
+            f"{name} comm_blocks={params.comm_blocks} combine_blocks={params.combine_blocks} "
+            f"n_chunks={params.n_chunks} gate={gate}" + ("" if dtype_name == "bf16" else f" {dtype_name}")
+        )
+        results[key] = setting_results(t, not overrides)
+        if dist.get_rank() == 0:
+            print_setting(key, t, not overrides)
+        host_times(layer, xg, dy, key, args.host_profile and not overrides and gate == args.gate_ops[0], args)
+        layer = None  # freed before the next setting builds its own
+        torch.cuda.empty_cache()
+    return results
+
+
 def main():
     args = parse_args()
     if args.host_split and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -234,89 +342,8 @@ def main():
     unknown = sorted(set(args.dtype) - set(DTYPES))
     if unknown:
         raise SystemExit(f"--dtype takes bf16 and/or fp16, got {','.join(unknown)}")
-    for (name, (hidden, ffn, experts, k, tokens)), dtype_name in itertools.product(
-        selected_shapes(args.shape, args.custom).items(), args.dtype
-    ):
-        dtype = DTYPES[dtype_name]
-        x = torch.randn(1, tokens, hidden, device=device).to(dtype)
-        xg = x.detach().clone().requires_grad_()
-        dy = torch.randn_like(x)
-        for comm_blocks, combine_blocks, n_chunks, gate in itertools.product(
-            args.comm_blocks, args.combine_blocks, args.n_chunks, args.gate_ops
-        ):
-            overrides = {
-                key: v
-                for key, v in (("comm_blocks", comm_blocks), ("combine_blocks", combine_blocks), ("n_chunks", n_chunks))
-                if v is not None
-            }
-            graphed = {"cuda_graph_gate": True} if gate == "graph" else {}
-            layer = fused_layer(hidden, ffn, experts, k, {**overrides, **graphed}, device, dtype)
-            with gate_ops(gate):
-                with torch.no_grad():
-                    layer.eval()
-                    forward = timed(lambda: layer(x), args.iters, args.warmup)
-                    forward_queued, forward_host = back_to_back(lambda: layer(x), args.iters)
-                    forward_device = device_only(lambda: layer(x), args.iters)
-                layer.train()
-                step = timed(lambda: train_step(layer, xg, dy), args.iters, args.warmup)
-                step_queued, step_host = back_to_back(lambda: train_step(layer, xg, dy), args.iters)
-                # Few steps: an eager gate's hundreds of launches a step would fill the launch queue,
-                # which blocks the host.
-                step_device = device_only(lambda: train_step(layer, xg, dy), min(args.iters, 5))
-            times = torch.tensor(
-                [
-                    forward,
-                    step,
-                    forward_queued,
-                    step_queued,
-                    forward_host,
-                    step_host,
-                    forward_device or float("nan"),
-                    step_device or float("nan"),
-                ],
-                device=device,
-            )
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            params = layer.deepspeed_moe.pipelines.fused.params
-            key = (
-                f"{name} comm_blocks={params.comm_blocks} combine_blocks={params.combine_blocks} "
-                f"n_chunks={params.n_chunks} gate={gate}" + ("" if dtype_name == "bf16" else f" {dtype_name}")
-            )
-            t = times.tolist()
-            results[key] = {
-                "forward": t[0],
-                "fwd_bwd": t[1],
-                "forward_queued": t[2],
-                "fwd_bwd_queued": t[3],
-                "forward_host": t[4],
-                "fwd_bwd_host": t[5],
-                "forward_device": t[6],
-                "fwd_bwd_device": t[7],
-                "rule": not overrides,
-            }
-            if dist.get_rank() == 0:
-                print(
-                    f"{key:94s} forward {t[0]:7.3f} ms  fwd+bwd {t[1]:7.3f} ms{'  (rule)' if not overrides else ''}"
-                    f"\n{'':94s} queued: forward {t[2]:7.3f} ms (host {t[4]:.3f})  fwd+bwd {t[3]:7.3f} ms "
-                    f"(host {t[5]:.3f})\n{'':94s} device alone: forward {t[6]:7.3f} ms  fwd+bwd {t[7]:7.3f} ms",
-                    flush=True,
-                )
-            profiled = args.host_profile and not overrides and gate == args.gate_ops[0]
-            if profiled and dist.get_rank() == 0:
-                print(f"== host profile: {key}", flush=True)
-            if profiled:
-                # Every rank steps (the layer's collectives pair up); rank 0 prints.
-                if dist.get_rank() == 0:
-                    host_profile(layer, xg, dy)
-                else:
-                    for _ in range(13):
-                        torch.cuda.synchronize()
-                        train_step(layer, xg, dy)
-            if args.host_split and dist.get_rank() == 0:
-                for label, ms in host_split(layer, xg, dy).items():
-                    print(f"{'':94s} host split: {label:45s} {ms:7.3f} ms", flush=True)
-            layer = None  # freed before the next setting builds its own
-            torch.cuda.empty_cache()
+    for (name, shape), dtype_name in itertools.product(selected_shapes(args.shape, args.custom).items(), args.dtype):
+        results.update(sweep_shape(name, shape, dtype_name, device, args))
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "sweep.json"), "w") as handle:
