@@ -88,9 +88,9 @@ def sum_rows(values: Tensor, row: Tensor, slot: Tensor, num_rows: int, slots: in
 class ReferencePipeline(Pipeline):
     """Dispatch, experts and combine of one MoE layer in plain torch, over any process group.
 
-    Runs every layer the comet backend takes, on CPU or GPU, in any dtype, with any expert module;
-    it defines the numbers the fused pipeline is held to. Its call is ``Pipeline.forward``; the
-    gate before it keeps its bookkeeping in torch (``gate_op`` None) and runs eagerly
+    Runs every layer the comet backend takes, on CPU or GPU, in any floating dtype, with any expert
+    module; it defines the numbers the fused pipeline is held to. Its call is ``Pipeline.forward``;
+    the gate before it keeps its bookkeeping in torch (``gate_op`` None) and runs eagerly
     (``replays_gate`` False).
 
     Args:
