@@ -1,7 +1,8 @@
 // ds_comet: communication kernels of the fused COMET pipeline.
 //
-// This header is plain CUDA C++ (no torch): the kernels build with nvcc alone, and the torch
-// binding (comet_binding.cpp) calls the launchers below with raw pointers and a stream.
+// This header is plain CUDA C++ (no torch): the kernels, one file a stage (routing, exchange,
+// dispatch, combine, gate: csrc/<stage>_kernels.cu), build with nvcc alone, and the torch binding
+// (comet_binding.cpp) calls the launchers below with raw pointers and a stream.
 //
 // Per expert-parallel group every rank owns the same symmetric buffers, addressable by all ranks:
 //   recv       [max_recv_rows, H]  rows dispatched to this rank, grouped by local expert
@@ -135,6 +136,8 @@ struct GroupShape {
     LayoutOffsets layout;
 };
 
+// The routing kernels (routing_kernels.cu).
+//
 // The routing plan of ds_comet/pipelines/routing.py::plan_routes in one launch (no sort): indices holds k*S
 // global expert ids (-1: dropped; an id >= E counts as dropped too) by flat route id; route_order
 // lists the route ids by expert, each expert's in route-id order, dropped routes last;
@@ -148,6 +151,8 @@ cudaError_t launch_plan(const int32_t* indices, int64_t routes, int num_experts,
 cudaError_t launch_rank_tokens(const int32_t* indices, int64_t num_tokens, int top_k, int num_experts, int ep_size,
                                int32_t* rank_tokens, int64_t* rank_counts, cudaStream_t stream);
 
+// The count exchange (exchange_kernels.cu).
+//
 // Publishes this rank's expert counts and its staged rows per destination (rank_counts of
 // launch_rank_tokens; its own entry is ignored) to every peer, waits for theirs, and computes the
 // layout. One block. Zeroes this rank's arrival counters first: peers only write them after they saw
@@ -156,6 +161,8 @@ cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_count
                             int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
                             cudaStream_t stream);
 
+// The dispatch (dispatch_kernels.cu).
+//
 // Where each route's row goes, and the peers' tables the dispatch writes through.
 struct DispatchTables {
     const int64_t* route_order;     // [k S] of the routing plan
@@ -192,6 +199,8 @@ cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t
                             const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
                             cudaStream_t stream);
 
+// The combine (combine_kernels.cu).
+//
 // Where the combine reads each route's output, and what it writes besides the sums.
 struct CombineTables {
     const void* expert_out;          // [recv rows, H] this call's GEMM2 output rows here, by recv row

@@ -1,5 +1,5 @@
-// Torch binding of the ds_comet communication kernels: checks arguments, passes raw pointers and
-// the tensors' GPU's current CUDA stream to the launchers in comet_kernels.cu and gate_kernels.cu.
+// Torch binding of the ds_comet kernels: checks arguments, passes raw pointers and the tensors'
+// GPU's current CUDA stream to the launchers comet.h declares.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>

@@ -30,6 +30,15 @@ def test_builder_names_absolute_existing_sources():
         assert os.path.isabs(path) and os.path.exists(path), path
 
 
+def test_builder_compiles_every_source_in_csrc():
+    # A stage's kernels left out of the build leave launchers undefined: the op would build, then fail to load.
+    sources = {os.path.basename(path) for path in CometBuilder().sources()}
+    on_disk = {
+        os.path.basename(path) for pattern in ("*.cu", "*.cpp") for path in glob.glob(os.path.join(CSRC, pattern))
+    }
+    assert sources == on_disk
+
+
 def test_op_builder_package_does_not_claim_to_be_deepspeeds():
     # DeepSpeed's accelerator takes an importable op_builder with __deepspeed__ for its own.
     assert not hasattr(op_builder, "__deepspeed__")
@@ -246,7 +255,7 @@ def test_a_jit_build_says_why_it_compiles(tmp_path):
     the reason, since it takes a minute; built after every source: it only loads, silently."""
     from ds_comet.kernels.ops import build_needed
 
-    library, header, kernels = tmp_path / "op.so", tmp_path / "comet.h", tmp_path / "comet_kernels.cu"
+    library, header, kernels = tmp_path / "op.so", tmp_path / "comet.h", tmp_path / "dispatch_kernels.cu"
     header.write_text("")
     kernels.write_text("")
     sources = [str(header), str(kernels)]
