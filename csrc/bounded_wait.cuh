@@ -27,8 +27,8 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 // exactly one of them (in these kernels or the Triton GEMM) fill the record, so that its fields
 // describe one wait. The others wait (boundedly) until it is filled: a trap ends every block of the
 // context, the filling one included.
-__device__ inline void fail(const GroupShape& shape, int32_t* layout, int64_t* error_record, int64_t kind, int64_t index,
-                     int64_t target, int64_t observed, uint64_t waited_ns) {
+__device__ inline void fail(const GroupShape& shape, int32_t* layout, int64_t* error_record, int64_t kind,
+                            int64_t index, int64_t target, int64_t observed, uint64_t waited_ns) {
     volatile int64_t* record = error_record;
     if (atomicCAS(layout + shape.layout.totals + kTotalErrorClaim, 0, 1) == 0) {
         record[kErrorRank] = shape.rank;
@@ -55,7 +55,7 @@ __device__ inline void fail(const GroupShape& shape, int32_t* layout, int64_t* e
 
 // Spins until *ptr >= target (acquire, system scope), bounded by shape.timeout_ns.
 __device__ inline void wait_at_least(const int32_t* ptr, int32_t target, const GroupShape& shape, int64_t kind,
-                              int64_t index, int32_t* layout, int64_t* error_record) {
+                                     int64_t index, int32_t* layout, int64_t* error_record) {
     int32_t seen = load_acquire_sys(ptr);
     if (seen >= target) return;
     const uint64_t start = global_timer_ns();

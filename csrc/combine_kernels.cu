@@ -88,9 +88,9 @@ __device__ __forceinline__ void sum_staged_rows(const T* const* staged_row, cons
 
 template <typename T, int ROUTES, int ITEMS>
 __global__ void __launch_bounds__(kCombineThreads, 1)
-combine_kernel(GroupShape shape, CombineTables tables, bool weighted, const float* gates, T* out, int64_t top_k,
-               int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
-               int64_t unit_tokens, int64_t reduce_rows, int32_t* layout, int64_t* error_record) {
+    combine_kernel(GroupShape shape, CombineTables tables, bool weighted, const float* gates, T* out, int64_t top_k,
+                   int64_t num_tokens, int64_t hidden, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
+                   int64_t unit_tokens, int64_t reduce_rows, int32_t* layout, int64_t* error_record) {
     const MetaOffsets& mo = shape.meta;
     const LayoutOffsets& lo = shape.layout;
     const int P = shape.ep_size, rank = shape.rank;
@@ -217,15 +217,15 @@ void launch_combine_as(const GroupShape& shape, const CombineTables& tables, boo
     // every block.
     const int64_t unit_vectors = static_cast<int64_t>(kCombineThreads) * ITEMS * 8;
     const int64_t routes_per_token = max(int64_t{1}, top_k);
-    const int64_t unit_tokens = max(int64_t{1}, min(unit_vectors / max(int64_t{1}, chunk_cols / 8),
-                                                    kMaxCombineTopK / routes_per_token));
+    const int64_t unit_tokens =
+        max(int64_t{1}, min(unit_vectors / max(int64_t{1}, chunk_cols / 8), kMaxCombineTopK / routes_per_token));
     const size_t staging = static_cast<size_t>(routes_per_token * unit_tokens) * 16;
     // A reduce unit's rows fit the same staging: the most that divide a staging piece.
     int64_t reduce_rows = kStagePieceRows;
     while (reduce_rows > unit_tokens) reduce_rows /= 2;
     combine_kernel<T, ROUTES, ITEMS><<<blocks, kCombineThreads, staging, stream>>>(
-        shape, tables, weighted, gates, static_cast<T*>(out), top_k, num_tokens, hidden, chunk_cols, tile_n,
-        num_chunks, unit_tokens, reduce_rows, layout, error_record);
+        shape, tables, weighted, gates, static_cast<T*>(out), top_k, num_tokens, hidden, chunk_cols, tile_n, num_chunks,
+        unit_tokens, reduce_rows, layout, error_record);
 }
 
 template <typename T>

@@ -74,7 +74,7 @@ struct Workspace {
 // peer table (one entry per rank).
 struct WorkspaceTensor {
     const char* name;
-    torch::Tensor Workspace::*member;
+    torch::Tensor Workspace::* member;
     at::ScalarType dtype;
     bool peer_table;
 };
@@ -101,9 +101,9 @@ const WorkspaceTensor kWorkspaceTensors[] = {
 Workspace workspace_of(const py::kwargs& given) {
     for (const auto& item : given) {
         const std::string name = py::str(item.first);
-        const bool known = name == "error_record" ||
-                           std::any_of(std::begin(kWorkspaceTensors), std::end(kWorkspaceTensors),
-                                       [&](const WorkspaceTensor& t) { return name == t.name; });
+        const bool known =
+            name == "error_record" || std::any_of(std::begin(kWorkspaceTensors), std::end(kWorkspaceTensors),
+                                                  [&](const WorkspaceTensor& t) { return name == t.name; });
         TORCH_CHECK(known, "Workspace has no ", name);
     }
     Workspace workspace;
@@ -119,8 +119,8 @@ Workspace workspace_of(const py::kwargs& given) {
     TORCH_CHECK(ranks > 0, "Workspace: the peer tables must have an entry per rank");
     for (const WorkspaceTensor& t : kWorkspaceTensors) {
         const torch::Tensor& tensor = workspace.*t.member;
-        TORCH_CHECK(tensor.device() == device, "Workspace: every tensor must be on ", device, ", got ", t.name,
-                    " on ", tensor.device());
+        TORCH_CHECK(tensor.device() == device, "Workspace: every tensor must be on ", device, ", got ", t.name, " on ",
+                    tensor.device());
         TORCH_CHECK(!t.peer_table || tensor.numel() == ranks, "Workspace: ", t.name, " has ", tensor.numel(),
                     " entries, peer_meta ", ranks, ": every peer table has one per rank");
     }
@@ -290,11 +290,10 @@ void topk_keep(const torch::Tensor& capacity_idx, const torch::Tensor& top_idx, 
     check_cuda(indices, "indices", at::kInt);
     check_sizes(indices, "indices", {top_k, num_tokens});
     const c10::cuda::CUDAGuard device_guard(one_device("topk_keep", {capacity_idx, top_idx, mask, kept, indices}));
-    check_launch(ds_comet::launch_topk_keep(capacity_idx.data_ptr<int64_t>(), capacity_idx.numel(),
-                                            top_idx.data_ptr<int64_t>(), num_tokens, static_cast<int>(top_k),
-                                            static_cast<int>(num_experts), mask.data_ptr<float>(),
-                                            kept.data_ptr<float>(), indices.data_ptr<int32_t>(),
-                                            at::cuda::getCurrentCUDAStream()),
+    check_launch(ds_comet::launch_topk_keep(
+                     capacity_idx.data_ptr<int64_t>(), capacity_idx.numel(), top_idx.data_ptr<int64_t>(), num_tokens,
+                     static_cast<int>(top_k), static_cast<int>(num_experts), mask.data_ptr<float>(),
+                     kept.data_ptr<float>(), indices.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream()),
                  "topk_keep");
 }
 
@@ -337,9 +336,9 @@ void dispatch(const GroupShape& shape, const Workspace& workspace, const torch::
     check_cuda(rank_tokens, "rank_tokens", at::kInt);
     check_cuda(rank_counts, "rank_counts", at::kLong);
     check_group(shape, workspace);
-    TORCH_CHECK(workspace.route_row.numel() >= route_order.numel() &&
-                    workspace.route_stage.numel() >= route_order.numel(),
-                "the workspace's route_row and route_stage must have an entry per route");
+    TORCH_CHECK(
+        workspace.route_row.numel() >= route_order.numel() && workspace.route_stage.numel() >= route_order.numel(),
+        "the workspace's route_row and route_stage must have an entry per route");
     TORCH_CHECK(route_position.numel() == route_order.numel(), "route_position must have an entry per route");
     // top_k is also the stride of every rank's stage_routes, so it is passed in: a rank with no
     // tokens (which still receives staged rows) could not infer it from its routes.
@@ -353,8 +352,8 @@ void dispatch(const GroupShape& shape, const Workspace& workspace, const torch::
     TORCH_CHECK(!scaled || scale != nullptr || route_order.numel() == 0, "scaled rows need a route_scale");
     const void* kept_outputs = optional_outputs(outputs, workspace.row_dot, tokens);
     const c10::cuda::CUDAGuard device_guard(one_device(
-        "dispatch", {tokens, route_order, route_position, rank_tokens, rank_counts, route_scale, outputs,
-                     workspace.layout}));
+        "dispatch",
+        {tokens, route_order, route_position, rank_tokens, rank_counts, route_scale, outputs, workspace.layout}));
     ds_comet::DispatchTables tables{route_order.data_ptr<int64_t>(),
                                     route_position.data_ptr<int64_t>(),
                                     rank_tokens.data_ptr<int32_t>(),
@@ -368,12 +367,12 @@ void dispatch(const GroupShape& shape, const Workspace& workspace, const torch::
                                     workspace.route_stage.data_ptr<int32_t>(),
                                     kept_outputs,
                                     kept_outputs == nullptr ? nullptr : workspace.row_dot.data_ptr<float>()};
-    check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1),
-                                           static_cast<int>(top_k), dtype_code, scaled, scale,
-                                           workspace.layout.data_ptr<int32_t>(), tables,
-                                           workspace.route_row.data_ptr<int64_t>(), as_record(workspace.error_record),
-                                           static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
-                 "dispatch");
+    check_launch(
+        ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1), static_cast<int>(top_k),
+                                  dtype_code, scaled, scale, workspace.layout.data_ptr<int32_t>(), tables,
+                                  workspace.route_row.data_ptr<int64_t>(), as_record(workspace.error_record),
+                                  static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
+        "dispatch");
 }
 
 void combine(const GroupShape& shape, const Workspace& workspace, const torch::Tensor& expert_out,
@@ -400,8 +399,8 @@ void combine(const GroupShape& shape, const Workspace& workspace, const torch::T
                 "at most 2^31 - 1 tokens and routes per call");
     // top_k is also the stride of stage_routes, so it is passed in: a rank with no tokens (which
     // still reduces the rows its peers staged here) could not infer it from its routes.
-    TORCH_CHECK(top_k > 0 && route_position.numel() == top_k * out.size(0), "route_position must hold top_k routes "
-                "per token");
+    TORCH_CHECK(top_k > 0 && route_position.numel() == top_k * out.size(0),
+                "route_position must hold top_k routes per token");
     TORCH_CHECK(top_k <= ds_comet::kMaxCombineTopK, "the fused combine takes at most ", ds_comet::kMaxCombineTopK,
                 " routes per token, got ", top_k);
     TORCH_CHECK(workspace.stage_routes.numel() % top_k == 0,
@@ -522,8 +521,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gumbel_noise", &gumbel_noise, "The Gumbel noise top2_routes adds for each uniform draw (tests)",
           py::arg("uniform"), py::arg("noise"));
     m.def("topk_masks", &topk_masks, "The top-k gate's one-hot masks, expert counts and (dropping) ranked gates",
-          py::arg("top_idx"), py::arg("top_gate"), py::arg("drop"), py::arg("mask"), py::arg("kept"),
-          py::arg("ranked"), py::arg("indices"), py::arg("expert_counts"));
+          py::arg("top_idx"), py::arg("top_gate"), py::arg("drop"), py::arg("mask"), py::arg("kept"), py::arg("ranked"),
+          py::arg("indices"), py::arg("expert_counts"));
     m.def("topk_keep", &topk_keep, "The top-k gate's capacity drop from the capacity topk's token indices",
           py::arg("capacity_idx"), py::arg("top_idx"), py::arg("mask"), py::arg("kept"), py::arg("indices"));
     m.def("rank_tokens", &rank_tokens,

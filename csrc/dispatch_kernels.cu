@@ -102,8 +102,8 @@ __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const cha
                            lane, scaled, scaled ? route_scale[route] : 1.f);
         if (tables.outputs != nullptr) {  // read before the tile count below (see DispatchTables)
             const char* output = static_cast<const char*>(tables.outputs) + (region_row + r) * row_bytes;
-            const float dot = row_dot_product<T, false>(src, reinterpret_cast<const int4*>(output),
-                                                        row_bytes / sizeof(int4), lane);
+            const float dot =
+                row_dot_product<T, false>(src, reinterpret_cast<const int4*>(output), row_bytes / sizeof(int4), lane);
             if (lane == 0) tables.row_dot[region_row + r] = dot;
         }
         if (lane == 0) {
@@ -114,8 +114,8 @@ __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const cha
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
-        int32_t* counter = reinterpret_cast<int32_t*>(tables.peer_meta[d]) + shape.meta.tile_counter +
-                           layout[lo.dest_tile + e] + tile;
+        int32_t* counter =
+            reinterpret_cast<int32_t*>(tables.peer_meta[d]) + shape.meta.tile_counter + layout[lo.dest_tile + e] + tile;
         atomicAdd_system(counter, static_cast<int32_t>(r1 - r0));
     }
 }
@@ -125,8 +125,8 @@ __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const cha
 // token's first route there gets the staged row in route_stage, the others -1.
 template <typename T>
 __device__ void send_staged_piece(const GroupShape& shape, int64_t piece_item, const char* tokens, int64_t num_tokens,
-                                  int64_t row_bytes, int top_k, const float* route_scale,
-                                  const int32_t* layout, const DispatchTables& tables, int64_t* route_row) {
+                                  int64_t row_bytes, int top_k, const float* route_scale, const int32_t* layout,
+                                  const DispatchTables& tables, int64_t* route_row) {
     const int P = shape.ep_size, E = shape.num_experts, L = E / P, rank = shape.rank;
     const LayoutOffsets& lo = shape.layout;
     const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, num_warps = blockDim.x / kWarp;
@@ -144,8 +144,7 @@ __device__ void send_staged_piece(const GroupShape& shape, int64_t piece_item, c
         const int64_t token = tables.rank_tokens[d * num_tokens + slot];
         const int64_t at = base + slot;
         copy_row<T, false>(reinterpret_cast<const int4*>(tokens + token * row_bytes),
-                           reinterpret_cast<int4*>(stage + at * row_bytes), row_bytes / sizeof(int4), lane, false,
-                           1.f);
+                           reinterpret_cast<int4*>(stage + at * row_bytes), row_bytes / sizeof(int4), lane, false, 1.f);
         // The token's routes to d, a lane each, listed in top-k order.
         int64_t found = 0;
         for (int j0 = 0; j0 < top_k; j0 += kWarp) {
@@ -236,9 +235,9 @@ __device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64
 // receives. A block takes its items in increasing order, so every block has sent all it sends
 // before it waits for anything: a rank's dispatch never waits on a peer's that is itself waiting.
 template <typename T>
-__global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes,
-                                int top_k, bool scaled, const float* route_scale, int32_t* layout,
-                                DispatchTables tables, int64_t* route_row, int64_t* error_record) {
+__global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes, int top_k,
+                                bool scaled, const float* route_scale, int32_t* layout, DispatchTables tables,
+                                int64_t* route_row, int64_t* error_record) {
     const LayoutOffsets& lo = shape.layout;
     const int64_t own_pieces = layout[lo.totals + kTotalPieces];
     const int64_t sent_pieces = layout[lo.stage_send + shape.ep_size - 1];
@@ -261,19 +260,18 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
 
 }  // namespace
 
-cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
-                            int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
+cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden, int top_k,
+                            int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
                             const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
                             cudaStream_t stream) {
     const int64_t row_bytes = hidden * 2;  // bf16 and fp16 alike
     const char* rows = static_cast<const char*>(tokens);
     if (dtype_code == 0) {
-        dispatch_kernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(shape, rows, num_tokens, row_bytes, top_k, scaled,
-                                                                    route_scale, layout, tables, route_row,
-                                                                    error_record);
+        dispatch_kernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(
+            shape, rows, num_tokens, row_bytes, top_k, scaled, route_scale, layout, tables, route_row, error_record);
     } else {
         dispatch_kernel<__half><<<blocks, 512, 0, stream>>>(shape, rows, num_tokens, row_bytes, top_k, scaled,
-                                                             route_scale, layout, tables, route_row, error_record);
+                                                            route_scale, layout, tables, route_row, error_record);
     }
     return cudaGetLastError();
 }

@@ -245,7 +245,7 @@ cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_count
         if (err != cudaSuccess) return err;
     }
     exchange_kernel<<<1, 256, shared, stream>>>(shape, expert_counts, rank_counts, meta, peer_meta, layout,
-                                                 error_record);
+                                                error_record);
     return cudaGetLastError();
 }
 

@@ -19,7 +19,10 @@ __device__ __forceinline__ int part_of(const int32_t* prefix, int n, int64_t val
     int lo = 0, hi = n;
     while (hi - lo > 1) {
         const int mid = (lo + hi) / 2;
-        if (prefix[mid] <= value) lo = mid; else hi = mid;
+        if (prefix[mid] <= value)
+            lo = mid;
+        else
+            hi = mid;
     }
     return lo;
 }

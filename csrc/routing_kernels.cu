@@ -22,8 +22,8 @@ constexpr int kPlanThreads = 1024;
 
 template <int KEYS>
 __global__ void __launch_bounds__(kPlanThreads, 1)
-    plan_kernel(const int32_t* indices, int64_t routes, int num_experts, int64_t* route_order,
-                int64_t* route_position, int64_t* expert_counts) {
+    plan_kernel(const int32_t* indices, int64_t routes, int num_experts, int64_t* route_order, int64_t* route_position,
+                int64_t* expert_counts) {
     constexpr unsigned kAll = 0xFFFFFFFFu;
     // With one key a block, the grid has one block per key: no block is short of keys.
     const int first_key = blockIdx.x * KEYS, keys = KEYS == 1 ? 1 : min(KEYS, num_experts + 1 - first_key);
@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(kPlanThreads, 1)
 
 // Which tokens each rank gets (launch_rank_tokens): block d lists, in token order, the tokens with a
 // kept route to one of d's experts.
-__global__ void rank_tokens_kernel(const int32_t* indices, int64_t num_tokens, int top_k, int num_experts,
-                                   int ep_size, int32_t* rank_tokens, int64_t* rank_counts) {
+__global__ void rank_tokens_kernel(const int32_t* indices, int64_t num_tokens, int top_k, int num_experts, int ep_size,
+                                   int32_t* rank_tokens, int64_t* rank_counts) {
     const int d = blockIdx.x, L = num_experts / ep_size;
     int64_t listed = 0;
     for (int64_t t0 = 0; t0 < num_tokens; t0 += blockDim.x) {
@@ -103,14 +103,14 @@ cudaError_t launch_plan(const int32_t* indices, int64_t routes, int num_experts,
     if (err != cudaSuccess) return err;
     const int keys = num_experts + 1;
     if (keys <= sms) {
-        plan_kernel<1><<<keys, kPlanThreads, 0, stream>>>(indices, routes, num_experts, route_order,
-                                                           route_position, expert_counts);
+        plan_kernel<1><<<keys, kPlanThreads, 0, stream>>>(indices, routes, num_experts, route_order, route_position,
+                                                          expert_counts);
     } else if (keys <= 2 * sms) {
         plan_kernel<2><<<ceil_div(keys, 2), kPlanThreads, 0, stream>>>(indices, routes, num_experts, route_order,
-                                                                        route_position, expert_counts);
+                                                                       route_position, expert_counts);
     } else {  // past 4 keys a block, the counts' registers spill (1024 threads: 64 a thread at most)
         plan_kernel<4><<<ceil_div(keys, 4), kPlanThreads, 0, stream>>>(indices, routes, num_experts, route_order,
-                                                                        route_position, expert_counts);
+                                                                       route_position, expert_counts);
     }
     return cudaGetLastError();
 }
