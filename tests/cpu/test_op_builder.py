@@ -211,8 +211,8 @@ print(json.dumps(binding))
 @needs_nvcc
 @pytest.mark.skipif(not os.path.exists(os.path.join(CUDA_LIB, "libcudart.so")), reason="needs the CUDA runtime")
 def test_the_fused_pipeline_passes_the_bindings_keywords(kernel_objects, binding_object, tmp_path):
-    """The launches themselves need a GPU, but their keywords can be checked here: every one the
-    binding takes is passed, and no other."""
+    """The op loads without a GPU (its launches need one): the keywords its Workspace and launches
+    take must be the ones the fused pipeline passes them, every one and no other."""
     assert binding_object[0].returncode == 0 and all(result.returncode == 0 for result, _ in kernel_objects.values())
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     objects = [str(binding_object[1]), *(str(obj) for _, obj in kernel_objects.values())]
