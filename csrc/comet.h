@@ -1,7 +1,8 @@
 // ds_comet: communication kernels of the fused COMET pipeline.
 //
-// This header is plain CUDA C++ (no torch): the kernels build with nvcc alone, and the torch
-// binding (comet_binding.cpp) calls the launchers below with raw pointers and a stream.
+// This header is plain CUDA C++ (no torch): the kernels, one file a stage (routing, exchange,
+// dispatch, combine, gate: csrc/<stage>_kernels.cu), build with nvcc alone, and the torch binding
+// (comet_binding.cpp) calls the launchers below with raw pointers and a stream.
 //
 // Per expert-parallel group every rank owns the same symmetric buffers, addressable by all ranks:
 //   recv       [max_recv_rows, H]  rows dispatched to this rank, grouped by local expert
@@ -38,44 +39,44 @@ namespace ds_comet {
 // X(name, value) for each. Below it declares ds_comet::k<name>; ds_comet/kernels/constants.py reads
 // these lines from this file, and the binding's codes() exports the compiled values, which the op
 // loader checks against them (a build older than this header is refused).
-#define DS_COMET_CONSTANTS(X)                                                                           \
-    /* What a bounded wait waited for (the error record's kind word). */                                \
-    X(WaitExchangeFlag, 1)   /* a peer's expert counts for this call */                                 \
-    X(WaitDispatchTile, 2)   /* the rows of a GEMM1 row tile (waited on in the Triton GEMM) */          \
-    X(WaitCombineChunk, 3)   /* expert outputs of a column chunk finished for this rank */              \
-    X(WorkspaceOverflow, 4)  /* more rows or tiles than the workspace holds */                          \
-    X(WaitDispatchStage, 5)  /* a peer's staged rows for this rank (one staging piece) */               \
-    X(WaitCombineReduce, 6)  /* this rank's GEMM2 rows of other ranks' tokens in a column chunk */      \
-    /* Rows of one staging piece: what a peer's dispatch publishes with one release. */                 \
-    X(StagePieceRows, 32)                                                                               \
-    /* The int64 error record in host memory the device can write (pinned, mapped through UVA), */      \
-    /* and the word that holds each of its fields. */                                                   \
-    X(ErrorRecordWords, 8)                                                                              \
-    X(ErrorFilled, 0)        /* 1 once the fields below are written */                                  \
-    X(ErrorRank, 1)          /* the rank that gave up */                                                \
-    X(ErrorKind, 2)          /* what it waited for: a Wait* kind, or WorkspaceOverflow */               \
-    X(ErrorIndex, 3)         /* which one of them (peer, tile, chunk) */                                \
-    X(ErrorTarget, 4)        /* the count it waited to reach */                                         \
-    X(ErrorObserved, 5)      /* the count it saw last */                                                \
-    X(ErrorWaitedNs, 6)      /* how long it waited */                                                   \
-    /* Longest a wait that gave up waits for another one to finish filling the error record. */         \
-    X(ErrorRecordWaitNs, 1000000000)                                                                    \
-    /* The combine stages each unit's routes in shared memory (16 bytes a route, within the 48 KB */    \
-    /* a launch takes without opting in to more): a token can have at most this many. */                \
-    X(MaxCombineTopK, 3000)                                                                             \
-    /* Words of layout[totals:], and what each holds. */                                                \
-    X(TotalsWords, 9)                                                                                   \
-    X(TotalTiles, 0)         /* GEMM1 row tiles on this rank */                                         \
-    X(TotalKept, 1)          /* routes this rank sends (kept by the gate) */                            \
-    X(TotalRecvRows, 2)      /* rows this rank receives */                                              \
-    X(TotalPieces, 3)        /* dispatch pieces this rank sends */                                      \
-    X(TotalGeneration, 4)    /* the call generation */                                                  \
-    X(TotalCombineClaim, 5)  /* combine work units claimed so far (zeroed by the exchange) */           \
-    /* 1 once a wait that gave up owns the error record (never reset: its trap ends the process's */    \
-    /* CUDA context). */                                                                                \
-    X(TotalErrorClaim, 6)                                                                               \
-    X(TotalOwnRoutes, 7)     /* routes this rank sends to its own experts */                            \
-    X(TotalStagedSent, 8)    /* rows this rank stages on other ranks (a token once a rank) */
+#define DS_COMET_CONSTANTS(X)                                                                        \
+    /* What a bounded wait waited for (the error record's kind word). */                             \
+    X(WaitExchangeFlag, 1)  /* a peer's expert counts for this call */                               \
+    X(WaitDispatchTile, 2)  /* the rows of a GEMM1 row tile (waited on in the Triton GEMM) */        \
+    X(WaitCombineChunk, 3)  /* expert outputs of a column chunk finished for this rank */            \
+    X(WorkspaceOverflow, 4) /* more rows or tiles than the workspace holds */                        \
+    X(WaitDispatchStage, 5) /* a peer's staged rows for this rank (one staging piece) */             \
+    X(WaitCombineReduce, 6) /* this rank's GEMM2 rows of other ranks' tokens in a column chunk */    \
+    /* Rows of one staging piece: what a peer's dispatch publishes with one release. */              \
+    X(StagePieceRows, 32)                                                                            \
+    /* The int64 error record in host memory the device can write (pinned, mapped through UVA), */   \
+    /* and the word that holds each of its fields. */                                                \
+    X(ErrorRecordWords, 8)                                                                           \
+    X(ErrorFilled, 0)   /* 1 once the fields below are written */                                    \
+    X(ErrorRank, 1)     /* the rank that gave up */                                                  \
+    X(ErrorKind, 2)     /* what it waited for: a Wait* kind, or WorkspaceOverflow */                 \
+    X(ErrorIndex, 3)    /* which one of them (peer, tile, chunk) */                                  \
+    X(ErrorTarget, 4)   /* the count it waited to reach */                                           \
+    X(ErrorObserved, 5) /* the count it saw last */                                                  \
+    X(ErrorWaitedNs, 6) /* how long it waited */                                                     \
+    /* Longest a wait that gave up waits for another one to finish filling the error record. */      \
+    X(ErrorRecordWaitNs, 1000000000)                                                                 \
+    /* The combine stages each unit's routes in shared memory (16 bytes a route, within the 48 KB */ \
+    /* a launch takes without opting in to more): a token can have at most this many. */             \
+    X(MaxCombineTopK, 3000)                                                                          \
+    /* Words of layout[totals:], and what each holds. */                                             \
+    X(TotalsWords, 9)                                                                                \
+    X(TotalTiles, 0)        /* GEMM1 row tiles on this rank */                                       \
+    X(TotalKept, 1)         /* routes this rank sends (kept by the gate) */                          \
+    X(TotalRecvRows, 2)     /* rows this rank receives */                                            \
+    X(TotalPieces, 3)       /* dispatch pieces this rank sends */                                    \
+    X(TotalGeneration, 4)   /* the call generation */                                                \
+    X(TotalCombineClaim, 5) /* combine work units claimed so far (zeroed by the exchange) */         \
+    /* 1 once a wait that gave up owns the error record (never reset: its trap ends the process's */ \
+    /* CUDA context). */                                                                             \
+    X(TotalErrorClaim, 6)                                                                            \
+    X(TotalOwnRoutes, 7)  /* routes this rank sends to its own experts */                            \
+    X(TotalStagedSent, 8) /* rows this rank stages on other ranks (a token once a rank) */
 
 #define DS_COMET_DECLARE_CONSTANT(name, value) constexpr int64_t k##name = value;
 DS_COMET_CONSTANTS(DS_COMET_DECLARE_CONSTANT)
@@ -100,41 +101,43 @@ struct MetaOffsets {
 // Offsets (in int32 words) of the per-call layout the exchange kernel computes.
 struct LayoutOffsets {
     // This rank as a destination (L = local experts).
-    int64_t expert_start;    // [L+1] first recv row of each local expert's region
-    int64_t tile_start;      // [L+1] first GEMM1 row tile of each local expert
-    int64_t local_tiles;     // [L+1] prefix of the tiles holding only this rank's own rows
-    int64_t remote_tiles;    // [L+1] prefix of the other tiles
+    int64_t expert_start;  // [L+1] first recv row of each local expert's region
+    int64_t tile_start;    // [L+1] first GEMM1 row tile of each local expert
+    int64_t local_tiles;   // [L+1] prefix of the tiles holding only this rank's own rows
+    int64_t remote_tiles;  // [L+1] prefix of the other tiles
     // This rank as a source (E = global experts).
-    int64_t send_offset;     // [E+1] first entry of each expert's routes in the send list
-    int64_t dest_row;        // [E] recv row of the destination where this rank's rows for e start
-    int64_t dest_rel;        // [E] the same row relative to the start of e's region there
-    int64_t dest_tile;       // [E] the destination's first row tile of e's region
-    int64_t send_order;      // [E] experts in sending order: own rank first, then the next ranks
-    int64_t piece_start;     // [E+1] prefix of dispatch pieces (one per own row tile touched; other ranks
-                             // get their rows through staging)
-    int64_t stage_send;      // [P] prefix of the staging pieces this rank sends, over the other ranks in
-                             // sending order (rank + 1 first); the last entry is their total
-    int64_t stage_dest_row;  // [P] first staging row of this rank's on each destination
+    int64_t send_offset;       // [E+1] first entry of each expert's routes in the send list
+    int64_t dest_row;          // [E] recv row of the destination where this rank's rows for e start
+    int64_t dest_rel;          // [E] the same row relative to the start of e's region there
+    int64_t dest_tile;         // [E] the destination's first row tile of e's region
+    int64_t send_order;        // [E] experts in sending order: own rank first, then the next ranks
+    int64_t piece_start;       // [E+1] prefix of dispatch pieces (one per own row tile touched; other ranks
+                               // get their rows through staging)
+    int64_t stage_send;        // [P] prefix of the staging pieces this rank sends, over the other ranks in
+                               // sending order (rank + 1 first); the last entry is their total
+    int64_t stage_dest_row;    // [P] first staging row of this rank's on each destination
     int64_t stage_dest_piece;  // [P] its first staging piece there
-    int64_t stage_recv_row;  // [P+1] prefix of the staging rows this rank receives, by source rank
+    int64_t stage_recv_row;    // [P+1] prefix of the staging rows this rank receives, by source rank
     int64_t stage_recv_piece;  // [P+1] prefix of the staging pieces this rank receives, by source rank
-    int64_t totals;          // [kTotalsWords] indexed by kTotal*
+    int64_t totals;            // [kTotalsWords] indexed by kTotal*
 };
 
 struct GroupShape {
-    int rank;              // this rank in the expert-parallel group
-    int ep_size;           // P
-    int num_experts;       // E (global)
-    int tile_m;            // GEMM1 row tile
+    int rank;         // this rank in the expert-parallel group
+    int ep_size;      // P
+    int num_experts;  // E (global)
+    int tile_m;       // GEMM1 row tile
     int64_t max_recv_rows;
     int64_t max_tiles;
     int64_t max_chunks;
     int64_t max_stage_pieces;
-    int64_t timeout_ns;    // bound of every wait
+    int64_t timeout_ns;  // bound of every wait
     MetaOffsets meta;
     LayoutOffsets layout;
 };
 
+// The routing kernels (routing_kernels.cu).
+//
 // The routing plan of ds_comet/pipelines/routing.py::plan_routes in one launch (no sort): indices holds k*S
 // global expert ids (-1: dropped; an id >= E counts as dropped too) by flat route id; route_order
 // lists the route ids by expert, each expert's in route-id order, dropped routes last;
@@ -148,6 +151,8 @@ cudaError_t launch_plan(const int32_t* indices, int64_t routes, int num_experts,
 cudaError_t launch_rank_tokens(const int32_t* indices, int64_t num_tokens, int top_k, int num_experts, int ep_size,
                                int32_t* rank_tokens, int64_t* rank_counts, cudaStream_t stream);
 
+// The count exchange (exchange_kernels.cu).
+//
 // Publishes this rank's expert counts and its staged rows per destination (rank_counts of
 // launch_rank_tokens; its own entry is ignored) to every peer, waits for theirs, and computes the
 // layout. One block. Zeroes this rank's arrival counters first: peers only write them after they saw
@@ -156,19 +161,21 @@ cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_count
                             int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
                             cudaStream_t stream);
 
+// The dispatch (dispatch_kernels.cu).
+//
 // Where each route's row goes, and the peers' tables the dispatch writes through.
 struct DispatchTables {
-    const int64_t* route_order;     // [k S] of the routing plan
-    const int64_t* route_position;  // [k S] its inverse
-    const int32_t* rank_tokens;     // [P][S] of launch_rank_tokens
-    const int64_t* rank_counts;     // [P] of launch_rank_tokens
-    const int64_t* peer_recv;       // [P] each rank's recv
-    const int64_t* peer_origin;     // [P] each rank's origin
-    const int64_t* peer_stage;      // [P] each rank's stage
+    const int64_t* route_order;        // [k S] of the routing plan
+    const int64_t* route_position;     // [k S] its inverse
+    const int32_t* rank_tokens;        // [P][S] of launch_rank_tokens
+    const int64_t* rank_counts;        // [P] of launch_rank_tokens
+    const int64_t* peer_recv;          // [P] each rank's recv
+    const int64_t* peer_origin;        // [P] each rank's origin
+    const int64_t* peer_stage;         // [P] each rank's stage
     const int64_t* peer_stage_routes;  // [P] each rank's stage_routes
     const int64_t* peer_stage_scale;   // [P] each rank's stage_scale
-    const int64_t* peer_meta;       // [P] each rank's meta
-    int32_t* route_stage;           // [k S] this rank's route_stage
+    const int64_t* peer_meta;          // [P] each rank's meta
+    int32_t* route_stage;              // [k S] this rank's route_stage
     // The backward's gate gradient, or both null: the forward's expert outputs by recv row ([recv
     // rows, H], kept by the caller), and this rank's row_dot, which receives each route's dot
     // product of its token's (unscaled) row with them. A row of outputs is read only before the
@@ -187,23 +194,25 @@ struct DispatchTables {
 // With `scaled` (the backward; the same on every rank of the group) each route's row is also
 // multiplied by it where it is written to recv.
 // dtype_code: 0 = bf16, 1 = fp16.
-cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden,
-                            int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
+cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden, int top_k,
+                            int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
                             const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
                             cudaStream_t stream);
 
+// The combine (combine_kernels.cu).
+//
 // Where the combine reads each route's output, and what it writes besides the sums.
 struct CombineTables {
-    const void* expert_out;          // [recv rows, H] this call's GEMM2 output rows here, by recv row
-    const int64_t* peer_reduced;     // [P] each rank's reduced
-    const int64_t* peer_row_dot;     // [P] each rank's row_dot (read only with route_grad)
-    const int64_t* peer_meta;        // [P] each rank's meta
-    const int64_t* route_row;        // [max_routes] of the dispatch
-    const int32_t* route_stage;      // [max_routes] of the dispatch
-    const int64_t* route_position;   // [k S] of the routing plan
-    const int64_t* stage_routes;     // this rank's stage_routes
-    const float* stage_scale;        // this rank's stage_scale
-    float* route_grad;               // [k S] by flat route id, or null: each route's row_dot (0 if dropped)
+    const void* expert_out;         // [recv rows, H] this call's GEMM2 output rows here, by recv row
+    const int64_t* peer_reduced;    // [P] each rank's reduced
+    const int64_t* peer_row_dot;    // [P] each rank's row_dot (read only with route_grad)
+    const int64_t* peer_meta;       // [P] each rank's meta
+    const int64_t* route_row;       // [max_routes] of the dispatch
+    const int32_t* route_stage;     // [max_routes] of the dispatch
+    const int64_t* route_position;  // [k S] of the routing plan
+    const int64_t* stage_routes;    // this rank's stage_routes
+    const float* stage_scale;       // this rank's stage_scale
+    float* route_grad;              // [k S] by flat route id, or null: each route's row_dot (0 if dropped)
 };
 
 // Weighted top-k sum of the expert outputs, column chunk by column chunk, a token's routes on one

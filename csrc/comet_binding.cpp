@@ -1,11 +1,14 @@
-// Torch binding of the ds_comet communication kernels: checks arguments, passes raw pointers and
-// the tensors' GPU's current CUDA stream to the launchers in comet_kernels.cu and gate_kernels.cu.
+// Torch binding of the ds_comet kernels: checks arguments, passes raw pointers and the tensors'
+// GPU's current CUDA stream to the launchers comet.h declares.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <functional>
 #include <initializer_list>
+#include <iterator>
+#include <string>
 #include <utility>
 
 #include "comet.h"
@@ -51,22 +54,112 @@ c10::Device one_device(const char* what, std::initializer_list<std::reference_wr
 
 int64_t* as_record(int64_t address) { return reinterpret_cast<int64_t*>(address); }
 
-void exchange(const GroupShape& shape, const torch::Tensor& expert_counts, const torch::Tensor& rank_counts,
-              torch::Tensor& meta, const torch::Tensor& peer_meta, torch::Tensor& layout, int64_t error_record) {
+// One workspace's tensors, which every exchange, dispatch and combine of its group takes
+// (ds_comet/pipelines/workspace.py builds it once, with the workspace): each symmetric part's table
+// of peer addresses, this rank's parts and arrays that the kernels address directly (comet.h says
+// what each holds), and the error record. Checked once, when it is built.
+struct Workspace {
+    // [P] int64 on the GPU each: every rank's address of the part.
+    torch::Tensor peer_recv, peer_origin, peer_stage, peer_stage_routes, peer_stage_scale, peer_reduced, peer_row_dot,
+        peer_meta;
+    // This rank's parts that the kernels address directly, not through a peer table.
+    torch::Tensor meta, row_dot, stage_routes, stage_scale;
+    // This rank's arrays that no peer reads (not symmetric), rewritten every call.
+    torch::Tensor layout, route_row, route_stage;
+    // The address of the error record (kErrorRecordWords int64 words of pinned host memory).
+    int64_t error_record = 0;
+};
+
+// Each tensor of a Workspace: its name (the constructor's keyword), its dtype, and whether it is a
+// peer table (one entry per rank).
+struct WorkspaceTensor {
+    const char* name;
+    torch::Tensor Workspace::* member;
+    at::ScalarType dtype;
+    bool peer_table;
+};
+
+const WorkspaceTensor kWorkspaceTensors[] = {
+    {"peer_recv", &Workspace::peer_recv, at::kLong, true},
+    {"peer_origin", &Workspace::peer_origin, at::kLong, true},
+    {"peer_stage", &Workspace::peer_stage, at::kLong, true},
+    {"peer_stage_routes", &Workspace::peer_stage_routes, at::kLong, true},
+    {"peer_stage_scale", &Workspace::peer_stage_scale, at::kLong, true},
+    {"peer_reduced", &Workspace::peer_reduced, at::kLong, true},
+    {"peer_row_dot", &Workspace::peer_row_dot, at::kLong, true},
+    {"peer_meta", &Workspace::peer_meta, at::kLong, true},
+    {"meta", &Workspace::meta, at::kInt, false},
+    {"row_dot", &Workspace::row_dot, at::kFloat, false},
+    {"stage_routes", &Workspace::stage_routes, at::kLong, false},
+    {"stage_scale", &Workspace::stage_scale, at::kFloat, false},
+    {"layout", &Workspace::layout, at::kInt, false},
+    {"route_row", &Workspace::route_row, at::kLong, false},
+    {"route_stage", &Workspace::route_stage, at::kInt, false},
+};
+
+// A Workspace from keywords: every tensor of kWorkspaceTensors, all on one GPU, and error_record.
+Workspace workspace_of(const py::kwargs& given) {
+    for (const auto& item : given) {
+        const std::string name = py::str(item.first);
+        const bool known =
+            name == "error_record" || std::any_of(std::begin(kWorkspaceTensors), std::end(kWorkspaceTensors),
+                                                  [&](const WorkspaceTensor& t) { return name == t.name; });
+        TORCH_CHECK(known, "Workspace has no ", name);
+    }
+    Workspace workspace;
+    TORCH_CHECK(given.contains("error_record"), "Workspace needs error_record");
+    workspace.error_record = given["error_record"].cast<int64_t>();
+    for (const WorkspaceTensor& t : kWorkspaceTensors) {
+        TORCH_CHECK(given.contains(t.name), "Workspace needs ", t.name);
+        workspace.*t.member = given[t.name].cast<torch::Tensor>();
+        check_cuda(workspace.*t.member, t.name, t.dtype);
+    }
+    const int64_t ranks = workspace.peer_meta.numel();
+    const c10::Device device = workspace.layout.device();
+    TORCH_CHECK(ranks > 0, "Workspace: the peer tables must have an entry per rank");
+    for (const WorkspaceTensor& t : kWorkspaceTensors) {
+        const torch::Tensor& tensor = workspace.*t.member;
+        TORCH_CHECK(tensor.device() == device, "Workspace: every tensor must be on ", device, ", got ", t.name, " on ",
+                    tensor.device());
+        TORCH_CHECK(!t.peer_table || tensor.numel() == ranks, "Workspace: ", t.name, " has ", tensor.numel(),
+                    " entries, peer_meta ", ranks, ": every peer table has one per rank");
+    }
+    TORCH_CHECK(workspace.stage_routes.numel() == workspace.stage_scale.numel(),
+                "Workspace: stage_routes and stage_scale must have an entry per staged route each");
+    TORCH_CHECK(workspace.route_row.numel() == workspace.route_stage.numel(),
+                "Workspace: route_row and route_stage must have an entry per route each");
+    return workspace;
+}
+
+// The workspace with a recv table of the caller's ([P] int64 on its GPU): a rank alone in its group
+// dispatches into a tensor of its own.
+Workspace with_peer_recv(const Workspace& workspace, const torch::Tensor& peer_recv) {
+    check_cuda(peer_recv, "peer_recv", at::kLong);
+    TORCH_CHECK(peer_recv.numel() == workspace.peer_recv.numel() && peer_recv.device() == workspace.layout.device(),
+                "peer_recv must have an entry per rank, on the workspace's GPU (", workspace.layout.device(), ")");
+    Workspace replaced = workspace;
+    replaced.peer_recv = peer_recv;
+    return replaced;
+}
+
+// The kernels index every peer table by rank: it must have the group's P entries.
+void check_group(const GroupShape& shape, const Workspace& workspace) {
+    TORCH_CHECK(workspace.peer_meta.numel() == shape.ep_size, "the workspace's peer tables have ",
+                workspace.peer_meta.numel(), " entries, but the group has ", shape.ep_size, " ranks");
+}
+
+void exchange(const GroupShape& shape, const Workspace& workspace, const torch::Tensor& expert_counts,
+              const torch::Tensor& rank_counts) {
     check_cuda(expert_counts, "expert_counts", at::kLong);
     check_cuda(rank_counts, "rank_counts", at::kLong);
     TORCH_CHECK(rank_counts.numel() == shape.ep_size, "rank_counts must have ep_size entries");
-    check_cuda(meta, "meta", at::kInt);
-    check_cuda(peer_meta, "peer_meta", at::kLong);
-    check_cuda(layout, "layout", at::kInt);
     TORCH_CHECK(expert_counts.numel() == shape.num_experts, "expert_counts must have num_experts entries");
-    TORCH_CHECK(peer_meta.numel() == shape.ep_size, "peer_meta must have ep_size entries");
-    const c10::cuda::CUDAGuard device_guard(
-        one_device("exchange", {expert_counts, rank_counts, meta, peer_meta, layout}));
+    check_group(shape, workspace);
+    const c10::cuda::CUDAGuard device_guard(one_device("exchange", {expert_counts, rank_counts, workspace.layout}));
     check_launch(ds_comet::launch_exchange(shape, expert_counts.data_ptr<int64_t>(), rank_counts.data_ptr<int64_t>(),
-                                           meta.data_ptr<int32_t>(), peer_meta.data_ptr<int64_t>(),
-                                           layout.data_ptr<int32_t>(),
-                                           as_record(error_record), at::cuda::getCurrentCUDAStream()),
+                                           workspace.meta.data_ptr<int32_t>(), workspace.peer_meta.data_ptr<int64_t>(),
+                                           workspace.layout.data_ptr<int32_t>(), as_record(workspace.error_record),
+                                           at::cuda::getCurrentCUDAStream()),
                  "exchange");
 }
 
@@ -197,11 +290,10 @@ void topk_keep(const torch::Tensor& capacity_idx, const torch::Tensor& top_idx, 
     check_cuda(indices, "indices", at::kInt);
     check_sizes(indices, "indices", {top_k, num_tokens});
     const c10::cuda::CUDAGuard device_guard(one_device("topk_keep", {capacity_idx, top_idx, mask, kept, indices}));
-    check_launch(ds_comet::launch_topk_keep(capacity_idx.data_ptr<int64_t>(), capacity_idx.numel(),
-                                            top_idx.data_ptr<int64_t>(), num_tokens, static_cast<int>(top_k),
-                                            static_cast<int>(num_experts), mask.data_ptr<float>(),
-                                            kept.data_ptr<float>(), indices.data_ptr<int32_t>(),
-                                            at::cuda::getCurrentCUDAStream()),
+    check_launch(ds_comet::launch_topk_keep(
+                     capacity_idx.data_ptr<int64_t>(), capacity_idx.numel(), top_idx.data_ptr<int64_t>(), num_tokens,
+                     static_cast<int>(top_k), static_cast<int>(num_experts), mask.data_ptr<float>(),
+                     kept.data_ptr<float>(), indices.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream()),
                  "topk_keep");
 }
 
@@ -220,24 +312,20 @@ const float* optional_weights(const torch::Tensor& t, const char* name, int64_t 
 }
 
 // The forward's expert outputs the backward's dispatch takes its dot products with: [rows, hidden]
-// in the tokens' dtype, or empty for none; row_dot then has a float per row.
+// in the tokens' dtype, or empty for none; the workspace's row_dot then has a float per row.
 const void* optional_outputs(const torch::Tensor& outputs, const torch::Tensor& row_dot, const torch::Tensor& tokens) {
     if (outputs.numel() == 0) return nullptr;
     check_cuda(outputs, "outputs", tokens.scalar_type());
     TORCH_CHECK(outputs.dim() == 2 && outputs.size(1) == tokens.size(1), "outputs must be [rows, hidden]");
     check_aligned(outputs, "outputs");
-    check_cuda(row_dot, "row_dot", at::kFloat);
-    TORCH_CHECK(row_dot.numel() >= outputs.size(0), "row_dot must have an entry per row of outputs");
+    TORCH_CHECK(row_dot.numel() >= outputs.size(0), "the workspace's row_dot must have an entry per row of outputs");
     return outputs.data_ptr();
 }
 
-void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch::Tensor& route_order,
-              const torch::Tensor& route_position, const torch::Tensor& rank_tokens,
-              const torch::Tensor& rank_counts, torch::Tensor& layout, const torch::Tensor& peer_recv,
-              const torch::Tensor& peer_origin, const torch::Tensor& peer_stage, const torch::Tensor& peer_stage_routes,
-              const torch::Tensor& peer_stage_scale, const torch::Tensor& peer_meta, torch::Tensor& route_row,
-              torch::Tensor& route_stage, const torch::Tensor& route_scale, bool scaled, const torch::Tensor& outputs,
-              torch::Tensor& row_dot, int64_t top_k, int64_t error_record, int64_t blocks) {
+void dispatch(const GroupShape& shape, const Workspace& workspace, const torch::Tensor& tokens,
+              const torch::Tensor& route_order, const torch::Tensor& route_position, const torch::Tensor& rank_tokens,
+              const torch::Tensor& rank_counts, const torch::Tensor& route_scale, bool scaled,
+              const torch::Tensor& outputs, int64_t top_k, int64_t blocks) {
     TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2,
                 "tokens must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(tokens, "tokens");
@@ -247,18 +335,10 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     check_cuda(route_position, "route_position", at::kLong);
     check_cuda(rank_tokens, "rank_tokens", at::kInt);
     check_cuda(rank_counts, "rank_counts", at::kLong);
-    check_cuda(layout, "layout", at::kInt);
-    for (const auto& [table, name] : {std::pair<const torch::Tensor&, const char*>{peer_recv, "peer_recv"},
-                                      {peer_origin, "peer_origin"}, {peer_stage, "peer_stage"},
-                                      {peer_stage_routes, "peer_stage_routes"}, {peer_stage_scale, "peer_stage_scale"},
-                                      {peer_meta, "peer_meta"}}) {
-        check_cuda(table, name, at::kLong);
-        TORCH_CHECK(table.numel() == shape.ep_size, name, " must have ep_size entries");
-    }
-    check_cuda(route_row, "route_row", at::kLong);
-    TORCH_CHECK(route_row.numel() >= route_order.numel(), "route_row must have an entry per route");
-    check_cuda(route_stage, "route_stage", at::kInt);
-    TORCH_CHECK(route_stage.numel() >= route_order.numel(), "route_stage must have an entry per route");
+    check_group(shape, workspace);
+    TORCH_CHECK(
+        workspace.route_row.numel() >= route_order.numel() && workspace.route_stage.numel() >= route_order.numel(),
+        "the workspace's route_row and route_stage must have an entry per route");
     TORCH_CHECK(route_position.numel() == route_order.numel(), "route_position must have an entry per route");
     // top_k is also the stride of every rank's stage_routes, so it is passed in: a rank with no
     // tokens (which still receives staged rows) could not infer it from its routes.
@@ -270,32 +350,35 @@ void dispatch(const GroupShape& shape, const torch::Tensor& tokens, const torch:
     // yet unstages its peers' scaled rows.
     const float* scale = optional_weights(route_scale, "route_scale", route_order.numel());
     TORCH_CHECK(!scaled || scale != nullptr || route_order.numel() == 0, "scaled rows need a route_scale");
-    const void* kept_outputs = optional_outputs(outputs, row_dot, tokens);
-    const c10::cuda::CUDAGuard device_guard(
-        one_device("dispatch", {tokens, route_order, route_position, rank_tokens, rank_counts, layout, peer_recv,
-                                peer_origin, peer_stage, peer_stage_routes, peer_stage_scale, peer_meta, route_row,
-                                route_stage, route_scale, outputs, row_dot}));
-    ds_comet::DispatchTables tables{route_order.data_ptr<int64_t>(),     route_position.data_ptr<int64_t>(),
-                                    rank_tokens.data_ptr<int32_t>(),     rank_counts.data_ptr<int64_t>(),
-                                    peer_recv.data_ptr<int64_t>(),       peer_origin.data_ptr<int64_t>(),
-                                    peer_stage.data_ptr<int64_t>(),      peer_stage_routes.data_ptr<int64_t>(),
-                                    peer_stage_scale.data_ptr<int64_t>(), peer_meta.data_ptr<int64_t>(),
-                                    route_stage.data_ptr<int32_t>(),     kept_outputs,
-                                    kept_outputs == nullptr ? nullptr : row_dot.data_ptr<float>()};
-    check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1),
-                                           static_cast<int>(top_k), dtype_code, scaled, scale,
-                                           layout.data_ptr<int32_t>(),
-                                           tables, route_row.data_ptr<int64_t>(), as_record(error_record),
-                                           static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
-                 "dispatch");
+    const void* kept_outputs = optional_outputs(outputs, workspace.row_dot, tokens);
+    const c10::cuda::CUDAGuard device_guard(one_device(
+        "dispatch",
+        {tokens, route_order, route_position, rank_tokens, rank_counts, route_scale, outputs, workspace.layout}));
+    ds_comet::DispatchTables tables{route_order.data_ptr<int64_t>(),
+                                    route_position.data_ptr<int64_t>(),
+                                    rank_tokens.data_ptr<int32_t>(),
+                                    rank_counts.data_ptr<int64_t>(),
+                                    workspace.peer_recv.data_ptr<int64_t>(),
+                                    workspace.peer_origin.data_ptr<int64_t>(),
+                                    workspace.peer_stage.data_ptr<int64_t>(),
+                                    workspace.peer_stage_routes.data_ptr<int64_t>(),
+                                    workspace.peer_stage_scale.data_ptr<int64_t>(),
+                                    workspace.peer_meta.data_ptr<int64_t>(),
+                                    workspace.route_stage.data_ptr<int32_t>(),
+                                    kept_outputs,
+                                    kept_outputs == nullptr ? nullptr : workspace.row_dot.data_ptr<float>()};
+    check_launch(
+        ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1), static_cast<int>(top_k),
+                                  dtype_code, scaled, scale, workspace.layout.data_ptr<int32_t>(), tables,
+                                  workspace.route_row.data_ptr<int64_t>(), as_record(workspace.error_record),
+                                  static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
+        "dispatch");
 }
 
-void combine(const GroupShape& shape, const torch::Tensor& expert_out, const torch::Tensor& peer_reduced,
-             const torch::Tensor& peer_row_dot, const torch::Tensor& peer_meta, const torch::Tensor& route_row,
-             const torch::Tensor& route_stage, const torch::Tensor& route_position, const torch::Tensor& stage_routes,
-             const torch::Tensor& stage_scale, bool weighted, const torch::Tensor& gates, torch::Tensor& out,
+void combine(const GroupShape& shape, const Workspace& workspace, const torch::Tensor& expert_out,
+             const torch::Tensor& route_position, bool weighted, const torch::Tensor& gates, torch::Tensor& out,
              torch::Tensor& route_grad, int64_t top_k, int64_t chunk_cols, int64_t tile_n, int64_t num_chunks,
-             torch::Tensor& layout, int64_t error_record, int64_t blocks) {
+             int64_t blocks) {
     TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2, "out must be a contiguous 2-D CUDA tensor");
     const int dtype_code = dtype_code_of(out, "out");
     check_aligned(out, "out");
@@ -304,33 +387,24 @@ void combine(const GroupShape& shape, const torch::Tensor& expert_out, const tor
                     expert_out.scalar_type() == out.scalar_type() && expert_out.size(1) == out.size(1),
                 "expert_out must be a contiguous 2-D CUDA tensor of out's dtype and width");
     check_aligned(expert_out, "expert_out");
-    for (const auto& [table, name] : {std::pair<const torch::Tensor&, const char*>{peer_reduced, "peer_reduced"},
-                                      {peer_row_dot, "peer_row_dot"},
-                                      {peer_meta, "peer_meta"}}) {
-        check_cuda(table, name, at::kLong);
-        TORCH_CHECK(table.numel() == shape.ep_size, name, " must have ep_size entries");
-    }
-    check_cuda(route_row, "route_row", at::kLong);
-    check_cuda(route_stage, "route_stage", at::kInt);
+    check_group(shape, workspace);
     check_cuda(route_position, "route_position", at::kLong);
-    check_cuda(stage_routes, "stage_routes", at::kLong);
-    check_cuda(stage_scale, "stage_scale", at::kFloat);
-    check_cuda(layout, "layout", at::kInt);
     TORCH_CHECK(out.size(0) == 0 ? route_position.numel() == 0 : route_position.numel() % out.size(0) == 0,
                 "route_position must hold k routes per token");
-    TORCH_CHECK(route_row.numel() >= route_position.numel() && route_stage.numel() >= route_position.numel(),
-                "route_row and route_stage must have an entry per route");
+    TORCH_CHECK(workspace.route_row.numel() >= route_position.numel() &&
+                    workspace.route_stage.numel() >= route_position.numel(),
+                "the workspace's route_row and route_stage must have an entry per route");
     // The kernel keeps tokens and send positions in int32, as the layout keeps its counts.
     TORCH_CHECK(std::max(out.size(0), route_position.numel()) < (int64_t{1} << 31),
                 "at most 2^31 - 1 tokens and routes per call");
     // top_k is also the stride of stage_routes, so it is passed in: a rank with no tokens (which
     // still reduces the rows its peers staged here) could not infer it from its routes.
-    TORCH_CHECK(top_k > 0 && route_position.numel() == top_k * out.size(0), "route_position must hold top_k routes "
-                "per token");
+    TORCH_CHECK(top_k > 0 && route_position.numel() == top_k * out.size(0),
+                "route_position must hold top_k routes per token");
     TORCH_CHECK(top_k <= ds_comet::kMaxCombineTopK, "the fused combine takes at most ", ds_comet::kMaxCombineTopK,
                 " routes per token, got ", top_k);
-    TORCH_CHECK(stage_routes.numel() == stage_scale.numel() && stage_routes.numel() % top_k == 0,
-                "stage_routes and stage_scale must have top_k entries per staged row");
+    TORCH_CHECK(workspace.stage_routes.numel() % top_k == 0,
+                "the workspace's stage_routes and stage_scale must have top_k entries per staged row");
     // Whether routes are weighted must not depend on this rank's routes: with none, it has no gates,
     // yet sums its peers' staged routes with theirs.
     const float* weights = optional_weights(gates, "gates", route_position.numel());
@@ -344,16 +418,20 @@ void combine(const GroupShape& shape, const torch::Tensor& expert_out, const tor
     }
     TORCH_CHECK(out.size(1) % 8 == 0 && chunk_cols % 8 == 0, "hidden size and chunk width must be multiples of 8");
     const c10::cuda::CUDAGuard device_guard(
-        one_device("combine", {out, expert_out, peer_reduced, peer_row_dot, peer_meta, route_row, route_stage,
-                               route_position, stage_routes, stage_scale, gates, route_grad, layout}));
-    ds_comet::CombineTables tables{expert_out.data_ptr(),              peer_reduced.data_ptr<int64_t>(),
-                                   peer_row_dot.data_ptr<int64_t>(),    peer_meta.data_ptr<int64_t>(),
-                                   route_row.data_ptr<int64_t>(),       route_stage.data_ptr<int32_t>(),
-                                   route_position.data_ptr<int64_t>(),  stage_routes.data_ptr<int64_t>(),
-                                   stage_scale.data_ptr<float>(),       grads};
+        one_device("combine", {out, expert_out, route_position, gates, route_grad, workspace.layout}));
+    ds_comet::CombineTables tables{expert_out.data_ptr(),
+                                   workspace.peer_reduced.data_ptr<int64_t>(),
+                                   workspace.peer_row_dot.data_ptr<int64_t>(),
+                                   workspace.peer_meta.data_ptr<int64_t>(),
+                                   workspace.route_row.data_ptr<int64_t>(),
+                                   workspace.route_stage.data_ptr<int32_t>(),
+                                   route_position.data_ptr<int64_t>(),
+                                   workspace.stage_routes.data_ptr<int64_t>(),
+                                   workspace.stage_scale.data_ptr<float>(),
+                                   grads};
     check_launch(ds_comet::launch_combine(shape, tables, weighted, weights, out.data_ptr(), top_k, out.size(0),
                                           out.size(1), dtype_code, chunk_cols, tile_n, num_chunks,
-                                          layout.data_ptr<int32_t>(), as_record(error_record),
+                                          workspace.layout.data_ptr<int32_t>(), as_record(workspace.error_record),
                                           static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
                  "combine");
 }
@@ -367,9 +445,8 @@ py::dict codes() {
     return d;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// The kernels' shape and offsets (comet.h), which ds_comet/pipelines/workspace.py fills once a workspace.
+void bind_group_shape(py::module_& m) {
     py::class_<GroupShape>(m, "GroupShape")
         .def(py::init<>())
         .def_readwrite("rank", &GroupShape::rank)
@@ -410,19 +487,61 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("stage_recv_row", &ds_comet::LayoutOffsets::stage_recv_row)
         .def_readwrite("stage_recv_piece", &ds_comet::LayoutOffsets::stage_recv_piece)
         .def_readwrite("totals", &ds_comet::LayoutOffsets::totals);
+}
+
+// The Workspace: built from keywords (workspace_of), its tensors readable by name.
+void bind_workspace(py::module_& m) {
+    py::class_<Workspace> workspace(m, "Workspace",
+                                    "One workspace's peer tables, this rank's parts and arrays the kernels address, "
+                                    "and its error record, as every exchange, dispatch and combine of its group takes "
+                                    "them");
+    workspace.def(py::init(&workspace_of), "Every tensor by name (the properties), and error_record (an address)");
+    for (const WorkspaceTensor& t : kWorkspaceTensors) {
+        workspace.def_property_readonly(t.name, [member = t.member](const Workspace& w) { return w.*member; });
+    }
+    workspace.def_readonly("error_record", &Workspace::error_record);
+    workspace.def("with_peer_recv", &with_peer_recv, py::arg("peer_recv"),
+                  "This workspace with the recv table replaced (a rank alone in its group, dispatching into a tensor "
+                  "of its own)");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    bind_group_shape(m);
+    bind_workspace(m);
     m.def("codes", &codes, "The constants of comet.h as compiled, by name");
-    m.def("plan", &plan, "The routing plan (route order by expert, its inverse, kept routes per expert) of the "
-          "gate's indices");
-    m.def("top2_routes", &top2_routes, "The top-2 gate's choices, capacity drop, one-hot masks and expert counts");
-    m.def("gumbel_noise", &gumbel_noise, "The Gumbel noise top2_routes adds for each uniform draw (tests)");
-    m.def("topk_masks", &topk_masks, "The top-k gate's one-hot masks, expert counts and (dropping) ranked gates");
-    m.def("topk_keep", &topk_keep, "The top-k gate's capacity drop from the capacity topk's token indices");
-    m.def("rank_tokens", &rank_tokens, "The tokens each rank of the group gets (those with a kept route to one of "
-          "its experts), once a token, and their counts");
-    m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout");
-    m.def("dispatch", &dispatch, "Put every kept route's token row (optionally scaled per route) in its destination's "
-          "recv buffer, each token's row crossing to another rank once");
-    m.def("combine", &combine, "Top-k sum of the routes' expert outputs (weighted by the gates when weighted is "
-          "true), a token's routes on one rank summed there first, chunk by chunk; optionally each route's gate "
-          "gradient");
+    m.def("plan", &plan,
+          "The routing plan (route order by expert, its inverse, kept routes per expert) of the gate's indices",
+          py::arg("indices"), py::arg("num_experts"), py::arg("route_order"), py::arg("route_position"),
+          py::arg("expert_counts"));
+    m.def("top2_routes", &top2_routes, "The top-2 gate's choices, capacity drop, one-hot masks and expert counts",
+          py::arg("gates"), py::arg("logits"), py::arg("uniform"), py::arg("capacity"), py::arg("routes"),
+          py::arg("masks"), py::arg("expert_counts"));
+    m.def("gumbel_noise", &gumbel_noise, "The Gumbel noise top2_routes adds for each uniform draw (tests)",
+          py::arg("uniform"), py::arg("noise"));
+    m.def("topk_masks", &topk_masks, "The top-k gate's one-hot masks, expert counts and (dropping) ranked gates",
+          py::arg("top_idx"), py::arg("top_gate"), py::arg("drop"), py::arg("mask"), py::arg("kept"), py::arg("ranked"),
+          py::arg("indices"), py::arg("expert_counts"));
+    m.def("topk_keep", &topk_keep, "The top-k gate's capacity drop from the capacity topk's token indices",
+          py::arg("capacity_idx"), py::arg("top_idx"), py::arg("mask"), py::arg("kept"), py::arg("indices"));
+    m.def("rank_tokens", &rank_tokens,
+          "The tokens each rank of the group gets (those with a kept route to one of its experts), once a token, "
+          "and their counts",
+          py::arg("indices"), py::arg("top_k"), py::arg("num_experts"), py::arg("ep_size"), py::arg("rank_tokens"),
+          py::arg("rank_counts"));
+    m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout", py::kw_only(),
+          py::arg("shape"), py::arg("workspace"), py::arg("expert_counts"), py::arg("rank_counts"));
+    m.def("dispatch", &dispatch,
+          "Put every kept route's token row (optionally scaled per route) in its destination's recv buffer, each "
+          "token's row crossing to another rank once",
+          py::kw_only(), py::arg("shape"), py::arg("workspace"), py::arg("tokens"), py::arg("route_order"),
+          py::arg("route_position"), py::arg("rank_tokens"), py::arg("rank_counts"), py::arg("route_scale"),
+          py::arg("scaled"), py::arg("outputs"), py::arg("top_k"), py::arg("blocks"));
+    m.def("combine", &combine,
+          "Top-k sum of the routes' expert outputs (weighted by the gates when weighted is true), a token's routes "
+          "on one rank summed there first, chunk by chunk; optionally each route's gate gradient",
+          py::kw_only(), py::arg("shape"), py::arg("workspace"), py::arg("expert_out"), py::arg("route_position"),
+          py::arg("weighted"), py::arg("gates"), py::arg("out"), py::arg("route_grad"), py::arg("top_k"),
+          py::arg("chunk_cols"), py::arg("tile_n"), py::arg("num_chunks"), py::arg("blocks"));
 }

@@ -28,7 +28,7 @@ __device__ __forceinline__ bool beats(float candidate, float best) {
 // Uniform(tiny, 1 - eps) is low + r * (high - low), then log, 0 + -1 * x, log, 0 + -1 * x. Each op
 // is one rounded fp32 op in its own torch kernel, so none may be fused into an FMA here.
 __device__ __forceinline__ float gumbel_of(float r) {
-    const float low = 1.17549435082228750797e-38f;  // finfo(float32).tiny
+    const float low = 1.17549435082228750797e-38f;      // finfo(float32).tiny
     const float high = 1.0f - 1.1920928955078125e-07f;  // 1 - finfo(float32).eps, exact in fp32
     const float u = __fadd_rn(low, __fmul_rn(r, __fsub_rn(high, low)));
     const float inner = __fadd_rn(0.0f, __fmul_rn(-1.0f, logf(u)));
@@ -66,8 +66,8 @@ struct Logit<__half> {
 // choices[0][s] = argmax(gates[s]); choices[1][s] = argmax of logits[s] (+ Gumbel noise of
 // uniform[s] when given) with the first choice ruled out by -inf, as stock's top-2 does.
 template <typename T>
-__global__ void top2_choices_kernel(const float* gates, const T* logits, const float* uniform,
-                                    int64_t num_tokens, int num_experts, int32_t* choices) {
+__global__ void top2_choices_kernel(const float* gates, const T* logits, const float* uniform, int64_t num_tokens,
+                                    int num_experts, int32_t* choices) {
     const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (s >= num_tokens) return;
     const int64_t row = s * num_experts;
@@ -151,8 +151,8 @@ constexpr int kCountedRoutes = 4096;
 constexpr int kSharedCounters = 12288;  // 48 KiB of dynamic shared memory, the default limit
 
 __global__ void topk_masks_kernel(const int64_t* top_idx, const float* top_gate, int64_t num_tokens, int top_k,
-                                  int num_experts, bool drop, float* mask, float* kept, float* ranked,
-                                  int32_t* indices, unsigned long long* expert_counts) {
+                                  int num_experts, bool drop, float* mask, float* kept, float* ranked, int32_t* indices,
+                                  unsigned long long* expert_counts) {
     extern __shared__ unsigned int histogram[];
     const bool shared_counts = num_experts <= kSharedCounters;
     const int64_t routes = num_tokens * top_k;
@@ -224,14 +224,14 @@ cudaError_t launch_top2_routes(const float* gates, const void* logits, int logit
     if (num_tokens == 0) return cudaMemsetAsync(expert_counts, 0, num_experts * sizeof(int64_t), stream);
     const int64_t blocks = blocks_for(num_tokens, kGateThreads);
     if (logits_code == 0) {
-        top2_choices_kernel<<<blocks, kGateThreads, 0, stream>>>(
-            gates, static_cast<const __nv_bfloat16*>(logits), uniform, num_tokens, num_experts, choices);
+        top2_choices_kernel<<<blocks, kGateThreads, 0, stream>>>(gates, static_cast<const __nv_bfloat16*>(logits),
+                                                                 uniform, num_tokens, num_experts, choices);
     } else if (logits_code == 1) {
-        top2_choices_kernel<<<blocks, kGateThreads, 0, stream>>>(
-            gates, static_cast<const __half*>(logits), uniform, num_tokens, num_experts, choices);
+        top2_choices_kernel<<<blocks, kGateThreads, 0, stream>>>(gates, static_cast<const __half*>(logits), uniform,
+                                                                 num_tokens, num_experts, choices);
     } else {
-        top2_choices_kernel<<<blocks, kGateThreads, 0, stream>>>(
-            gates, static_cast<const float*>(logits), uniform, num_tokens, num_experts, choices);
+        top2_choices_kernel<<<blocks, kGateThreads, 0, stream>>>(gates, static_cast<const float*>(logits), uniform,
+                                                                 num_tokens, num_experts, choices);
     }
     top2_queue_kernel<<<num_experts, kQueueThreads, 0, stream>>>(choices, num_tokens, num_experts, capacity, routes,
                                                                  expert_counts);
@@ -247,8 +247,8 @@ cudaError_t launch_topk_masks(const int64_t* top_idx, const float* top_gate, int
     if (err != cudaSuccess || num_tokens == 0) return err;
     // Enough blocks for every cell and for every route's count (num_experts < top_k cannot come
     // from torch.topk, but the grid must not depend on that).
-    const int64_t blocks = std::max(blocks_for(num_tokens * num_experts, kGateThreads),
-                                    blocks_for(num_tokens * top_k, kCountedRoutes));
+    const int64_t blocks =
+        std::max(blocks_for(num_tokens * num_experts, kGateThreads), blocks_for(num_tokens * top_k, kCountedRoutes));
     const size_t shared_bytes = num_experts <= kSharedCounters ? num_experts * sizeof(unsigned int) : 0;
     topk_masks_kernel<<<blocks, kGateThreads, shared_bytes, stream>>>(
         top_idx, top_gate, num_tokens, top_k, num_experts, drop, mask, kept, ranked, indices,

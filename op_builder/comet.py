@@ -9,6 +9,16 @@ from pathlib import Path
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, installed_cuda_version
 
 MIN_COMPUTE_CAPABILITY = (8, 0)
+# The op's translation units in csrc/: the kernels of each stage, which include no torch header, and
+# the torch binding.
+SOURCES = (
+    "gate_kernels.cu",
+    "routing_kernels.cu",
+    "exchange_kernels.cu",
+    "dispatch_kernels.cu",
+    "combine_kernels.cu",
+    "comet_binding.cpp",
+)
 
 
 def csrc_dir() -> Path:
@@ -46,7 +56,7 @@ class CometBuilder(CUDAOpBuilder):
 
     def sources(self):
         # Absolute paths: relative ones would resolve against DeepSpeed's own tree.
-        return [str(csrc_dir() / name) for name in ("comet_kernels.cu", "gate_kernels.cu", "comet_binding.cpp")]
+        return [str(csrc_dir() / name) for name in SOURCES]
 
     def include_paths(self):
         return [str(csrc_dir())]

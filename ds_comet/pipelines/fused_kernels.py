@@ -131,7 +131,10 @@ class FusedKernels:
         b = self.buffer
         b.kernel_shape.max_recv_rows = row_limit  # what the exchange checks; the other kernels ignore it
         b.op.exchange(
-            b.kernel_shape, plan.expert_counts, plan.rank_token_counts, b.meta, b.peer_meta, b.layout, b.error_address
+            shape=b.kernel_shape,
+            workspace=b.kernel_workspace,
+            expert_counts=plan.expert_counts,
+            rank_counts=plan.rank_token_counts,
         )
 
     def received_rows(self) -> int:
@@ -201,29 +204,22 @@ class FusedKernels:
         """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks;
         ``recv_table`` ([P] int64 on the device) replaces the workspace's table of recv buffers."""
         b = self.buffer
+        workspace = (
+            b.kernel_workspace if recv_table is None else b.kernel_workspace.with_peer_recv(peer_recv=recv_table)
+        )
         b.op.dispatch(
-            b.kernel_shape,
-            rows,
-            plan.route_order,
-            plan.route_position,
-            plan.rank_tokens,
-            plan.rank_token_counts,
-            b.layout,
-            b.peer_recv if recv_table is None else recv_table,
-            b.peer_origin,
-            b.peer_stage,
-            b.peer_stage_routes,
-            b.peer_stage_scale,
-            b.peer_meta,
-            b.route_row,
-            b.route_stage,
-            gates,
-            scale_rows,
-            b.none if outputs is None else outputs,
-            b.row_dot,
-            b.shape.top_k,
-            b.error_address,
-            blocks,
+            shape=b.kernel_shape,
+            workspace=workspace,
+            tokens=rows,
+            route_order=plan.route_order,
+            route_position=plan.route_position,
+            rank_tokens=plan.rank_tokens,
+            rank_counts=plan.rank_token_counts,
+            route_scale=gates,
+            scaled=scale_rows,
+            outputs=b.none if outputs is None else outputs,
+            top_k=b.shape.top_k,
+            blocks=blocks,
         )
 
     def combine(
@@ -268,27 +264,19 @@ class FusedKernels:
         weighted = gates is not None
         chunk_tiles, num_chunks = self.chunking
         b.op.combine(
-            b.kernel_shape,
-            expert_out,
-            b.peer_reduced,
-            b.peer_row_dot,
-            b.peer_meta,
-            b.route_row,
-            b.route_stage,
-            plan.route_position,
-            b.stage_routes,
-            b.stage_scale,
-            weighted,
-            gates if weighted else b.none,
-            out,
-            b.none if route_grad is None else route_grad,
-            b.shape.top_k,
-            chunk_tiles * self.params.tile_n,
-            self.params.tile_n,
-            num_chunks,
-            b.layout,
-            b.error_address,
-            blocks,
+            shape=b.kernel_shape,
+            workspace=b.kernel_workspace,
+            expert_out=expert_out,
+            route_position=plan.route_position,
+            weighted=weighted,
+            gates=gates if weighted else b.none,
+            out=out,
+            route_grad=b.none if route_grad is None else route_grad,
+            top_k=b.shape.top_k,
+            chunk_cols=chunk_tiles * self.params.tile_n,
+            tile_n=self.params.tile_n,
+            num_chunks=num_chunks,
+            blocks=blocks,
         )
 
     def reset_combine_claims(self):

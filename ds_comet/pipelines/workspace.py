@@ -111,44 +111,83 @@ def allocator_ipc_refusal() -> str | None:
     return None
 
 
+def symmetric_parts(shape: BufferShape, meta_words: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The parts of a workspace's symmetric allocation, in their order there: (name, dtype, shape) of
+    each, the one list of them. ``CometBuffer`` holds this rank's part under its name, and the
+    kernels take every rank's address of it as the op's ``Workspace.peer_<name>``.
+
+    GEMM2's output rows are not here: each call writes them into a tensor of its own, which only this
+    rank's combine reads and the forward keeps for the backward (fused.py). The staged rows (each
+    token of another rank once, at most max_staged_rows) and their route lists (top_k entries a row)
+    are read by this rank's dispatch. The combine sums each staged row's routes into its own row of
+    ``reduced``, which the row's source pulls; ``row_dot`` keeps the backward's gate-gradient dot
+    product of each received row. ``meta`` holds ``meta_words`` int32 words (``layout.meta_offsets``).
+    """
+    rows, staged, hidden = shape.max_recv_rows, shape.max_staged_rows, shape.hidden
+    stage_entries = staged * shape.top_k
+    return [
+        ("recv", shape.dtype, (rows, hidden)),
+        ("stage", shape.dtype, (staged, hidden)),
+        ("reduced", shape.dtype, (staged, hidden)),
+        ("origin", torch.int64, (rows,)),
+        ("row_dot", torch.float32, (rows,)),
+        ("stage_routes", torch.int64, (stage_entries,)),
+        ("stage_scale", torch.float32, (stage_entries,)),
+        ("meta", torch.int32, (meta_words,)),
+    ]
+
+
 class CometBuffer:
-    """The symmetric workspace of one group; build it on every rank of the group at once."""
+    """The symmetric workspace of one group; build it on every rank of the group at once.
+
+    It holds this rank's part of each of ``symmetric_parts`` under the part's name (``recv``,
+    ``stage``, ``reduced``, ``origin``, ``row_dot``, ``stage_routes``, ``stage_scale``, ``meta``),
+    the local arrays ``layout`` (int32, ``layout_offsets``), ``route_row`` and ``route_stage``
+    ([max_routes] int64 and int32), the pinned ``error_record``, and ``kernel_workspace``: these with
+    every rank's address of each part, as the op's exchange, dispatch and combine take them.
+    """
 
     def __init__(self, group, shape: BufferShape, timeout_s: float, shared_device: bool = False):
         """shared_device: some ranks of the group share a GPU (the workspace then goes through CUDA IPC)."""
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.shape = shape
         self.group = group
         self.op = load_op()
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.rank = torch_dist.get_rank(group) if group is not None else 0
-        P, E, H = shape.ep_size, shape.num_experts, shape.hidden
-        elem = torch.empty((), dtype=shape.dtype).element_size()
+        P, E = shape.ep_size, shape.num_experts
         self.meta_offsets = layout.meta_offsets(P, E, shape.max_tiles, shape.max_chunks, shape.max_stage_pieces)
         self.layout_offsets = layout.layout_offsets(E // P, E)
 
-        # GEMM2's output rows are not here: each call writes them into a tensor of its own, which
-        # only this rank's combine reads and the forward keeps for the backward (fused.py). The staged
-        # rows (each token of another rank once, at most max_staged_rows) and their route lists (top_k
-        # entries a row) are read by this rank's dispatch. The combine sums each staged row's routes
-        # into its own row of `reduced`, which the row's source pulls; `row_dot` keeps the backward's
-        # gate-gradient dot product of each received row.
-        stage_entries = shape.max_staged_rows * shape.top_k
-        parts = [
-            ("recv", shape.max_recv_rows * H * elem),
-            ("stage", shape.max_staged_rows * H * elem),
-            ("reduced", shape.max_staged_rows * H * elem),
-            ("origin", shape.max_recv_rows * 8),
-            ("row_dot", shape.max_recv_rows * 4),
-            ("stage_routes", stage_entries * 8),
-            ("stage_scale", stage_entries * 4),
-            ("meta", self.meta_offsets.total * 4),
-        ]
+        parts = symmetric_parts(shape, self.meta_offsets.total)
+        bases = self._allocate(parts, shared_device)
+        peer_tables = self._place_parts(parts, bases)
+        self.meta.zero_()
+        self.gemm2_counters = self._gemm2_counters(bases[self.rank] + self._byte_offset["meta"])
+        self.tile_counters = self.meta[self.meta_offsets.tile_counter :]
+        self.layout = torch.zeros(self.layout_offsets.total, dtype=torch.int32, device=self.device)
+        self.route_row = torch.zeros(shape.max_routes, dtype=torch.int64, device=self.device)
+        self.route_stage = torch.zeros(shape.max_routes, dtype=torch.int32, device=self.device)
+        self.none = torch.empty(0, dtype=torch.float32, device=self.device)  # "none" to the op's optional tensors
+        self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+        self.kernel_shape = self._kernel_shape(timeout_s)
+        self.kernel_workspace = self._kernel_workspace(peer_tables)
+        self.comm_stream = torch.cuda.Stream(self.device, priority=-1)
+        properties = torch.cuda.get_device_properties(self.device)
+        self.num_sms = properties.multi_processor_count
+        self.capability = (properties.major, properties.minor)
+        # Every rank's meta must be zero before any rank publishes into it.
+        torch.cuda.synchronize(self.device)
+        torch_dist.barrier(group=group)
+
+    def _allocate(self, parts, shared_device: bool) -> list[int]:
+        """Allocates the parts as one block of symmetric memory (through CUDA IPC where ranks share a
+        GPU), each at an aligned offset; returns every rank's base address of the block."""
+        import torch.distributed._symmetric_memory as symm_mem
+
         self._byte_offset, total = {}, 0
-        for name, nbytes in parts:
+        for name, dtype, dims in parts:
             self._byte_offset[name] = total
-            total += _align(nbytes)
+            total += _align(math.prod(dims) * torch.empty((), dtype=dtype).element_size())
         if shared_device:
             logger.warning(
                 f"ds_comet: rank {self.rank} shares its GPU with another rank of its expert-parallel "
@@ -157,65 +196,55 @@ class CometBuffer:
                 "kernels can hold the SMs its peer needs until the wait times out)"
             )
             self._storage = torch.empty(total, dtype=torch.uint8, device=self.device)
-            bases, self._peer_storage = _ipc_peer_pointers(self._storage, group, self.rank, P)
-        else:
-            self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
-            if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                with warnings.catch_warnings():  # deprecated (and unneeded) on newer torch
-                    warnings.simplefilter("ignore", FutureWarning)
-                    symm_mem.enable_symm_mem_for_group(group.group_name)
-            handle = symm_mem.rendezvous(self._storage, group)
-            bases = _peer_pointers(handle, self._storage, P)
+            bases, self._peer_storage = _ipc_peer_pointers(self._storage, self.group, self.rank, self.shape.ep_size)
+            return bases
+        self._storage = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            with warnings.catch_warnings():  # deprecated (and unneeded) on newer torch
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.group.group_name)
+        handle = symm_mem.rendezvous(self._storage, self.group)
+        return _peer_pointers(handle, self._storage, self.shape.ep_size)
 
-        self.recv = self._part("recv", shape.dtype, (shape.max_recv_rows, H))
-        self.stage = self._part("stage", shape.dtype, (shape.max_staged_rows, H))
-        self.reduced = self._part("reduced", shape.dtype, (shape.max_staged_rows, H))
-        self.origin = self._part("origin", torch.int64, (shape.max_recv_rows,))
-        self.row_dot = self._part("row_dot", torch.float32, (shape.max_recv_rows,))
-        self.stage_routes = self._part("stage_routes", torch.int64, (stage_entries,))
-        self.stage_scale = self._part("stage_scale", torch.float32, (stage_entries,))
-        self.meta = self._part("meta", torch.int32, (self.meta_offsets.total,))
-        self.meta.zero_()
+    def _place_parts(self, parts, bases: list[int]) -> dict[str, torch.Tensor]:
+        """Sets this rank's view of each part as the attribute of its name; returns, by part, the
+        table of every rank's address of it ([P] int64 on the device)."""
+        tables = {}
+        for name, dtype, dims in parts:
+            setattr(self, name, self._part(name, dtype, dims))
+            addresses = [base + self._byte_offset[name] for base in bases]
+            tables[name] = torch.tensor(addresses, dtype=torch.int64, device=self.device)
+        return tables
 
-        def table(name, extra_bytes=0):
-            return torch.tensor(
-                [b + self._byte_offset[name] + extra_bytes for b in bases], dtype=torch.int64, device=self.device
-            )
-
-        self.peer_recv = table("recv")
-        self.peer_reduced = table("reduced")
-        self.peer_origin = table("origin")
-        self.peer_row_dot = table("row_dot")
-        self.peer_stage = table("stage")
-        self.peer_stage_routes = table("stage_routes")
-        self.peer_stage_scale = table("stage_scale")
-        self.peer_meta = table("meta")
-        # Where GEMM2 counts its finished rows, by the rows' source rank: this rank's own routes on its
-        # chunk counters, every other rank's on its reduce counters, which the combine's sums here
-        # wait for before they count on the sources (all of it this rank's meta).
-        own_meta = bases[self.rank] + self._byte_offset["meta"]
-        self.gemm2_counters = torch.tensor(
+    def _gemm2_counters(self, own_meta: int) -> torch.Tensor:
+        """Where GEMM2 counts its finished rows, by the rows' source rank ([P] int64 addresses): this
+        rank's own routes on its chunk counters, every other rank's on its reduce counters, which the
+        combine's sums here wait for before they count on the sources (all of it this rank's meta,
+        at address ``own_meta``)."""
+        offsets = self.meta_offsets
+        return torch.tensor(
             [
-                own_meta + 4 * (self.meta_offsets.chunk_counter if p == self.rank else self.meta_offsets.reduce_counter)
-                for p in range(P)
+                own_meta + 4 * (offsets.chunk_counter if p == self.rank else offsets.reduce_counter)
+                for p in range(self.shape.ep_size)
             ],
             dtype=torch.int64,
             device=self.device,
         )
-        self.tile_counters = self.meta[self.meta_offsets.tile_counter :]
-        self.layout = torch.zeros(self.layout_offsets.total, dtype=torch.int32, device=self.device)
-        self.route_row = torch.zeros(shape.max_routes, dtype=torch.int64, device=self.device)
-        self.route_stage = torch.zeros(shape.max_routes, dtype=torch.int32, device=self.device)
-        self.none = torch.empty(0, dtype=torch.float32, device=self.device)  # "none" to the op's optional tensors
-        self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
-        self.kernel_shape = self._kernel_shape(timeout_s)
-        self.comm_stream = torch.cuda.Stream(self.device, priority=-1)
-        properties = torch.cuda.get_device_properties(self.device)
-        self.num_sms = properties.multi_processor_count
-        self.capability = (properties.major, properties.minor)
-        # Every rank's meta must be zero before any rank publishes into it.
-        torch.cuda.synchronize(self.device)
-        torch_dist.barrier(group=group)
+
+    def _kernel_workspace(self, peer_tables: dict[str, torch.Tensor]):
+        """The op's ``Workspace``: every part's peer table, this rank's parts and arrays that the
+        kernels address directly, and the error record's address."""
+        return self.op.Workspace(
+            **{f"peer_{name}": table for name, table in peer_tables.items()},
+            meta=self.meta,
+            row_dot=self.row_dot,
+            stage_routes=self.stage_routes,
+            stage_scale=self.stage_scale,
+            layout=self.layout,
+            route_row=self.route_row,
+            route_stage=self.route_stage,
+            error_record=self.error_address,
+        )
 
     def _part(self, name, dtype, shape: tuple[int, ...]) -> torch.Tensor:
         start = self._byte_offset[name]

@@ -1,5 +1,5 @@
-"""The fused dispatch's checks of a recv tensor of the caller's, made before anything is launched
-(the launches themselves need a GPU: tests/gpu/test_fused.py)."""
+"""The fused dispatch's checks of a recv tensor of the caller's, made before anything is launched, and
+what the launches pass the op (the launches themselves need a GPU: tests/gpu/test_fused.py)."""
 
 from types import SimpleNamespace
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ds_comet.pipelines.fused_kernels import FusedKernels
+from tests.support.op_calls import SHAPE, recording_kernels, routing_plan
 
 
 def kernels_of_group(ep_size: int) -> FusedKernels:
@@ -34,3 +35,30 @@ def test_a_rank_alone_refuses_a_recv_tensor_the_kernel_cannot_write(recv, named)
     tokens = torch.randn(4, 16)
     with pytest.raises(ValueError, match=f"recv must be a contiguous \\[R, 16\\] torch.float32 tensor.*got.*{named}"):
         kernels_of_group(1).dispatch(tokens, plan=None, gates=None, scale_rows=False, recv=recv)
+
+
+def test_a_rank_alone_dispatches_into_its_recv_tensor_through_a_workspace_that_names_it():
+    kernels, op = recording_kernels(ep_size=1)
+    plan = routing_plan()
+    recv = torch.empty(8, SHAPE.hidden)
+    kernels.dispatch(torch.randn(plan.num_tokens, SHAPE.hidden), plan, gates=None, scale_rows=False, recv=recv)
+    (replace, replaced), (dispatch, launched) = op.calls[-2:]
+    assert (replace, dispatch) == ("Workspace.with_peer_recv", "dispatch")
+    assert replaced["peer_recv"].tolist() == [recv.data_ptr()]
+    assert launched["workspace"] is not kernels.buffer.kernel_workspace
+    assert launched["blocks"] == kernels.buffer.num_sms  # alone: on every SM
+
+
+def test_launches_take_the_workspace_the_buffer_built():
+    kernels, op = recording_kernels()
+    plan = routing_plan()
+    kernels.exchange(plan, row_limit=5)
+    kernels.send(torch.randn(plan.num_tokens, SHAPE.hidden), plan, None, False, None, blocks=3)
+    kernels.reduce(plan, torch.empty(0, SHAPE.hidden), None, torch.empty(plan.num_tokens, SHAPE.hidden), None, 3)
+    workspace = kernels.buffer.kernel_workspace
+    assert [(function, keywords["workspace"] is workspace) for function, keywords in op.calls[1:]] == [
+        ("exchange", True),
+        ("dispatch", True),
+        ("combine", True),
+    ]
+    assert kernels.buffer.kernel_shape.max_recv_rows == 5  # the exchange's bound of received rows

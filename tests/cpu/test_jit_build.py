@@ -112,7 +112,7 @@ from ds_comet.kernels.jit_build import guarded_build
 def build():
     print("building", flush=True)
     sys.stdin.readline()
-    raise RuntimeError("nvcc: error in comet_kernels.cu")
+    raise RuntimeError("nvcc: error in dispatch_kernels.cu")
 try:
     guarded_build(sys.argv[1], build)
 except RuntimeError:

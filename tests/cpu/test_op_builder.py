@@ -1,9 +1,11 @@
 """The CUDA op's builder and sources, checked without a GPU."""
 
 import glob
+import json
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 
 import pytest
@@ -17,10 +19,12 @@ from ds_comet.kernels import constants, layout
 from ds_comet.op_builder import CometBuilder
 from ds_comet.op_builder.comet import plain_arch_list
 from ds_comet.report import report
+from tests.support.op_calls import launch_keywords
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(os.path.dirname(TESTS_DIR), "csrc")
-CUDA_INCLUDE = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+CUDA_INCLUDE, CUDA_LIB = os.path.join(CUDA_HOME, "include"), os.path.join(CUDA_HOME, "lib64")
 
 
 def test_builder_names_absolute_existing_sources():
@@ -28,6 +32,15 @@ def test_builder_names_absolute_existing_sources():
     assert builder.NAME not in ALL_OPS, "the op name must not clash with a DeepSpeed op"
     for path in builder.sources() + builder.include_paths():
         assert os.path.isabs(path) and os.path.exists(path), path
+
+
+def test_builder_compiles_every_source_in_csrc():
+    # A stage's kernels left out of the build leave launchers undefined: the op would build, then fail to load.
+    sources = {os.path.basename(path) for path in CometBuilder().sources()}
+    on_disk = {
+        os.path.basename(path) for pattern in ("*.cu", "*.cpp") for path in glob.glob(os.path.join(CSRC, pattern))
+    }
+    assert sources == on_disk
 
 
 def test_op_builder_package_does_not_claim_to_be_deepspeeds():
@@ -73,6 +86,8 @@ def kernel_objects(tmp_path_factory):
                 "-c",
                 "-o",
                 str(obj),
+                "-Xcompiler",
+                "-fPIC",
                 "-gencode",
                 "arch=compute_90a,code=sm_90a",
                 "-I",
@@ -115,12 +130,15 @@ def test_gate_kernels_round_as_torch_under_the_builders_flags(monkeypatch, tmp_p
     assert "lg2.approx" not in text and ".ftz" not in text
 
 
-@pytest.mark.skipif(
+needs_binding_toolchain = pytest.mark.skipif(
     shutil.which("g++") is None or not os.path.exists(os.path.join(CUDA_INCLUDE, "cuda_runtime.h")),
     reason="needs g++ and the CUDA runtime headers",
 )
-@needs_nvcc
-def test_torch_binding_compiles_and_links_to_the_kernels(kernel_objects, tmp_path):
+
+
+@pytest.fixture(scope="module")
+def binding_object(tmp_path_factory):
+    """comet_binding.cpp compiled against CPU torch's headers: (g++'s result, object path)."""
     # CPU torch has no CUDA headers: a stand-in for the one the binding includes (tests/stubs).
     includes = [
         os.path.join(TESTS_DIR, "stubs"),
@@ -129,12 +147,13 @@ def test_torch_binding_compiles_and_links_to_the_kernels(kernel_objects, tmp_pat
         CUDA_INCLUDE,
         CSRC,
     ]
-    binding = tmp_path / "binding.o"
+    binding = tmp_path_factory.mktemp("binding") / "binding.o"
     result = subprocess.run(
         [
             "g++",
             "-std=c++17",
             "-c",
+            "-fPIC",
             "-O0",
             "-w",
             "-DTORCH_EXTENSION_NAME=ds_comet_ops",
@@ -147,6 +166,13 @@ def test_torch_binding_compiles_and_links_to_the_kernels(kernel_objects, tmp_pat
         text=True,
         timeout=300,
     )
+    return result, binding
+
+
+@needs_binding_toolchain
+@needs_nvcc
+def test_torch_binding_compiles_and_links_to_the_kernels(kernel_objects, binding_object):
+    result, binding = binding_object
     assert result.returncode == 0, result.stderr[-4000:]
     # Every launcher the binding calls must be defined, with the same signature, by the kernels: a
     # declaration in comet.h that drifts from its definition builds, and fails only when the op loads.
@@ -160,6 +186,51 @@ def test_torch_binding_compiles_and_links_to_the_kernels(kernel_objects, tmp_pat
     assert needed, "the binding calls no ds_comet launcher"
     missing = needed - symbols("--defined-only", *(obj for _, obj in kernel_objects.values()))
     assert not missing, sorted(missing)
+
+
+# Loads the op (it loads without a GPU) and prints, as JSON, the keywords of its Workspace and of the
+# launches the fused pipeline calls.
+BINDING_KEYWORDS = r"""
+import json, re, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import ds_comet_ops as op
+
+def keywords(function):
+    listed = re.fullmatch(r"\w+\((.*)\) -> .*", function.__doc__.splitlines()[0]).group(1)
+    return sorted(set(re.findall(r"(\w+): ", listed)) - {"self"})
+
+binding = {name: keywords(getattr(op, name)) for name in ("exchange", "dispatch", "combine")}
+binding["Workspace"] = sorted(name for name in dir(op.Workspace) if isinstance(getattr(op.Workspace, name), property))
+binding["Workspace.with_peer_recv"] = keywords(op.Workspace.with_peer_recv)
+print(json.dumps(binding))
+"""
+
+
+@needs_binding_toolchain
+@needs_nvcc
+@pytest.mark.skipif(not os.path.exists(os.path.join(CUDA_LIB, "libcudart.so")), reason="needs the CUDA runtime")
+def test_the_fused_pipeline_passes_the_bindings_keywords(kernel_objects, binding_object, tmp_path):
+    """The op loads without a GPU (its launches need one): the keywords its Workspace and launches
+    take must be the ones the fused pipeline passes them, every one and no other."""
+    assert binding_object[0].returncode == 0 and all(result.returncode == 0 for result, _ in kernel_objects.values())
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    objects = [str(binding_object[1]), *(str(obj) for _, obj in kernel_objects.values())]
+    linked = subprocess.run(
+        ["g++", "-shared", "-o", str(tmp_path / "ds_comet_ops.so"), *objects, f"-L{torch_lib}", f"-L{CUDA_LIB}"]
+        + ["-ltorch", "-ltorch_cpu", "-lc10", "-ltorch_python", "-lcudart"]
+        + [f"-Wl,-rpath,{torch_lib}", f"-Wl,-rpath,{CUDA_LIB}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert linked.returncode == 0, linked.stderr[-4000:]
+    listed = subprocess.run(
+        [sys.executable, "-c", BINDING_KEYWORDS, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert listed.returncode == 0, listed.stderr[-4000:]
+    binding = {function: set(keywords) for function, keywords in json.loads(listed.stdout.splitlines()[-1]).items()}
+    assert launch_keywords() == binding
 
 
 def test_constants_match_the_compiled_header(tmp_path):
@@ -246,7 +317,7 @@ def test_a_jit_build_says_why_it_compiles(tmp_path):
     the reason, since it takes a minute; built after every source: it only loads, silently."""
     from ds_comet.kernels.ops import build_needed
 
-    library, header, kernels = tmp_path / "op.so", tmp_path / "comet.h", tmp_path / "comet_kernels.cu"
+    library, header, kernels = tmp_path / "op.so", tmp_path / "comet.h", tmp_path / "dispatch_kernels.cu"
     header.write_text("")
     kernels.write_text("")
     sources = [str(header), str(kernels)]
