@@ -13,7 +13,7 @@ The package in layers, each using only those below it:
 """
 
 from . import experts
-from .config import CometMoEConfig, moe_config_from
+from .config import CometMoEConfig, moe_config_from, read_ds_config
 from .experts import register_expert
 from .initialize import convert_moe_layers, initialize
 from .integrations.legacy.layer import CometMOELayer, MoE, build_moe
@@ -29,6 +29,7 @@ __all__ = [
     "convert_moe_layers",
     "initialize",
     "moe_config_from",
+    "read_ds_config",
     "register_expert",
     "__version__",
 ]
