@@ -8,12 +8,17 @@ The package in layers, each using only those below it:
 - ``ds_comet.pipelines``: the reference pipeline (plain torch) and the fused COMET pipeline, and
   the per-layer choice between them;
 - ``ds_comet.kernels``: the CUDA op and the Triton GEMMs the fused pipeline launches;
-- ``ds_comet.config`` (the ``"moe"`` section) and ``ds_comet.experts`` (expert modules, and
-  ``register_expert`` to tell the kernels where a class keeps its weights).
+- ``ds_comet.config`` (the ``"moe"`` section, and ``read_ds_config``) and ``ds_comet.experts`` (expert
+  modules, and ``register_expert`` to tell the kernels where a class keeps its weights).
+
+For training scripts (examples/train_moe.py uses them): ``ds_comet.checkpoints`` (checkpoints with a
+checksum manifest and the run's shape, checked before a resume), ``ds_comet.training_metrics`` (the
+run's metrics through DeepSpeed's monitor), ``ds_comet.launch`` (torch.distributed under any launcher)
+and ``ds_comet.step_shares`` (where a step's time goes).
 """
 
 from . import experts
-from .config import CometMoEConfig, moe_config_from
+from .config import CometMoEConfig, moe_config_from, read_ds_config
 from .experts import register_expert
 from .initialize import convert_moe_layers, initialize
 from .integrations.legacy.layer import CometMOELayer, MoE, build_moe
@@ -29,6 +34,7 @@ __all__ = [
     "convert_moe_layers",
     "initialize",
     "moe_config_from",
+    "read_ds_config",
     "register_expert",
     "__version__",
 ]

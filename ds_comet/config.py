@@ -1,4 +1,5 @@
-"""The ``"moe"`` section of a ds_config: which MoE backend a job runs and how.
+"""The ``"moe"`` section of a ds_config: which MoE backend a job runs and how; and ``read_ds_config``,
+which reads a ds_config file as DeepSpeed does.
 
 DeepSpeed ignores top-level keys it does not know, so the section lives beside DeepSpeed's own
 ones. It is not called ``"comet"``: DeepSpeed's Comet ML monitor owns that key.
@@ -157,7 +158,7 @@ def _config_dict(ds_config) -> Mapping[str, Any]:
     if isinstance(ds_config, Mapping):
         return ds_config
     if isinstance(ds_config, (str, os.PathLike)):
-        return _read_config(ds_config)
+        return read_ds_config(ds_config)
     # DeepSpeedConfig keeps the parsed JSON in _param_dict.
     param_dict = getattr(ds_config, "_param_dict", None)
     if isinstance(param_dict, Mapping):
@@ -172,16 +173,36 @@ def _config_dict(ds_config) -> Mapping[str, Any]:
     )
 
 
-def _read_config(source) -> Mapping[str, Any]:
-    """A ds_config file, or a base64 string of one, read as DeepSpeed reads it: HJSON (comments and
-    trailing commas allowed); in a file a key given twice is an error (DeepSpeed does not check a
-    base64 string's keys)."""
+def read_ds_config(source: str | os.PathLike) -> dict[str, Any]:
+    """A ds_config, read as DeepSpeed's ``DeepSpeedConfig`` reads the string it is given.
+
+    HJSON, so comments and trailing commas are allowed; in a file a key given twice in one object is
+    an error, as in DeepSpeed (which does not check the keys of a base64 string).
+
+    Args:
+        source: a path to an HJSON (or JSON) file, or a base64-encoded config (DeepSpeed's
+            ``--deepspeed_config`` takes either).
+
+    Returns:
+        The config as a dict.
+
+    Raises:
+        ValueError: the file is no valid HJSON, repeats a key, or holds another value than an object;
+            the message names the file.
+        FileNotFoundError: ``source`` is neither an existing file nor a base64-encoded config.
+        OSError: the file exists but cannot be read.
+    """
     if os.path.exists(source):
         try:
             with open(source) as handle:
-                return hjson.load(handle, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+                loaded = hjson.load(handle, object_pairs_hook=dict_raise_error_on_duplicate_keys)
         except ValueError as error:  # hjson's decode errors and the duplicate keys' error
             raise ValueError(f"invalid ds_config file {os.fspath(source)}: {error}") from None
+        if not isinstance(loaded, Mapping):
+            raise ValueError(
+                f"invalid ds_config file {os.fspath(source)}: it holds a {type(loaded).__name__}, not a JSON object"
+            )
+        return dict(loaded)
     try:
         loaded = hjson.loads(base64.urlsafe_b64decode(os.fspath(source)).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, binascii.Error):
@@ -190,7 +211,7 @@ def _read_config(source) -> Mapping[str, Any]:
         raise FileNotFoundError(
             f"ds_config {os.fspath(source)!r} is neither an existing file nor a base64-encoded JSON config"
         )
-    return loaded
+    return dict(loaded)
 
 
 def moe_config_from(ds_config=None) -> CometMoEConfig:

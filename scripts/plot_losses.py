@@ -39,7 +39,7 @@ import re
 import sys
 
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
-# csv_monitor's file names: the event tag with "/" as "_" (examples/train_moe.py names the tags).
+# csv_monitor's file names: the event tag with "/" as "_" (ds_comet.training_metrics names the tags).
 LOSS_FILE = "Train_Steps_loss.csv"
 LR_FILE = "Train_Steps_lr.csv"
 EXPERT_TOKENS_FILE = re.compile(r"Train_Steps_expert_tokens_layer(\d+)_expert(\d+)\.csv")

@@ -144,6 +144,31 @@ def test_config_files_read_as_deepspeed_reads_them(tmp_path):
         moe_config_from("abcd")  # valid base64 of bytes that are no JSON object
 
 
+def test_read_ds_config(tmp_path):
+    # The public reader: HJSON with comments and quoteless keys, as DeepSpeed accepts it, or base64.
+    commented = tmp_path / "commented.json"
+    commented.write_text(
+        '// a comment\n{\n  # another\n  train_micro_batch_size_per_gpu: 4\n  moe: {backend: "comet"}\n}\n'
+    )
+    expected = {"train_micro_batch_size_per_gpu": 4, "moe": {"backend": "comet"}}
+    assert ds_comet.read_ds_config(str(commented)) == expected
+    assert ds_comet.read_ds_config(commented) == expected
+    encoded = base64.urlsafe_b64encode(json.dumps(expected).encode()).decode()
+    assert ds_comet.read_ds_config(encoded) == expected
+    # A key given twice is an error that names it and the file, also inside a section.
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"zero_optimization": {"stage": 1, "stage": 2}}')
+    with pytest.raises(ValueError, match=r"twice\.json: Duplicate keys in DeepSpeed config: \['stage'\]"):
+        ds_comet.read_ds_config(str(twice))
+    # A file that holds no object is not a config (HJSON reads a bare word as a string).
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"list\.json: it holds a list, not a JSON object"):
+        ds_comet.read_ds_config(str(listed))
+    with pytest.raises(FileNotFoundError, match="neither an existing file nor a base64-encoded JSON config"):
+        ds_comet.read_ds_config(str(tmp_path / "absent.json"))
+
+
 def test_comet_keys_under_the_deepspeed_backend_are_reported(monkeypatch):
     import ds_comet.config as config
 

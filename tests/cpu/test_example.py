@@ -13,9 +13,7 @@ about three minutes on two cores (the first launch on a machine also JIT-builds 
 comm op, about a minute more).
 """
 
-import base64
 import csv
-import errno
 import hashlib
 import importlib.util
 import json
@@ -755,7 +753,7 @@ def test_hf_mixtral_autoep_comet_matches_autoep(workdir):
     assert all(comet.by_step(name) == autoep.by_step(name) for name in counts)
     assert_step_shares(comet, HF_STEPS - 5)  # AutoEP's layer class, as ds_comet converts it
 
-    # AutoEP's checkpoint, saved through the example's manifest: each expert in a file of its own.
+    # AutoEP's checkpoint, saved through ds_comet.checkpoints: each expert in a file of its own.
     manifest = manifest_of(os.path.join(save_dir, "step4"))
     expert_file = re.compile(r"layer_\d+_expert_\d+_mp_rank_00_model_states\.pt")
     expert_files = [name for name in manifest if expert_file.fullmatch(name)]
@@ -783,37 +781,18 @@ def load_module(name, path):
 
 @pytest.fixture(scope="module")
 def example():
-    return load_module("train_moe_example", SCRIPT)
+    # The example imports its models from examples/moe_lm.py, which a script run finds beside it
+    # (Python puts the script's directory first on sys.path); loaded here, it is put there too.
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        yield load_module("train_moe_example", SCRIPT)
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
 
 
 @pytest.fixture(scope="module")
 def plot_losses():
     return load_module("plot_losses", os.path.join(REPO, "scripts", "plot_losses.py"))
-
-
-def test_ranks_from_mpi_launcher_env(example):
-    openmpi = {
-        "OMPI_COMM_WORLD_RANK": "1",
-        "OMPI_COMM_WORLD_SIZE": "2",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29575",
-    }
-    env = dict(openmpi)
-    assert example.adopt_mpi_launcher_env(env)
-    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")} == dict(
-        RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29575"
-    )
-    hydra = {"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
-    env = dict(hydra)
-    example.adopt_mpi_launcher_env(env)
-    assert (env["RANK"], env["LOCAL_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("0", "0", "127.0.0.1", "29500")
-    # A launcher that set the ranks itself, and multi-node jobs, are left alone.
-    env = dict(openmpi, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
-    assert not example.adopt_mpi_launcher_env(env) and env["RANK"] == "0"
-    env = dict(openmpi, OMPI_COMM_WORLD_SIZE="4")
-    assert not example.adopt_mpi_launcher_env(env) and "RANK" not in env
 
 
 def test_gpu_preset_and_configs(example):
@@ -827,7 +806,7 @@ def test_gpu_preset_and_configs(example):
     for stage in (1, 2):
         for backend in ("comet", "deepspeed"):
             path = config(f"gpu_zero{stage}_{backend}")
-            ds_config = example.read_ds_config(path)
+            ds_config = ds_comet.read_ds_config(path)
             moe = ds_comet.moe_config_from(ds_config)
             assert moe.backend == backend and ds_config["zero_optimization"]["stage"] == stage, path
             assert ds_config["bf16"]["enabled"] is True, path
@@ -916,53 +895,22 @@ def test_hf_models_from_the_options(example):
         example.parse_args(["--hf-model", "mixtral", "--gated", "--deepspeed_config", "x.json"])
 
 
-def test_config_read_as_deepspeed_reads_it(example, tmp_path):
-    # HJSON with comments and quoteless keys, as DeepSpeed accepts it.
-    hjson_path = tmp_path / "commented.json"
-    hjson_path.write_text(
-        '// a comment\n{\n  # another\n  train_micro_batch_size_per_gpu: 4\n  moe: {backend: "comet"}\n}\n'
-    )
-    assert example.read_ds_config(str(hjson_path)) == {"train_micro_batch_size_per_gpu": 4, "moe": {"backend": "comet"}}
-    # A key given twice is an error that names it, as in DeepSpeed, also inside a section.
+def test_training_config(example, tmp_path):
+    # Read through ds_comet.read_ds_config (tests/cpu/test_config.py); a config it cannot read stops
+    # the example with the reader's message.
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 4}')
+    assert example.training_config(str(path)) == {"train_micro_batch_size_per_gpu": 4}
     twice = tmp_path / "twice.json"
     twice.write_text('{"zero_optimization": {"stage": 1, "stage": 2}}')
-    with pytest.raises(SystemExit, match=r"twice\.json: Duplicate keys in DeepSpeed config: \['stage'\]"):
-        example.read_ds_config(str(twice))
-    with pytest.raises(SystemExit, match="no such file, and not a base64-encoded config"):
-        example.read_ds_config(str(tmp_path / "absent.json"))
-    encoded = base64.urlsafe_b64encode(b'{"train_micro_batch_size_per_gpu": 2}').decode()
-    assert example.read_ds_config(encoded) == {"train_micro_batch_size_per_gpu": 2}
+    with pytest.raises(SystemExit, match=r"--deepspeed_config: invalid ds_config file .*twice\.json: Duplicate keys"):
+        example.training_config(str(twice))
+    with pytest.raises(SystemExit, match="neither an existing file nor a base64-encoded JSON config"):
+        example.training_config(str(tmp_path / "absent.json"))
     # --monitor-dir turns csv_monitor on with its files directly in that directory.
-    loaded = example.load_ds_config(str(hjson_path), str(tmp_path / "metrics" / "run1"))
+    loaded = example.training_config(str(path), str(tmp_path / "metrics" / "run1"))
     assert loaded["csv_monitor"] == {"enabled": True, "output_path": str(tmp_path / "metrics"), "job_name": "run1"}
-    assert "csv_monitor" not in example.load_ds_config(str(hjson_path))
-
-
-def test_a_full_disk_is_named(example, tmp_path):
-    import torch
-
-    # torch.save's zip writer reports a short write as RuntimeError("... unexpected pos ..."), a
-    # plain write as OSError ENOSPC; /dev/full fails every write with ENOSPC.
-    if not os.path.exists("/dev/full"):
-        pytest.skip("needs /dev/full")
-    for write in (
-        lambda: torch.save({"weights": torch.zeros(1 << 16)}, "/dev/full"),
-        lambda: open("/dev/full", "wb").write(b"x" * (1 << 20)),
-    ):
-        with pytest.raises(example.DiskFullError) as raised:
-            with example.explain_disk_full(str(tmp_path), "saving checkpoint step7"):
-                write()
-        message = str(raised.value)
-        assert raised.value.errno == errno.ENOSPC
-        expected = r"saving checkpoint step7: the disk is full: [0-9.]+ \w+ free under " + re.escape(str(tmp_path))
-        assert re.search(expected, message), message
-    # Anything else passes unchanged.
-    with pytest.raises(PermissionError):
-        with example.explain_disk_full(str(tmp_path), "saving"):
-            raise PermissionError(errno.EACCES, "denied")
-    with pytest.raises(RuntimeError, match="other"):
-        with example.explain_disk_full(str(tmp_path), "saving"):
-            raise RuntimeError("other")
+    assert "csv_monitor" not in example.training_config(str(path))
 
 
 def write_monitor(directory, losses, lrs=None, start_step=0, summary=None, expert_tokens=None):

@@ -1,0 +1,117 @@
+"""Starting torch.distributed for a DeepSpeed training script, under any launcher, on GPUs or on CPU.
+
+``init_distributed`` is ``deepspeed.init_distributed`` with what a script otherwise adds around it:
+
+- under a bare single-node ``mpirun`` the ranks come from the MPI launcher's environment
+  (``adopt_mpi_launcher_env``) rather than from DeepSpeed's mpi4py discovery;
+- each rank takes its GPU (``LOCAL_RANK``) before NCCL comes up;
+- gloo on GPUs (ranks that share a GPU: NCCL refuses them) gets a default group that can be split
+  into the expert-parallel groups;
+- on CPU, DeepSpeed's shm comm op is built under a lock of ds_comet's own, and each rank takes its
+  share of the CPU cores as torch threads.
+"""
+
+import os
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.constants import default_pg_timeout
+
+from .kernels.jit_build import build_cpu_comm_op
+
+# (rank, world size, local rank, local size) as MPI launchers name them: Open MPI, then MPICH/Hydra.
+MPI_LAUNCHER_VARS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def adopt_mpi_launcher_env(environ=os.environ) -> dict[str, str]:
+    """Under a bare single-node mpirun, sets the torch.distributed variables from the MPI launcher's own.
+
+    DeepSpeed would otherwise discover the ranks through mpi4py and take the master address from the
+    first word of ``hostname -I``, overriding a MASTER_ADDR passed with ``mpirun -x``; on a machine
+    without a network interface that word does not exist. Here the ranks come from the launcher's
+    environment, MASTER_ADDR stays what the caller set (127.0.0.1 if unset) and MASTER_PORT too
+    (29500 if unset). A launcher that set RANK, WORLD_SIZE and LOCAL_RANK itself, and multi-node jobs
+    (local size < world size, left to DeepSpeed's mpi4py discovery), are left alone.
+
+    Args:
+        environ: the environment to read and update.
+
+    Returns:
+        The variables it set ({} when it set none).
+    """
+    if all(environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return {}
+    for rank_key, size_key, local_rank_key, local_size_key in MPI_LAUNCHER_VARS:
+        values = [environ.get(key) for key in (rank_key, size_key, local_rank_key, local_size_key)]
+        if not all(values):
+            continue
+        rank, size, local_rank, local_size = (int(value) for value in values)
+        if local_size != size:
+            return {}
+        found = dict(
+            RANK=str(rank),
+            WORLD_SIZE=str(size),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(size),
+            MASTER_ADDR=environ.get("MASTER_ADDR") or "127.0.0.1",
+            MASTER_PORT=environ.get("MASTER_PORT") or "29500",
+        )
+        environ.update(found)
+        return found
+    return {}
+
+
+def _local_world_size(world_size: int) -> int:
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return world_size
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def init_distributed(dist_backend: str | None = None) -> dict[str, str]:
+    """Starts torch.distributed through ``deepspeed.init_distributed`` (see the module's docstring).
+
+    The ranks come from the launcher's environment (deepspeed, torchrun), from an MPI launcher's
+    under a bare single-node mpirun, else from DeepSpeed's mpi4py discovery; a MASTER_PORT in the
+    environment is honoured (DeepSpeed would otherwise use 29500).
+
+    Args:
+        dist_backend: ``"nccl"``, ``"gloo"``, or None for DeepSpeed's choice for the accelerator.
+            gloo with GPUs needs the ranks in the environment (a launcher, or a one-node mpirun).
+
+    Returns:
+        The variables taken from an MPI launcher's environment ({} under any other launcher).
+    """
+    accelerator = get_accelerator()
+    on_cpu = accelerator.device_name() == "cpu"
+    from_mpi = adopt_mpi_launcher_env()
+    if not on_cpu and os.environ.get("LOCAL_RANK"):
+        accelerator.set_device(int(os.environ["LOCAL_RANK"]))  # one device per rank before NCCL comes up
+    if dist_backend == "gloo" and not on_cpu and os.environ.get("WORLD_SIZE"):
+        # DeepSpeed would bind the rank's device to the default group, and torch then makes every new
+        # group (the expert groups) by splitting it, which gloo cannot do; a group made here is kept.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        torch.distributed.init_process_group("gloo", timeout=default_pg_timeout)
+    if on_cpu:
+        # DeepSpeed's init_distributed would JIT-build its CPU comm op under torch's plain lock, which
+        # an interrupted first launch leaves behind for every later run to wait on without a word.
+        build_cpu_comm_op()
+    deepspeed.init_distributed(dist_backend=dist_backend, distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
+    if on_cpu:
+        world_size = torch.distributed.get_world_size()
+        torch.set_num_threads(max(1, _usable_cpus() // _local_world_size(world_size)))
+    else:
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return from_mpi
