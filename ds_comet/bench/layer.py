@@ -35,8 +35,9 @@ from ds_comet.bench import autoep
 from ds_comet.bench.common import autoep_step, build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed, train_step
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
+from ds_comet.kernels.routing_plan import RoutingPlan, plan_routes_cuda
 from ds_comet.pipelines.fused import FusedPipeline
-from ds_comet.pipelines.routing import RoutingPlan, plan_routes_cuda, remote_rows
+from ds_comet.pipelines.routing import remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
 AUTOEP_PIPELINES = ("autoep", "autoep_comet")

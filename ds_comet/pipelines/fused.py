@@ -50,15 +50,15 @@ only by a running block, so no unit waits on a block that is not scheduled.
 """
 
 import torch
+import torch.distributed as torch_dist
 from torch import Tensor
 
+from ..kernels.expert_tables import FusedExperts, PointerTables
+from ..kernels.launch import FusedKernels, FusedParameters
 from ..kernels.ops import CometWaitTimeout
-from .collective_waits import post_failure
-from .expert_weights import FusedExperts
-from .fused_kernels import FusedKernels, PointerTables
-from .parameters import FusedParameters
-from .routing import RoutingPlan, plan_routes_cuda
-from .workspace import CometBuffer
+from ..kernels.routing_plan import RoutingPlan, plan_routes_cuda
+from ..kernels.workspace import CometBuffer
+from .collective_waits import describe_failures, failure_notes, group_ranks, post_failure
 
 
 class FusedPipeline:
@@ -154,8 +154,22 @@ class FusedPipeline:
         own, and it notes it for the peers its kernels will leave waiting (``post_failure``)."""
         if isinstance(error, CometWaitTimeout):
             return  # the wait's own error, already told
-        self.workspace.raise_if_failed()
+        self.raise_if_failed()
         post_failure(self.layer_name, error, self.workspace.shape.ep_size)
+
+    def raise_if_failed(self):
+        """Raises ``CometWaitTimeout`` if a kernel of this rank gave up on a wait, with the notes of
+        any peer that raised inside a call (``collective_waits.post_failure``)."""
+        failure = self.workspace.failed_wait()
+        if failure is None:
+            return
+        message, began = failure
+        if self.workspace.shape.ep_size > 1:
+            me = torch_dist.get_rank()
+            peers = [rank for rank in group_ranks(self.workspace.group) if rank != me]
+            since = began - self.workspace.kernel_shape.timeout_ns / 1e9
+            message += describe_failures(failure_notes(peers, since))
+        raise CometWaitTimeout(message)
 
     def kernels(self, tokens: Tensor) -> FusedKernels:
         """The kernel launches of one call on ``tokens`` ([S, H]), with the experts' current weights."""
@@ -183,7 +197,7 @@ class FusedPipeline:
         buffer = self.workspace
         num_tokens, hidden = tokens.shape
         buffer.check_tokens(num_tokens)
-        buffer.raise_if_failed()
+        self.raise_if_failed()
         kernels = self.kernels(tokens)
         tokens, weights = rows_for_kernels(tokens), weights.contiguous()
         rows = min(max_rows, buffer.shape.max_recv_rows)
@@ -230,7 +244,7 @@ class FusedPipeline:
         """Gradients of ``run_forward``'s output with respect to the tokens, the route weights ([k, S],
         fp32) and ``experts.parameters()``, from the output gradient ``grad_out`` ([S, H])."""
         buffer = self.workspace
-        buffer.raise_if_failed()
+        self.raise_if_failed()
         grad_out = rows_for_kernels(grad_out)
         kernels = self.kernels(grad_out)
         device, dtype = grad_out.device, grad_out.dtype

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_comet.pipelines.fused_kernels import FusedKernels
+from ds_comet.kernels.launch import FusedKernels
 
 
 def kernels_of_group(ep_size: int) -> FusedKernels:

@@ -112,7 +112,7 @@ def library_against_triton_case(seed: int):
     far apart the output, input and parameter gradients are, and how often the library's products
     ran."""
     from ds_comet.bench.autoep import autoep_layer
-    from ds_comet.pipelines.fused_kernels import FusedKernels
+    from ds_comet.kernels.launch import FusedKernels
 
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator(device=device).manual_seed(seed)

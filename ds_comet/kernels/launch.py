@@ -1,9 +1,10 @@
-"""The fused pipeline's kernel launches for one call, and the experts' pointer tables.
+"""The fused pipeline's kernel launches for one call, and the parameters they take.
 
 ``FusedKernels`` binds what every launch of one call shares (the workspace, the experts' pointer
 tables, the kernel parameters, the sizes) and launches each kernel on the stream it belongs to.
 ``pipelines.fused`` strings them into the forward and the backward; benchmarks relaunch them
-one at a time (``ds_comet.bench``).
+one at a time (``ds_comet.bench``). ``FusedParameters`` are the launches' parameters, which
+``pipelines.parameters`` picks per shape.
 """
 
 import contextvars
@@ -13,10 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels.constants import TOTAL_COMBINE_CLAIM, TOTAL_RECV_ROWS, TOTAL_TILES
-from .expert_weights import POINTER_NAMES, FusedExperts
-from .parameters import FusedParameters
-from .routing import RoutingPlan
+from .constants import TOTAL_COMBINE_CLAIM, TOTAL_RECV_ROWS, TOTAL_TILES
+from .expert_tables import FusedExperts
+from .routing_plan import RoutingPlan
 from .workspace import CometBuffer
 
 TILE_K = 64
@@ -29,38 +29,16 @@ ELEMENTWISE_BLOCK = (32, 128, 4)
 COLUMN_SUMS_BLOCK = (128, 64, 4)
 
 
-class PointerTables:
-    """Device tables of the local experts' weight pointers, rebuilt only when a pointer moves.
+@dataclass(frozen=True)
+class FusedParameters:
+    """The launches' parameters for a layer's shape (``pipelines.parameters.choose_parameters``)."""
 
-    ZeRO may move parameters into flat buffers and users may replace them, so the pointers are
-    read on every call (cheaply) and the device tables rebuilt when any changed.
-    """
-
-    def __init__(self):
-        self._key: tuple[int, ...] | None = None
-        self._tables = None
-
-    def get(self, experts: FusedExperts, tokens: Tensor) -> dict[str, Tensor]:
-        rows = experts.pointers()
-        key = tuple(pointer for row in rows for pointer in row)
-        if key != self._key:
-            # New storage: a parameter was replaced or converted since the layer chose the fused path.
-            reason = experts.tensors_reason(tokens.shape[-1], tokens.dtype, tokens.device)
-            if reason is not None:
-                raise ValueError(
-                    f'the fused MoE kernels cannot read the experts\' weights: {reason} (use "overlap": "none")'
-                )
-            misaligned = sorted({POINTER_NAMES[i] for row in rows for i, p in enumerate(row) if p % 16})
-            if misaligned:
-                raise ValueError(
-                    f"expert weights {misaligned} are not 16-byte aligned; the fused "
-                    'kernels need aligned weights (use "overlap": "none")'
-                )
-            pointers = torch.tensor(key, dtype=torch.int64).view(len(rows), len(POINTER_NAMES)).t().contiguous()
-            stacked = pointers.to(tokens.device)
-            self._tables = {name: stacked[i] for i, name in enumerate(POINTER_NAMES)}
-            self._key = key
-        return self._tables
+    comm_blocks: int  # thread blocks of the dispatch, beside GEMM1
+    combine_blocks: int  # thread blocks of the combine, beside GEMM2
+    tile_m: int
+    tile_n: int  # GEMM2's column tile, and the granularity of the combine's chunk counters
+    n_chunks: int
+    gemm1_tile_n: int = 128
 
 
 @dataclass
@@ -360,7 +338,7 @@ class FusedKernels:
         """The elementwise step after a first layer's products: the activations of ``pre`` (the
         products as ``first_layer`` returns them) into ``h`` ([R, F]; it may be ``pre`` itself for
         ungated experts)."""
-        from ..kernels.triton_activation import activation_kernel  # triton is an extra
+        from .triton_activation import activation_kernel  # triton is an extra
 
         first, up = self._product_halves(pre)
         self._elementwise(activation_kernel, (), first, up, (h,), GATED=self.gated)
@@ -371,7 +349,7 @@ class FusedKernels:
         """The elementwise step after the backward's ``g = dY @ W2`` (``grad_h``, [R, F], contiguous):
         the gradient of the products ``pre`` into ``grad_pre`` and, unless ``act`` is None, the
         activations again into ``act`` (as ``first_layer_backward``)."""
-        from ..kernels.triton_activation import activation_backward_kernel  # triton is an extra
+        from .triton_activation import activation_backward_kernel  # triton is an extra
 
         first, up = self._product_halves(pre)
         self._elementwise(
@@ -426,7 +404,7 @@ class FusedKernels:
         kernel of ``kernels.triton_activation``, over [R, F] blocks. ``z`` and ``u`` ([R, F]) are two
         tensors or the halves of one [R, 2F] (``u`` is ``z`` where the kernel reads no up products);
         the others are contiguous. The kernel stops at the rows received this call (a layout word)."""
-        from ..kernels.triton_gemm import ACTIVATION_CODES
+        from .triton_gemm import ACTIVATION_CODES
 
         dense = leading + trailing
         rows = min(t.shape[0] for t in (z, u) + dense)
@@ -467,7 +445,7 @@ class FusedKernels:
         if ``pre`` is given, the products before them into it ([R, F], gated [R, 2F]); forward
         without ``activate`` (ungated experts), the products ``rows @ W1^T + b1`` into ``out``
         ([R, F]); backward, ``rows @ W2`` into ``out`` ([R, F])."""
-        from ..kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
+        from .triton_gemm import ACTIVATION_CODES, gemm1_kernel
 
         b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
         # A gated forward holds two accumulators, so its tile is at most 128 columns wide; the
@@ -528,7 +506,7 @@ class FusedKernels:
         """GEMM2 on ``rows`` (the activations [R, F], or the backward's first-layer gradients [R, F] or
         [R, 2F]) into ``out`` ([R, H], by recv row), column chunk by column chunk, each finished row
         counted for the combine (here for this rank's routes, on a reduce counter for the others')."""
-        from ..kernels.triton_gemm import gemm2_kernel
+        from .triton_gemm import gemm2_kernel
 
         if out.shape != (rows.shape[0], self.hidden) or not out.is_contiguous():  # the kernel writes [R, H] rows
             raise ValueError(
@@ -582,7 +560,7 @@ class FusedKernels:
         the receive buffer (either may be a column slice of a wider tensor).
         """
         num_local, (M, N) = self.num_local, (a.shape[1], b.shape[1])
-        from ..kernels.triton_gemm import expert_column_sums_kernel, wgrad_kernel
+        from .triton_gemm import expert_column_sums_kernel, wgrad_kernel
 
         if self.library_wgrad:
             # Nothing waits in this phase, so the library's kernel serves: the Triton one ran at

@@ -1,0 +1,84 @@
+"""The local experts' weights as the kernels read them: the view an integration gives of them
+(``FusedExperts``), and the device tables of their pointers (``PointerTables``).
+
+Expert weights stay where the integration keeps them (one module per expert, or AutoEP's stacked
+tensors; ``pipelines.expert_weights`` implements the view for both). The kernels read them
+through device tables of per-expert pointers, one table a weight or bias (``POINTER_NAMES``).
+"""
+
+import torch
+from torch import Tensor
+
+POINTER_NAMES = ("w1", "b1", "w3", "b3", "w2", "b2")  # each expert's row of the pointer tables
+
+
+class FusedExperts:
+    """What the fused kernels need to know about the local experts.
+
+    ``hidden``, ``ffn``, ``gated``, ``has_bias``, ``activation`` describe them all (they are alike);
+    ``pointers()`` gives one row of ``POINTER_NAMES`` data pointers per expert (0 where absent);
+    ``parameters()`` the tensors whose gradients the fused backward returns, in its order;
+    ``gradients(dw1, db1, dw3, db3, dw2, db2)`` those gradients from the grouped results (``dw1`` the
+    first projection's ``[L, F, H]``, ``dw3`` the up projection's (None unless gated), ``dw2``
+    ``[L, H, F]``; biases ``[L, F]`` and ``[L, H]`` likewise, None without biases).
+    """
+
+    num_local: int
+    ffn: int
+    gated: bool
+    has_bias: bool
+    activation: str
+
+    def pointers(self) -> list[tuple[int, ...]]:
+        raise NotImplementedError
+
+    def tensors_reason(self, hidden: int, dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why the kernels cannot read these weights for [S, hidden] tokens of dtype on device, or None."""
+        raise NotImplementedError
+
+    def parameters(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    def stacked(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(w1, w3, w2)`` as ``[L, F, H]``, ``[L, F, H]`` and ``[L, H, F]`` tensors where the experts
+        are stored so (what ``torch._grouped_mm`` takes), else None."""
+        return None
+
+    def gradients(
+        self, dw1: Tensor, db1: Tensor | None, dw3: Tensor | None, db3: Tensor | None, dw2: Tensor, db2: Tensor | None
+    ) -> list[Tensor]:
+        raise NotImplementedError
+
+
+class PointerTables:
+    """Device tables of the local experts' weight pointers, rebuilt only when a pointer moves.
+
+    ZeRO may move parameters into flat buffers and users may replace them, so the pointers are
+    read on every call (cheaply) and the device tables rebuilt when any changed.
+    """
+
+    def __init__(self):
+        self._key: tuple[int, ...] | None = None
+        self._tables = None
+
+    def get(self, experts: FusedExperts, tokens: Tensor) -> dict[str, Tensor]:
+        rows = experts.pointers()
+        key = tuple(pointer for row in rows for pointer in row)
+        if key != self._key:
+            # New storage: a parameter was replaced or converted since the layer chose the fused path.
+            reason = experts.tensors_reason(tokens.shape[-1], tokens.dtype, tokens.device)
+            if reason is not None:
+                raise ValueError(
+                    f'the fused MoE kernels cannot read the experts\' weights: {reason} (use "overlap": "none")'
+                )
+            misaligned = sorted({POINTER_NAMES[i] for row in rows for i, p in enumerate(row) if p % 16})
+            if misaligned:
+                raise ValueError(
+                    f"expert weights {misaligned} are not 16-byte aligned; the fused "
+                    'kernels need aligned weights (use "overlap": "none")'
+                )
+            pointers = torch.tensor(key, dtype=torch.int64).view(len(rows), len(POINTER_NAMES)).t().contiguous()
+            stacked = pointers.to(tokens.device)
+            self._tables = {name: stacked[i] for i, name in enumerate(POINTER_NAMES)}
+            self._key = key
+        return self._tables
