@@ -36,6 +36,10 @@ class FusedExperts:
         """Why the kernels cannot read these weights for [S, hidden] tokens of dtype on device, or None."""
         raise NotImplementedError
 
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the weights are stored in now (a model may convert them between calls)."""
+        raise NotImplementedError
+
     def parameters(self) -> list[Tensor]:
         raise NotImplementedError
 

@@ -23,7 +23,7 @@ tensors): the kernels read them through device tables of per-expert pointers (Ze
 parameters, so the tables are rebuilt when pointers change).
 Weight tiles come through device-side TMA descriptors, one per tile's expert, built from those
 pointers; a constexpr says whether a matrix is stored [N, K] (read transposed) or [K, N].
-Launchers give Triton an allocator for the descriptors (``launch.with_descriptor_scratch``).
+Launchers give Triton an allocator for the descriptors (``triton_phases.with_descriptor_scratch``).
 """
 
 import triton

@@ -36,6 +36,9 @@ class ModuleFusedExperts(FusedExperts):
     def tensors_reason(self, hidden, dtype, device):
         return expert_tensors_reason(self.specs, hidden, dtype, device)
 
+    def weight_dtype(self) -> torch.dtype:
+        return self.specs[0].first._parameters["weight"].dtype
+
     def parameters(self) -> list[Tensor]:
         return [t for spec in self.specs for t in spec.tensors() if t is not None]
 
@@ -83,6 +86,9 @@ class StackedFusedExperts(FusedExperts):
             if reason is not None:
                 return reason
         return None
+
+    def weight_dtype(self) -> torch.dtype:
+        return self._weights()[0].dtype
 
     def parameters(self) -> list[Tensor]:
         return list(self._weights())

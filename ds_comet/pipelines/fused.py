@@ -16,9 +16,9 @@ is taken too), overlapped with the GEMM for the gradient of the activation (dY @
 elementwise kernel multiplies by act'); the gradient of the dispatch is a combine (the rows' input
 gradients dA @ W1, stored chunk by chunk on the expert ranks, are summed there per staged token and
 read by the source ranks, which collect the gate gradients as they go). The weight gradients are
-grouped GEMMs that run while the combine moves data. Alone in the group, where no row waits for a
-link, stacked bf16 experts on sm_90 take the library's grouped GEMM for GEMM1, both ways
-(``FusedKernels.first_layer``).
+grouped GEMMs that run while the combine moves data. Each GEMM phase runs on the implementation
+the GEMM table (``kernels/gemm_table.py``) gives the call: alone in the group, where no row waits
+for a link, stacked bf16 experts on sm_90 take the library's grouped GEMM for GEMM1, both ways.
 
 Reuse across calls: a rank's next call writes ``recv``, ``reduced`` and ``row_dot`` (and peers stage
 into its ``stage``) only after its next exchange, which waits until every rank has published that
@@ -54,6 +54,7 @@ import torch.distributed as torch_dist
 from torch import Tensor
 
 from ..kernels.expert_tables import FusedExperts, PointerTables
+from ..kernels.gemm_phases import Phase
 from ..kernels.launch import FusedKernels, FusedParameters
 from ..kernels.ops import CometWaitTimeout
 from ..kernels.routing_plan import RoutingPlan, plan_routes_cuda
@@ -204,8 +205,9 @@ class FusedPipeline:
         kernels.exchange(plan, rows)
         if self.size_by_received and not torch.cuda.is_current_stream_capturing():
             rows = max(kernels.received_rows(), 1)  # one row at least: the kernels take no null pointers
-        h = torch.empty((rows, kernels.ffn), dtype=tokens.dtype, device=tokens.device)
-        expert_out = torch.empty((rows, hidden), dtype=tokens.dtype, device=tokens.device)
+        # Each GEMM phase's outputs in the dtype its implementation stores them in.
+        h = torch.empty((rows, kernels.ffn), dtype=kernels.stored_dtype(Phase.FIRST_LAYER), device=tokens.device)
+        expert_out = torch.empty((rows, hidden), dtype=kernels.stored_dtype(Phase.GEMM2), device=tokens.device)
         # The backward needs the received rows after the next call has reused the workspace. Alone in
         # the group only this rank's dispatch writes them, so they go straight into a tensor of this
         # call's; with peers, who write into the workspace's buffer, they are copied out of it.
@@ -247,7 +249,8 @@ class FusedPipeline:
         self.raise_if_failed()
         grad_out = rows_for_kernels(grad_out)
         kernels = self.kernels(grad_out)
-        device, dtype = grad_out.device, grad_out.dtype
+        device = grad_out.device
+        dtype = kernels.stored_dtype(Phase.FIRST_LAYER_BACKWARD)  # of the first layer's gradients and activations
         grad_tokens = grad_weights = param_grads = None
 
         # The collective part runs whatever this rank needs, so that every rank of the group launches the
