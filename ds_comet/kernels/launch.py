@@ -1,4 +1,5 @@
-"""The fused pipeline's kernel launches for one call, and the parameters they take.
+"""The fused pipeline's kernel launches for one call, the parameters they take, and the experts'
+pointer tables.
 
 ``FusedKernels`` binds what every launch of one call shares (the workspace, the experts' pointer
 tables, the kernel parameters, the sizes) and launches each kernel on the stream it belongs to.
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .constants import TOTAL_COMBINE_CLAIM, TOTAL_RECV_ROWS
-from .expert_tables import FusedExperts
+from .fused_experts import POINTER_NAMES, FusedExperts
 from .gemm_phases import GemmFacts, GemmImplementation, Phase, Products
 from .gemm_table import choose
 from .routing_plan import RoutingPlan
@@ -38,6 +39,40 @@ class FusedParameters:
     tile_n: int  # GEMM2's column tile, and the granularity of the combine's chunk counters
     n_chunks: int
     gemm1_tile_n: int = 128
+
+
+class PointerTables:
+    """Device tables of the local experts' weight pointers, rebuilt only when a pointer moves.
+
+    ZeRO may move parameters into flat buffers and users may replace them, so the pointers are
+    read on every call (cheaply) and the device tables rebuilt when any changed.
+    """
+
+    def __init__(self):
+        self._key: tuple[int, ...] | None = None
+        self._tables = None
+
+    def get(self, experts: FusedExperts, tokens: Tensor) -> dict[str, Tensor]:
+        rows = experts.pointers()
+        key = tuple(pointer for row in rows for pointer in row)
+        if key != self._key:
+            # New storage: a parameter was replaced or converted since the layer chose the fused path.
+            reason = experts.tensors_reason(tokens.shape[-1], tokens.dtype, tokens.device)
+            if reason is not None:
+                raise ValueError(
+                    f'the fused MoE kernels cannot read the experts\' weights: {reason} (use "overlap": "none")'
+                )
+            misaligned = sorted({POINTER_NAMES[i] for row in rows for i, p in enumerate(row) if p % 16})
+            if misaligned:
+                raise ValueError(
+                    f"expert weights {misaligned} are not 16-byte aligned; the fused "
+                    'kernels need aligned weights (use "overlap": "none")'
+                )
+            pointers = torch.tensor(key, dtype=torch.int64).view(len(rows), len(POINTER_NAMES)).t().contiguous()
+            stacked = pointers.to(tokens.device)
+            self._tables = {name: stacked[i] for i, name in enumerate(POINTER_NAMES)}
+            self._key = key
+        return self._tables
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..experts import FusedExpert, expert_tensors_reason, forward_mismatch, fused_expert, tensor_reason
-from ..kernels.expert_tables import FusedExperts
+from ..kernels.fused_experts import FusedExperts
 from .routing import host_to_device
 
 

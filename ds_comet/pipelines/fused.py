@@ -53,9 +53,9 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor
 
-from ..kernels.expert_tables import FusedExperts, PointerTables
+from ..kernels.fused_experts import FusedExperts
 from ..kernels.gemm_phases import Phase
-from ..kernels.launch import FusedKernels, FusedParameters
+from ..kernels.launch import FusedKernels, FusedParameters, PointerTables
 from ..kernels.ops import CometWaitTimeout
 from ..kernels.routing_plan import RoutingPlan, plan_routes_cuda
 from ..kernels.workspace import CometBuffer

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels.constants import MAX_COMBINE_TOP_K
-from ..kernels.expert_tables import FusedExperts
+from ..kernels.fused_experts import FusedExperts
 from ..kernels.workspace import allocator_ipc_refusal
 from .expert_weights import LocalExperts
 

@@ -9,7 +9,7 @@ import ds_comet.pipelines.selection as selection_module
 from ds_comet.config import CometMoEConfig
 from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.kernels import constants
-from ds_comet.kernels.expert_tables import PointerTables
+from ds_comet.kernels.launch import PointerTables
 from ds_comet.kernels.ops import describe_error_record
 from ds_comet.kernels.workspace import BufferShape
 from ds_comet.pipelines.chunked import rule_chunks

@@ -39,7 +39,7 @@ from tests.support.layout_reference import reference_layout, layout_array
 from ds_comet.kernels import constants as C, layout as L
 from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.pipelines.expert_weights import ModuleFusedExperts
-from ds_comet.kernels.expert_tables import PointerTables
+from ds_comet.kernels.launch import PointerTables
 from ds_comet.kernels.triton_phases import next_power_of_2
 from ds_comet.pipelines.routing import plan_routes
 from ds_comet.kernels.triton_gemm import (ACTIVATION_CODES, expert_column_sums_kernel, gemm1_kernel, gemm2_kernel,
@@ -220,7 +220,7 @@ from tests.support.layout_reference import reference_layout, layout_array
 from ds_comet.kernels import constants as C, layout as L
 from ds_comet.experts import FeedForward, fused_expert
 from ds_comet.pipelines.expert_weights import ModuleFusedExperts
-from ds_comet.kernels.expert_tables import PointerTables
+from ds_comet.kernels.launch import PointerTables
 from ds_comet.kernels.triton_phases import next_power_of_2, with_descriptor_scratch
 from ds_comet.kernels.ops import describe_error_record
 from ds_comet.kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel

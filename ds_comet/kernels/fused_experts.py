@@ -1,9 +1,9 @@
-"""The local experts' weights as the kernels read them: the view an integration gives of them
-(``FusedExperts``), and the device tables of their pointers (``PointerTables``).
+"""The local experts' weights as the kernels read them (``FusedExperts``).
 
 Expert weights stay where the integration keeps them (one module per expert, or AutoEP's stacked
-tensors; ``pipelines.expert_weights`` implements the view for both). The kernels read them
-through device tables of per-expert pointers, one table a weight or bias (``POINTER_NAMES``).
+tensors; ``pipelines.expert_weights`` implements this view for both). The kernels read them
+through device tables of per-expert pointers, one table a weight or bias (``POINTER_NAMES``;
+``launch.PointerTables`` builds them).
 """
 
 import torch
@@ -52,37 +52,3 @@ class FusedExperts:
         self, dw1: Tensor, db1: Tensor | None, dw3: Tensor | None, db3: Tensor | None, dw2: Tensor, db2: Tensor | None
     ) -> list[Tensor]:
         raise NotImplementedError
-
-
-class PointerTables:
-    """Device tables of the local experts' weight pointers, rebuilt only when a pointer moves.
-
-    ZeRO may move parameters into flat buffers and users may replace them, so the pointers are
-    read on every call (cheaply) and the device tables rebuilt when any changed.
-    """
-
-    def __init__(self):
-        self._key: tuple[int, ...] | None = None
-        self._tables = None
-
-    def get(self, experts: FusedExperts, tokens: Tensor) -> dict[str, Tensor]:
-        rows = experts.pointers()
-        key = tuple(pointer for row in rows for pointer in row)
-        if key != self._key:
-            # New storage: a parameter was replaced or converted since the layer chose the fused path.
-            reason = experts.tensors_reason(tokens.shape[-1], tokens.dtype, tokens.device)
-            if reason is not None:
-                raise ValueError(
-                    f'the fused MoE kernels cannot read the experts\' weights: {reason} (use "overlap": "none")'
-                )
-            misaligned = sorted({POINTER_NAMES[i] for row in rows for i, p in enumerate(row) if p % 16})
-            if misaligned:
-                raise ValueError(
-                    f"expert weights {misaligned} are not 16-byte aligned; the fused "
-                    'kernels need aligned weights (use "overlap": "none")'
-                )
-            pointers = torch.tensor(key, dtype=torch.int64).view(len(rows), len(POINTER_NAMES)).t().contiguous()
-            stacked = pointers.to(tokens.device)
-            self._tables = {name: stacked[i] for i, name in enumerate(POINTER_NAMES)}
-            self._key = key
-        return self._tables
