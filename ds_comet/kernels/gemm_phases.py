@@ -82,8 +82,16 @@ class Needs:
     """Only for stacked weights."""
 
     def refusal(self, facts: GemmFacts) -> str | None:
-        """Why a call with ``facts`` does not meet these needs (a phrase: "takes ...", "needs ..."),
-        or None when it does."""
+        """Whether a call meets these needs.
+
+        Args:
+            facts: the call's facts.
+
+        Returns:
+            None where the call meets them, else the first that it does not, as a phrase
+            ("takes bfloat16 rows with bfloat16 weights, not ...", "runs on sm_90, not sm_80",
+            "needs gated experts", ...).
+        """
         if (facts.row_dtype, facts.weight_dtype) not in self.dtypes:
             taken = " or ".join(f"{dtype_name(r)} rows with {dtype_name(w)} weights" for r, w in self.dtypes)
             given = f"{dtype_name(facts.row_dtype)} rows with {dtype_name(facts.weight_dtype)} weights"

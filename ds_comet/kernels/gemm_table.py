@@ -17,15 +17,31 @@ IMPLEMENTATIONS: tuple[GemmImplementation, ...] = (
 
 
 def refusals(phase: Phase, facts: GemmFacts) -> dict[str, str | None]:
-    """Each registered implementation's reason not to run ``phase`` for a call with ``facts`` (None
-    where it would), by name, in the table's order."""
+    """Each registered implementation's reason not to run ``phase`` for a call with ``facts``.
+
+    Args:
+        phase: the GEMM phase.
+        facts: the call's facts.
+
+    Returns:
+        By implementation name, in the table's order: why it does not run the phase for this call
+        (a phrase such as "needs gated experts"), or None where it would.
+    """
     return {implementation.name: implementation.refusal(phase, facts) for implementation in IMPLEMENTATIONS}
 
 
 def choose(phase: Phase, facts: GemmFacts) -> GemmImplementation:
-    """The first implementation in the table that runs ``phase`` for a call with ``facts``.
+    """The implementation that runs ``phase`` for a call with ``facts``.
 
-    Raises ``RuntimeError`` naming every implementation's reason when none does.
+    Args:
+        phase: the GEMM phase.
+        facts: the call's facts.
+
+    Returns:
+        The first implementation in the table whose needs for ``phase`` the facts meet.
+
+    Raises:
+        RuntimeError: none does; the message gives every implementation's reason.
     """
     for implementation in IMPLEMENTATIONS:
         if implementation.refusal(phase, facts) is None:

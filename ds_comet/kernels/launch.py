@@ -355,8 +355,7 @@ class FusedKernels:
         ``stored_dtype(Phase.FIRST_LAYER)``), by the implementation the table gives the phase.
 
         Returns, with ``keep_pre``, the products before the activation that ``first_layer_backward``
-        reads (an [R, 2F] tensor for gated experts on the Triton GEMM, else [R, F]; a pair of [R, F]
-        tensors from the library's GEMM), else None.
+        reads, in the form the implementation keeps them (``gemm_phases.Products``), else None.
         """
         return self.implementation(Phase.FIRST_LAYER).first_layer(self, rows, h, keep_pre)
 
