@@ -55,7 +55,7 @@ c10::Device one_device(const char* what, std::initializer_list<std::reference_wr
 int64_t* as_record(int64_t address) { return reinterpret_cast<int64_t*>(address); }
 
 // One workspace's tensors, which every exchange, dispatch and combine of its group takes
-// (ds_comet/pipelines/workspace.py builds it once, with the workspace): each symmetric part's table
+// (ds_comet/kernels/workspace.py builds it once, with the workspace): each symmetric part's table
 // of peer addresses, this rank's parts and arrays that the kernels address directly (comet.h says
 // what each holds), and the error record. Checked once, when it is built.
 struct Workspace {
@@ -445,7 +445,7 @@ py::dict codes() {
     return d;
 }
 
-// The kernels' shape and offsets (comet.h), which ds_comet/pipelines/workspace.py fills once a workspace.
+// The kernels' shape and offsets (comet.h), which ds_comet/kernels/workspace.py fills once a workspace.
 void bind_group_shape(py::module_& m) {
     py::class_<GroupShape>(m, "GroupShape")
         .def(py::init<>())

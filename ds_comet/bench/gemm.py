@@ -17,13 +17,13 @@ counters hold; then each GEMM phase is relaunched alone:
     wgrad_w2   per expert dY_e^T h_e -> [E, H, F]                                           (2 R H F)
     wgrad_w1   per expert dA_e^T x_e -> [E, F', H]                                          (2 R F' H)
 
-(F' = 2F for gated experts.) "ours" is what the fused pipeline launches for the phase with peers in
-the group: the Triton GEMMs (a GELU expert's forward GEMM1 and every backward GEMM1 store plain
+(F' = 2F for gated experts.) "ours" is what the fused pipeline launches for the phase: the
+implementation the GEMM table (``ds_comet/kernels/gemm_table.py``) gives it, which each line names.
+That is the Triton GEMMs (a GELU expert's forward GEMM1 and every backward GEMM1 store plain
 products and an elementwise kernel computes the rest from them, both timed), and the weight
-gradients as ``torch._grouped_mm`` where ``FusedKernels.library_wgrad`` says so (a gated dW1 as two
-calls; biases' column sums by ``expert_column_sums_kernel``, timed with them). The experts are one
-module each, so GEMM1 stays on Triton even here alone in the group, where stacked experts would
-take the library's (``FusedKernels.library_first_layer``).
+gradients as ``torch._grouped_mm`` for bf16 on sm_90 (a gated dW1 as two calls; biases' column
+sums by ``expert_column_sums_kernel``, timed with them). The experts are one module each, so
+GEMM1 stays on Triton even here alone in the group, where stacked experts would take the library's.
 ``torch._grouped_mm`` computes the same product on the same rows, grouped by the same offsets,
 without the epilogue's bias, activation or stored products, or a bias gradient: its rate is the
 library's rate for the GEMM alone. For the two GEMM1 phases a third implementation, "composed",
@@ -52,19 +52,32 @@ import ds_comet
 from ds_comet.bench.power import Sampler
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.experts import FeedForward, GatedFeedForward
+from ds_comet.kernels.gemm_phases import Phase
 
 PHASES = ("gemm1_fwd", "gemm2_fwd", "gemm1_bwd", "gemm2_bwd", "wgrad_w2", "wgrad_w1")
 IMPLEMENTATIONS = ("ours", "grouped_mm", "composed")
 
 
+# The pipeline's GEMM phase that each benchmarked phase relaunches.
+PIPELINE_PHASES = {
+    "gemm1_fwd": Phase.FIRST_LAYER,
+    "gemm2_fwd": Phase.GEMM2,
+    "gemm1_bwd": Phase.FIRST_LAYER_BACKWARD,
+    "gemm2_bwd": Phase.GEMM2_BACKWARD,
+    "wgrad_w2": Phase.WEIGHT_GRADIENTS,
+    "wgrad_w1": Phase.WEIGHT_GRADIENTS,
+}
+
+
 @dataclass
-class Phase:
+class TimedPhase:
     """One GEMM phase's implementations on the same rows, and the product's FLOPs."""
 
     ours: Callable[[], object]
     grouped_mm: Callable[[], object]
     flops: int
     composed: Callable[[], object] | None = None  # the library's product, then our elementwise kernel
+    implementation: str = ""  # the name of the implementation "ours" runs (the GEMM table's)
 
 
 def parse_args():
@@ -142,7 +155,7 @@ def fused_layer(hidden, ffn, experts, k, tokens, gated, device):
 
 
 def phase_calls(pipeline, tokens, indices, experts):
-    """A ``Phase`` per phase name, on the rows one forward of ``indices`` lays out."""
+    """A ``TimedPhase`` per phase name, on the rows one forward of ``indices`` lays out."""
     gates = torch.full(indices.shape, 1.0 / indices.shape[0], device=tokens.device)
     with torch.no_grad():
         pipeline.forward(tokens, indices, gates, train=False)
@@ -154,43 +167,48 @@ def phase_calls(pipeline, tokens, indices, experts):
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     dtype, device = tokens.dtype, tokens.device
     x = pipeline.workspace.recv[:rows]  # where that (eval) forward's dispatch put the rows
-    h = torch.empty((rows, ffn), device=device, dtype=dtype)
+    h = torch.empty((rows, ffn), device=device, dtype=kernels.stored_dtype(Phase.FIRST_LAYER))
     pre = kernels.first_layer(x, h, keep_pre=True)  # fills h
-    grad_pre = torch.empty((rows, width), device=device, dtype=dtype)
-    out = torch.empty(rows, hidden, device=device, dtype=dtype)  # GEMM2's rows, both ways
+    grad_pre = torch.empty((rows, width), device=device, dtype=kernels.stored_dtype(Phase.FIRST_LAYER_BACKWARD))
+    out = torch.empty(rows, hidden, device=device, dtype=kernels.stored_dtype(Phase.GEMM2))  # both ways
     w1 = torch.randn(num_local, width, hidden, device=device).to(dtype) / hidden**0.5
     w2 = torch.randn(num_local, hidden, ffn, device=device).to(dtype) / ffn**0.5
     mm = torch._grouped_mm
-    return {
-        "gemm1_fwd": Phase(
+    phases = {
+        "gemm1_fwd": TimedPhase(
             lambda: kernels.first_layer(x, h, keep_pre=True),
             lambda: mm(x, w1.transpose(1, 2), offs=offsets),
             2 * rows * hidden * width,
             lambda: kernels.activations(mm(x, w1.transpose(1, 2), offs=offsets), h),
         ),
-        "gemm2_fwd": Phase(
+        "gemm2_fwd": TimedPhase(
             lambda: kernels.gemm2(h, out, backward=False),
             lambda: mm(h, w2.transpose(1, 2), offs=offsets),
             2 * rows * ffn * hidden,
         ),
-        "gemm1_bwd": Phase(
+        "gemm1_bwd": TimedPhase(
             lambda: kernels.first_layer_backward(x, grad_pre, pre, act=h),
             lambda: mm(x, w2, offs=offsets),
             2 * rows * hidden * ffn,
             lambda: kernels.activations_backward(mm(x, w2, offs=offsets), pre, grad_pre, act=h),
         ),
-        "gemm2_bwd": Phase(
+        "gemm2_bwd": TimedPhase(
             lambda: kernels.gemm2(grad_pre, out, backward=True),
             lambda: mm(grad_pre, w1, offs=offsets),
             2 * rows * width * hidden,
         ),
-        "wgrad_w2": Phase(lambda: kernels.wgrad(x, h), lambda: mm(x.t(), h, offs=offsets), 2 * rows * hidden * ffn),
-        "wgrad_w1": Phase(
+        "wgrad_w2": TimedPhase(
+            lambda: kernels.wgrad(x, h), lambda: mm(x.t(), h, offs=offsets), 2 * rows * hidden * ffn
+        ),
+        "wgrad_w1": TimedPhase(
             lambda: [kernels.wgrad(grad_pre[:, part : part + ffn], x) for part in range(0, width, ffn)],
             lambda: mm(grad_pre.t(), x, offs=offsets),
             2 * rows * width * hidden,
         ),
-    }, counts
+    }
+    for name, phase in phases.items():
+        phase.implementation = kernels.implementation(PIPELINE_PHASES[name]).name
+    return phases, counts
 
 
 def bench_shape(name, hidden, ffn, experts, k, tokens, args, sampler):
@@ -211,10 +229,10 @@ def bench_shape(name, hidden, ffn, experts, k, tokens, args, sampler):
     return results
 
 
-def time_phase(phase: Phase, args, sampler: Sampler | None) -> dict:
+def time_phase(phase: TimedPhase, args, sampler: Sampler | None) -> dict:
     """Each implementation's TFLOP/s (and, with a ``sampler``, SM clock, watts and mJ a call) and
-    ours over the others' rates."""
-    result, ms = {}, {}
+    ours over the others' rates; ``ours_implementation`` names the GEMM table's implementation."""
+    result, ms = {"ours_implementation": phase.implementation}, {}
     for name in IMPLEMENTATIONS:
         fn = getattr(phase, name)
         if fn is None:
@@ -233,8 +251,8 @@ def time_phase(phase: Phase, args, sampler: Sampler | None) -> dict:
 
 def phase_line(phase: str, r: dict) -> str:
     line = (
-        f"  {phase:10s} ours {r['ours_tflops']:6.1f}  grouped_mm {r['grouped_mm_tflops']:6.1f} TFLOP/s  "
-        f"ratio {r['ours_over_grouped_mm']:.3f}"
+        f"  {phase:10s} ours ({r['ours_implementation']}) {r['ours_tflops']:6.1f}  "
+        f"grouped_mm {r['grouped_mm_tflops']:6.1f} TFLOP/s  ratio {r['ours_over_grouped_mm']:.3f}"
     )
     if "composed_tflops" in r:
         line += f"  composed {r['composed_tflops']:6.1f} TFLOP/s  ours/composed {r['ours_over_composed']:.3f}"

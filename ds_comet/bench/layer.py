@@ -35,8 +35,10 @@ from ds_comet.bench import autoep
 from ds_comet.bench.common import autoep_step, build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed, train_step
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
+from ds_comet.kernels.gemm_phases import Phase
+from ds_comet.kernels.routing_plan import RoutingPlan, plan_routes_cuda
 from ds_comet.pipelines.fused import FusedPipeline
-from ds_comet.pipelines.routing import RoutingPlan, plan_routes_cuda, remote_rows
+from ds_comet.pipelines.routing import remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
 AUTOEP_PIPELINES = ("autoep", "autoep_comet")
@@ -89,8 +91,8 @@ def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
     kernels = pipeline.kernels(tokens)
     workspace, params = pipeline.workspace, pipeline.params
     rows = min(rows, workspace.shape.max_recv_rows)
-    h = torch.empty((rows, kernels.ffn), dtype=tokens.dtype, device=tokens.device)
-    expert_out = torch.empty((rows, tokens.shape[1]), dtype=tokens.dtype, device=tokens.device)
+    h = torch.empty((rows, kernels.ffn), dtype=kernels.stored_dtype(Phase.FIRST_LAYER), device=tokens.device)
+    expert_out = torch.empty((rows, tokens.shape[1]), dtype=kernels.stored_dtype(Phase.GEMM2), device=tokens.device)
     kernels.first_layer(workspace.recv, h, keep_pre=False)
     kernels.gemm2(h, expert_out, backward=False)
 

@@ -30,7 +30,8 @@ from ds_comet.bench.common import build, train_step
 from ds_comet.bench.shapes import SHAPES, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
 from ds_comet.kernels.ops import load_op
-from ds_comet.pipelines.routing import plan_routes, plan_routes_cuda
+from ds_comet.kernels.routing_plan import plan_routes_cuda
+from ds_comet.pipelines.routing import plan_routes
 
 
 def host_and_device_ms(fn, iters=10):

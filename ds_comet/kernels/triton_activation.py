@@ -1,6 +1,6 @@
 """The activations and their gradients, elementwise, after GEMMs that store plain products.
 
-Where ``torch._grouped_mm`` runs gated experts' first layer (``FusedKernels.library_first_layer``),
+Where ``torch._grouped_mm`` runs gated experts' first layer (``library_phases.LibraryGemm``),
 it returns ``z = x W1^T`` and ``u = x W3^T``; for a GELU, ReLU or SiLU expert ``gemm1_kernel``
 returns ``z = x W1^T + b1`` alone (into ``h`` itself when nothing is kept for the backward, which
 ``activation_kernel`` then activates in place); in every backward, the library

@@ -23,7 +23,7 @@ tensors): the kernels read them through device tables of per-expert pointers (Ze
 parameters, so the tables are rebuilt when pointers change).
 Weight tiles come through device-side TMA descriptors, one per tile's expert, built from those
 pointers; a constexpr says whether a matrix is stored [N, K] (read transposed) or [K, N].
-Launchers give Triton an allocator for the descriptors (``pipelines.fused_kernels.with_descriptor_scratch``).
+Launchers give Triton an allocator for the descriptors (``triton_phases.with_descriptor_scratch``).
 """
 
 import triton
@@ -286,19 +286,16 @@ def gemm1_kernel(
     WAIT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """The first grouped GEMM over the receive buffer ``rows`` ([R, K]), tile by tile as rows arrive.
+    """The first grouped GEMM over the receive buffer ``rows`` ([R, K]), tile by tile as rows arrive
+    (``_gemm1_row_tile``).
 
-    Forward (W = W1, [N, K]) with ACTIVATE: out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)];
-    with STORE_PRE the products before the activation also go to ``pre`` ([R, N], gated [R, 2N]:
-    first, then up). Forward without ACTIVATE (ungated experts): out = rows @ W1^T + b1 alone, the
-    products an elementwise kernel then activates (``triton_activation.activation_kernel``); the
-    pipeline runs ungated experts this way, training and eval alike (docs/decisions.md).
-    Without ACTIVATE, ``pre``, ACTIVATION and STORE_PRE are unused.
-    Backward (W = W2, [K, N]; rows are output gradients): out = g = rows @ W2 ([R, N]) alone; the
-    other weights, the biases, ``pre``, GATED, ACTIVATION, HAS_BIAS and STORE_PRE are unused. An
-    epilogue that read the forward's products and wrote their gradients and the activations held up
-    the MMAs; an elementwise kernel after the GEMM (``triton_activation.activation_backward_kernel``)
-    was faster (docs/decisions.md).
+    Forward (W = W1, [N, K]) with ACTIVATE: out = act(rows @ W1^T + b1) [* (rows @ W3^T + b3)], and
+    with STORE_PRE the products before the activation in ``pre`` (``_gemm1_activations``). Forward
+    without ACTIVATE (ungated experts): out = rows @ W1^T + b1 alone; backward (W = W2, [K, N]; rows
+    are output gradients): out = g = rows @ W2 alone (``_gemm1_store_products``). An elementwise
+    kernel computes the rest from those (``triton_activation``); the pipeline runs ungated experts
+    that way, training and eval alike (docs/decisions.md). Without ACTIVATE, ``pre``, ACTIVATION and
+    STORE_PRE are unused; backward, the other weights, the biases, GATED and HAS_BIAS too.
     """
     tl.static_assert(not (BACKWARD and (STORE_PRE or ACTIVATE)), "gemm1_kernel: the backward stores g alone")
     tl.static_assert(ACTIVATE or not STORE_PRE, "gemm1_kernel: without ACTIVATE, out holds the products")
@@ -310,104 +307,198 @@ def gemm1_kernel(
     local_prefix = tl.load(layout + off_local_tiles + lanes, mask=lanes <= num_local, other=1 << 30)
     remote_prefix = tl.load(layout + off_remote_tiles + lanes, mask=lanes <= num_local, other=1 << 30)
     local_total = tl.load(layout + off_local_tiles + num_local)
+    for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
+        expert, tile_row, row_end, pid_n = _gemm1_row_tile(
+            tile, total_m, n_tiles, local_prefix, remote_prefix, local_total, layout, tile_counters, error_addr,
+            timeout_ns, rank, off_expert_start, off_tile_start, off_local_tiles, off_remote_tiles, off_total_tiles,
+            BM, GROUP_M, WAIT, INTERPRET,
+        )  # fmt: skip
+        offs_m = tile_row + tl.arange(0, BM)
+        m_mask = offs_m < row_end
+        acc, acc3 = _gemm1_mainloop(
+            rows, w_table, w3_table, expert, offs_m, m_mask, pid_n, K, N, dtype, BM, BN, BK, BACKWARD, GATED
+        )
+        if ACTIVATE:
+            _gemm1_activations(
+                acc, acc3, out, pre, b1_table, b3_table, expert, offs_m, m_mask, pid_n, N, dtype, BM, BN,
+                HAS_BIAS, GATED, ACTIVATION, STORE_PRE,
+            )  # fmt: skip
+        else:
+            _gemm1_store_products(
+                acc, out, b1_table, expert, offs_m, m_mask, pid_n, N, dtype, BN, HAS_BIAS and not BACKWARD
+            )
+
+
+@triton.jit
+def _gemm1_row_tile(
+    tile,
+    total_m,
+    n_tiles,
+    local_prefix,
+    remote_prefix,
+    local_total,
+    layout,
+    tile_counters,
+    error_addr,
+    timeout_ns,
+    rank,
+    off_expert_start,
+    off_tile_start,
+    off_local_tiles,
+    off_remote_tiles,
+    off_total_tiles,
+    BM: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    WAIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """(expert, first row, the expert's row end, column tile) of GEMM1's ``tile``: row tiles in
+    ``_own_rows_first``'s order, GROUP_M at a time; with WAIT, once every row of the tile has arrived."""
+    slot, pid_n = _swizzle(tile, total_m, n_tiles, GROUP_M)
+    expert, t, tile_row, row_end = _own_rows_first(
+        slot, local_prefix, remote_prefix, local_total, layout, off_expert_start, off_local_tiles, off_remote_tiles, BM
+    )
+    if WAIT:
+        tile_index = tl.load(layout + off_tile_start + expert) + t
+        _wait_at_least(
+            tile_counters + tile_index,
+            tl.minimum(row_end - tile_row, BM),
+            timeout_ns,
+            error_addr,
+            layout + off_total_tiles + ERROR_CLAIM_AFTER_TILES,
+            rank,
+            tile_index,
+            WAIT_DISPATCH_TILE,
+            INTERPRET,
+        )
+    return expert, tile_row, row_end, pid_n
+
+
+@triton.jit
+def _gemm1_mainloop(
+    rows,
+    w_table,
+    w3_table,
+    expert,
+    offs_m,
+    m_mask,
+    pid_n,
+    K,
+    N,
+    dtype,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    """The fp32 products of GEMM1's rows ``offs_m`` with the expert's weights' column tile ``pid_n``:
+    forward rows @ W1^T and, gated, rows @ W3^T beside it (each tile of rows loaded once for both);
+    backward rows @ W2 (the second result is then unused)."""
     two_products: tl.constexpr = GATED and not BACKWARD
+    # Forward reads W1 ([N, K]) as W1^T; backward reads W2 ([K, N]) as it is.
+    w = _weight_tiles(w_table, expert, dtype, K, N, BK, BN, not BACKWARD)
+    w3 = w
+    if two_products:
+        w3 = _weight_tiles(w3_table, expert, dtype, K, N, BK, BN, True)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    return _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, pid_n * BN, K, BK, not BACKWARD, two_products)
+
+
+@triton.jit
+def _gemm1_store_products(
+    acc, out, b1_table, expert, offs_m, m_mask, pid_n, N, dtype, BN: tl.constexpr, ADD_BIAS: tl.constexpr
+):
+    """GEMM1's tile of plain products ``acc`` (+ b1 with ADD_BIAS) into ``out`` ([R, N]), a row-major
+    store as GEMM2's: an ungated expert's forward products, or the backward's g = dY @ W2. An
+    epilogue that read the forward's products and wrote their gradients and the activations held up
+    the MMAs; an elementwise kernel after the GEMM (``triton_activation.activation_backward_kernel``)
+    was faster (docs/decisions.md)."""
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    if ADD_BIAS:
+        bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
+        acc += tl.load(bias1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(out + at, acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gemm1_activations(
+    acc,
+    acc3,
+    out,
+    pre,
+    b1_table,
+    b3_table,
+    expert,
+    offs_m,
+    m_mask,
+    pid_n,
+    N,
+    dtype,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+):
+    """GEMM1's forward epilogue with the activation: act(acc + b1) [* (acc3 + b3)] into ``out``
+    ([R, N]) and, with STORE_PRE, the products before it into ``pre`` ([R, N], gated [R, 2N]: first,
+    then up).
+
+    It runs on one column half of the tile at a time. A whole tile's accumulator did not fit the
+    registers together with its pre-activations and activations: ptxas spilled up to 2.4 KB a
+    thread, and a layer's training step ran 20-45 % slower (docs/decisions.md).
+    """
     if GATED:
         pre_cols = 2 * N
     else:
         pre_cols = N
-
-    for tile in range(tl.program_id(0), total_m * n_tiles, NUM_PROGS):
-        slot, pid_n = _swizzle(tile, total_m, n_tiles, GROUP_M)
-        expert, t, tile_row, row_end = _own_rows_first(
-            slot,
-            local_prefix,
-            remote_prefix,
-            local_total,
-            layout,
-            off_expert_start,
-            off_local_tiles,
-            off_remote_tiles,
-            BM,
-        )
-        if WAIT:
-            tile_index = tl.load(layout + off_tile_start + expert) + t
-            _wait_at_least(
-                tile_counters + tile_index,
-                tl.minimum(row_end - tile_row, BM),
-                timeout_ns,
-                error_addr,
-                layout + off_total_tiles + ERROR_CLAIM_AFTER_TILES,
-                rank,
-                tile_index,
-                WAIT_DISPATCH_TILE,
-                INTERPRET,
-            )
-
-        offs_m = tile_row + tl.arange(0, BM)
-        m_mask = offs_m < row_end
-        # Forward reads W1 ([N, K]) as W1^T; backward reads W2 ([K, N]) as it is.
-        w = _weight_tiles(w_table, expert, dtype, K, N, BK, BN, not BACKWARD)
-        w3 = w
-        if two_products:
-            w3 = _weight_tiles(w3_table, expert, dtype, K, N, BK, BN, True)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc, acc3 = _dot_rows(acc, acc, rows, K, offs_m, m_mask, w, w3, pid_n * BN, K, BK, not BACKWARD, two_products)
-        if not ACTIVATE:  # g, or an ungated expert's products: a plain row-major store of the tile, as GEMM2's
-            offs_n = pid_n * BN + tl.arange(0, BN)
-            n_mask = offs_n < N
-            if HAS_BIAS and not BACKWARD:
-                bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
-                acc += tl.load(bias1 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            at = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-            tl.store(out + at, acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
-        else:
-            # The epilogue runs on one column half of the tile at a time. A whole tile's accumulator
-            # did not fit the registers together with its pre-activations and activations: ptxas
-            # spilled up to 2.4 KB a thread, and a layer's training step ran 20-45 % slower
-            # (docs/decisions.md).
-            bias1 = rows
-            bias3 = rows
-            if HAS_BIAS:
-                bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
-                if GATED:
-                    bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
-            acc_left, acc_right = _column_halves(acc, BM, BN)
-            acc3_left, acc3_right = _column_halves(acc3, BM, BN)
-            half_n = pid_n * BN + tl.arange(0, BN // 2)
-            _gemm1_epilogue(
-                acc_left,
-                acc3_left,
-                offs_m,
-                m_mask,
-                half_n,
-                N,
-                pre_cols,
-                out,
-                pre,
-                bias1,
-                bias3,
-                GATED,
-                ACTIVATION,
-                STORE_PRE,
-                HAS_BIAS,
-            )
-            _gemm1_epilogue(
-                acc_right,
-                acc3_right,
-                offs_m,
-                m_mask,
-                half_n + BN // 2,
-                N,
-                pre_cols,
-                out,
-                pre,
-                bias1,
-                bias3,
-                GATED,
-                ACTIVATION,
-                STORE_PRE,
-                HAS_BIAS,
-            )
+    bias1 = out  # read only with HAS_BIAS
+    bias3 = out
+    if HAS_BIAS:
+        bias1 = tl.load(b1_table + expert).to(tl.pointer_type(dtype))
+        if GATED:
+            bias3 = tl.load(b3_table + expert).to(tl.pointer_type(dtype))
+    acc_left, acc_right = _column_halves(acc, BM, BN)
+    acc3_left, acc3_right = _column_halves(acc3, BM, BN)
+    half_n = pid_n * BN + tl.arange(0, BN // 2)
+    _gemm1_epilogue(
+        acc_left,
+        acc3_left,
+        offs_m,
+        m_mask,
+        half_n,
+        N,
+        pre_cols,
+        out,
+        pre,
+        bias1,
+        bias3,
+        GATED,
+        ACTIVATION,
+        STORE_PRE,
+        HAS_BIAS,
+    )
+    _gemm1_epilogue(
+        acc_right,
+        acc3_right,
+        offs_m,
+        m_mask,
+        half_n + BN // 2,
+        N,
+        pre_cols,
+        out,
+        pre,
+        bias1,
+        bias3,
+        GATED,
+        ACTIVATION,
+        STORE_PRE,
+        HAS_BIAS,
+    )
 
 
 @triton.jit

@@ -14,47 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from ..experts import FusedExpert, expert_tensors_reason, forward_mismatch, fused_expert, tensor_reason
+from ..kernels.fused_experts import FusedExperts
 from .routing import host_to_device
-
-POINTER_NAMES = ("w1", "b1", "w3", "b3", "w2", "b2")  # each expert's row of the pointer tables
-
-
-class FusedExperts:
-    """What the fused kernels need to know about the local experts.
-
-    ``hidden``, ``ffn``, ``gated``, ``has_bias``, ``activation`` describe them all (they are alike);
-    ``pointers()`` gives one row of ``POINTER_NAMES`` data pointers per expert (0 where absent);
-    ``parameters()`` the tensors whose gradients the fused backward returns, in its order;
-    ``gradients(dw1, db1, dw3, db3, dw2, db2)`` those gradients from the grouped results (``dw1`` the
-    first projection's ``[L, F, H]``, ``dw3`` the up projection's (None unless gated), ``dw2``
-    ``[L, H, F]``; biases ``[L, F]`` and ``[L, H]`` likewise, None without biases).
-    """
-
-    num_local: int
-    ffn: int
-    gated: bool
-    has_bias: bool
-    activation: str
-
-    def pointers(self) -> list[tuple[int, ...]]:
-        raise NotImplementedError
-
-    def tensors_reason(self, hidden: int, dtype: torch.dtype, device: torch.device) -> str | None:
-        """Why the kernels cannot read these weights for [S, hidden] tokens of dtype on device, or None."""
-        raise NotImplementedError
-
-    def parameters(self) -> list[Tensor]:
-        raise NotImplementedError
-
-    def stacked(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        """``(w1, w3, w2)`` as ``[L, F, H]``, ``[L, F, H]`` and ``[L, H, F]`` tensors where the experts
-        are stored so (what ``torch._grouped_mm`` takes), else None."""
-        return None
-
-    def gradients(
-        self, dw1: Tensor, db1: Tensor | None, dw3: Tensor | None, db3: Tensor | None, dw2: Tensor, db2: Tensor | None
-    ) -> list[Tensor]:
-        raise NotImplementedError
 
 
 class ModuleFusedExperts(FusedExperts):
@@ -74,6 +35,9 @@ class ModuleFusedExperts(FusedExperts):
 
     def tensors_reason(self, hidden, dtype, device):
         return expert_tensors_reason(self.specs, hidden, dtype, device)
+
+    def weight_dtype(self) -> torch.dtype:
+        return self.specs[0].first._parameters["weight"].dtype
 
     def parameters(self) -> list[Tensor]:
         return [t for spec in self.specs for t in spec.tensors() if t is not None]
@@ -122,6 +86,9 @@ class StackedFusedExperts(FusedExperts):
             if reason is not None:
                 return reason
         return None
+
+    def weight_dtype(self) -> torch.dtype:
+        return self._weights()[0].dtype
 
     def parameters(self) -> list[Tensor]:
         return list(self._weights())

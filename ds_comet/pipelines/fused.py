@@ -16,9 +16,9 @@ is taken too), overlapped with the GEMM for the gradient of the activation (dY @
 elementwise kernel multiplies by act'); the gradient of the dispatch is a combine (the rows' input
 gradients dA @ W1, stored chunk by chunk on the expert ranks, are summed there per staged token and
 read by the source ranks, which collect the gate gradients as they go). The weight gradients are
-grouped GEMMs that run while the combine moves data. Alone in the group, where no row waits for a
-link, stacked bf16 experts on sm_90 take the library's grouped GEMM for GEMM1, both ways
-(``FusedKernels.first_layer``).
+grouped GEMMs that run while the combine moves data. Each GEMM phase runs on the implementation
+the GEMM table (``kernels/gemm_table.py``) gives the call: alone in the group, where no row waits
+for a link, stacked bf16 experts on sm_90 take the library's grouped GEMM for GEMM1, both ways.
 
 Reuse across calls: a rank's next call writes ``recv``, ``reduced`` and ``row_dot`` (and peers stage
 into its ``stage``) only after its next exchange, which waits until every rank has published that
@@ -52,16 +52,17 @@ only by a running block, so no unit waits on a block that is not scheduled.
 from types import ModuleType
 
 import torch
+import torch.distributed as torch_dist
 from torch import Tensor
 
+from ..kernels.fused_experts import FusedExperts
+from ..kernels.gemm_phases import Phase
+from ..kernels.launch import FusedKernels, FusedParameters, PointerTables
 from ..kernels.ops import CometWaitTimeout
-from .collective_waits import post_failure
-from .expert_weights import FusedExperts
-from .fused_kernels import FusedKernels, PointerTables
+from ..kernels.routing_plan import RoutingPlan, plan_routes_cuda
+from ..kernels.workspace import CometBuffer
+from .collective_waits import describe_failures, failure_notes, group_ranks, post_failure
 from .interface import Pipeline
-from .parameters import FusedParameters
-from .routing import RoutingPlan, plan_routes_cuda
-from .workspace import CometBuffer
 
 
 class FusedPipeline(Pipeline):
@@ -182,8 +183,22 @@ class FusedPipeline(Pipeline):
         own, and it notes it for the peers its kernels will leave waiting (``post_failure``)."""
         if isinstance(error, CometWaitTimeout):
             return  # the wait's own error, already told
-        self.workspace.raise_if_failed()
+        self.raise_if_failed()
         post_failure(self.layer_name, error, self.workspace.shape.ep_size)
+
+    def raise_if_failed(self):
+        """Raises ``CometWaitTimeout`` if a kernel of this rank gave up on a wait, with the notes of
+        any peer that raised inside a call (``collective_waits.post_failure``)."""
+        failure = self.workspace.failed_wait()
+        if failure is None:
+            return
+        message, began = failure
+        if self.workspace.shape.ep_size > 1:
+            me = torch_dist.get_rank()
+            peers = [rank for rank in group_ranks(self.workspace.group) if rank != me]
+            since = began - self.workspace.kernel_shape.timeout_ns / 1e9
+            message += describe_failures(failure_notes(peers, since))
+        raise CometWaitTimeout(message)
 
     def kernels(self, tokens: Tensor) -> FusedKernels:
         """The kernel launches of one call on ``tokens`` ([S, H]), with the experts' current weights."""
@@ -211,15 +226,16 @@ class FusedPipeline(Pipeline):
         buffer = self.workspace
         num_tokens, hidden = tokens.shape
         buffer.check_tokens(num_tokens)
-        buffer.raise_if_failed()
+        self.raise_if_failed()
         kernels = self.kernels(tokens)
         tokens, weights = rows_for_kernels(tokens), weights.contiguous()
         rows = min(max_rows, buffer.shape.max_recv_rows)
         kernels.exchange(plan, rows)
         if self.size_by_received and not torch.cuda.is_current_stream_capturing():
             rows = max(kernels.received_rows(), 1)  # one row at least: the kernels take no null pointers
-        h = torch.empty((rows, kernels.ffn), dtype=tokens.dtype, device=tokens.device)
-        expert_out = torch.empty((rows, hidden), dtype=tokens.dtype, device=tokens.device)
+        # Each GEMM phase's outputs in the dtype its implementation stores them in.
+        h = torch.empty((rows, kernels.ffn), dtype=kernels.stored_dtype(Phase.FIRST_LAYER), device=tokens.device)
+        expert_out = torch.empty((rows, hidden), dtype=kernels.stored_dtype(Phase.GEMM2), device=tokens.device)
         # The backward needs the received rows after the next call has reused the workspace. Alone in
         # the group only this rank's dispatch writes them, so they go straight into a tensor of this
         # call's; with peers, who write into the workspace's buffer, they are copied out of it.
@@ -258,10 +274,11 @@ class FusedPipeline(Pipeline):
         """Gradients of ``run_forward``'s output with respect to the tokens, the route weights ([k, S],
         fp32) and ``experts.parameters()``, from the output gradient ``grad_out`` ([S, H])."""
         buffer = self.workspace
-        buffer.raise_if_failed()
+        self.raise_if_failed()
         grad_out = rows_for_kernels(grad_out)
         kernels = self.kernels(grad_out)
-        device, dtype = grad_out.device, grad_out.dtype
+        device = grad_out.device
+        dtype = kernels.stored_dtype(Phase.FIRST_LAYER_BACKWARD)  # of the first layer's gradients and activations
         grad_tokens = grad_weights = param_grads = None
 
         # The collective part runs whatever this rank needs, so that every rank of the group launches the

@@ -5,24 +5,14 @@ rates below are H200 figures (docs/benchmarks.md); the rule uses their ratios, n
 """
 
 import math
-from dataclasses import dataclass
 
 from ..config import CometMoEConfig
+from ..kernels.launch import FusedParameters
 
 GEMM_FLOPS_PER_S = 600e12
 LINK_BYTES_PER_S = 300e9
 COMBINE_BYTES_PER_SM_S = 24e9  # the combine kernel on its own blocks, bytes read and written per SM
 COMBINE_SHARE_OF_GEMM2 = 0.8  # the combine's blocks aim to finish in this share of GEMM2's time
-
-
-@dataclass(frozen=True)
-class FusedParameters:
-    comm_blocks: int  # thread blocks of the dispatch, beside GEMM1
-    combine_blocks: int  # thread blocks of the combine, beside GEMM2
-    tile_m: int
-    tile_n: int  # GEMM2's column tile, and the granularity of the combine's chunk counters
-    n_chunks: int
-    gemm1_tile_n: int = 128
 
 
 def rule_n_chunks(hidden: int, ffn: int, tile_n: int, ep_size: int) -> int:

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels.constants import MAX_COMBINE_TOP_K
-from .expert_weights import FusedExperts, LocalExperts
-from .workspace import allocator_ipc_refusal
+from ..kernels.fused_experts import FusedExperts
+from ..kernels.workspace import allocator_ipc_refusal
+from .expert_weights import LocalExperts
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 # Module-level hooks make nn.Module.__call__ take its slow path; a direct call would skip them.

@@ -30,6 +30,7 @@ import torch.distributed as torch_dist
 from deepspeed.utils import log_dist, log_dist_once, logger
 
 from ..config import CometMoEConfig
+from ..kernels.workspace import BufferShape, get_buffer
 from .chunked import rule_chunks
 from .collective_waits import gather_objects
 from .expert_weights import LocalExperts
@@ -38,7 +39,6 @@ from .interface import Pipeline
 from .parameters import choose_parameters, offsets_overflow
 from .policy import group_reason, hooks_reason, local_reason, module_hooks, node_name, structure_reason
 from .reference import ReferencePipeline
-from .workspace import BufferShape, get_buffer
 
 # Activations sized by the row bound warn from this multiple of a balanced router's rows a rank:
 # without dropping, EP 4 and up (ep_size x min(k, local experts) x tokens against k x tokens).

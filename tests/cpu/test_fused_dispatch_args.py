@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_comet.pipelines.fused_kernels import FusedKernels
+from ds_comet.kernels.launch import FusedKernels
 from tests.support.op_calls import SHAPE, recording_kernels, routing_plan
 
 

@@ -9,14 +9,14 @@ import ds_comet.pipelines.selection as selection_module
 from ds_comet.config import CometMoEConfig
 from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.kernels import constants
+from ds_comet.kernels.launch import PointerTables
 from ds_comet.kernels.ops import describe_error_record
+from ds_comet.kernels.workspace import BufferShape
 from ds_comet.pipelines.chunked import rule_chunks
 from ds_comet.pipelines.expert_weights import ModuleExperts, ModuleFusedExperts
-from ds_comet.pipelines.fused_kernels import PointerTables
 from ds_comet.pipelines.parameters import choose_parameters, max_received_rows, offsets_overflow
 from ds_comet.pipelines.policy import hooks_reason, runtime_reason, structure_reason
 from ds_comet.pipelines.routing import plan_routes
-from ds_comet.pipelines.workspace import BufferShape
 
 
 def layer(overlap):
@@ -613,7 +613,7 @@ def test_expert_tables_refuse_weights_converted_after_the_choice():
 )
 def test_allocator_settings_that_cuda_ipc_cannot_share(monkeypatch, settings, expected):
     # Ranks that share a GPU pass their workspace through CUDA IPC; the choice refuses these by name.
-    from ds_comet.pipelines.workspace import allocator_ipc_refusal
+    from ds_comet.kernels.workspace import allocator_ipc_refusal
 
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
@@ -637,7 +637,7 @@ def test_wall_clock_breakdown_times_the_comet_layer_as_stock_does():
 def test_a_group_made_after_a_reinitialisation_gets_its_own_workspace(monkeypatch):
     # torch numbers group names from 0 again after destroy_process_group: a new group with a dead
     # one's name must not be handed the dead group's workspace (its peers' memory, its rendezvous).
-    import ds_comet.pipelines.workspace as workspace
+    import ds_comet.kernels.workspace as workspace
 
     class Group:
         group_name = "1"

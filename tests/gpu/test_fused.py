@@ -788,7 +788,7 @@ def plan_case(seed):
     """The plan kernel against plan_routes on the same gate indices: equal, entry for entry; and the
     tokens each rank gets once, against a list made here."""
     from ds_comet.kernels.ops import load_op
-    from ds_comet.pipelines.routing import plan_routes_cuda
+    from ds_comet.kernels.routing_plan import plan_routes_cuda
 
     op = load_op()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -1025,7 +1025,7 @@ def _wait_timeout_message(layer, tokens):
     except RuntimeError:
         pass
     with pytest.raises(CometWaitTimeout) as raised:
-        layer.deepspeed_moe.pipelines.fused.workspace.raise_if_failed()
+        layer.deepspeed_moe.pipelines.fused.raise_if_failed()
     return str(raised.value)
 
 

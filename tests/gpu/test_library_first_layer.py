@@ -112,18 +112,19 @@ def library_against_triton_case(seed: int):
     far apart the output, input and parameter gradients are, and how often the library's products
     ran."""
     from ds_comet.bench.autoep import autoep_layer
-    from ds_comet.pipelines.fused_kernels import FusedKernels
+    from ds_comet.kernels.gemm_phases import Phase
+    from ds_comet.kernels.library_phases import LibraryGemm
 
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = torch.randn(1, 333, 256, generator=generator, device=device).to(torch.bfloat16)
     grad_out = torch.randn(1, 333, 256, generator=generator, device=device).to(torch.bfloat16)
     library_calls = []
-    products = FusedKernels._library_products
+    products, needs = LibraryGemm.products, LibraryGemm.needs
 
-    def counted(self, *args):
-        library_calls.append(args[1:])
-        return products(self, *args)
+    def counted(self, call, rows, *names):
+        library_calls.append(names)
+        return products(self, call, rows, *names)
 
     results = {}
     for library in (True, False):
@@ -131,16 +132,15 @@ def library_against_triton_case(seed: int):
             "mixtral", 256, 384, 8, 2, 1, device, torch.bfloat16, seed, {"backend": "comet", "overlap": "fused"}
         ).train()
         x = tokens.clone().requires_grad_()
-        saved = FusedKernels.library_first_layer, FusedKernels._library_products
-        FusedKernels._library_products = counted
-        if not library:
-            FusedKernels.library_first_layer = property(lambda self: False)
+        LibraryGemm.products = counted
+        if not library:  # the first layer on the Triton GEMM1; the weight gradients stay the library's
+            LibraryGemm.needs = {Phase.WEIGHT_GRADIENTS: needs[Phase.WEIGHT_GRADIENTS]}
         try:
             out = layer(x)
             out = out[0] if isinstance(out, tuple) else out
             out.backward(grad_out)
         finally:
-            FusedKernels.library_first_layer, FusedKernels._library_products = saved
+            LibraryGemm.products, LibraryGemm.needs = products, needs
         results[library] = {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
     errors = {name: rel(results[True][name], value) for name, value in results[False].items() if value is not None}
     return errors, len(library_calls), torch.cuda.get_device_capability()

@@ -39,7 +39,8 @@ from tests.support.layout_reference import reference_layout, layout_array
 from ds_comet.kernels import constants as C, layout as L
 from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.pipelines.expert_weights import ModuleFusedExperts
-from ds_comet.pipelines.fused_kernels import PointerTables, next_power_of_2
+from ds_comet.kernels.launch import PointerTables
+from ds_comet.kernels.triton_phases import next_power_of_2
 from ds_comet.pipelines.routing import plan_routes
 from ds_comet.kernels.triton_gemm import (ACTIVATION_CODES, expert_column_sums_kernel, gemm1_kernel, gemm2_kernel,
                                           wgrad_kernel)
@@ -219,7 +220,8 @@ from tests.support.layout_reference import reference_layout, layout_array
 from ds_comet.kernels import constants as C, layout as L
 from ds_comet.experts import FeedForward, fused_expert
 from ds_comet.pipelines.expert_weights import ModuleFusedExperts
-from ds_comet.pipelines.fused_kernels import PointerTables, next_power_of_2, with_descriptor_scratch
+from ds_comet.kernels.launch import PointerTables
+from ds_comet.kernels.triton_phases import next_power_of_2, with_descriptor_scratch
 from ds_comet.kernels.ops import describe_error_record
 from ds_comet.kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
 
@@ -312,7 +314,7 @@ from types import SimpleNamespace
 import torch
 sys.path.insert(0, sys.argv[1])
 from ds_comet.kernels import constants as C
-from ds_comet.pipelines.fused_kernels import FusedKernels
+from ds_comet.kernels.launch import FusedKernels
 
 ACT = {"gelu": torch.nn.functional.gelu, "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
        "relu": torch.relu, "silu": torch.nn.functional.silu}

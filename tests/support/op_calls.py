@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import torch
 
-from ds_comet.pipelines.fused_kernels import FusedKernels
-from ds_comet.pipelines.routing import RoutingPlan, plan_routes
-from ds_comet.pipelines.workspace import BufferShape, CometBuffer, symmetric_parts
+from ds_comet.kernels.launch import FusedKernels
+from ds_comet.kernels.routing_plan import RoutingPlan
+from ds_comet.kernels.workspace import BufferShape, CometBuffer, symmetric_parts
+from ds_comet.pipelines.routing import plan_routes
 
 SHAPE = BufferShape(
     ep_size=2, num_experts=4, hidden=16, dtype=torch.float32, max_tokens=4, max_recv_rows=16, top_k=2, tile_m=8

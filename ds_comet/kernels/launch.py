@@ -1,32 +1,44 @@
-"""The fused pipeline's kernel launches for one call, and the experts' pointer tables.
+"""The fused pipeline's kernel launches for one call, the parameters they take, and the experts'
+pointer tables.
 
 ``FusedKernels`` binds what every launch of one call shares (the workspace, the experts' pointer
 tables, the kernel parameters, the sizes) and launches each kernel on the stream it belongs to.
 ``pipelines.fused`` strings them into the forward and the backward; benchmarks relaunch them
-one at a time (``ds_comet.bench``).
+one at a time (``ds_comet.bench``). ``FusedParameters`` are the launches' parameters, which
+``pipelines.parameters`` picks per shape.
 """
 
-import contextvars
-import os
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ..kernels.constants import TOTAL_COMBINE_CLAIM, TOTAL_RECV_ROWS, TOTAL_TILES
-from .expert_weights import POINTER_NAMES, FusedExperts
-from .parameters import FusedParameters
-from .routing import RoutingPlan
+from .constants import TOTAL_COMBINE_CLAIM, TOTAL_RECV_ROWS
+from .fused_experts import POINTER_NAMES, FusedExperts
+from .gemm_phases import GemmFacts, GemmImplementation, Phase, Products
+from .gemm_table import choose
+from .routing_plan import RoutingPlan
 from .workspace import CometBuffer
 
-TILE_K = 64
-GROUP_M = 8
 # The elementwise activation kernels' block (rows, columns) and warps: 64x128, 32x256 and 16x256
 # blocks were no faster in the backward (docs/decisions.md).
 ELEMENTWISE_BLOCK = (32, 128, 4)
 # The bias gradients' column sums: rows a step, columns a program, warps. Against 64x128 and
 # 32x256 blocks on shapes 1-3 it was fastest or within 3 % (docs/decisions.md).
 COLUMN_SUMS_BLOCK = (128, 64, 4)
+
+
+@dataclass(frozen=True)
+class FusedParameters:
+    """The launches' parameters for a layer's shape (``pipelines.parameters.choose_parameters``)."""
+
+    comm_blocks: int  # thread blocks of the dispatch, beside GEMM1
+    combine_blocks: int  # thread blocks of the combine, beside GEMM2
+    tile_m: int
+    tile_n: int  # GEMM2's column tile, and the granularity of the combine's chunk counters
+    n_chunks: int
+    gemm1_tile_n: int = 128
 
 
 class PointerTables:
@@ -68,9 +80,17 @@ class FusedKernels:
     """What every kernel launch of one call shares, and the launches.
 
     Each method queues the launches of one step: one kernel; for ``dispatch`` and ``combine`` one on
-    each stream the step runs on; for the first layer's two directions (except a gated forward on
-    the Triton GEMM) a GEMM and an elementwise kernel; for ``wgrad`` with biases a GEMM and the
-    column sums. None waits for the device.
+    each stream the step runs on; for a GEMM phase (``first_layer``, ``gemm2``,
+    ``first_layer_backward``, ``wgrad``) the launches of the implementation the GEMM table gives
+    the phase for this call's facts (``implementation``), with ``wgrad``'s column sums after them
+    where the experts have biases. None waits for the device.
+
+    Args:
+        buffer: the group's workspace.
+        experts: the local experts' weights as the kernels read them.
+        params: the launch parameters for the layer's shape.
+        tables: the experts' device pointer tables (``PointerTables.get``), by ``POINTER_NAMES``.
+        hidden: the tokens' width H.
     """
 
     buffer: CometBuffer
@@ -78,6 +98,9 @@ class FusedKernels:
     params: FusedParameters
     tables: dict[str, Tensor]
     hidden: int
+    _implementations: dict[Phase, GemmImplementation] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def ffn(self) -> int:
@@ -114,10 +137,6 @@ class FusedKernels:
     def gemm2_grid(self) -> int:
         """Programs of GEMM2, beside the combine."""
         return self.buffer.num_sms if self.alone else max(1, self.buffer.num_sms - self.params.combine_blocks)
-
-    @property
-    def l_pow2(self) -> int:
-        return next_power_of_2(self.num_local + 1)
 
     @property
     def chunking(self) -> tuple[int, int]:
@@ -295,71 +314,64 @@ class FusedKernels:
                 tensor.record_stream(self.buffer.comm_stream)
         main.wait_stream(self.buffer.comm_stream)
 
-    def first_layer(self, rows: Tensor, h: Tensor, keep_pre: bool) -> Tensor | tuple[Tensor, Tensor] | None:
-        """The experts' first layer on the received ``rows``: their activations into ``h`` ([R, F]).
+    @functools.cached_property
+    def facts(self) -> GemmFacts:
+        """What the GEMM table chooses this call's implementations by."""
+        return GemmFacts(
+            row_dtype=self.buffer.shape.dtype,
+            weight_dtype=self.experts.weight_dtype(),
+            capability=self.buffer.capability,
+            alone=self.alone,
+            gated=self.gated,
+            stacked=self.experts.stacked() is not None,
+        )
 
-        Gated experts on the Triton GEMM compute the activations in GEMM1's epilogue. Elsewhere a
-        GEMM stores the products (the library's grouped GEMM where ``library_first_layer``, else
-        GEMM1) and an elementwise kernel computes the activations from them.
+    def implementation(self, phase: Phase) -> GemmImplementation:
+        """The implementation that runs ``phase`` in this call: the GEMM table's first that admits the
+        call's facts (``gemm_table.choose``, which raises where none does)."""
+        chosen = self._implementations.get(phase)
+        if chosen is None:
+            chosen = self._implementations[phase] = choose(phase, self.facts)
+        return chosen
+
+    def stored_dtype(self, phase: Phase) -> torch.dtype:
+        """The dtype ``phase`` stores its outputs in this call: what the caller allocates them as."""
+        return self.implementation(phase).stored_dtype(phase, self.facts)
+
+    def first_layer(self, rows: Tensor, h: Tensor, keep_pre: bool) -> Products | None:
+        """The experts' first layer on the received ``rows``: their activations into ``h`` ([R, F], of
+        ``stored_dtype(Phase.FIRST_LAYER)``), by the implementation the table gives the phase.
 
         Returns, with ``keep_pre``, the products before the activation that ``first_layer_backward``
-        reads (an [R, 2F] tensor for gated experts on the Triton GEMM, else [R, F]; a pair of [R, F]
-        tensors from the library's GEMM), else None.
+        reads, in the form the implementation keeps them (``gemm_phases.Products``), else None.
         """
-        if self.library_first_layer:
-            products = self._library_products(rows[: h.shape[0]], "w1", "w3")
-            self.activations(products, h)
-            return products if keep_pre else None
-        if self.gated:
-            # Split like the ungated experts', the two products would cross memory twice more: the
-            # training phase was mixed (0.96-1.08x) and the eval forward 2-5 % slower (docs/decisions.md).
-            pre = torch.empty((h.shape[0], 2 * self.ffn), dtype=h.dtype, device=h.device) if keep_pre else None
-            self.gemm1(rows, h, backward=False, pre=pre)
-            return pre
-        # Both outputs from the epilogue held up the MMAs: the products alone and the activation
-        # after them ran 1.03-1.11x faster (docs/decisions.md). Without grad the same two kernels
-        # run, the activation in place, so a forward under no_grad (a reentrant checkpoint's first
-        # pass) gives the training forward's numbers bit for bit.
-        products = torch.empty((h.shape[0], self.ffn), dtype=h.dtype, device=h.device) if keep_pre else h
-        self.gemm1(rows, products, backward=False, activate=False)
-        self.activations(products, h)
-        return products if keep_pre else None
+        return self.implementation(Phase.FIRST_LAYER).first_layer(self, rows, h, keep_pre)
 
-    def first_layer_backward(
-        self, rows: Tensor, grad_pre: Tensor, pre: Tensor | tuple[Tensor, Tensor], act: Tensor | None
-    ):
+    def first_layer_backward(self, rows: Tensor, grad_pre: Tensor, pre: Products, act: Tensor | None):
         """From the received output gradients ``rows`` ([R, H]): the gradient of the first layer's
         products into ``grad_pre`` ([R, F], gated [R, 2F]) and, unless ``act`` is None, the activations
         again into ``act`` ([R, F]) for W2's gradient. ``pre`` is what ``first_layer`` returned.
 
-        A GEMM stores ``g = rows @ W2`` ([R, F]; the library's where the forward took it, else
-        GEMM1), then an elementwise kernel computes the outputs from g and the products. GEMM1
-        computing them in its epilogue held up its MMAs: the two launches were 1-8 % faster for gated
-        experts and 0-18 % for GELU ones (docs/decisions.md).
+        A GEMM stores ``g = rows @ W2`` ([R, F]), then an elementwise kernel computes the outputs from
+        g and the products. GEMM1 computing them in its epilogue held up its MMAs: the two launches
+        were 1-8 % faster for gated experts and 0-18 % for GELU ones (docs/decisions.md).
         """
-        if isinstance(pre, tuple):  # the library's products
-            (grad_h,) = self._library_products(rows[: grad_pre.shape[0]], "w2")
-        else:
-            grad_h = torch.empty((grad_pre.shape[0], self.ffn), dtype=grad_pre.dtype, device=grad_pre.device)
-            self.gemm1(rows, grad_h, backward=True)
-        self.activations_backward(grad_h, pre, grad_pre, act)
+        self.implementation(Phase.FIRST_LAYER_BACKWARD).first_layer_backward(self, rows, grad_pre, pre, act)
 
-    def activations(self, pre: Tensor | tuple[Tensor, Tensor], h: Tensor):
+    def activations(self, pre: Products, h: Tensor):
         """The elementwise step after a first layer's products: the activations of ``pre`` (the
         products as ``first_layer`` returns them) into ``h`` ([R, F]; it may be ``pre`` itself for
         ungated experts)."""
-        from ..kernels.triton_activation import activation_kernel  # triton is an extra
+        from .triton_activation import activation_kernel  # triton is an extra
 
         first, up = self._product_halves(pre)
         self._elementwise(activation_kernel, (), first, up, (h,), GATED=self.gated)
 
-    def activations_backward(
-        self, grad_h: Tensor, pre: Tensor | tuple[Tensor, Tensor], grad_pre: Tensor, act: Tensor | None
-    ):
+    def activations_backward(self, grad_h: Tensor, pre: Products, grad_pre: Tensor, act: Tensor | None):
         """The elementwise step after the backward's ``g = dY @ W2`` (``grad_h``, [R, F], contiguous):
         the gradient of the products ``pre`` into ``grad_pre`` and, unless ``act`` is None, the
         activations again into ``act`` (as ``first_layer_backward``)."""
-        from ..kernels.triton_activation import activation_backward_kernel  # triton is an extra
+        from .triton_activation import activation_backward_kernel  # triton is an extra
 
         first, up = self._product_halves(pre)
         self._elementwise(
@@ -372,7 +384,7 @@ class FusedKernels:
             STORE_ACT=act is not None,
         )
 
-    def _product_halves(self, pre: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    def _product_halves(self, pre: Products) -> tuple[Tensor, Tensor]:
         """(z, u) of the first layer's products: the library's pair as it is; a gated expert's
         [R, 2F] side by side; an ungated expert's [R, F] twice (the kernels read no u then)."""
         if isinstance(pre, tuple):
@@ -386,27 +398,6 @@ class FusedKernels:
         start = self.buffer.layout_offsets.expert_start
         return self.buffer.layout[start + 1 : start + 1 + self.num_local]
 
-    @property
-    def library_first_layer(self) -> bool:
-        """Whether the first layer runs as ``torch._grouped_mm`` and an elementwise activation: alone
-        in the group (no tile waits for a dispatch) with stacked, gated bf16 experts on sm_90. It
-        made EP=1 training steps of AutoEP's Mixtral- and Qwen3-like blocks 2-4 % faster than the
-        Triton GEMM1, whose epilogue holds up its MMAs (docs/decisions.md)."""
-        return self.alone and self.gated and self.library_wgrad and self.experts.stacked() is not None
-
-    @torch.no_grad()  # the fused autograd function differentiates the layer, not autograd's graph of it
-    def _library_products(self, rows: Tensor, *names: str) -> tuple[Tensor, ...]:
-        """Per local expert, over its rows (the layout's expert ends group them): ``rows @ W^T`` for
-        ``w1`` and ``w3`` ([L, F, H]), ``rows @ W2`` for ``w2`` ([L, H, F]; the output gradient's product).
-        Rows past the last expert's end are not computed."""
-        weights = dict(zip(("w1", "w3", "w2"), self.experts.stacked()))
-        return tuple(
-            torch._grouped_mm(
-                rows, weights[name] if name == "w2" else weights[name].transpose(-2, -1), offs=self.expert_ends
-            )
-            for name in names
-        )
-
     def _elementwise(
         self, kernel, leading: tuple[Tensor, ...], z: Tensor, u: Tensor, trailing: tuple[Tensor, ...], **constants
     ):
@@ -414,7 +405,7 @@ class FusedKernels:
         kernel of ``kernels.triton_activation``, over [R, F] blocks. ``z`` and ``u`` ([R, F]) are two
         tensors or the halves of one [R, 2F] (``u`` is ``z`` where the kernel reads no up products);
         the others are contiguous. The kernel stops at the rows received this call (a layout word)."""
-        from ..kernels.triton_gemm import ACTIVATION_CODES
+        from .triton_gemm import ACTIVATION_CODES
 
         dense = leading + trailing
         rows = min(t.shape[0] for t in (z, u) + dense)
@@ -450,161 +441,37 @@ class FusedKernels:
             **constants,
         )
 
-    def gemm1(self, rows: Tensor, out: Tensor, backward: bool, pre: Tensor | None = None, activate: bool = True):
-        """GEMM1 on ``rows`` (``gemm1_kernel``): forward, the activations into ``out`` ([R, F]) and,
-        if ``pre`` is given, the products before them into it ([R, F], gated [R, 2F]); forward
-        without ``activate`` (ungated experts), the products ``rows @ W1^T + b1`` into ``out``
-        ([R, F]); backward, ``rows @ W2`` into ``out`` ([R, F])."""
-        from ..kernels.triton_gemm import ACTIVATION_CODES, gemm1_kernel
-
-        b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
-        # A gated forward holds two accumulators, so its tile is at most 128 columns wide; the
-        # backward holds one and takes GEMM2's width (2x faster on gated shapes, docs/decisions.md).
-        tile_n = self.params.tile_n if backward else self.params.gemm1_tile_n
-        # The backward reads none of the epilogue's switches, a forward without ``activate`` not the
-        # activation: fixed there, every expert kind shares one compile instead of identical ones.
-        activate = activate and not backward
-        epilogue = (
-            dict(HAS_BIAS=False, GATED=False, ACTIVATION=0)
-            if backward
-            else dict(
-                HAS_BIAS=self.has_bias,
-                GATED=self.gated,
-                ACTIVATION=ACTIVATION_CODES[self.activation] if activate else 0,
-            )
-        )
-        with_descriptor_scratch(
-            lambda: gemm1_kernel[(self.grid,)](
-                rows,
-                out,
-                out if pre is None else pre,
-                t["w2"] if backward else t["w1"],
-                t["w3"],
-                t["b1"],
-                t["b3"],
-                b.layout,
-                b.tile_counters,
-                b.error_address,
-                b.kernel_shape.timeout_ns,
-                b.rank,
-                self.hidden,
-                self.ffn,
-                self.num_local,
-                lo.expert_start,
-                lo.tile_start,
-                lo.local_tiles,
-                lo.remote_tiles,
-                lo.totals + TOTAL_TILES,
-                L_POW2=self.l_pow2,
-                BM=self.params.tile_m,
-                BN=tile_n,
-                BK=TILE_K,
-                GROUP_M=GROUP_M,
-                NUM_PROGS=self.grid,
-                BACKWARD=backward,
-                ACTIVATE=activate,
-                STORE_PRE=pre is not None,
-                WAIT=True,
-                INTERPRET=_interpreting(),
-                num_warps=8,
-                num_stages=3,
-                **epilogue,
-            )
-        )
-
     def gemm2(self, rows: Tensor, out: Tensor, backward: bool):
         """GEMM2 on ``rows`` (the activations [R, F], or the backward's first-layer gradients [R, F] or
         [R, 2F]) into ``out`` ([R, H], by recv row), column chunk by column chunk, each finished row
-        counted for the combine (here for this rank's routes, on a reduce counter for the others')."""
-        from ..kernels.triton_gemm import gemm2_kernel
-
-        if out.shape != (rows.shape[0], self.hidden) or not out.is_contiguous():  # the kernel writes [R, H] rows
+        counted for the combine (here for this rank's routes, on a reduce counter for the others'),
+        by the implementation the table gives ``Phase.GEMM2`` (``Phase.GEMM2_BACKWARD``)."""
+        if out.shape != (rows.shape[0], self.hidden) or not out.is_contiguous():  # the combine reads [R, H] rows
             raise ValueError(
                 f"GEMM2's output must be a contiguous [{rows.shape[0]}, {self.hidden}] tensor, got "
                 f"{list(out.shape)} with strides {out.stride()}"
             )
-        b, lo, t = self.buffer, self.buffer.layout_offsets, self.tables
-        chunk_tiles, _ = self.chunking
-        if backward:  # rows = dA ([R, F] or [R, 2F]) @ W1 (+ up part @ W3); W1 is [F, H], i.e. [K, N]
-            w, w3, bias, lda, second = t["w1"], t["w3"], t["b2"], rows.shape[1], self.gated
-        else:  # rows = h @ W2^T; W2 is [H, F], i.e. [N, K]
-            w, w3, bias, lda, second = t["w2"], t["w2"], t["b2"], self.ffn, False
-        with_descriptor_scratch(
-            lambda: gemm2_kernel[(self.gemm2_grid,)](
-                rows,
-                lda,
-                w,
-                w3,
-                bias,
-                b.origin,
-                out,
-                b.gemm2_counters,
-                b.layout,
-                self.ffn,
-                self.hidden,
-                self.num_local,
-                lo.expert_start,
-                lo.tile_start,
-                lo.totals + TOTAL_TILES,
-                EP_SIZE=b.shape.ep_size,
-                L_POW2=self.l_pow2,
-                BM=self.params.tile_m,
-                BN=self.params.tile_n,
-                BK=TILE_K,
-                GROUP_M=GROUP_M,
-                CHUNK_TILES=chunk_tiles,
-                NUM_PROGS=self.gemm2_grid,
-                HAS_BIAS=self.has_bias and not backward,
-                SECOND=second,
-                W_NK=not backward,
-                num_warps=8 if self.params.tile_n >= 256 else 4,
-                num_stages=3,
-            )
-        )
+        if backward:
+            self.implementation(Phase.GEMM2_BACKWARD).gemm2_backward(self, rows, out)
+        else:
+            self.implementation(Phase.GEMM2).gemm2(self, rows, out)
 
     def wgrad(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Per local expert l: a[rows of l]^T @ b[rows of l] ([L, M, N] in a's dtype) and, when the
-        experts have biases, a's column sums over those rows ([L, M]).
+        """Per local expert l: a[rows of l]^T @ b[rows of l] ([L, M, N], by the implementation the table
+        gives ``Phase.WEIGHT_GRADIENTS``) and, when the experts have biases, a's column sums over those
+        rows ([L, M] in a's dtype).
 
         ``a`` ([R, M]) and ``b`` ([R, N]) are row-major, their rows grouped by local expert as in
         the receive buffer (either may be a column slice of a wider tensor).
         """
-        num_local, (M, N) = self.num_local, (a.shape[1], b.shape[1])
-        from ..kernels.triton_gemm import expert_column_sums_kernel, wgrad_kernel
-
-        if self.library_wgrad:
-            # Nothing waits in this phase, so the library's kernel serves: the Triton one ran at
-            # 0.79-1.05x its rate on the SwiGLU shapes (docs/decisions.md). Rows past the last
-            # group's end are not read.
-            rows = min(a.shape[0], b.shape[0])
-            weight = torch._grouped_mm(a[:rows].t(), b[:rows], offs=self.expert_ends)
-        else:
-            weight = torch.empty((num_local, M, N), dtype=a.dtype, device=a.device)
-            # GEMM1's grid, not GEMM2's: beside the combine's tail either would do, but in shape 1's
-            # training step dW1 took 8.4 ms on GEMM2's 128 programs against 3.3 on 123 (docs/decisions.md).
-            wgrad_kernel[(self.grid,)](
-                a,
-                a.stride(0),
-                b,
-                b.stride(0),
-                weight,
-                self.buffer.layout,
-                self.buffer.layout_offsets.expert_start,
-                M,
-                N,
-                num_local,
-                BM=128,
-                BN=256,
-                BK=64,
-                GROUP_M=GROUP_M,
-                NUM_PROGS=self.grid,
-                num_warps=8,
-                num_stages=3,
-            )
+        weight = self.implementation(Phase.WEIGHT_GRADIENTS).weight_gradients(self, a, b)
         if not self.has_bias:
             return weight, None
+        from .triton_gemm import expert_column_sums_kernel  # triton is an extra
+
         # The bias gradients read a once more at memory speed: 1.0-1.75x faster than a library
         # product of a row of ones with a (docs/decisions.md).
+        num_local, M = self.num_local, a.shape[1]
         sums = torch.empty((num_local, M), dtype=a.dtype, device=a.device)
         block_r, block_m, warps = COLUMN_SUMS_BLOCK
         expert_column_sums_kernel[(-(-M // block_m), num_local)](
@@ -619,43 +486,3 @@ class FusedKernels:
             num_warps=warps,
         )
         return weight, sums
-
-    @property
-    def library_wgrad(self) -> bool:
-        """Whether the weight gradients run as ``torch._grouped_mm`` (else ``wgrad_kernel``): bf16
-        experts on sm_90, where torch builds it from CUTLASS's Hopper grouped GEMM."""
-        return (
-            self.buffer.shape.dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm")
-            and self.buffer.capability == (9, 0)
-        )
-
-
-def with_descriptor_scratch(launch):
-    """``launch()`` with Triton's allocator set for the GEMMs' device-side TMA descriptors.
-
-    Triton keeps its allocator in a context variable, which autograd's backward threads do not
-    inherit; setting it in a copy of the caller's context gives every launch one and leaves the
-    caller's own allocator (if any) as it was.
-    """
-    import triton  # an extra: imported where the fused path runs
-
-    def run():
-        triton.set_allocator(_scratch)
-        return launch()
-
-    return contextvars.copy_context().run(run)
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> Tensor:
-    # On the device and stream Triton launches on: the launch uses it before anything queued after
-    # it can reuse it. The caching allocator's blocks are 512-byte aligned, more than TMA asks.
-    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()

@@ -24,10 +24,9 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.utils import logger
 
-from ..kernels import layout
-from ..kernels.constants import ERROR_RECORD_WORDS, ERROR_WAITED_NS, STAGE_PIECE_ROWS
-from ..kernels.ops import CometWaitTimeout, describe_error_record, load_op
-from .collective_waits import describe_failures, failure_notes, group_ranks
+from . import layout
+from .constants import ERROR_RECORD_WORDS, ERROR_WAITED_NS, STAGE_PIECE_ROWS
+from .ops import describe_error_record, load_op
 
 ALIGN = 256  # bytes; keeps every part 16-byte aligned for vector copies
 
@@ -296,17 +295,13 @@ class CometBuffer:
     def error_address(self) -> int:
         return self.error_record.data_ptr()
 
-    def raise_if_failed(self):
-        """Raises ``CometWaitTimeout`` if a kernel of this rank gave up on a wait, with the notes of
-        any peer that raised inside a call (``collective_waits.post_failure``)."""
+    def failed_wait(self) -> tuple[str, float] | None:
+        """If a kernel of this rank gave up on a wait: the error record's description of that wait
+        and when it began (seconds since the epoch, as ``time.time()``); else None."""
         message = describe_error_record(self.error_record)
-        if message is not None:
-            if self.shape.ep_size > 1:
-                me = torch_dist.get_rank()
-                peers = [rank for rank in group_ranks(self.group) if rank != me]
-                began = time.time() - self.error_record[ERROR_WAITED_NS].item() / 1e9
-                message += describe_failures(failure_notes(peers, began - self.kernel_shape.timeout_ns / 1e9))
-            raise CometWaitTimeout(message)
+        if message is None:
+            return None
+        return message, time.time() - self.error_record[ERROR_WAITED_NS].item() / 1e9
 
     def check_tokens(self, num_tokens: int):
         if num_tokens > self.shape.max_tokens:

@@ -1,0 +1,50 @@
+"""The GEMM implementations, in one table, and the choice of one for each phase of a call.
+
+``IMPLEMENTATIONS`` lists them in order of preference. Each phase of a call runs on the first
+that admits the call's facts (``choose``); what each one admits is its own declaration
+(``GemmImplementation.needs``), so registering an implementation is adding it here, at its
+place in the order.
+"""
+
+from .gemm_phases import GemmFacts, GemmImplementation, Phase
+from .library_phases import LibraryGemm
+from .triton_phases import TritonGemm
+
+IMPLEMENTATIONS: tuple[GemmImplementation, ...] = (
+    LibraryGemm(),  # where it runs at all (bf16, sm_90, nothing waiting), it was the faster
+    TritonGemm(),  # every phase, for every call the fused pipeline takes
+)
+
+
+def refusals(phase: Phase, facts: GemmFacts) -> dict[str, str | None]:
+    """Each registered implementation's reason not to run ``phase`` for a call with ``facts``.
+
+    Args:
+        phase: the GEMM phase.
+        facts: the call's facts.
+
+    Returns:
+        By implementation name, in the table's order: why it does not run the phase for this call
+        (a phrase such as "needs gated experts"), or None where it would.
+    """
+    return {implementation.name: implementation.refusal(phase, facts) for implementation in IMPLEMENTATIONS}
+
+
+def choose(phase: Phase, facts: GemmFacts) -> GemmImplementation:
+    """The implementation that runs ``phase`` for a call with ``facts``.
+
+    Args:
+        phase: the GEMM phase.
+        facts: the call's facts.
+
+    Returns:
+        The first implementation in the table whose needs for ``phase`` the facts meet.
+
+    Raises:
+        RuntimeError: none does; the message gives every implementation's reason.
+    """
+    for implementation in IMPLEMENTATIONS:
+        if implementation.refusal(phase, facts) is None:
+            return implementation
+    reasons = "; ".join(f"{name} {reason}" for name, reason in refusals(phase, facts).items())
+    raise RuntimeError(f"ds_comet: no GEMM implementation runs the {phase.value} of this call: {reasons}")
