@@ -39,6 +39,12 @@ class FusedExperts:
     def pointers(self) -> list[tuple[int, ...]]:
         raise NotImplementedError
 
+    def expert_tensors(self) -> list[tuple[Tensor | None, ...]]:
+        """Each local expert's ``POINTER_NAMES`` tensors, None where absent: ``w1`` ``[F, H]``, ``b1``
+        ``[F]``, ``w3`` ``[F, H]``, ``b3`` ``[F]``, ``w2`` ``[H, F]``, ``b2`` ``[H]`` (the FP8 emulation's
+        view of the weights the pointers point at)."""
+        raise NotImplementedError
+
     def tensors_reason(self, hidden: int, dtype: torch.dtype, device: torch.device) -> str | None:
         """Why the kernels cannot read these weights for [S, hidden] tokens of dtype on device, or None."""
         raise NotImplementedError
@@ -71,6 +77,9 @@ class ModuleFusedExperts(FusedExperts):
 
     def pointers(self) -> list[tuple[int, ...]]:
         return [tuple(0 if t is None else t.data_ptr() for t in spec.tensors()) for spec in self.specs]
+
+    def expert_tensors(self) -> list[tuple[Tensor | None, ...]]:
+        return [spec.tensors() for spec in self.specs]
 
     def tensors_reason(self, hidden, dtype, device):
         return expert_tensors_reason(self.specs, hidden, dtype, device)
@@ -108,6 +117,10 @@ class StackedFusedExperts(FusedExperts):
             starts = [t.data_ptr() + expert * t.stride(0) * t.element_size() for t in (w1, w3, w2)]
             rows.append((starts[0], 0, starts[1], 0, starts[2], 0))
         return rows
+
+    def expert_tensors(self) -> list[tuple[Tensor | None, ...]]:
+        w1, w3, w2 = self._weights()
+        return [(w1[expert], None, w3[expert], None, w2[expert], None) for expert in range(self.num_local)]
 
     def tensors_reason(self, hidden, dtype, device):
         w1, w3, w2 = self._weights()
