@@ -276,11 +276,11 @@ def make_local_experts(kind: str, dtype: torch.dtype, generator: torch.Generator
                 for matrix in param.view(-1, *param.shape[-2:]):
                     matrix.copy_(spread_values(*matrix.shape, generator, octaves) / matrix.shape[1] ** 0.5)
     owner = owner.to(dtype)
-    experts = StackedExperts(owner) if kind == "stacked" else ModuleExperts(owner, list(owner))
-    return experts, owner
+    return local_experts_of(kind, owner), owner
 
 
 def local_experts_of(kind: str, owner: nn.Module):
+    """The local experts whose weights ``owner`` holds, as the reference pipeline holds them."""
     return StackedExperts(owner) if kind == "stacked" else ModuleExperts(owner, list(owner))
 
 
@@ -310,13 +310,6 @@ def emulated_step(kind, dtype, recipe, seed, octaves):
     return dict(experts=experts, owner=owner, weights=weights, x=x, dy=dy, y=y.detach(), dx=inputs.grad, grads=grads)
 
 
-def _activation_derivative(z: torch.Tensor, activation: str) -> torch.Tensor:
-    with torch.enable_grad():
-        z = z.detach().requires_grad_()
-        act = ACTIVATIONS[activation](z)
-    return act.detach(), z
-
-
 def independent_expert(x, tensors, activation, dy, recipe: Fp8Recipe):
     """One expert's forward and gradients as the recipe states them (ds_comet/pipelines/fp8_emulation.py's
     docstring), with the test's own quantisation: (y, dx, [dW1, db1, dW3, db3, dW2, db2])."""
@@ -330,7 +323,7 @@ def independent_expert(x, tensors, activation, dy, recipe: Fp8Recipe):
         block = (128, 128) if blockwise else ((1, w.shape[1]) if reduced_axis == 1 else (w.shape[0], 1))
         return independent_qdq(w, block, "e4m3")
 
-    def product(a, w, bias, fp8_rows, fp8_weight):
+    def product(a, w, bias):
         out = a @ w.t()
         return out if bias is None else out + bias.float()
 
@@ -338,11 +331,11 @@ def independent_expert(x, tensors, activation, dy, recipe: Fp8Recipe):
     w13 = w1 if w3 is None else torch.cat([w1, w3])
     b13 = b1 if w3 is None or b1 is None else torch.cat([b1, b3])
     fwd, bwd = recipe.forward, recipe.input_gradients
-    pre = product(rows(x) if fwd else x.float(), weight(w13, 1) if fwd else w13.float(), b13, fwd, fwd).to(dtype)
+    pre = product(rows(x) if fwd else x.float(), weight(w13, 1) if fwd else w13.float(), b13).to(dtype)
     first = pre[:, :ffn].float()
     act = ACTIVATIONS[activation](first)
     h = (act if w3 is None else act * pre[:, ffn:].float()).to(dtype)
-    y = product(rows(h) if fwd else h.float(), weight(w2, 1) if fwd else w2.float(), b2, fwd, fwd).to(dtype)
+    y = product(rows(h) if fwd else h.float(), weight(w2, 1) if fwd else w2.float(), b2).to(dtype)
 
     dy_operand = rows(dy, recipe.gradient_format) if bwd and recipe.gradient_dispatch == "bf16" else dy.float()
     grad_h = (dy_operand @ (weight(w2, 0) if bwd else w2.float())).to(dtype).float()
