@@ -8,8 +8,9 @@ The package in layers, each using only those below it:
 - ``ds_comet.pipelines``: the reference pipeline (plain torch) and the fused COMET pipeline, and
   the per-layer choice between them;
 - ``ds_comet.kernels``: the CUDA op and the Triton GEMMs the fused pipeline launches;
-- ``ds_comet.config`` (the ``"moe"`` section, and ``read_ds_config``) and ``ds_comet.experts`` (expert
-  modules, and ``register_expert`` to tell the kernels where a class keeps its weights).
+- ``ds_comet.config`` (the ``"moe"`` section, and ``read_ds_config``), ``ds_comet.experts`` (expert
+  modules, and ``register_expert`` to tell the kernels where a class keeps its weights) and
+  ``ds_comet.fp8`` (the FP8 recipe's quantisation).
 
 For training scripts (examples/train_moe.py uses them): ``ds_comet.checkpoints`` (checkpoints with a
 checksum manifest and the run's shape, checked before a resume), ``ds_comet.training_metrics`` (the

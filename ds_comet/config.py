@@ -14,13 +14,94 @@ from typing import Any, Literal, get_args, get_origin
 import hjson
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, dict_raise_error_on_duplicate_keys
 from deepspeed.utils import logger
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # Four minutes: the wait and the roll call after it (as long again) end before torch's NCCL
 # watchdog, 10 minutes by default for the groups DeepSpeed makes (CometMoEConfig.wait_timeout_s).
 DEFAULT_WAIT_TIMEOUT_S = 240.0
 MOE_SECTION = "moe"
 _warned_ignored = set()
+
+
+class Fp8Recipe(DeepSpeedConfigModel):
+    """The ``"moe": {"fp8": {...}}`` section: which of the experts' GEMMs run in FP8, how their
+    operands are scaled, and whether rows cross the exchange in FP8 (docs/configuration.md).
+
+    The numbers are defined once, in ``ds_comet/fp8.py``; the reference pipeline emulates them
+    (``pipelines/fp8_emulation.py``). Combinations that cannot run are refused with the fix.
+    """
+
+    model_config = ConfigDict(strict=True)
+
+    enabled: bool = False
+    """Run the experts under this recipe."""
+
+    scaling: Literal["blockwise", "rowwise"] = "blockwise"
+    """How operands are scaled. ``"blockwise"`` (DeepSeek-V3's, Transformer Engine's
+    Float8BlockScaling): rows (activations and gradients) in 1x128 tiles along each GEMM's
+    reduction dimension, weights in 128x128 blocks; needs hidden and FFN sizes that are multiples
+    of 128. ``"rowwise"`` (torchao's rowwise): one scale per row of activations and gradients, one
+    per output channel of a weight in the forward and per input channel in the backward's products
+    (the axis the GEMM does not reduce over)."""
+
+    forward: bool = True
+    """The forward's two GEMMs (the rows by W1 and W3, the activation by W2) in FP8."""
+
+    input_gradients: bool = True
+    """The backward's GEMMs for the input gradients (the output gradient by W2, the gradient of the
+    first layer's products by W1 and W3) in FP8."""
+
+    weight_gradients: bool = False
+    """The weight gradients' GEMMs in FP8: not run yet (must be false). They run in high precision
+    from the operands as the expert's rank holds them, as torchao's "rowwise_with_gw_hp" does."""
+
+    gradient_format: Literal["e4m3", "e5m2"] = "e4m3"
+    """The format of the gradients' rows in FP8 GEMMs: ``"e4m3"`` (DeepSeek-V3), or ``"e5m2"``
+    (Transformer Engine's HYBRID: one exponent bit more, one mantissa bit less). Activations and
+    weights are always e4m3."""
+
+    dispatch: Literal["fp8", "bf16"] = "fp8"
+    """``"fp8"``: the forward's rows cross the exchange as e4m3 with their scales, the operand of
+    the first GEMM as it is (needs ``forward``); the expert's rank then holds only those rows, and
+    W1's gradient is taken from them. ``"bf16"``: the rows cross in the tokens' dtype."""
+
+    gradient_dispatch: Literal["fp8", "bf16"] = "bf16"
+    """``"fp8"``: the backward's output gradient crosses to the experts' ranks in
+    ``gradient_format`` with its scales, the operand of the GEMM by W2 (needs ``input_gradients``):
+    each route's row is its gate times the token's quantised row, not quantised again.
+    ``"bf16"``: it crosses in the tokens' dtype and each route's row is quantised there."""
+
+    fallback: Literal["error", "bf16"] = "error"
+    """Where the recipe cannot run (experts the kernels do not compute, sizes blockwise scaling
+    cannot tile, or ``"overlap": "fused"`` where the fused pipeline cannot run FP8): ``"error"``, or
+    ``"bf16"``: the layer runs without the recipe, with a warning naming the reason."""
+
+    def __init__(self, **data):
+        super().__init__(strict=True, **data)  # as CometMoEConfig: no value spelled "auto" is dropped
+
+    @model_validator(mode="after")
+    def _refuse_what_cannot_run(self) -> "Fp8Recipe":
+        if self.weight_gradients:
+            raise ValueError(
+                '"weight_gradients": true is not supported yet; set it to false: the weight gradients then run '
+                'in high precision, as torchao\'s "rowwise_with_gw_hp" does'
+            )
+        if self.dispatch == "fp8" and not self.forward:
+            raise ValueError(
+                '"dispatch": "fp8" sends the rows as the forward\'s FP8 GEMM takes them, and "forward" is false: '
+                'set "dispatch": "bf16", or "forward": true'
+            )
+        if self.gradient_dispatch == "fp8" and not self.input_gradients:
+            raise ValueError(
+                '"gradient_dispatch": "fp8" sends the output gradient as the backward\'s FP8 GEMM takes it, and '
+                '"input_gradients" is false: set "gradient_dispatch": "bf16", or "input_gradients": true'
+            )
+        if self.enabled and not (self.forward or self.input_gradients):
+            raise ValueError(
+                'the recipe is enabled with no GEMM in FP8: set "forward" or "input_gradients" to true, or '
+                '"enabled": false'
+            )
+        return self
 
 
 class CometMoEConfig(DeepSpeedConfigModel):
@@ -122,33 +203,69 @@ class CometMoEConfig(DeepSpeedConfigModel):
     (10 minutes for the expert groups DeepSpeed makes) would abort the process without naming the
     rank. Past 300 s the watchdog may come first."""
 
+    fp8: Fp8Recipe = Field(default_factory=Fp8Recipe)
+    """The FP8 recipe of the experts' GEMMs and the exchange's rows (off by default)."""
+
     def __init__(self, **data):
         # strict: DeepSpeedConfigModel otherwise drops every value spelled "auto", which would
         # turn a mistyped {"backend": "auto"} into the default instead of an error.
         super().__init__(strict=True, **data)
 
 
-def _allowed_values(field_name: str):
-    annotation = CometMoEConfig.model_fields[field_name].annotation
+def _owner(path: tuple) -> type[BaseModel] | None:
+    """The section model that holds the last key of ``path`` (a location inside the "moe" section)."""
+    model = CometMoEConfig
+    for part in path[:-1]:
+        field = model.model_fields.get(part)
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _allowed_values(path: tuple):
+    model = _owner(path)
+    field = model.model_fields.get(path[-1]) if model is not None and path else None
+    annotation = field.annotation if field is not None else None
     return get_args(annotation) if get_origin(annotation) is Literal else None
 
 
 def _explain(error: ValidationError, section: Mapping[str, Any]) -> str:
-    allowed_keys = ", ".join(CometMoEConfig.model_fields)
     lines = []
     for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"])
+        path = tuple(item["loc"])
+        key = ".".join(str(part) for part in (MOE_SECTION, *path))
         if item["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{MOE_SECTION}.{key}'; the section takes: {allowed_keys}")
+            owner = _owner(path)
+            allowed_keys = ", ".join(owner.model_fields) if owner is not None else ""
+            where = "the section" if len(path) == 1 else f"'{key.rpartition('.')[0]}'"
+            lines.append(f"unknown key '{key}'; {where} takes: {allowed_keys}")
             continue
-        allowed = _allowed_values(key) if key in CometMoEConfig.model_fields else None
-        value = section.get(key, item.get("input"))
+        if item["type"] == "value_error":  # a section's own check: its message names the fix
+            lines.append(f"'{key}': {item['ctx']['error']}")
+            continue
+        if item["type"] == "model_type":
+            lines.append(f"'{key}' must be a JSON object, got {item.get('input')!r}")
+            continue
+        allowed = _allowed_values(path)
+        value = _value_at(section, path, item.get("input"))
         if allowed:
             choices = ", ".join(repr(v) for v in allowed)
-            lines.append(f"'{MOE_SECTION}.{key}' is {value!r}; allowed values: {choices}")
+            lines.append(f"'{key}' is {value!r}; allowed values: {choices}")
         else:
-            lines.append(f"'{MOE_SECTION}.{key}' is {value!r}: {item['msg']}")
+            lines.append(f"'{key}' is {value!r}: {item['msg']}")
     return "invalid ds_config: " + "; ".join(lines)
+
+
+def _value_at(section: Mapping[str, Any], path: tuple, default):
+    """The value the user wrote at ``path`` inside the section, else ``default``."""
+    value = section
+    for part in path:
+        if not isinstance(value, Mapping) or part not in value:
+            return default
+        value = value[part]
+    return value
 
 
 def _config_dict(ds_config) -> Mapping[str, Any]:

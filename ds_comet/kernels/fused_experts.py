@@ -32,6 +32,12 @@ class FusedExperts:
     def pointers(self) -> list[tuple[int, ...]]:
         raise NotImplementedError
 
+    def expert_tensors(self) -> list[tuple[Tensor | None, ...]]:
+        """Each local expert's ``POINTER_NAMES`` tensors, None where absent: ``w1`` ``[F, H]``, ``b1``
+        ``[F]``, ``w3`` ``[F, H]``, ``b3`` ``[F]``, ``w2`` ``[H, F]``, ``b2`` ``[H]`` (the FP8 emulation's
+        view of the weights the pointers point at)."""
+        raise NotImplementedError
+
     def tensors_reason(self, hidden: int, dtype: torch.dtype, device: torch.device) -> str | None:
         """Why the kernels cannot read these weights for [S, hidden] tokens of dtype on device, or None."""
         raise NotImplementedError

@@ -7,5 +7,6 @@ defines the numbers; ``FusedPipeline`` (``fused.py``) runs the fused COMET kerne
 ``kernels.workspace``. Both pipelines are a ``Pipeline`` (``interface.py``): the same call, tokens
 ``[S, H]``, route indices ``[k, S]`` and route weights ``[k, S]``, and what the gate before them may
 do, so an integration runs whichever the selection hands it; both take the experts as
-``expert_weights.LocalExperts``, whichever integration holds them.
+``expert_weights.LocalExperts``, whichever integration holds them. Under an
+enabled ``"fp8"`` recipe the reference pipeline emulates it (``fp8_emulation.py``).
 """

@@ -33,6 +33,9 @@ class ModuleFusedExperts(FusedExperts):
     def pointers(self) -> list[tuple[int, ...]]:
         return [tuple(0 if t is None else t.data_ptr() for t in spec.tensors()) for spec in self.specs]
 
+    def expert_tensors(self) -> list[tuple[Tensor | None, ...]]:
+        return [spec.tensors() for spec in self.specs]
+
     def tensors_reason(self, hidden, dtype, device):
         return expert_tensors_reason(self.specs, hidden, dtype, device)
 
@@ -72,6 +75,10 @@ class StackedFusedExperts(FusedExperts):
             starts = [t.data_ptr() + expert * t.stride(0) * t.element_size() for t in (w1, w3, w2)]
             rows.append((starts[0], 0, starts[1], 0, starts[2], 0))
         return rows
+
+    def expert_tensors(self) -> list[tuple[Tensor | None, ...]]:
+        w1, w3, w2 = self._weights()
+        return [(w1[expert], None, w3[expert], None, w2[expert], None) for expert in range(self.num_local)]
 
     def tensors_reason(self, hidden, dtype, device):
         w1, w3, w2 = self._weights()

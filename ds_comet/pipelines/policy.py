@@ -1,4 +1,5 @@
-"""Whether the fused pipeline can run a layer's call, and if not, why (with the fix).
+"""Whether the fused pipeline can run a layer's call, and if not, why (with the fix); likewise
+whether an ``"fp8"`` recipe applies to a layer, and whether FP8 GEMMs can run it.
 
 Each check returns None when it passes and otherwise a sentence that names what stands in the way
 and what to do about it; ``pipelines.selection`` logs it (or, under ``"overlap": "fused"``,
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..config import Fp8Recipe
+from ..fp8 import BLOCK as FP8_BLOCK
 from ..kernels.constants import MAX_COMBINE_TOP_K
 from ..kernels.fused_experts import FusedExperts
 from ..kernels.workspace import allocator_ipc_refusal
@@ -97,6 +100,65 @@ def structure_reason(experts: LocalExperts, hidden: int, top_k: int, scale_befor
             'kernels do not do; use "post" (every AutoEP preset\'s default)'
         )
     return fused
+
+
+# What keeps FP8 GEMMs off the fused pipeline where fp8_reason finds nothing: they are still to come.
+FP8_KERNELS_MISSING = "the fused pipeline has no FP8 kernels yet"
+
+
+def fp8_fused_reason(why: str) -> str:
+    """Why a layer under an enabled ``"fp8"`` recipe does not run the fused pipeline, where nothing
+    else stands in its way: ``why`` (``fp8_reason``'s answer, or ``FP8_KERNELS_MISSING``), with the fixes."""
+    return (
+        f'the "fp8" recipe is enabled, and {why}: the reference pipeline emulates the recipe ("overlap": "auto" '
+        'or "none"); under "overlap": "fused", "fp8": {"fallback": "bf16"} runs the fused kernels in bf16, and '
+        '"fp8": {"enabled": false} runs them without the recipe'
+    )
+
+
+def fp8_shape_reason(recipe: Fp8Recipe, hidden: int, ffn: int) -> str | None:
+    """Why ``recipe`` cannot scale the GEMMs of experts of these sizes, or None:
+    blockwise scaling tiles every GEMM's reduction dimension (H and F, both ways) by 128."""
+    if recipe.scaling == "blockwise" and (hidden % FP8_BLOCK or ffn % FP8_BLOCK):
+        return (
+            f"blockwise FP8 scaling quantises rows in 1x{FP8_BLOCK} tiles along each GEMM's reduction dimension, "
+            f"which needs hidden ({hidden}) and FFN ({ffn}) sizes that are multiples of {FP8_BLOCK}; use "
+            '"scaling": "rowwise"'
+        )
+    return None
+
+
+def fp8_layer_reason(
+    experts: LocalExperts, hidden: int, top_k: int, scale_before: bool, recipe: Fp8Recipe
+) -> FusedExperts | str:
+    """The experts' weights as the ``"fp8"`` ``recipe`` quantises them, or why it
+    cannot apply to this layer, emulated or not: it computes what the fused kernels compute, in FP8."""
+    fused = structure_reason(experts, hidden, top_k, scale_before)
+    if isinstance(fused, str):
+        return f"the FP8 recipe computes the experts as the fused kernels do, and {fused}"
+    return fp8_shape_reason(recipe, hidden, fused.ffn) or fused
+
+
+def fp8_reason(
+    device: torch.device,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    hidden: int,
+    ffn: int,
+    recipe: Fp8Recipe,
+) -> str | None:
+    """Why FP8 GEMMs cannot run ``recipe`` for [S, hidden] tokens of ``dtype`` on
+    ``device`` (a GPU of compute ``capability``), experts of FFN size ``ffn``; None where they can.
+    The fused pipeline's FP8 kernels will be held to it; on CPU the reference pipeline emulates the
+    recipe instead."""
+    if device.type != "cuda":
+        return f"the tokens are on {device.type}; FP8 GEMMs need a CUDA GPU"
+    if capability is None or tuple(capability) < (8, 9):
+        shown = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
+        return f"FP8 tensor cores need compute capability 8.9 or newer (Ada, Hopper); this GPU has {shown}"
+    if dtype != torch.bfloat16:
+        return f'the FP8 recipe runs bf16 tokens, these are {dtype} (enable "bf16" in the ds_config)'
+    return fp8_shape_reason(recipe, hidden, ffn)
 
 
 def local_reason(

@@ -129,6 +129,8 @@ class ReferencePipeline(Pipeline):
         # Ranks a node holds, where a group that spans nodes forwards each token inside the
         # destination node ("internode_forwarding", selection.py); None: straight to each rank.
         self.ranks_per_node = None
+        # Under an "fp8" recipe (selection.py), the rows as they cross in FP8 (fp8_emulation.py); None: as they are.
+        self.fp8_exchange = None
 
     def forward(
         self, tokens: Tensor, indices: Tensor, weights: Tensor, *, train: bool = True, scale_before: bool = False
@@ -163,6 +165,8 @@ class ReferencePipeline(Pipeline):
         """Each token once to each rank that holds one of its routes (``forward``)."""
         plan = plan_rank_rows(indices, self.num_experts, self.ep_size, planned)
         send_rows, recv_rows, routes_per_expert = self._splits(plan.route_counts, plan.rank_rows, chunks)
+        if self.fp8_exchange is not None:
+            tokens = self.fp8_exchange.outgoing(tokens)
         rows, routes = self._pair_rows(plan, sum(send_rows), tokens, weights)
 
         def work(received_rows: Tensor, received_routes: Tensor, chunk: int) -> Tensor:
@@ -172,6 +176,8 @@ class ReferencePipeline(Pipeline):
             returned = work(rows, routes, 0)
         else:
             returned = self._there_and_back(rows, routes, send_rows, recv_rows, chunks, work, "ranks")
+        if self.fp8_exchange is not None:
+            returned = self.fp8_exchange.returning(returned)
         return self._sum_pairs(returned, plan, tokens.shape[0], min(weights.shape[0], self.ep_size))
 
     def _forward_by_node(

@@ -1,8 +1,9 @@
 """Per layer: which pipeline each call runs, and why not the fused one.
 
 The fused pipeline runs when the CUDA op builds, the expert-parallel group lies inside one node,
-the kernels know the experts' structure, and the tokens are bf16/fp16 on the GPU; otherwise the
-layer runs the reference pipeline and says once why, with the fix, naming the layer (a WARNING on
+the kernels know the experts' structure, the tokens are bf16/fp16 on the GPU, and no ``"fp8"``
+recipe is enabled (the fused pipeline has no FP8 kernels yet: the reference pipeline emulates it);
+otherwise the layer runs the reference pipeline and says once why, with the fix, naming the layer (a WARNING on
 a GPU, where the user expects the fused one; INFO on CPU). With ``"overlap": "fused"`` a reason is an
 error instead, and the experts' structure is checked when the layer is built.
 
@@ -34,10 +35,22 @@ from ..kernels.workspace import BufferShape, get_buffer
 from .chunked import rule_chunks
 from .collective_waits import gather_objects
 from .expert_weights import LocalExperts
+from .fp8_emulation import Fp8EmulatedExperts, Fp8Exchange
 from .fused import FusedPipeline
 from .interface import Pipeline
 from .parameters import choose_parameters, offsets_overflow
-from .policy import group_reason, hooks_reason, local_reason, module_hooks, node_name, structure_reason
+from .policy import (
+    FP8_KERNELS_MISSING,
+    fp8_fused_reason,
+    fp8_layer_reason,
+    fp8_reason,
+    group_reason,
+    hooks_reason,
+    local_reason,
+    module_hooks,
+    node_name,
+    structure_reason,
+)
 from .reference import ReferencePipeline
 
 # Activations sized by the row bound warn from this multiple of a balanced router's rows a rank:
@@ -133,6 +146,7 @@ class PipelineSelection:
         self._agreed_reason: str | None = None
         self._hooked: list[torch.nn.Module] | None = None
         self._said = set()
+        self._fp8_layers: dict[int, object] = {}  # fp8_layer_reason's answer, by hidden size
 
     @property
     def name(self) -> str:
@@ -153,8 +167,11 @@ class PipelineSelection:
         self._agreed_key = None
 
     def check_structure(self, hidden: int) -> None:
-        """Under ``"overlap": "fused"``: raises ``ValueError`` now if the kernels cannot compute these
-        experts on tokens of width ``hidden``."""
+        """Under ``"overlap": "fused"``: raise now if the kernels cannot compute these experts; under
+        an ``"fp8"`` recipe with ``"fallback": "error"``, if the recipe cannot apply to the layer."""
+        recipe = self.config.fp8
+        if recipe.enabled and recipe.fallback == "error" and isinstance(self._fp8_layer(hidden), str):
+            self._set_up_fp8(hidden)  # raises
         if self.config.overlap != "fused":
             return
         fused = structure_reason(self.experts, hidden, self.spec.top_k, self.spec.scale_before)
@@ -258,6 +275,7 @@ class PipelineSelection:
             )
             + self.spec.settings()
             + (("hidden size", tokens.shape[-1]), ("dtype", str(tokens.dtype)), ("experts", self.experts.structure()))
+            + (("fp8", tuple(self.config.fp8.model_dump().items())),)
         )
 
     # Under torch.compile this runs as written, not traced: a collective on Python objects, the op's
@@ -266,6 +284,7 @@ class PipelineSelection:
     def _agree(self, tokens: torch.Tensor) -> str | None:
         """One collective: every rank's settings, local answer, host, GPU and token count; then, if every
         rank can run the fused pipeline, its workspace. Returns why not fused, or None."""
+        fp8 = self._set_up_fp8(tokens.shape[-1])
         if self.config.overlap == "none":
             fused = '"overlap" is "none"'
         else:
@@ -274,6 +293,8 @@ class PipelineSelection:
                 if not isinstance(fused, str):
                     # Hooks present now keep the whole group on the reference pipeline, which runs them.
                     fused = hooks_reason(self._hookable()) or fused
+                if fp8 and not isinstance(fused, str):
+                    fused = self._fp8_fused(fused, tokens)
             except Exception as error:  # raised on every rank below, after the collective, not here alone
                 fused = RankFailure(f"{type(error).__name__}: {error}")
             if not isinstance(fused, str) and self.group is None:
@@ -402,6 +423,65 @@ class PipelineSelection:
             ranks=[0],
         )
         return None
+
+    def _fp8_layer(self, hidden: int):
+        """``fp8_layer_reason`` for this layer (the experts' weights, or why the recipe cannot apply), once."""
+        if hidden not in self._fp8_layers:
+            self._fp8_layers[hidden] = fp8_layer_reason(
+                self.experts, hidden, self.spec.top_k, self.spec.scale_before, self.config.fp8
+            )
+        return self._fp8_layers[hidden]
+
+    def _set_up_fp8(self, hidden: int) -> bool:
+        """Whether the layer runs its ``"fp8"`` recipe: then the reference pipeline emulates it, with
+        the experts and the exchanged rows quantised as it says. Where the recipe cannot apply to the
+        layer: an error under ``"fallback": "error"``, else a warning, and the layer runs without it."""
+        recipe = self.config.fp8
+        if not recipe.enabled:
+            return False
+        fused = self._fp8_layer(hidden)
+        if isinstance(fused, str):
+            if recipe.fallback == "error":
+                raise ValueError(
+                    f'ds_comet: {self.name}: its "moe": {{"fp8"}} recipe cannot run: {fused}. Or set "fp8": '
+                    '{"fallback": "bf16"} to run the layer without it'
+                )
+            self.reference.experts, self.reference.fp8_exchange = self.experts, None
+            self._warn_once(f'ds_comet: {self.name} runs without its "fp8" recipe ("fallback": "bf16"): {fused}')
+            return False
+        if not isinstance(self.reference.experts, Fp8EmulatedExperts):
+            self.reference.experts = Fp8EmulatedExperts(self.experts, fused, recipe)
+            self.reference.fp8_exchange = Fp8Exchange(recipe)
+        hooks = hooks_reason(self._hookable())
+        if hooks is not None:
+            self._warn_once(
+                f'ds_comet: {self.name}: under its "fp8" recipe the experts are computed from their weights, '
+                f"emulated or by the kernels, without calling their modules: {hooks}"
+            )
+        return True
+
+    def _fp8_fused(self, fused, tokens: torch.Tensor):
+        """Where the fused pipeline could run this call in bf16 under an applied ``"fp8"`` recipe: why it
+        does not run the recipe (the reason the selection logs, or raises under ``"overlap": "fused"``);
+        or, under ``"overlap": "fused"`` with ``"fallback": "bf16"``, ``fused`` itself, with a warning."""
+        recipe = self.config.fp8
+        capability = torch.cuda.get_device_capability(tokens.device) if tokens.device.type == "cuda" else None
+        why = fp8_reason(tokens.device, capability, tokens.dtype, tokens.shape[-1], fused.ffn, recipe)
+        why = why or FP8_KERNELS_MISSING
+        if self.config.overlap == "fused" and recipe.fallback == "bf16":
+            self._warn_once(
+                f'ds_comet: {self.name} runs the fused pipeline in bf16, without its "fp8" recipe ("fallback": '
+                f'"bf16"): {why}'
+            )
+            return fused
+        return fp8_fused_reason(why)
+
+    def _warn_once(self, message: str) -> None:
+        if message in self._said:
+            return
+        self._said.add(message)
+        if not torch_dist.is_initialized() or torch_dist.get_rank() == 0:
+            logger.warning(message)
 
 
 def bound_rows_warning(rows: int, balanced: int, row_bytes: int) -> str | None:

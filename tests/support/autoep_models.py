@@ -78,7 +78,9 @@ def ds_config(
     dtype: torch.dtype,
     overlap: str = "auto",
     activation_rows: str = "bound",
+    fp8: dict | None = None,
 ) -> dict:
+    """A ds_config for ``preset``'s model under ``backend``; ``fp8``: the comet backend's "fp8" recipe."""
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": 10**6,
@@ -95,6 +97,8 @@ def ds_config(
             else {"backend": backend}
         ),
     }
+    if fp8 is not None:
+        config["moe"]["fp8"] = fp8
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
@@ -109,10 +113,11 @@ def engine_for(
     dtype: torch.dtype,
     overlap: str = "auto",
     activation_rows: str = "bound",
+    fp8: dict | None = None,
 ):
     torch.manual_seed(seed)
     model = tiny_model(preset)
-    config = ds_config(preset, backend, zero_stage, dtype, overlap, activation_rows)
+    config = ds_config(preset, backend, zero_stage, dtype, overlap, activation_rows, fp8)
     engine, *_ = ds_comet.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -128,9 +133,15 @@ def comet_layers(engine):
 
 
 def _forward_backward(
-    preset: str, backend: str, seed: int, dtype: torch.dtype, overlap: str, activation_rows: str = "bound"
+    preset: str,
+    backend: str,
+    seed: int,
+    dtype: torch.dtype,
+    overlap: str,
+    activation_rows: str = "bound",
+    fp8: dict | None = None,
 ):
-    engine = engine_for(preset, backend, seed, 0, dtype, overlap, activation_rows)
+    engine = engine_for(preset, backend, seed, 0, dtype, overlap, activation_rows, fp8)
     ids = batch(seed, 0, engine.device)
     # The converted model called directly and torch.autograd.grad, not the engine's forward and
     # backward: the gradients as autograd computes them, before any optimizer hook (DeepSpeed's bf16
@@ -165,6 +176,19 @@ def gradients_case(
         for name, value in exact.items():
             errors[name].update(comet_vs_exact=rel(comet[name], value), autoep_vs_exact=rel(stock[name], value))
     return errors, abs(comet_loss - loss), ran
+
+
+def fp8_case(preset: str, seed: int, recipe: dict):
+    """One forward and backward of AutoEP on ds_comet without and with the "fp8" ``recipe`` (the
+    reference pipeline), same weights and data: per tensor (the logits and every parameter's
+    gradient, by name) the recipe's relative difference from the run without it; and, per comet
+    layer, the type of the experts its reference pipeline runs."""
+    _, plain, _ = _forward_backward(preset, "comet", seed, torch.float32, "none")
+    engine, emulated, _ = _forward_backward(preset, "comet", seed, torch.float32, "none", fp8=recipe)
+    layers = comet_layers(engine)
+    assert layers and plain.keys() == emulated.keys()
+    kinds = [type(layer.pipelines.reference.experts).__name__ for layer in layers]
+    return {name: rel(emulated[name], value) for name, value in plain.items()}, kinds
 
 
 def training_case(preset: str, seed: int, steps: int = 3, dtype_name: str = "fp32", overlap: str = "auto"):
