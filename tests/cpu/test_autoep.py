@@ -1,14 +1,21 @@
 """DeepSpeed AutoEP on ds_comet against AutoEP itself, on CPU (gloo ranks, the reference pipeline).
 
-Tiny Mixtral, Qwen3-MoE and DeepSeek-V3 models from their configs: the same seed and data give
-both backends the same weights, routes and tokens, so outputs, every gradient, ZeRO-2 training
-steps and checkpoints must agree (fp32: to rounding).
+A tiny model from its config for each AutoEP preset (Mixtral, Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V2,
+DeepSeek-V3, MiniMax-M3): the same seed and data give both backends the same weights, routes and
+tokens, so outputs, every gradient, ZeRO-2 training steps and checkpoints must agree (fp32: to
+rounding). Which presets the fused kernels compute is decided without a GPU and checked here too.
 """
 
 import pytest
 
 import ds_comet
-from tests.support.autoep_models import PRESETS, checkpoint_case, gradients_case, training_case
+from tests.support.autoep_models import (
+    PRESETS,
+    REFERENCE_PIPELINE_PRESETS,
+    checkpoint_case,
+    gradients_case,
+    training_case,
+)
 
 pytest.importorskip("transformers")
 FP32_REL = 1e-5
@@ -22,11 +29,11 @@ def _seed():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_outputs_and_every_gradient_match_autoep(cpu_pool, preset):
-    for errors, loss_diff, ran_fused in cpu_pool.run(gradients_case, preset=preset, seed=_seed()):
+    for errors, loss_diff, reasons in cpu_pool.run(gradients_case, preset=preset, seed=_seed()):
         worst = max(errors.items(), key=lambda item: item[1]["comet_vs_autoep"])
         assert worst[1]["comet_vs_autoep"] < FP32_REL, worst
         assert loss_diff < 1e-5, loss_diff
-        assert ran_fused == {False}, "on CPU the comet layers run the reference pipeline"
+        assert None not in reasons, "on CPU the comet layers run the reference pipeline"
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -38,10 +45,36 @@ def test_zero2_training_steps_match_autoep(cpu_pool, preset):
 
 
 @pytest.mark.parametrize("first,second", [("deepspeed", "comet"), ("comet", "deepspeed")])
-def test_checkpoints_resume_across_backends(cpu_pool, tmp_path, first, second):
+@pytest.mark.parametrize("preset", PRESETS)
+def test_checkpoints_resume_across_backends(cpu_pool, tmp_path, preset, first, second):
     cpu_pool.run(
-        checkpoint_case, preset="mixtral", seed=_seed(), save_dir=str(tmp_path / "ckpt"), first=first, second=second
+        checkpoint_case, preset=preset, seed=_seed(), save_dir=str(tmp_path / "ckpt"), first=first, second=second
     )
+
+
+def fused_structure_case(preset):
+    """The comet conversion under "overlap": "fused", which checks the experts' structure (no device
+    needed): None where it converts, else the error's message."""
+    import torch
+
+    from tests.support.autoep_models import engine_for
+
+    try:
+        engine_for(preset, "comet", 0, 0, torch.float32, overlap="fused")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fused_overlap_refuses_only_experts_the_kernels_do_not_compute_and_says_why(cpu_pool, preset):
+    for message in cpu_pool.run(fused_structure_case, preset=preset):
+        if preset not in REFERENCE_PIPELINE_PRESETS:
+            assert message is None, message
+            continue
+        assert message is not None, f"{preset}'s experts passed the fused pipeline's structure check"
+        assert '"overlap": "fused" was asked for' in message and REFERENCE_PIPELINE_PRESETS[preset] in message
+        assert "not one the fused kernels compute" in message, message
 
 
 def test_autoep_keys_the_comet_backend_replaces_are_named():

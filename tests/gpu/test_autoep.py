@@ -6,7 +6,7 @@ import torch
 from deepspeed import comm as dist
 
 import ds_comet
-from tests.support.autoep_models import PRESETS, gradients_case, training_case
+from tests.support.autoep_models import FUSED_PRESETS, REFERENCE_PIPELINE_PRESETS, gradients_case, training_case
 from tests.support.moe_helpers import MixtralStyleMLP, rel
 
 BF16_REL = 2e-2
@@ -16,19 +16,34 @@ def _seed():
     return torch.randint(1, 10**6, ()).item()
 
 
+def _assert_bf16_as_close_as_autoep(errors: dict, loss_diff: float):
+    # Both round the same fp32 computation to bf16: comet may not stray further from it than
+    # AutoEP does (twice, or a bf16 rounding's worth, whichever is larger).
+    worse = {name: e for name, e in errors.items() if e["comet_vs_exact"] > max(2 * e["autoep_vs_exact"], BF16_REL)}
+    assert not worse, sorted(worse.items(), key=lambda item: -item[1]["comet_vs_exact"])[:6]
+    assert loss_diff < 2e-2, loss_diff
+
+
 @pytest.mark.parametrize("activation_rows", ["bound", "received"])
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", FUSED_PRESETS)
 def test_fused_outputs_and_gradients_match_autoep(gpu_pool, preset, activation_rows):
     pytest.importorskip("transformers")
-    for errors, loss_diff, ran_fused in gpu_pool.run(
+    for errors, loss_diff, reasons in gpu_pool.run(
         gradients_case, preset=preset, seed=_seed(), dtype_name="bf16", overlap="fused", activation_rows=activation_rows
     ):
-        assert ran_fused == {True}, "the comet layers did not run the fused pipeline"
-        # Both round the same fp32 computation to bf16: comet may not stray further from it than
-        # AutoEP does (twice, or a bf16 rounding's worth, whichever is larger).
-        worse = {name: e for name, e in errors.items() if e["comet_vs_exact"] > max(2 * e["autoep_vs_exact"], BF16_REL)}
-        assert not worse, sorted(worse.items(), key=lambda item: -item[1]["comet_vs_exact"])[:6]
-        assert loss_diff < 2e-2, loss_diff
+        assert reasons == {None}, f"the comet layers did not run the fused pipeline: {reasons}"
+        _assert_bf16_as_close_as_autoep(errors, loss_diff)
+
+
+@pytest.mark.parametrize("preset", sorted(REFERENCE_PIPELINE_PRESETS))
+def test_presets_the_kernels_do_not_compute_run_the_reference_pipeline_and_say_why(gpu_pool, preset):
+    pytest.importorskip("transformers")
+    for errors, loss_diff, reasons in gpu_pool.run(
+        gradients_case, preset=preset, seed=_seed(), dtype_name="bf16", overlap="auto"
+    ):
+        named = REFERENCE_PIPELINE_PRESETS[preset]
+        assert reasons and all(reason is not None and named in reason for reason in reasons), reasons
+        _assert_bf16_as_close_as_autoep(errors, loss_diff)
 
 
 def test_fused_zero2_training_matches_autoep(gpu_pool):

@@ -8,67 +8,147 @@ from deepspeed import comm as dist
 import ds_comet
 from tests.support.moe_helpers import rel
 
-PRESETS = ("mixtral", "qwen3_moe", "deepseek_v3")
+# Every AutoEP preset of DeepSpeed 0.19.8 whose model transformers 5.16.1 has: all of them.
+PRESETS = ("mixtral", "qwen3_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3", "minimax_m3")
+# The presets whose experts the fused kernels do not compute, with what the reason names: on a GPU
+# their layers run the reference pipeline, and "overlap": "fused" refuses them.
+REFERENCE_PIPELINE_PRESETS = {"minimax_m3": "'swiglu_oai'"}
+FUSED_PRESETS = tuple(preset for preset in PRESETS if preset not in REFERENCE_PIPELINE_PRESETS)
 VOCAB = 64
 
 
-def tiny_model(preset: str, hidden: int = 64, ffn: int = 96, experts_per_rank: int = 4):
-    """A model of ``preset``'s family with one MoE block, which AutoEP converts.
+def _mixtral(transformers, experts: int, ffn: int, common: dict):
+    config = transformers.MixtralConfig(
+        intermediate_size=ffn, num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2, **common
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def _qwen3_moe(transformers, experts: int, ffn: int, common: dict):
+    config = transformers.Qwen3MoeConfig(
+        intermediate_size=2 * ffn,
+        moe_intermediate_size=ffn,
+        num_key_value_heads=2,
+        num_experts=experts,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        head_dim=16,
+        **common,
+    )
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def _qwen3_5_moe(transformers, experts: int, ffn: int, common: dict):
+    # The text backbone (model type qwen3_5_moe_text), a shared expert behind a sigmoid gate. Its one
+    # layer is a full-attention one: Qwen3.5's linear-attention (Gated DeltaNet) layers cost more on
+    # CPU and hold the same MoE block.
+    config = transformers.Qwen3_5MoeTextConfig(
+        moe_intermediate_size=ffn,
+        shared_expert_intermediate_size=2 * ffn,
+        num_key_value_heads=2,
+        num_experts=experts,
+        num_experts_per_tok=3,
+        head_dim=16,
+        layer_types=["full_attention"],
+        **common,
+    )
+    return transformers.Qwen3_5MoeForCausalLM(config)
+
+
+def _deepseek_v2(transformers, experts: int, ffn: int, common: dict):
+    # Softmax scores without top-k normalisation, group-limited top-k (groups scored by their best
+    # expert), a routed scaling factor, a shared expert.
+    config = transformers.DeepseekV2Config(
+        intermediate_size=2 * ffn,
+        moe_intermediate_size=ffn,
+        num_key_value_heads=4,
+        n_routed_experts=experts,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        topk_method="group_limited_greedy",
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=8,
+        **common,
+    )
+    return transformers.DeepseekV2ForCausalLM(config)
+
+
+def _deepseek_v3(transformers, experts: int, ffn: int, common: dict):
+    # Sigmoid scores, group-limited top-k, score correction bias, a shared expert; the first layer
+    # dense, as in the model.
+    config = transformers.DeepseekV3Config(
+        intermediate_size=2 * ffn,
+        moe_intermediate_size=ffn,
+        num_key_value_heads=4,
+        n_routed_experts=experts,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=8,
+        **{**common, "num_hidden_layers": 2},
+    )
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+def _minimax_m3(transformers, experts: int, ffn: int, common: dict):
+    # The text backbone (model type minimax_m3_vl_text): the clamped GPT-OSS expert activation
+    # ("swiglu_oai"), sigmoid scores with a correction-bias buffer, the routed output scaled by 2, a
+    # shared expert. One full-attention layer (no sparse-attention indexer).
+    config = transformers.MiniMaxM3VLTextConfig(
+        intermediate_size=ffn,
+        shared_intermediate_size=ffn,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        head_dim=16,
+        rotary_dim=8,
+        layer_types=["full_attention"],
+        mlp_layer_types=["sparse"],
+        bos_token_id=None,
+        eos_token_id=None,
+        **common,
+    )
+    return transformers.MiniMaxM3VLForCausalLM(config)
+
+
+_BUILDERS = {
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+    "qwen3_5_moe": _qwen3_5_moe,
+    "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v3,
+    "minimax_m3": _minimax_m3,
+}
+
+
+def tiny_model(preset: str, hidden: int = 64, ffn: int = 96, experts_per_rank: int = 4, experts: int | None = None):
+    """A model of ``preset``'s family with one MoE block, which AutoEP converts: ``experts`` routed
+    experts (by default ``experts_per_rank`` for each rank of the world).
 
     One: the input of a second MoE block would carry the first one's bf16 rounding, which differs
     between backends (other GEMM kernels), and a top-k choice near a tie that flips on it moves a
     token's whole gradient to another expert: a tiny model's expert gradients then differ by ~10 %
-    for a reason that is not the backend's. (DeepSeek-V3's first layer is dense, as in the model.)
+    for a reason that is not the backend's.
     """
     transformers = pytest.importorskip("transformers")
-    experts = experts_per_rank * dist.get_world_size()
+    if experts is None:
+        experts = experts_per_rank * dist.get_world_size()
     common = dict(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        num_hidden_layers=2 if preset == "deepseek_v3" else 1,
-        num_attention_heads=4,
-        max_position_embeddings=64,
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=64
     )
-    if preset == "mixtral":
-        return transformers.MixtralForCausalLM(
-            transformers.MixtralConfig(
-                intermediate_size=ffn, num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2, **common
-            )
-        )
-    if preset == "qwen3_moe":
-        return transformers.Qwen3MoeForCausalLM(
-            transformers.Qwen3MoeConfig(
-                intermediate_size=2 * ffn,
-                moe_intermediate_size=ffn,
-                num_key_value_heads=2,
-                num_experts=experts,
-                num_experts_per_tok=3,
-                norm_topk_prob=True,
-                head_dim=16,
-                **common,
-            )
-        )
-    if preset == "deepseek_v3":  # sigmoid scores, group-limited top-k, score correction bias, a shared expert
-        return transformers.DeepseekV3ForCausalLM(
-            transformers.DeepseekV3Config(
-                intermediate_size=2 * ffn,
-                moe_intermediate_size=ffn,
-                num_key_value_heads=4,
-                n_routed_experts=experts,
-                num_experts_per_tok=2,
-                n_shared_experts=1,
-                n_group=2,
-                topk_group=1,
-                first_k_dense_replace=1,
-                kv_lora_rank=16,
-                q_lora_rank=16,
-                qk_rope_head_dim=8,
-                v_head_dim=16,
-                qk_nope_head_dim=8,
-                **common,
-            )
-        )
-    raise ValueError(preset)
+    return _BUILDERS[preset](transformers, experts, ffn, common)
 
 
 def ds_config(
@@ -161,21 +241,22 @@ def gradients_case(
 
     Returns, per tensor, comet's relative difference from AutoEP and, in bf16, both backends'
     differences from AutoEP in fp32 (the same weights: the ground truth both round away from);
-    the loss difference; and whether the comet layers ran the fused pipeline.
+    the loss difference; and the set of the comet layers' reasons for not running the fused
+    pipeline (``{None}`` where they all ran it).
     """
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     _, stock, loss = _forward_backward(preset, "deepspeed", seed, dtype, overlap)
     engine, comet, comet_loss = _forward_backward(preset, "comet", seed, dtype, overlap, activation_rows)
     layers = comet_layers(engine)
     assert layers, "ds_comet.initialize converted no AutoEP layer"
-    ran = {layer.pipelines.reason is None for layer in layers}
+    reasons = {layer.pipelines.reason for layer in layers}
     assert stock.keys() == comet.keys() and len(stock) > 10, sorted(set(stock) ^ set(comet))
     errors = {name: {"comet_vs_autoep": rel(comet[name], value)} for name, value in stock.items()}
     if dtype != torch.float32:
         _, exact, _ = _forward_backward(preset, "deepspeed", seed, torch.float32, overlap)
         for name, value in exact.items():
             errors[name].update(comet_vs_exact=rel(comet[name], value), autoep_vs_exact=rel(stock[name], value))
-    return errors, abs(comet_loss - loss), ran
+    return errors, abs(comet_loss - loss), reasons
 
 
 def fp8_case(preset: str, seed: int, recipe: dict):
