@@ -157,3 +157,30 @@ def test_the_hook_is_installed_once():
     assert DeepSpeedEngine.__init__ is hooked
     assert DeepSpeedEngine.__init__.__wrapped__.__qualname__ == "DeepSpeedEngine.__init__"
     assert ds_comet.initialize.__wrapped__.__module__ == "deepspeed"
+
+
+def dense_case(overlap: str):
+    """A "moe" section on a model without MoE layers: said by name (an error under "overlap": "fused")."""
+    import deepspeed
+    from deepspeed.utils import logger
+
+    import ds_comet  # noqa: F401
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    config = {"train_micro_batch_size_per_gpu": 1, "moe": {"backend": "comet", "overlap": overlap}}
+    captured = Captured()
+    logger.addHandler(captured)
+    try:
+        if overlap == "fused":
+            with pytest.raises(ValueError, match="the model has no MoE layer to run it"):
+                deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            return
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    finally:
+        logger.removeHandler(captured)
+    assert any("the model has no MoE layer to run it" in line for line in captured.lines), captured.lines
+
+
+@pytest.mark.parametrize("overlap", ["auto", "fused"])
+def test_a_moe_section_on_a_model_without_moe_layers_says_why(cpu_pool, overlap):
+    cpu_pool.run(dense_case, overlap=overlap)
