@@ -41,6 +41,12 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--output-dir", default="runs/hf_trainer")
     parser.add_argument("--losses", help="write each logged loss to this file, one JSON line a step")
+    parser.add_argument(
+        "--ddp-backend",
+        choices=("nccl", "gloo"),
+        help="the process group's backend (default: DeepSpeed's choice); gloo lets ranks share a GPU "
+        "(scripts/shared_gpu_ranks.sh), which NCCL refuses",
+    )
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
     return parser.parse_args(argv)
 
@@ -118,6 +124,7 @@ def main(argv=None):
         data_seed=args.seed,
         dataloader_drop_last=True,
         disable_tqdm=True,
+        ddp_backend=args.ddp_backend,
     )
     if args.losses and os.path.exists(args.losses):
         os.remove(args.losses)
