@@ -1,47 +1,62 @@
-"""``ds_comet.initialize``: ``deepspeed.initialize`` that also honours the ds_config's ``"moe"`` section.
+"""What the ds_config's ``"moe"`` section does to a DeepSpeed engine, and ``ds_comet.initialize``.
 
-DeepSpeed ignores top-level keys it does not know, so ``deepspeed.initialize`` alone never reads
-``"moe"``. ``ds_comet.initialize`` takes the same arguments and returns the same tuple; after
-DeepSpeed has built the engine (and AutoEP, under ``"expert_parallel"``, has converted the model's
-MoE blocks), it turns every MoE layer of the model into its comet version in place when the
-section says ``"backend": "comet"``:
+DeepSpeed ignores top-level keys it does not know, so DeepSpeed alone never reads ``"moe"``.
+``import ds_comet`` makes every engine DeepSpeed builds in the process honour it
+(``engine_hook``: the user's own ``deepspeed.initialize``, the Hugging Face ``Trainer``, Accelerate,
+TRL): once DeepSpeed has built the engine (and AutoEP, under ``"expert_parallel"``, has converted
+the model's MoE blocks), ``apply_moe_section`` turns every MoE layer of the model into its comet
+version in place when the section says ``"backend": "comet"``:
 
 - stock ``deepspeed.moe.layer.MoE``'s inner ``MOELayer`` becomes ``CometMOELayer`` (layers built
   with ``ds_comet.MoE`` / ``build_moe`` already are);
 - AutoEP's ``AutoEPMoELayer`` becomes ``CometAutoEPMoELayer``;
 
 as the integrations' table says (``integrations/layer_classes.py``), which also gives what to tell
-the user once they are converted.
+the user once they are converted. ``ds_comet.initialize`` is ``deepspeed.initialize`` with the same
+arguments and results; it remains for scripts that call it (and a script that rebinds
+``deepspeed.initialize`` to it gets DeepSpeed's own function underneath, not itself).
 
 Modules, parameters, optimizer state and checkpoints stay what DeepSpeed made; each comet layer is
 named after its module path in what it logs. A config that asks for comet on a model without MoE
 layers is a warning (an error under ``"overlap": "fused"``). Layers built as comet layers keep the
 settings they were built with; where the ds_config has a ``"moe"`` section that asks for other
 ones (another backend, or other values), that is an error naming the layers and the keys, not a
-section silently ignored. A ``"moe"`` section given as ``config`` or through ``args`` is checked
-before DeepSpeed builds the engine, so that a mistyped key fails at once.
+section silently ignored. The section is validated before DeepSpeed builds the engine, so that a
+mistyped key fails at once. Once every converted layer has chosen its pipeline (at its first
+call), rank 0 says in one WARNING line (the level the ``Trainer`` leaves DeepSpeed's logger at) how
+many layers run the comet backend, on which pipeline, and why not the fused one.
 """
 
 import functools
 import logging
 
 import deepspeed
+import torch.distributed as torch_dist
 from deepspeed.utils import log_dist, logger
 from torch import nn
 
 from .config import MOE_SECTION, CometMoEConfig, moe_config_from
-from .integrations.layer_classes import absent_layers, comet_replacements, conversion_notes
+from .integrations.layer_classes import absent_layers, comet_replacements, conversion_notes, moe_layers
+
+# DeepSpeed's own function, as it was when ds_comet was imported: a script that rebinds
+# ``deepspeed.initialize = ds_comet.initialize`` must not make this call itself.
+_deepspeed_initialize = deepspeed.initialize
 
 
-@functools.wraps(deepspeed.initialize)
+@functools.wraps(_deepspeed_initialize)
 def initialize(*args, **kwargs):
-    given = kwargs.get("config") or kwargs.get("config_params")
-    if given is None:  # deepspeed.initialize(args=...) reads args.deepspeed_config (or its older name)
-        namespace = kwargs.get("args", args[0] if args else None)
-        given = getattr(namespace, "deepspeed_config", None) or getattr(namespace, "deepscale_config", None)
-    if given is not None:
-        moe_config_from(given)  # a bad "moe" section fails before the engine is built
-    engine, *rest = deepspeed.initialize(*args, **kwargs)
+    # The engine that DeepSpeed builds applies the "moe" section itself (engine_hook).
+    return _deepspeed_initialize(*args, **kwargs)
+
+
+def apply_moe_section(engine) -> list[str]:
+    """What the ds_config's ``"moe"`` section does to ``engine`` (a ``DeepSpeedEngine`` just built):
+    refuse comet layers built with other settings, convert the model's MoE layers, say what the
+    user should know of the conversion, and arrange the summary of the pipelines chosen.
+
+    Returns:
+        The converted layers' module paths ([] under ``"backend": "deepspeed"``).
+    """
     # The engine's DeepSpeedConfig holds the parsed ds_config however it was given (dict, path, args).
     config = moe_config_from(engine._config)
     param_dict = getattr(engine._config, "_param_dict", None) or {}
@@ -51,7 +66,8 @@ def initialize(*args, **kwargs):
     if converted:
         for message in conversion_notes(param_dict, config):
             log_dist(message, ranks=[0], level=logging.WARNING)
-    return (engine, *rest)
+        PipelineSummary(engine.module)
+    return converted
 
 
 def convert_moe_layers(model: nn.Module, config: CometMoEConfig) -> list[str]:
@@ -115,3 +131,41 @@ def refuse_other_settings(model: nn.Module, config: CometMoEConfig) -> None:
         f'ds_comet: the ds_config\'s "moe" section differs from what these comet layers were built '
         f"with, which they keep: {layers}; {fix}"
     )
+
+
+class PipelineSummary:
+    """The one line a job's rank 0 logs, at WARNING, once every comet layer of a model has chosen its
+    pipeline (each chooses with its group at its first call): how many layers run the comet
+    backend, on which pipeline, and, for those on the reference pipeline, why.
+
+    Built by ``apply_moe_section``; each layer's ``PipelineSelection`` tells it through ``on_agreed``.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.waiting = {}
+        for module in moe_layers(model):
+            pipelines = getattr(module, "pipelines", None)
+            if pipelines is not None and hasattr(pipelines, "pipeline_for"):
+                self.waiting[id(pipelines)] = pipelines
+                pipelines.on_agreed = self.agreed
+        self.total = len(self.waiting)
+        self.outcomes: list[str | None] = []
+
+    def agreed(self, selection) -> None:
+        """``selection`` has agreed with its group; its ``reason`` is None when it runs fused."""
+        if self.waiting.pop(id(selection), None) is None:
+            return  # a later agreement (another dtype, changed settings): the summary is said once
+        selection.on_agreed = None
+        self.outcomes.append(selection.reason)
+        if not self.waiting and (not torch_dist.is_initialized() or torch_dist.get_rank() == 0):
+            logger.warning(self.line())
+
+    def line(self) -> str:
+        fused = self.outcomes.count(None)
+        reasons: dict[str, int] = {}
+        for reason in self.outcomes:
+            if reason is not None:
+                reasons[reason] = reasons.get(reason, 0) + 1
+        parts = [f"{fused} on the fused pipeline"] if fused else []
+        parts += [f"{count} on the reference pipeline ({reason})" for reason, count in reasons.items()]
+        return f"ds_comet: {self.total} MoE layer(s) run the comet backend: " + "; ".join(parts)

@@ -29,7 +29,8 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _model(family: str, hidden: int, ffn: int, experts: int, k: int) -> nn.Module:
+def model_for(family: str, hidden: int, ffn: int, experts: int, k: int) -> nn.Module:
+    """A one-layer Hugging Face model of ``family`` (random weights from a config) whose MoE block AutoEP converts."""
     heads = max(hidden // 128, 1)
     common = dict(
         vocab_size=128,
@@ -82,7 +83,7 @@ def autoep_layer(
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = _model(family, hidden, ffn, experts, k)
+        model = model_for(family, hidden, ffn, experts, k)
     model.to(dtype)
     config = parse_autoep_config(
         {"enabled": True, "autoep_size": ep_size, "preset_model": family, "use_grouped_mm": device.type == "cuda"}

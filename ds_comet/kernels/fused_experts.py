@@ -49,6 +49,12 @@ class FusedExperts:
     def parameters(self) -> list[Tensor]:
         raise NotImplementedError
 
+    def with_whole_weights(self, function, *tensors: Tensor):
+        """``function(*tensors)`` (a fused call, which reads the weights through their pointers, and
+        whose backward reads them again) where the weights are whole while it and its backward run.
+        Here they always are; a view of ZeRO-3 partitioned weights runs it inside their module's call."""
+        return function(*tensors)
+
     def stacked(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(w1, w3, w2)`` as ``[L, F, H]``, ``[L, F, H]`` and ``[L, H, F]`` tensors where the experts
         are stored so (what ``torch._grouped_mm`` takes), else None."""

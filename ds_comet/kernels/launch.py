@@ -18,6 +18,7 @@ from .constants import TOTAL_COMBINE_CLAIM, TOTAL_RECV_ROWS
 from .fused_experts import POINTER_NAMES, FusedExperts
 from .gemm_phases import GemmFacts, GemmImplementation, Phase, Products
 from .gemm_table import choose
+from .host_copies import host_to_device
 from .routing_plan import RoutingPlan
 from .workspace import CometBuffer
 
@@ -44,8 +45,9 @@ class FusedParameters:
 class PointerTables:
     """Device tables of the local experts' weight pointers, rebuilt only when a pointer moves.
 
-    ZeRO may move parameters into flat buffers and users may replace them, so the pointers are
-    read on every call (cheaply) and the device tables rebuilt when any changed.
+    ZeRO may move parameters into flat buffers (ZeRO-3 gathers them anew every call) and users may
+    replace them, so the pointers are read on every call (cheaply) and the device tables rebuilt,
+    with no host sync, when any changed.
     """
 
     def __init__(self):
@@ -69,7 +71,8 @@ class PointerTables:
                     'kernels need aligned weights (use "overlap": "none")'
                 )
             pointers = torch.tensor(key, dtype=torch.int64).view(len(rows), len(POINTER_NAMES)).t().contiguous()
-            stacked = pointers.to(tokens.device)
+            # Queued, not waited for: under ZeRO-3 the weights are gathered anew, at new addresses, every call.
+            stacked = host_to_device(pointers, tokens.device)
             self._tables = {name: stacked[i] for i, name in enumerate(POINTER_NAMES)}
             self._key = key
         return self._tables

@@ -33,8 +33,9 @@ import torch
 from deepspeed import comm as dist
 from torch import Tensor
 
+from ..kernels.host_copies import host_to_device
 from .collective_waits import CollectiveWaits
-from .routing import chunk_bounds, exclusive_cumsum, host_to_device, runs
+from .routing import chunk_bounds, exclusive_cumsum, runs
 
 # (received rows [R, H], their routes [R, 2k], chunk) -> one row per received row [R, H]
 ChunkWork = Callable[[Tensor, Tensor, int], Tensor]

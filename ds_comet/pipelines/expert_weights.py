@@ -15,7 +15,34 @@ from torch import Tensor, nn
 
 from ..experts import FusedExpert, expert_tensors_reason, forward_mismatch, fused_expert, tensor_reason
 from ..kernels.fused_experts import FusedExperts
-from .routing import host_to_device
+from ..kernels.host_copies import host_to_device
+
+
+def full_shape(param: Tensor) -> torch.Size:
+    """A parameter's whole shape, also where ZeRO-3 partitions it (between its module's own forward
+    hooks its data is then an empty placeholder, and ``ds_shape`` keeps the shape)."""
+    return torch.Size(getattr(param, "ds_shape", param.shape))
+
+
+def zero3_partitioned(module: nn.Module) -> bool:
+    """Whether ZeRO-3 partitions ``module``'s own parameters (whole only inside its calls)."""
+    return any(hasattr(param, "ds_id") for param in module.parameters(recurse=False))
+
+
+def call_through_hooks(module: nn.Module, function, *tensors: Tensor):
+    """``function(*tensors)`` called as ``module``'s forward, through ``module``'s hooks: under ZeRO-3,
+    those gather its parameters before and release them after, wrap the outputs so that the
+    backward gathers them again before it reaches ``function``'s backward, and the inputs so that
+    they are released once it has passed."""
+    own = module.__dict__.get("forward")
+    module.forward = function  # an instance attribute: nn.Module.__call__ runs it between the hooks
+    try:
+        return module(*tensors)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 class ModuleFusedExperts(FusedExperts):
@@ -61,7 +88,7 @@ class StackedFusedExperts(FusedExperts):
 
     def __init__(self, grouped: nn.Module, activation: str):
         self.grouped = grouped
-        self.num_local, self.ffn, _ = grouped.w1.shape
+        self.num_local, self.ffn, _ = full_shape(grouped.w1)
         self.gated, self.has_bias, self.activation = True, False, activation
 
     def _weights(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -87,8 +114,8 @@ class StackedFusedExperts(FusedExperts):
             ("w3", w3, (self.num_local, self.ffn, hidden)),
             ("w2", w2, (self.num_local, hidden, self.ffn)),
         ):
-            if tuple(tensor.shape) != shape:
-                return f"the grouped experts' {name} is {tuple(tensor.shape)}, the tokens need {shape}"
+            if tuple(full_shape(tensor)) != shape:
+                return f"the grouped experts' {name} is {tuple(full_shape(tensor))}, the tokens need {shape}"
             reason = tensor_reason(f"the grouped experts' {name}", tensor, dtype, device)
             if reason is not None:
                 return reason
@@ -99,6 +126,14 @@ class StackedFusedExperts(FusedExperts):
 
     def parameters(self) -> list[Tensor]:
         return list(self._weights())
+
+    def with_whole_weights(self, function, *tensors: Tensor):
+        # Under ZeRO-3 (AutoEP's layers run it) the weights are whole only inside GroupedExperts' own
+        # calls: the fused call runs as one, so ZeRO-3 gathers, prefetches and releases them as for
+        # AutoEP's own call of the module, and no copy of them is kept beyond ZeRO-3's own.
+        if not zero3_partitioned(self.grouped):
+            return function(*tensors)
+        return call_through_hooks(self.grouped, function, *tensors)
 
     def stacked(self) -> tuple[Tensor, Tensor, Tensor]:
         return self._weights()
@@ -204,7 +239,7 @@ class StackedExperts(LocalExperts):
 
     def __init__(self, grouped: nn.Module):
         self.grouped = grouped
-        self.num_local = grouped.w1.shape[0]
+        self.num_local = full_shape(grouped.w1)[0]
 
     def run(self, rows, counts):
         return self.grouped(rows, host_to_device(torch.tensor(list(counts), dtype=torch.int64), rows.device))
@@ -228,7 +263,7 @@ class StackedExperts(LocalExperts):
         return (
             "stacked",
             self.grouped.activation,
-            tuple(self.grouped.w1.shape),
-            tuple(self.grouped.w2.shape),
+            tuple(full_shape(self.grouped.w1)),
+            tuple(full_shape(self.grouped.w2)),
             str(self.grouped.w1.dtype),
         )

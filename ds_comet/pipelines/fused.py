@@ -157,11 +157,15 @@ class FusedPipeline(Pipeline):
                     f"built for k={self.workspace.shape.top_k}"
                 )
             max_rows = self.row_bounds[train]
-            if out is None and torch.is_grad_enabled():
-                params = self.experts.parameters()
-                if tokens.requires_grad or weights.requires_grad or any(p.requires_grad for p in params):
-                    return FusedMoEFunction.apply(self, plan, max_rows, tokens, weights, *params)
-            return self.run_forward(tokens, plan, weights, max_rows, out=out)
+
+            def call(tokens: Tensor, weights: Tensor) -> Tensor:
+                if out is None and torch.is_grad_enabled():
+                    params = self.experts.parameters()
+                    if tokens.requires_grad or weights.requires_grad or any(p.requires_grad for p in params):
+                        return FusedMoEFunction.apply(self, plan, max_rows, tokens, weights, *params)
+                return self.run_forward(tokens, plan, weights, max_rows, out=out)
+
+            return self.experts.with_whole_weights(call, tokens, weights)
         except Exception as error:
             self.note_error(error)
             self.raise_with_sizing_hint(error, self.row_bounds[train])

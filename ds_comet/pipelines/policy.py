@@ -8,9 +8,12 @@ over the group's gathered facts (``group_reason``); and per call, for what can c
 calls (``hooks_reason``).
 """
 
+import functools
 import importlib.util
+import inspect
 import os
 import socket
+import types
 from collections.abc import Sequence
 
 import torch
@@ -215,5 +218,36 @@ def hooks_reason(modules: list[torch.nn.Module]) -> str | None:
 
 
 def module_hooks(module: torch.nn.Module) -> list[str]:
-    """The kinds of hooks registered on ``module`` ("forward_hooks", ...), none when it has none."""
-    return [name[1:] for name in MODULE_HOOKS if getattr(module, name)]
+    """The kinds of hooks registered on ``module`` ("forward_hooks", ...), none when it has none.
+
+    ZeRO-3's own hooks, which gather and release the module's parameters, are not counted: the
+    pipelines call a ZeRO-3 module through them (``expert_weights.call_through_hooks``)."""
+    return [name[1:] for name in MODULE_HOOKS if any(not zero3_hook(hook) for hook in getattr(module, name).values())]
+
+
+@functools.cache
+def _zero3_hook_codes() -> frozenset:
+    """The code objects of the hooks DeepSpeed's ZeRO-3 registers on every module (closures defined
+    in ``DeepSpeedZeRoOffload._register_deepspeed_module``, each made anew per module from one code)."""
+    try:
+        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    except ImportError:
+        return frozenset()
+    register = inspect.unwrap(DeepSpeedZeRoOffload._register_deepspeed_module)
+    return frozenset(const for const in register.__code__.co_consts if isinstance(const, types.CodeType))
+
+
+def zero3_hook(hook) -> bool:
+    """Whether ``hook`` is one of ZeRO-3's parameter hooks, also behind the decorators DeepSpeed puts
+    on them (``torch.compiler.disable``, which keeps ``__wrapped__``; its NVTX ranges, a closure over
+    the hook)."""
+    codes = _zero3_hook_codes()
+    function = inspect.unwrap(hook)
+    if getattr(function, "__code__", None) in codes:
+        return True
+    cells = getattr(function, "__closure__", None) or ()
+    return any(
+        getattr(inspect.unwrap(cell.cell_contents), "__code__", None) in codes
+        for cell in cells
+        if callable(cell.cell_contents)
+    )

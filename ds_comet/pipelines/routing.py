@@ -116,14 +116,6 @@ def runs(starts: Tensor, lengths: Tensor) -> Tensor:
     return torch.repeat_interleave(starts - exclusive_cumsum(lengths), lengths) + torch.arange(int(lengths.sum()))
 
 
-def host_to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on ``device`` without waiting for the device: through pinned memory on CUDA
-    (a pageable copy waits for the work queued before it)."""
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> tuple[int, int]:
     """Rows this rank's tokens send to other ranks of the group: one per kept route (what the fused
     pipeline's combine brings back), and one per (token, destination rank) with a kept route there

@@ -129,6 +129,8 @@ class PipelineSelection:
         fused: the ``FusedPipeline``, built by the group's agreement where every rank can run it;
             else None.
         reason: why the last call did not run the fused pipeline (None when it did).
+        on_agreed: called with this selection whenever its group has agreed on a pipeline (its
+            ``reason`` then says which), or None; ``ds_comet.initialize.PipelineSummary`` sets it.
     """
 
     def __init__(self, spec: LayerSpec, experts: LocalExperts, config: CometMoEConfig, name: str | None = None):
@@ -142,6 +144,7 @@ class PipelineSelection:
         self.fused: FusedPipeline | None = None
         self.name = name or f"MoE layer {next(_LAYER_NUMBERS)}"
         self.reason: str | None = None
+        self.on_agreed: Callable[[PipelineSelection], None] | None = None
         self._agreed_key = None  # what the agreement was made for: the tokens' dtype, width, device, settings
         self._agreed_reason: str | None = None
         self._hooked: list[torch.nn.Module] | None = None
@@ -201,6 +204,9 @@ class PipelineSelection:
                 return self.reference
             self._agreed_reason, self._agreed_key = agreed, key
             self._warn_uncalled_hooks()
+            self.reason = agreed
+            if self.on_agreed is not None:
+                self.on_agreed(self)
         reason = self._agreed_reason
         self.reason = reason
         if reason is None:

@@ -118,21 +118,6 @@ def _autoep_section_keys():
     return set(re.findall(r'param_dict\.get\("(\w+)"', inspect.getsource(auto_ep_config.parse_autoep_config)))
 
 
-def zero3_case():
-    """AutoEP runs under ZeRO-3; the comet backend refuses it when it converts the layers."""
-    import torch
-
-    from tests.support.autoep_models import engine_for
-
-    engine_for("mixtral", "deepspeed", 0, 3, torch.float32)  # AutoEP itself takes ZeRO-3
-    with pytest.raises(NotImplementedError, match='does not run ZeRO stage 3.*"stage": 1} or 2'):
-        engine_for("mixtral", "comet", 0, 3, torch.float32, overlap="none")
-
-
-def test_zero3_is_refused_by_name(cpu_pool):
-    cpu_pool.run(zero3_case)
-
-
 def deepep_case(autoep_size):
     """AutoEP with "comm_backend": "deepep" on the comet backend: AutoEP uses DeepEP only across
     ranks, so at autoep_size 1 nothing of it is replaced; above, the two exchanges conflict."""

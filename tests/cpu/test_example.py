@@ -28,7 +28,8 @@ import time
 
 import pytest
 
-from tests.support.dist_pool import cpu_world_size, free_port, remove_shm_buffers
+from tests.support.dist_pool import cpu_world_size, free_port
+from tests.support.launches import run_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "examples", "train_moe.py")
@@ -39,19 +40,6 @@ RANKS = cpu_world_size()
 STEPS = 30
 MICRO_BATCH, SEQ_LEN, TOP_K, LAYERS = 8, 64, 2, 2  # the example's defaults with configs/zero*.json
 LOG_LINE = re.compile(r"^step (\d+) \| loss ([0-9.]+) \| aux ([0-9.]+) \| tokens/s (\d+)$", re.MULTILINE)
-# The launchers' rank environment must come from the launcher under test, not from this process.
-LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "LOCAL_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "TORCHELASTIC_RUN_ID",
-)
 
 
 def config(name):
@@ -110,50 +98,14 @@ class Run:
 
 
 def launch(cmd, port, monitor_dir=None, env_extra=None, expect_success=True) -> Run:
-    """Runs the example's launch command; port is its MASTER_PORT (its /dev/shm buffers are removed after).
+    """Runs the example's launch command (``launches.run_launch``; port is its MASTER_PORT).
 
     With expect_success, a non-zero exit status fails the test; else the caller checks it.
     """
-    try:
-        return _launch(cmd, monitor_dir, env_extra, expect_success)
-    finally:
-        remove_shm_buffers(port)
-
-
-def _launch(cmd, monitor_dir, env_extra, expect_success) -> Run:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    # A CPU test everywhere: gloo ranks in fp32, also on a machine with GPUs (where the example
-    # would otherwise train in bf16 over NCCL and the runs would no longer agree bit for bit).
-    env.update(
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        CUDA_VISIBLE_DEVICES="",
-        DS_ACCELERATOR="cpu",
-        PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-    )
-    env.update(env_extra or {})
-    start = time.perf_counter()
-    # A session of its own, so that a run past its time is killed with all the ranks it started.
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        text=True,
-        errors="replace",
-    )
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        run = Run(cmd, None, output, None, time.perf_counter() - start)
-        pytest.fail(f"timed out after {TIMEOUT_S} s{run.tail()}")
-    run = Run(cmd, proc.returncode, output, monitor_dir, time.perf_counter() - start)
+    returncode, output, seconds = run_launch(cmd, port, TIMEOUT_S, env_extra)
+    run = Run(cmd, returncode, output, monitor_dir, seconds)
     if expect_success:
-        assert proc.returncode == 0, f"exit status {proc.returncode}{run.tail()}"
+        assert returncode == 0, f"exit status {returncode}{run.tail()}"
     return run
 
 

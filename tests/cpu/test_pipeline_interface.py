@@ -139,10 +139,10 @@ def _autoep_layer():
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
 
-    from ds_comet.bench.autoep import _model
+    from ds_comet.bench.autoep import model_for
 
     torch.manual_seed(0)
-    model = _model("mixtral", HIDDEN * 4, 96, 4, 2)
+    model = model_for("mixtral", HIDDEN * 4, 96, 4, 2)
     config = {"enabled": True, "autoep_size": 1, "preset_model": "mixtral", "use_grouped_mm": False}
     auto_ep = AutoEP(model, parse_autoep_config(config))
     auto_ep.replace_moe_layers(auto_ep.ep_parser(), ep_size=1, ep_rank=0)

@@ -119,14 +119,6 @@ class CometAutoEPMoELayer(AutoEPMoELayer):
                 "the comet MoE backend does not run AutoEP's folded tensor parallelism "
                 '(tensor_parallel.autotp_size > 1); use "moe": {"backend": "deepspeed"}'
             )
-        # ZeRO-3 leaves each parameter an empty placeholder between its module's own forward hooks;
-        # the pipelines read the stacked weights whole, outside those hooks.
-        if any(hasattr(param, "ds_id") for param in layer.parameters()):
-            raise NotImplementedError(
-                "the comet MoE backend does not run ZeRO stage 3, which partitions the expert "
-                'weights that its pipelines read whole; use "zero_optimization": {"stage": '
-                '1} or 2, or "moe": {"backend": "deepspeed"}'
-            )
         # Everything that can refuse runs before the class changes: a refused layer stays AutoEP's.
         pipelines = PipelineSelection(_layer_spec(layer), StackedExperts(layer.experts), config)
         pipelines.check_structure(layer.hidden_size)
