@@ -45,7 +45,14 @@ _deepspeed_initialize = deepspeed.initialize
 
 @functools.wraps(_deepspeed_initialize)
 def initialize(*args, **kwargs):
-    # The engine that DeepSpeed builds applies the "moe" section itself (engine_hook).
+    given = kwargs.get("config") or kwargs.get("config_params")
+    if given is None:  # deepspeed.initialize(args=...) reads args.deepspeed_config (or its older name)
+        namespace = kwargs.get("args", args[0] if args else None)
+        given = getattr(namespace, "deepspeed_config", None) or getattr(namespace, "deepscale_config", None)
+    if given is not None:
+        # A bad "moe" section fails before DeepSpeed starts anything (the process group included);
+        # the engine DeepSpeed builds applies the section itself (engine_hook).
+        moe_config_from(given)
     return _deepspeed_initialize(*args, **kwargs)
 
 

@@ -242,7 +242,7 @@ def test_a_bad_moe_section_fails_before_deepspeed_builds_the_engine(monkeypatch)
     def engine_built(*args, **kwargs):
         raise AssertionError('deepspeed.initialize ran before the "moe" section was checked')
 
-    monkeypatch.setattr(initialize_module.deepspeed, "initialize", engine_built)
+    monkeypatch.setattr(initialize_module, "_deepspeed_initialize", engine_built)
     with pytest.raises(ValueError, match="overlap"):
         ds_comet.initialize(model=torch.nn.Linear(2, 2), config={"moe": {"backend": "comet", "overlap": "fuse"}})
     args = argparse.Namespace(deepspeed_config={"moe": {"backend": "comet", "wait_timeout_s": -1}})
