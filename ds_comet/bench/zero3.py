@@ -39,7 +39,8 @@ def block_step(family: str, hidden: int, ffn: int, experts: int, k: int, tokens:
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    model = model_for(family, hidden, ffn, experts, k)
+    with torch.device(device):  # random weights drawn on the GPU: a Mixtral-like block is 1.4 B of them
+        model = model_for(family, hidden, ffn, experts, k).to(torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, config=engine_config(family, backend))
     block = engine.module.model.layers[0].mlp
     x = torch.randn(1, tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
