@@ -26,7 +26,8 @@ import sys
 import torch
 import transformers
 
-import ds_comet  # noqa: F401  (the one line: DeepSpeed's engine then honours the "moe" section)
+import ds_comet  # the one line: DeepSpeed's engine then honours the "moe" section
+import ds_comet.launch  # only for --dist-backend
 
 VOCAB = 256  # bytes
 
@@ -42,7 +43,7 @@ def parse_args(argv=None):
     parser.add_argument("--output-dir", default="runs/hf_trainer")
     parser.add_argument("--losses", help="write each logged loss to this file, one JSON line a step")
     parser.add_argument(
-        "--ddp-backend",
+        "--dist-backend",
         choices=("nccl", "gloo"),
         help="the process group's backend (default: DeepSpeed's choice); gloo lets ranks share a GPU "
         "(scripts/shared_gpu_ranks.sh), which NCCL refuses",
@@ -107,6 +108,10 @@ class LossFile(transformers.TrainerCallback):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.dist_backend is not None:
+        # Accelerate starts DeepSpeed's process group on the accelerator's backend, whatever
+        # TrainingArguments(ddp_backend=) says; a group already started is the one it keeps.
+        ds_comet.launch.init_distributed(args.dist_backend)
     model = tiny_model(args.model, args.seed)
     data = StdlibBytes(args.seq_len, args.max_steps * args.batch_size * 8, args.seed)
     training = transformers.TrainingArguments(
@@ -124,7 +129,6 @@ def main(argv=None):
         data_seed=args.seed,
         dataloader_drop_last=True,
         disable_tqdm=True,
-        ddp_backend=args.ddp_backend,
     )
     if args.losses and os.path.exists(args.losses):
         os.remove(args.losses)
