@@ -19,8 +19,16 @@ from pydantic import ConfigDict, Field, ValidationError
 # Four minutes: the wait and the roll call after it (as long again) end before torch's NCCL
 # watchdog, 10 minutes by default for the groups DeepSpeed makes (CometMoEConfig.wait_timeout_s).
 DEFAULT_WAIT_TIMEOUT_S = 240.0
+# The shortest bound. A healthy job's ranks reach a collective apart by the work one rank does
+# alone (rank 0 writes the log and the monitor's files) and by pauses (garbage collection, a busy
+# host scheduling a rank late), and a host's wait on gloo or NCCL takes milliseconds even when all
+# ranks are there: a bound of milliseconds ends healthy jobs, with every rank waiting in the same
+# collective. One second leaves those an order of magnitude.
+MIN_WAIT_TIMEOUT_S = 1.0
 MOE_SECTION = "moe"
+AUTOEP_SECTION = "expert_parallel"
 _warned_ignored = set()
+_warned_unread = set()
 
 
 class CometMoEConfig(DeepSpeedConfigModel):
@@ -112,15 +120,18 @@ class CometMoEConfig(DeepSpeedConfigModel):
     (about 6 bytes x tokens x hidden per layer; 218-326 MiB reserved at the bench's shapes;
     ds_comet/integrations/legacy/gate_graph.py)."""
 
-    wait_timeout_s: float = Field(DEFAULT_WAIT_TIMEOUT_S, ge=1e-3, le=1e6, allow_inf_nan=False)
+    wait_timeout_s: float = Field(DEFAULT_WAIT_TIMEOUT_S, ge=MIN_WAIT_TIMEOUT_S, le=1e6, allow_inf_nan=False)
     """Longest a layer waits for a peer rank before it raises: a fused kernel's wait (the kernels
-    count it in 64-bit nanoseconds: between a millisecond and about eleven days), or any of the
-    reference pipeline's waits on its group or of the group's agreement at a layer's first call
-    (which then look as long again for the ranks that stalled, to name them). The default lets a
-    rank fall behind its peers by four minutes (a slow batch, a checkpoint or an evaluation on one
-    rank) without ending the job, and ends the wait and that roll call before torch's NCCL watchdog
-    (10 minutes for the expert groups DeepSpeed makes) would abort the process without naming the
-    rank. Past 300 s the watchdog may come first."""
+    count it in 64-bit nanoseconds), or any of the reference pipeline's waits on its group or of
+    the group's agreement at a layer's first call (which then look as long again for the ranks that
+    stalled, to name them). At least a second (``MIN_WAIT_TIMEOUT_S``: less ends healthy jobs). The
+    default lets a rank fall behind its peers by four minutes (a slow batch, a checkpoint or an
+    evaluation on one rank) without ending the job, and ends the wait and that roll call before
+    torch's NCCL watchdog (10 minutes for the expert groups DeepSpeed makes) would abort the
+    process without naming the rank. Past 300 s the watchdog may come first, unless the script
+    starts its process groups with ``ds_comet.launch.init_distributed(ds_config=...)``, which also
+    bounds the script's own collectives by it and sets the process groups' timeout to
+    2 x ``wait_timeout_s`` + 10 s (``ds_comet.collectives``), whatever the backend."""
 
     def __init__(self, **data):
         # strict: DeepSpeedConfigModel otherwise drops every value spelled "auto", which would
@@ -227,7 +238,8 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
         config = CometMoEConfig(**section)
     except ValidationError as error:
         raise ValueError(_explain(error, section)) from None
-    ignored = tuple(sorted(key for key in section if key != "backend"))
+    # wait_timeout_s also bounds a script's own collectives (ds_comet.collectives), whatever the backend.
+    ignored = tuple(sorted(key for key in section if key not in ("backend", "wait_timeout_s")))
     if config.backend == "deepspeed" and ignored and ignored not in _warned_ignored:
         _warned_ignored.add(ignored)  # once, not once per MoE layer
         logger.warning(

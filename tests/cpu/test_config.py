@@ -102,7 +102,8 @@ def test_deepspeed_accepts_the_section():
         # The kernels count the wait in 64-bit nanoseconds.
         ({"backend": "comet", "wait_timeout_s": float("inf")}, ["'moe.wait_timeout_s' is inf"]),
         ({"backend": "comet", "wait_timeout_s": 1e10}, ["'moe.wait_timeout_s' is 10000000000.0", "1000000"]),
-        ({"backend": "comet", "wait_timeout_s": 1e-10}, ["'moe.wait_timeout_s' is 1e-10", "0.001"]),
+        # Below a second, healthy jobs would time out (MIN_WAIT_TIMEOUT_S).
+        ({"backend": "comet", "wait_timeout_s": 0.01}, ["'moe.wait_timeout_s' is 0.01", "greater than or equal to 1"]),
     ],
 )
 def test_bad_config_names_key_and_choices(section, words):
