@@ -2,12 +2,19 @@
 which reads a ds_config file as DeepSpeed does.
 
 DeepSpeed ignores top-level keys it does not know, so the section lives beside DeepSpeed's own
-ones. It is not called ``"comet"``: DeepSpeed's Comet ML monitor owns that key.
+ones. It is not called ``"comet"``: DeepSpeed's Comet ML monitor owns that key. Since a misspelled
+section would be ignored as silently, ``moe_config_from`` warns, once each, about top-level keys
+that look like ``"moe"`` (``"MoE"``, ``"moe "``, ``"comet_moe"``) and about keys of
+``"expert_parallel"`` that DeepSpeed's AutoEP parser does not read (``unread_keys_warnings``).
 """
 
 import base64
 import binascii
+import difflib
+import functools
+import inspect
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin
 
@@ -229,7 +236,12 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
     """The validated ``"moe"`` section of ``ds_config`` (defaults where it has none)."""
     if isinstance(ds_config, CometMoEConfig):
         return ds_config
-    section: Any | None = _config_dict(ds_config).get(MOE_SECTION, {})
+    whole = _config_dict(ds_config)
+    for message in unread_keys_warnings(whole):
+        if message not in _warned_unread:  # once, not once per MoE layer
+            _warned_unread.add(message)
+            logger.warning(message)
+    section: Any | None = whole.get(MOE_SECTION, {})
     if section is None:
         section = {}
     if not isinstance(section, Mapping):
@@ -247,3 +259,69 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
             "this job runs stock DeepSpeed's MoE and ignores them"
         )
     return config
+
+
+def _looks_like_moe(key: str) -> bool:
+    """Whether top-level ``key``, not ``"moe"`` itself, was likely meant as the section: ``"moe"``
+    in other case or with spaces, one edit away from it, or a word of it (``"comet_moe"``)."""
+    if key == MOE_SECTION or not isinstance(key, str):
+        return False
+    name = key.strip().lower()
+    if name == MOE_SECTION or MOE_SECTION in re.split(r"[^a-z0-9]+", name):
+        return True
+    return _within_one_edit(name, MOE_SECTION)
+
+
+def _within_one_edit(a: str, b: str) -> bool:
+    if abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        return sum(x != y for x, y in zip(a, b)) <= 1
+    shorter, longer = sorted((a, b), key=len)
+    return any(longer[:i] + longer[i + 1 :] == shorter for i in range(len(longer)))
+
+
+@functools.cache
+def autoep_section_keys() -> frozenset[str]:
+    """The keys of ``"expert_parallel"`` that DeepSpeed's AutoEP parser reads, from its source, so
+    that a DeepSpeed that reads other keys is followed; empty for a DeepSpeed without AutoEP."""
+    try:
+        from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+    except ImportError:
+        return frozenset()
+    source = inspect.getsource(parse_autoep_config)
+    # param_dict.get("key", ...), param_dict["key"] and "key" in param_dict
+    found = re.findall(r'param_dict(?:\.get\(|\[)"(\w+)"|"(\w+)" in param_dict', source)
+    return frozenset(key for pair in found for key in pair if key)
+
+
+def unread_keys_warnings(ds_config: Mapping[str, Any]) -> list[str]:
+    """What to tell the user of a ds_config (a dict) whose keys nothing reads, though they look
+    meant for a section that is read: top-level keys like ``"moe"`` (``"MoE"``, ``"moe "``,
+    ``"comet_moe"``), and keys of ``"expert_parallel"`` that DeepSpeed's AutoEP parser does not
+    read (it ignores them: a misspelled ``"autoep_size"`` runs at EP 1), each with the closest
+    key that is read."""
+    messages = []
+    for key in ds_config:
+        if _looks_like_moe(key):
+            if MOE_SECTION in ds_config:
+                read = f'only "{MOE_SECTION}" is, whose settings stand'
+            else:
+                read = (
+                    f'the MoE backend\'s section is spelled "{MOE_SECTION}" (lower case, no spaces), and without '
+                    "one the job runs stock DeepSpeed's MoE"
+                )
+            messages.append(f"ds_config key {key!r} is not read: {read}")
+    section = ds_config.get(AUTOEP_SECTION)
+    known = autoep_section_keys()
+    if isinstance(section, Mapping) and known:
+        for key in section:
+            if key in known:
+                continue
+            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else f"it reads {', '.join(sorted(known))}"
+            messages.append(
+                f'ds_config "{AUTOEP_SECTION}" key {key!r} is not one that DeepSpeed\'s AutoEP reads, and it '
+                f"ignores it: {hint}"
+            )
+    return messages

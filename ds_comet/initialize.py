@@ -19,7 +19,9 @@ layers is a warning (an error under ``"overlap": "fused"``). Layers built as com
 settings they were built with; where the ds_config has a ``"moe"`` section that asks for other
 ones (another backend, or other values), that is an error naming the layers and the keys, not a
 section silently ignored. A ``"moe"`` section given as ``config`` or through ``args`` is checked
-before DeepSpeed builds the engine, so that a mistyped key fails at once.
+before DeepSpeed builds the engine, so that a mistyped key fails at once, as are (where the process
+group is already started) the ``ep_size`` of the model's MoE layers on every rank, which DeepSpeed
+would otherwise make groups from with calls that wait forever when the ranks disagree.
 """
 
 import functools
@@ -31,6 +33,7 @@ from torch import nn
 
 from .config import MOE_SECTION, CometMoEConfig, moe_config_from
 from .integrations.layer_classes import absent_layers, comet_replacements, conversion_notes
+from .integrations.legacy.layer import check_model_ep_sizes
 
 
 @functools.wraps(deepspeed.initialize)
@@ -39,8 +42,9 @@ def initialize(*args, **kwargs):
     if given is None:  # deepspeed.initialize(args=...) reads args.deepspeed_config (or its older name)
         namespace = kwargs.get("args", args[0] if args else None)
         given = getattr(namespace, "deepspeed_config", None) or getattr(namespace, "deepscale_config", None)
-    if given is not None:
-        moe_config_from(given)  # a bad "moe" section fails before the engine is built
+    checked = moe_config_from(given)  # a bad "moe" section fails before the engine is built
+    # Ranks whose MoE layers differ in ep_size would wait forever in DeepSpeed's new_group.
+    check_model_ep_sizes(kwargs.get("model", args[1] if len(args) > 1 else None), checked.wait_timeout_s)
     engine, *rest = deepspeed.initialize(*args, **kwargs)
     # The engine's DeepSpeedConfig holds the parsed ds_config however it was given (dict, path, args).
     config = moe_config_from(engine._config)
