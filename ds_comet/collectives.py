@@ -42,7 +42,7 @@ from torch.distributed import distributed_c10d
 
 from .config import DEFAULT_WAIT_TIMEOUT_S
 from .kernels.ops import CometWaitTimeout
-from .pipelines.collective_waits import STORE_SLACK_S, CollectiveWaits, gather_objects, post_failure
+from .pipelines.collective_waits import CollectiveWaits, gather_objects, post_failure, process_group_timeout_s
 
 # What the process groups raise when a collective cannot complete (besides torch's DistError): a
 # peer's connection closed or reset (gloo's transport), or the process group's timeout passed.
@@ -61,7 +61,7 @@ _wait_timeout_s = DEFAULT_WAIT_TIMEOUT_S
 def process_group_timeout(wait_timeout_s: float) -> timedelta:
     """The process groups' timeout for a bound of ``wait_timeout_s``: a layer's wait and the roll
     call after it (as long again, and the store's slack) end first."""
-    return timedelta(seconds=2 * wait_timeout_s + 2 * STORE_SLACK_S)
+    return timedelta(seconds=process_group_timeout_s(wait_timeout_s))
 
 
 def set_wait_timeout(wait_timeout_s: float) -> timedelta:

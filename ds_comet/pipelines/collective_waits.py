@@ -277,6 +277,13 @@ def gather_objects(obj, waits: CollectiveWaits, what: str) -> list:
     return [pickle.loads(part[:length].cpu().numpy().tobytes()) for part, length in zip(gathered, lengths)]
 
 
+def process_group_timeout_s(wait_timeout_s: float) -> float:
+    """The process groups' timeout that goes with a bound of ``wait_timeout_s`` (the one
+    ``ds_comet.collectives.set_wait_timeout`` sets): a wait and the roll call after it (as long
+    again, and the store's slack) end before it."""
+    return 2 * wait_timeout_s + 2 * STORE_SLACK_S
+
+
 def describe_ranks(ranks: list[int]) -> str:
     """``ranks`` as text, runs of consecutive ranks as ranges: [0, 1, 2, 3, 8] -> "0-3, 8"."""
     runs: list[list[int]] = []

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ...config import CometMoEConfig, moe_config_from
 from ...experts import expert_width_reason, row_mixing_reason
-from ...pipelines.collective_waits import CollectiveWaits, failures_noted, gather_objects
+from ...pipelines.collective_waits import CollectiveWaits, failures_noted, gather_objects, process_group_timeout_s
 from ...pipelines.expert_weights import ModuleExperts
 from ...pipelines.parameters import max_received_rows
 from ...pipelines.selection import LayerSpec, PipelineSelection, refuse_meta
@@ -215,14 +215,17 @@ class MoE(deepspeed.moe.layer.MoE):
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
 
 
-def agree_on_ep_sizes(layers: list[tuple[str, int]], timeout_s: float) -> None:
+def agree_on_ep_sizes(layers: list[tuple[str, int]], wait_timeout_s: float) -> None:
     """Raises ValueError unless every rank gives the same ep_size for each of ``layers`` (``(name,
     ep_size)`` in the order the engine sets them up), naming the layer and each rank's value (a
-    gather over the default group, each wait bounded by ``timeout_s``; collective).
+    gather over the default group; collective).
 
     DeepSpeed makes a layer's expert-parallel groups from its ep_size, with ``new_group`` calls that
-    every rank must make alike: ranks that disagree would wait there forever, without a word.
+    every rank must make alike: ranks that disagree would wait there forever, without a word. The
+    gather waits as long as those calls would (the process groups' timeout for ``wait_timeout_s``):
+    ranks reach the set-up further apart than a layer's calls (building the model, loading data).
     """
+    timeout_s = process_group_timeout_s(wait_timeout_s)
     waits = CollectiveWaits(None, timeout_s, "the MoE layers' ep_size", "the job", "did not come to this collective")
     everyone = gather_objects(list(layers), waits, "the other ranks' ep_size of each MoE layer")
     counts = [len(ranks_layers) for ranks_layers in everyone]
@@ -241,7 +244,7 @@ def agree_on_ep_sizes(layers: list[tuple[str, int]], timeout_s: float) -> None:
             )
 
 
-def check_model_ep_sizes(model, timeout_s: float) -> None:
+def check_model_ep_sizes(model, wait_timeout_s: float) -> None:
     """``agree_on_ep_sizes`` on the ``deepspeed.moe.layer.MoE`` layers of ``model`` (stock's and
     ds_comet's), named by their paths: collective, before DeepSpeed makes their groups. Nothing
     to check without a process group of several ranks (DeepSpeed then starts it, and
@@ -253,7 +256,7 @@ def check_model_ep_sizes(model, timeout_s: float) -> None:
         for path, module in model.named_modules()
         if isinstance(module, deepspeed.moe.layer.MoE)
     ]
-    agree_on_ep_sizes(layers, timeout_s)
+    agree_on_ep_sizes(layers, wait_timeout_s)
 
 
 def _refuse_tensor_parallel():
