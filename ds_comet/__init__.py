@@ -15,8 +15,10 @@ The package in layers, each using only those below it:
 
 For training scripts (examples/train_moe.py uses them): ``ds_comet.checkpoints`` (checkpoints with a
 checksum manifest and the run's shape, checked before a resume), ``ds_comet.training_metrics`` (the
-run's metrics through DeepSpeed's monitor), ``ds_comet.launch`` (torch.distributed under any launcher)
-and ``ds_comet.step_shares`` (where a step's time goes).
+run's metrics through DeepSpeed's monitor), ``ds_comet.launch`` (torch.distributed under any launcher,
+its timeout from ``"wait_timeout_s"``, ranks that exit with their launcher), ``ds_comet.collectives``
+(a script's own collectives, bounded, and DeepSpeed's named when they fail) and
+``ds_comet.step_shares`` (where a step's time goes).
 """
 
 from . import engine_hook, experts

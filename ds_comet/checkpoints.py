@@ -34,8 +34,10 @@ A save directory holds:
 The functions that say "collective" must be called by every rank together. Like DeepSpeed's loader,
 they assume that every rank sees the whole save directory. Every exchange between ranks in this
 module goes through ``_on_rank0`` (a step rank 0 runs, its result or its failure given to every
-rank) and ``_gather`` (one value from each rank, all of them to every rank), besides the barriers of
-``engine.save_checkpoint`` itself.
+rank) and ``_gather`` (one value from each rank, all of them to every rank), which wait at most
+``ds_comet.collectives``' bound, besides the barriers of ``engine.save_checkpoint`` itself, which the
+process group's timeout bounds (``collectives.peers_named``): a rank that stops during a save ends
+its peers' waits with an error naming it (``CometWaitTimeout``).
 """
 
 import contextlib
@@ -45,11 +47,14 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from deepspeed import comm as dist
+
+from . import collectives
 
 MANIFEST = "SHA256SUMS"
 LATEST = "latest"
@@ -134,9 +139,7 @@ def _on_rank0(step: Callable[[], T], what: str) -> T:
             outcome = (True, step())
         except Exception as error:
             raised, outcome = error, (False, f"{type(error).__name__}: {error}")
-    holder = [outcome]
-    dist.broadcast_object_list(holder, src=0)
-    done, value = holder[0]
+    done, value = collectives.all_gather_object(outcome, what, "rank 0's part of it")[0]
     if raised is not None:
         raise raised
     if not done:
@@ -144,11 +147,10 @@ def _on_rank0(step: Callable[[], T], what: str) -> T:
     return value
 
 
-def _gather(value: T) -> list[T]:
-    """[rank 0's value, rank 1's, ...] on every rank (collective)."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+def _gather(value: T, where: str, what: str) -> list[T]:
+    """[rank 0's value, rank 1's, ...] on every rank (collective); ``where`` (the step) and ``what``
+    (the values) name the wait in its error."""
+    return collectives.all_gather_object(value, where, what)
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,10 +234,11 @@ def _checkpoint_files(checkpoint_dir: str) -> list[str]:
     return sorted(found)
 
 
-def _shared_sha256(checkpoint_dir: str, names: list[str], flush_to_disk: bool = False):
+def _shared_sha256(checkpoint_dir: str, names: list[str], where: str, flush_to_disk: bool = False):
     """({name: sha256}, {name: why it could not be read}) of ``names`` under ``checkpoint_dir``.
 
-    Collective: each rank hashes every world-size-th file and every rank gets all the results.
+    Collective: each rank hashes every world-size-th file and every rank gets all the results;
+    ``where`` names the step in the error of a wait that times out.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     digests, errors = {}, {}
@@ -246,7 +249,7 @@ def _shared_sha256(checkpoint_dir: str, names: list[str], flush_to_disk: bool = 
             errors[name] = "missing"
         except OSError as error:
             errors[name] = f"cannot be read ({error})"
-    gathered = _gather((digests, errors))
+    gathered = _gather((digests, errors), where, "the sha256 of the files the other ranks hashed")
     return (
         {k: v for part, _ in gathered for k, v in part.items()},
         {k: v for _, part in gathered for k, v in part.items()},
@@ -254,12 +257,28 @@ def _shared_sha256(checkpoint_dir: str, names: list[str], flush_to_disk: bool = 
 
 
 def read_latest(save_dir: str) -> str | None:
-    """The tag that ``save_dir``'s ``latest`` names; None when there is no such file (or it is empty)."""
+    """The tag that ``save_dir``'s ``latest`` names; None when there is no such file (or it is empty).
+
+    Raises:
+        CheckpointNotFoundError: ``latest`` holds no text (binary bytes, control characters).
+    """
+    path = os.path.join(save_dir, LATEST)
     try:
-        with open(os.path.join(save_dir, LATEST)) as handle:
-            return handle.read().strip() or None
+        with open(path, "rb") as handle:
+            data = handle.read()
     except FileNotFoundError:
         return None
+    try:
+        tag = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = None
+    if tag is None or not tag.isprintable():
+        raise CheckpointNotFoundError(
+            f"{path} is not text ({len(data)} bytes, starting {data[:16]!r}): a save writes the tag of the "
+            "checkpoint it finished there, so another program wrote or damaged it; name the checkpoint "
+            "to resume from, or remove the file"
+        )
+    return tag or None
 
 
 def read_manifest(checkpoint_dir: str) -> dict[str, str] | None:
@@ -300,6 +319,20 @@ def require_synchronous_saves(engine) -> None:
             "marks a checkpoint whole when engine.save_checkpoint has returned on every rank, which needs "
             "a synchronous engine"
         )
+
+
+def check_writable(save_dir: str) -> None:
+    """Raises CheckpointError unless files can be written in ``save_dir`` (made if missing).
+
+    Not collective: a script calls it on every rank before it trains, so that a save directory it
+    cannot write is refused then, by name, not at the first save.
+    """
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=save_dir, prefix=".write_check_"):  # removed when closed
+            pass
+    except OSError as error:
+        raise CheckpointError(f"checkpoints cannot be written to {save_dir}: {error}") from None
 
 
 def _check_tag(tag: str):
@@ -346,11 +379,12 @@ def save_checkpoint(
     what = f"saving checkpoint {tag}"
     with explain_disk_full(save_dir, what):
         _on_rank0(lambda: _clear_staging(staging_dir), what)
-        engine.save_checkpoint(
-            save_dir, tag=tag + STAGING_SUFFIX, client_state=dict(client_state or {}), save_latest=False
-        )
+        with collectives.peers_named(what):  # DeepSpeed's barriers
+            engine.save_checkpoint(
+                save_dir, tag=tag + STAGING_SUFFIX, client_state=dict(client_state or {}), save_latest=False
+            )
         names = _on_rank0(lambda: _record_run_shape(staging_dir, run_shape), what)
-        digests, errors = _shared_sha256(staging_dir, names, flush_to_disk=True)
+        digests, errors = _shared_sha256(staging_dir, names, what, flush_to_disk=True)
         if errors:
             raise CheckpointError(
                 f"checkpoint {tag} in {save_dir}: saved files cannot be hashed: "
@@ -411,7 +445,8 @@ def find_checkpoint(save_dir: str, tag: str | None = None) -> str:
     Raises:
         CheckpointNotFoundError: ``save_dir`` does not exist, has no ``latest`` (and no tag was
             given), or has no directory ``tag``; the message lists the checkpoints there, and names
-            ``<tag>.replaced`` when a run stopped while a save replaced ``tag``.
+            ``<tag>.replaced`` when a run stopped while a save replaced ``tag``. Also when
+            ``latest`` holds no text (``read_latest``).
     """
     if not os.path.isdir(save_dir):
         raise CheckpointNotFoundError(f"no checkpoint in {save_dir}: the directory does not exist")
@@ -450,11 +485,12 @@ def checkpoint_problems(save_dir: str, tag: str) -> list[str]:
             return None, f"{tag} has no {MANIFEST}: its save did not finish, or another program wrote it"
         return manifest, None
 
-    manifest, problem = _on_rank0(manifest_or_problem, f"checking checkpoint {tag}")
+    where = f"checking checkpoint {tag}"
+    manifest, problem = _on_rank0(manifest_or_problem, where)
     if problem:
         return [problem]
     names = sorted(manifest)
-    digests, errors = _shared_sha256(checkpoint_dir, names)
+    digests, errors = _shared_sha256(checkpoint_dir, names, where)
     problems = []
     for name in names:
         if name in errors:
@@ -548,7 +584,8 @@ def load_checkpoint(engine, save_dir: str, tag: str, run_shape: Mapping[str, Any
         CheckpointError: DeepSpeed loaded nothing.
     """
     verify_checkpoint(save_dir, tag, run_shape)
-    load_path, client_state = engine.load_checkpoint(save_dir, tag=tag, **load_options)
+    with collectives.peers_named(f"loading checkpoint {tag}"):  # DeepSpeed's collectives
+        load_path, client_state = engine.load_checkpoint(save_dir, tag=tag, **load_options)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed did not load checkpoint {tag} from {save_dir}")
     return load_path, client_state

@@ -2,12 +2,19 @@
 which reads a ds_config file as DeepSpeed does.
 
 DeepSpeed ignores top-level keys it does not know, so the section lives beside DeepSpeed's own
-ones. It is not called ``"comet"``: DeepSpeed's Comet ML monitor owns that key.
+ones. It is not called ``"comet"``: DeepSpeed's Comet ML monitor owns that key. Since a misspelled
+section would be ignored as silently, ``moe_config_from`` warns, once each, about top-level keys
+that look like ``"moe"`` (``"MoE"``, ``"moe "``, ``"comet_moe"``) and about keys of
+``"expert_parallel"`` that DeepSpeed's AutoEP parser does not read (``unread_keys_warnings``).
 """
 
 import base64
 import binascii
+import difflib
+import functools
+import inspect
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin
 
@@ -19,8 +26,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # Four minutes: the wait and the roll call after it (as long again) end before torch's NCCL
 # watchdog, 10 minutes by default for the groups DeepSpeed makes (CometMoEConfig.wait_timeout_s).
 DEFAULT_WAIT_TIMEOUT_S = 240.0
+# The shortest bound. A healthy job's ranks reach a collective apart by the work one rank does
+# alone (rank 0 writes the log and the monitor's files) and by pauses (garbage collection, a busy
+# host scheduling a rank late), and a host's wait on gloo or NCCL takes milliseconds even when all
+# ranks are there: a bound of milliseconds ends healthy jobs, with every rank waiting in the same
+# collective. One second leaves those an order of magnitude.
+MIN_WAIT_TIMEOUT_S = 1.0
 MOE_SECTION = "moe"
+AUTOEP_SECTION = "expert_parallel"
 _warned_ignored = set()
+_warned_unread = set()
 
 
 class Fp8Recipe(DeepSpeedConfigModel):
@@ -193,15 +208,18 @@ class CometMoEConfig(DeepSpeedConfigModel):
     (about 6 bytes x tokens x hidden per layer; 218-326 MiB reserved at the bench's shapes;
     ds_comet/integrations/legacy/gate_graph.py)."""
 
-    wait_timeout_s: float = Field(DEFAULT_WAIT_TIMEOUT_S, ge=1e-3, le=1e6, allow_inf_nan=False)
+    wait_timeout_s: float = Field(DEFAULT_WAIT_TIMEOUT_S, ge=MIN_WAIT_TIMEOUT_S, le=1e6, allow_inf_nan=False)
     """Longest a layer waits for a peer rank before it raises: a fused kernel's wait (the kernels
-    count it in 64-bit nanoseconds: between a millisecond and about eleven days), or any of the
-    reference pipeline's waits on its group or of the group's agreement at a layer's first call
-    (which then look as long again for the ranks that stalled, to name them). The default lets a
-    rank fall behind its peers by four minutes (a slow batch, a checkpoint or an evaluation on one
-    rank) without ending the job, and ends the wait and that roll call before torch's NCCL watchdog
-    (10 minutes for the expert groups DeepSpeed makes) would abort the process without naming the
-    rank. Past 300 s the watchdog may come first."""
+    count it in 64-bit nanoseconds), or any of the reference pipeline's waits on its group or of
+    the group's agreement at a layer's first call (which then look as long again for the ranks that
+    stalled, to name them). At least a second (``MIN_WAIT_TIMEOUT_S``: less ends healthy jobs). The
+    default lets a rank fall behind its peers by four minutes (a slow batch, a checkpoint or an
+    evaluation on one rank) without ending the job, and ends the wait and that roll call before
+    torch's NCCL watchdog (10 minutes for the expert groups DeepSpeed makes) would abort the
+    process without naming the rank. Past 300 s the watchdog may come first, unless the script
+    starts its process groups with ``ds_comet.launch.init_distributed(ds_config=...)``, which also
+    bounds the script's own collectives by it and sets the process groups' timeout to
+    2 x ``wait_timeout_s`` + 10 s (``ds_comet.collectives``), whatever the backend."""
 
     fp8: Fp8Recipe = Field(default_factory=Fp8Recipe)
     """The FP8 recipe of the experts' GEMMs and the exchange's rows (off by default)."""
@@ -335,7 +353,12 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
     """The validated ``"moe"`` section of ``ds_config`` (defaults where it has none)."""
     if isinstance(ds_config, CometMoEConfig):
         return ds_config
-    section: Any | None = _config_dict(ds_config).get(MOE_SECTION, {})
+    whole = _config_dict(ds_config)
+    for message in unread_keys_warnings(whole):
+        if message not in _warned_unread:  # once, not once per MoE layer
+            _warned_unread.add(message)
+            logger.warning(message)
+    section: Any | None = whole.get(MOE_SECTION, {})
     if section is None:
         section = {}
     if not isinstance(section, Mapping):
@@ -344,7 +367,8 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
         config = CometMoEConfig(**section)
     except ValidationError as error:
         raise ValueError(_explain(error, section)) from None
-    ignored = tuple(sorted(key for key in section if key != "backend"))
+    # wait_timeout_s also bounds a script's own collectives (ds_comet.collectives), whatever the backend.
+    ignored = tuple(sorted(key for key in section if key not in ("backend", "wait_timeout_s")))
     if config.backend == "deepspeed" and ignored and ignored not in _warned_ignored:
         _warned_ignored.add(ignored)  # once, not once per MoE layer
         logger.warning(
@@ -352,3 +376,69 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
             "this job runs stock DeepSpeed's MoE and ignores them"
         )
     return config
+
+
+def _looks_like_moe(key: str) -> bool:
+    """Whether top-level ``key``, not ``"moe"`` itself, was likely meant as the section: ``"moe"``
+    in other case or with spaces, one edit away from it, or a word of it (``"comet_moe"``)."""
+    if key == MOE_SECTION or not isinstance(key, str):
+        return False
+    name = key.strip().lower()
+    if name == MOE_SECTION or MOE_SECTION in re.split(r"[^a-z0-9]+", name):
+        return True
+    return _within_one_edit(name, MOE_SECTION)
+
+
+def _within_one_edit(a: str, b: str) -> bool:
+    if abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        return sum(x != y for x, y in zip(a, b)) <= 1
+    shorter, longer = sorted((a, b), key=len)
+    return any(longer[:i] + longer[i + 1 :] == shorter for i in range(len(longer)))
+
+
+@functools.cache
+def autoep_section_keys() -> frozenset[str]:
+    """The keys of ``"expert_parallel"`` that DeepSpeed's AutoEP parser reads, from its source, so
+    that a DeepSpeed that reads other keys is followed; empty for a DeepSpeed without AutoEP."""
+    try:
+        from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+    except ImportError:
+        return frozenset()
+    source = inspect.getsource(parse_autoep_config)
+    # param_dict.get("key", ...), param_dict["key"] and "key" in param_dict
+    found = re.findall(r'param_dict(?:\.get\(|\[)"(\w+)"|"(\w+)" in param_dict', source)
+    return frozenset(key for pair in found for key in pair if key)
+
+
+def unread_keys_warnings(ds_config: Mapping[str, Any]) -> list[str]:
+    """What to tell the user of a ds_config (a dict) whose keys nothing reads, though they look
+    meant for a section that is read: top-level keys like ``"moe"`` (``"MoE"``, ``"moe "``,
+    ``"comet_moe"``), and keys of ``"expert_parallel"`` that DeepSpeed's AutoEP parser does not
+    read (it ignores them: a misspelled ``"autoep_size"`` runs at EP 1), each with the closest
+    key that is read."""
+    messages = []
+    for key in ds_config:
+        if _looks_like_moe(key):
+            if MOE_SECTION in ds_config:
+                read = f'only "{MOE_SECTION}" is, whose settings stand'
+            else:
+                read = (
+                    f'the MoE backend\'s section is spelled "{MOE_SECTION}" (lower case, no spaces), and without '
+                    "one the job runs stock DeepSpeed's MoE"
+                )
+            messages.append(f"ds_config key {key!r} is not read: {read}")
+    section = ds_config.get(AUTOEP_SECTION)
+    known = autoep_section_keys()
+    if isinstance(section, Mapping) and known:
+        for key in section:
+            if key in known:
+                continue
+            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else f"it reads {', '.join(sorted(known))}"
+            messages.append(
+                f'ds_config "{AUTOEP_SECTION}" key {key!r} is not one that DeepSpeed\'s AutoEP reads, and it '
+                f"ignores it: {hint}"
+            )
+    return messages

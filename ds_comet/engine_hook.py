@@ -8,7 +8,8 @@ engine's constructor. So the one place every such job passes, whoever calls what
 wraps it once per process:
 
 - before DeepSpeed builds anything, the ds_config's ``"moe"`` section is validated, so that a
-  mistyped key fails at once;
+  mistyped key fails at once, and, where the process group is already up, the ranks' MoE layers
+  are checked to agree on ``ep_size`` (DeepSpeed would wait forever making their groups);
 - once the engine is built, ``initialize.apply_moe_section`` runs on it: with ``"backend": "comet"``
   the model's MoE layers become comet layers in place, and a job without a ``"moe"`` section, or
   with ``"backend": "deepspeed"``, stays exactly DeepSpeed's.
@@ -39,8 +40,11 @@ def install() -> None:
     def init_with_moe_section(self, *args, **kwargs):
         bound = signature.bind_partial(self, *args, **kwargs).arguments
         given = bound.get("config_class") or bound.get("config")
-        if given is not None:
-            moe_config_from(given)  # a bad "moe" section fails before the engine is built
+        config = moe_config_from(given)  # a bad "moe" section fails before the engine is built
+        from .integrations.legacy.layer import check_model_ep_sizes
+
+        # Ranks whose MoE layers differ in ep_size would wait forever in DeepSpeed's new_group.
+        check_model_ep_sizes(bound.get("model"), config.wait_timeout_s)
         original(self, *args, **kwargs)
         from .initialize import apply_moe_section  # initialize imports the integrations, which import torch ops
 

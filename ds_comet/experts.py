@@ -15,10 +15,11 @@ own parameter names (and so its checkpoints)::
 
 (``SwiGLUExpert`` standing for a class of one's own with ``nn.Linear`` members w1, w3 and w2.)
 
-A registered class's own ``forward`` is then compared with that formula on a few random rows, in
-training and in eval mode, when a layer first chooses the fused pipeline: an expert that computes
-something else (another activation, a scale) or holds a dropout runs the reference pipeline, with
-the difference as the reason.
+A registered class's own ``forward`` is then compared with that formula on a few random rows at
+several scales (large ones show a clamp or a saturation), in training and in eval mode, when a
+layer first chooses the fused pipeline: an expert that computes something else (another
+activation, a scale, a clamp) or holds a dropout runs the reference pipeline, with the difference
+as the reason.
 """
 
 from collections.abc import Callable
@@ -259,14 +260,54 @@ def _from_layout(expert: nn.Module, layout: ExpertLayout) -> FusedExpert | str:
     )
 
 
+def expert_width_reason(expert: nn.Module, hidden: int) -> str | None:
+    """Why ``expert`` cannot map rows of ``hidden`` features to rows of ``hidden`` features, as far
+    as its layers tell, or None.
+
+    The known and registered kinds are read through their layout: the first (and up) layer's input
+    and the second layer's output. Another class is refused only when it holds ``nn.Linear`` layers
+    and none takes ``hidden`` features (a class of uninitialised lazy layers is not judged).
+    """
+    name = type(expert).__name__
+    spec = _spec(expert)
+    if not isinstance(spec, str):
+        inputs = [spec.first] + ([spec.gate] if spec.gate is not None else [])
+        takes = [linear.in_features for linear in inputs if linear.in_features != hidden]
+        if takes:
+            return f"the expert {name} takes rows of {takes[0]} features, the layer's hidden_size is {hidden}"
+        if spec.second.out_features != hidden:
+            return (
+                f"the expert {name} returns rows of {spec.second.out_features} features, the layer's hidden_size "
+                f"is {hidden}"
+            )
+        return None
+    linears = [module for module in expert.modules() if isinstance(module, nn.Linear)]
+    if not linears or any(isinstance(module, nn.modules.lazy.LazyModuleMixin) for module in linears):
+        return None
+    widths = sorted({linear.in_features for linear in linears})
+    if hidden in widths:
+        return None
+    return (
+        f"the expert {name}'s nn.Linear layers take rows of {', '.join(map(str, widths))} features, none of "
+        f"them the layer's hidden_size {hidden}"
+    )
+
+
+# Scales of the random rows (standard deviations) the formula check runs on: a clamp or a saturation
+# in an expert's forward (gpt-oss clamps its SwiGLU at 7) changes nothing on rows of scale 1 and
+# much on larger ones, which trained models feed their experts.
+CHECK_SCALES = (1.0, 10.0, 100.0)
+
+
 def forward_mismatch(spec: FusedExpert, hidden: int, rows: int = 16, tolerance: float = 2e-2) -> str | None:
     """Why a registered expert's own ``forward`` is not the formula the fused kernels compute, or None.
 
-    Both run on the same random rows in the weights' dtype, with the module in training mode and
-    in eval mode (the choice holds for every later call, whichever mode the first one had); a
-    relative difference past ``tolerance`` (a few bf16 roundings) is a different computation, not
-    rounding. Dropout is refused outright, since a small rate could pass for rounding. The
-    modules' modes and the random number generators are left as they were.
+    Both run on the same random rows in the weights' dtype, at each scale of ``CHECK_SCALES`` (a
+    scale where the formula itself overflows the dtype is skipped), with the module in training
+    mode and in eval mode (the choice holds for every later call, whichever mode the first one
+    had); a relative difference past ``tolerance`` (a few bf16 roundings) is a different
+    computation, not rounding. Dropout is refused outright, since a small rate could pass for
+    rounding. The modules' modes and the random number generators are left as they were.
     """
     module = spec.module
     if module is None:
@@ -286,33 +327,47 @@ def forward_mismatch(spec: FusedExpert, hidden: int, rows: int = 16, tolerance: 
         )
     weight = spec.first.weight
     generator = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(rows, hidden, generator=generator, device=weight.device).to(weight.dtype)
-    with torch.no_grad():
-        want = spec.compute(x)
+    unit_rows = torch.randn(rows, hidden, generator=generator, device=weight.device)
     modes = [(m, m.training) for m in module.modules()]
-    devices = [weight.device] if weight.device.type == "cuda" else []
     try:
-        for training in (True, False):
-            module.train(training)
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                got = module(x)
-            got = got[0] if isinstance(got, tuple) else got
-            if got.shape != want.shape:
-                return (
-                    f"the expert {name}'s forward returns {tuple(got.shape)} for {tuple(x.shape)} rows, the "
-                    f"registered layout gives {tuple(want.shape)}"
-                )
-            error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
-            if not error <= tolerance:
-                return (
-                    f"the expert {name}'s forward in {'training' if training else 'eval'} mode differs from its "
-                    f"registered layout by {error:.3g} (relative) on random rows: the fused kernels would compute "
-                    "something else; check register_expert's first/up/second/activation"
-                )
+        for scale in CHECK_SCALES:
+            x = (unit_rows * scale).to(weight.dtype)
+            with torch.no_grad():
+                want = spec.compute(x)
+            if not torch.isfinite(want).all():
+                continue  # the dtype's range, not the expert, ends the check here
+            for training in (True, False):
+                reason = _mismatch_in_mode(spec, x, want, training, tolerance, scale)
+                if reason is not None:
+                    return f"the expert {name}'s forward {reason}"
     finally:
         for m, training in modes:
             m.training = training
     return None
+
+
+def _mismatch_in_mode(
+    spec: FusedExpert, x: Tensor, want: Tensor, training: bool, tolerance: float, scale: float
+) -> str | None:
+    """How the expert's forward on rows ``x`` (random, of standard deviation ``scale``) in
+    ``training`` mode differs from ``want`` (the formula's output), past ``tolerance``; None where
+    it does not (``forward_mismatch``)."""
+    module = spec.module
+    devices = [x.device] if x.device.type == "cuda" else []
+    module.train(training)
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        got = module(x)
+    got = got[0] if isinstance(got, tuple) else got
+    if got.shape != want.shape:
+        return f"returns {tuple(got.shape)} for {tuple(x.shape)} rows, the registered layout gives {tuple(want.shape)}"
+    error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+    if error <= tolerance:
+        return None
+    return (
+        f"in {'training' if training else 'eval'} mode differs from its registered layout by {error:.3g} "
+        f"(relative) on random rows of standard deviation {scale:g}: the fused kernels would compute something "
+        "else (a clamp or a saturation shows on large rows); check register_expert's first/up/second/activation"
+    )
 
 
 def expert_tensors_reason(

@@ -22,7 +22,9 @@ layers is a warning (an error under ``"overlap": "fused"``). Layers built as com
 settings they were built with; where the ds_config has a ``"moe"`` section that asks for other
 ones (another backend, or other values), that is an error naming the layers and the keys, not a
 section silently ignored. The section is validated before DeepSpeed builds the engine, so that a
-mistyped key fails at once. Once every converted layer has chosen its pipeline (at its first
+mistyped key fails at once, as are (where the process group is already started) the ``ep_size`` of
+the model's MoE layers on every rank, which DeepSpeed would otherwise make groups from with calls
+that wait forever when the ranks disagree. Once every converted layer has chosen its pipeline (at its first
 call), rank 0 says in one WARNING line (the level the ``Trainer`` leaves DeepSpeed's logger at) how
 many layers run the comet backend, on which pipeline, and why not the fused one.
 """

@@ -16,7 +16,8 @@ and ``comet`` sections is enabled (the optimizer step as x):
   the allocator's peak, the largest rank), what the caller adds (an eval loss) and, with a
   ``StepShares``, rank 0's ``Summary/{moe_forward,moe_backward,optimizer,rest}_ms`` and ``..._share``.
 
-A loop uses it as::
+Its sums over the ranks wait at most ``ds_comet.collectives``' bound, and a rank that does not come
+is named in the error. A loop uses it as::
 
     metrics = TrainingMetrics(engine, tokens_per_step, moe_blocks, num_experts, start_step, last_step, warmup)
     metrics.write_run_info(params)
@@ -40,19 +41,25 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
+from . import collectives
 
-def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """Each value summed over the ranks (one all_reduce, float64; collective)."""
+
+def sum_over_ranks(values: list[float], device: torch.device, where: str = "the training metrics") -> list[float]:
+    """Each value summed over the ranks (one all_reduce, float64; collective), waiting at most
+    ``ds_comet.collectives``' bound; ``where`` names the step in the error of a wait that times out."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+    collectives.all_reduce(tensor, where, "the values of the other ranks")
     return tensor.tolist()
 
 
-def values_of_ranks(values: list[float], device: torch.device) -> list[list[float]]:
-    """[rank 0's values, rank 1's values, ...] of a list of floats per rank (one all_reduce; collective)."""
+def values_of_ranks(
+    values: list[float], device: torch.device, where: str = "the training metrics"
+) -> list[list[float]]:
+    """[rank 0's values, rank 1's values, ...] of a list of floats per rank (one all_reduce; collective),
+    waiting at most ``ds_comet.collectives``' bound; ``where`` as in ``sum_over_ranks``."""
     tensor = torch.zeros(dist.get_world_size(), len(values), dtype=torch.float64, device=device)
     tensor[dist.get_rank()] = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor)
+    collectives.all_reduce(tensor, where, "the values of the other ranks")
     return tensor.tolist()
 
 
@@ -139,7 +146,7 @@ class TrainingMetrics:
         """Writes the window's events (one all_reduce for all of them) and starts the next (collective)."""
         window, counts = self._window, self._window_counts
         losses = [value for _, lm, aux, _ in window for value in (lm, aux)]
-        sums = sum_over_ranks(losses + counts.flatten().tolist(), self.device)
+        sums = sum_over_ranks(losses + counts.flatten().tolist(), self.device, f"the metrics of step {step}")
         means = [value / dist.get_world_size() for value in sums[: len(losses)]]
         expert_tokens = [round(value) for value in sums[len(losses) :]]
         get_accelerator().synchronize()
@@ -189,7 +196,8 @@ class TrainingMetrics:
             summary["steady_tokens_per_s"] = timed_steps * self.tokens_per_step / seconds
             summary["step_ms"] = 1000 * seconds / timed_steps
         peak = peak_memory_mib()
-        self.peaks = [row[0] for row in values_of_ranks([peak], self.device)] if peak is not None else None
+        if peak is not None:
+            self.peaks = [row[0] for row in values_of_ranks([peak], self.device, "the run's peak memory")]
         if self.peaks is not None:
             summary["peak_memory_mib"] = max(self.peaks)
         if self.step_shares is not None:

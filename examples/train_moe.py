@@ -23,7 +23,11 @@ Hugging Face model's aux loss is 0, its configs adding no load-balancing loss by
 layers, the optimizer step and the rest of each timed step (``ds_comet.step_shares``). Checkpoints
 (``--save-dir``) are directories ``step{N}`` saved through ``ds_comet.checkpoints``, with a
 ``SHA256SUMS`` manifest and ``run.json``, the flags and rank count their shapes depend on;
-``--resume`` continues from ``latest`` and ``--resume-tag TAG`` from TAG once both are checked.
+``--resume`` continues from ``latest`` and ``--resume-tag TAG`` from TAG once both are checked; a
+``--save-dir`` the run cannot write is refused before it trains. The ds_config's ``"moe":
+{"wait_timeout_s"}`` bounds every wait on a peer, the layers' and the example's own, and sets the
+process groups' timeout (``ds_comet.launch.init_distributed``, ``ds_comet.collectives``): a rank that
+stops ends the others by name. Each rank exits when its launcher is gone.
 """
 
 import argparse
@@ -56,7 +60,7 @@ from tqdm import tqdm
 import ds_comet
 import ds_comet.launch
 import ds_comet.step_shares
-from ds_comet import checkpoints
+from ds_comet import checkpoints, collectives
 from ds_comet.training_metrics import TrainingMetrics, sum_over_ranks, values_of_ranks
 
 EVAL_FRACTION = 0.05
@@ -225,7 +229,7 @@ def stop_all_ranks(message):
     exit with status 1 together (a rank that left first could have a launcher kill rank 0 before it printed)."""
     if dist.get_rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    dist.barrier()
+    collectives.barrier("stopping every rank")
     dist.destroy_process_group()
     raise SystemExit(1)
 
@@ -289,6 +293,15 @@ def checkpoint_to_resume(args):
         raise SystemExit(f"error: --resume: {error}; {advice}") from None
 
 
+def check_save_dir(args):
+    """Exits naming --save-dir when the run would save into it but cannot write there (before any process group)."""
+    if args.save_dir and (args.save_interval or args.save_at or not args.no_final_save):
+        try:
+            checkpoints.check_writable(args.save_dir)
+        except checkpoints.CheckpointError as error:
+            raise SystemExit(f"error: --save-dir: {error}") from None
+
+
 def build_model(args, ds_config, rank, world_size):
     """(model, expert-parallel size, experts per MoE layer): the byte-level model, or the --hf-model under AutoEP."""
     ep_size = args.ep_size or world_size
@@ -326,7 +339,10 @@ def build_engine(args, model, ds_config):
     )
     fused_adamw = get_accelerator().device_name() == "cuda"  # torch's fused AdamW runs on CUDA devices
     optimizer = moe_optimizer(args.lr, args.weight_decay, fused_adamw)
-    engine, _, _, _ = ds_comet.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    with collectives.peers_named("building the engine"):
+        engine, _, _, _ = ds_comet.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
     if args.save_dir:
         try:
             checkpoints.require_synchronous_saves(engine)
@@ -399,18 +415,21 @@ def train_step(args, engine, forward, windows, step, shares):
     grad_accum, device = engine.gradient_accumulation_steps(), torch.device(engine.device)
     step_lm = step_aux = 0.0
     step_counts = None
-    for micro in range(grad_accum):
-        ids, targets = windows.batch(engine.train_micro_batch_size_per_gpu(), step, micro)
-        # The gate's random draws (top-2 sampling, random token selection) depend on the step
-        # alone, so a resumed run takes the same ones as an uninterrupted run.
-        torch.manual_seed(derived_seed("noise", args.seed, windows.rank, step, micro))
-        lm_loss, aux, counts = forward(ids.to(device), targets.to(device))
-        engine.backward(lm_loss + args.aux_coef * aux)
-        with shares.optimizer() if shares else contextlib.nullcontext():
-            engine.step()
-        step_lm += lm_loss.item() / grad_accum
-        step_aux += aux.item() / grad_accum
-        step_counts = counts if step_counts is None else step_counts + counts
+    # A rank that stops in the step leaves its peers in a collective of DeepSpeed's (the gradients'
+    # reduction): past the process groups' timeout, their error names it.
+    with collectives.peers_named(f"training step {step}"):
+        for micro in range(grad_accum):
+            ids, targets = windows.batch(engine.train_micro_batch_size_per_gpu(), step, micro)
+            # The gate's random draws (top-2 sampling, random token selection) depend on the step
+            # alone, so a resumed run takes the same ones as an uninterrupted run.
+            torch.manual_seed(derived_seed("noise", args.seed, windows.rank, step, micro))
+            lm_loss, aux, counts = forward(ids.to(device), targets.to(device))
+            engine.backward(lm_loss + args.aux_coef * aux)
+            with shares.optimizer() if shares else contextlib.nullcontext():
+                engine.step()
+            step_lm += lm_loss.item() / grad_accum
+            step_aux += aux.item() / grad_accum
+            step_counts = counts if step_counts is None else step_counts + counts
     return step_lm, step_aux, step_counts
 
 
@@ -460,7 +479,7 @@ def evaluate(args, engine, forward, windows):
     device = torch.device(engine.device)
     engine.eval()
     total_lm = total_aux = 0.0
-    with torch.no_grad():
+    with torch.no_grad(), collectives.peers_named("evaluation"):
         for index in range(args.eval_batches):
             ids, targets = windows.batch(engine.train_micro_batch_size_per_gpu(), "eval", index)
             torch.manual_seed(derived_seed("eval-noise", windows.seed, windows.rank, index))
@@ -468,7 +487,7 @@ def evaluate(args, engine, forward, windows):
             total_lm += lm_loss.item()
             total_aux += aux.item()
     engine.train()
-    lm, aux = sum_over_ranks([total_lm / args.eval_batches, total_aux / args.eval_batches], device)
+    lm, aux = sum_over_ranks([total_lm / args.eval_batches, total_aux / args.eval_batches], device, "evaluation")
     return lm / dist.get_world_size(), aux / dist.get_world_size()
 
 
@@ -479,7 +498,10 @@ def main(argv=None):
         set_log_level_from_string(args.log_level)
     ds_config = training_config(args.deepspeed_config, args.monitor_dir)
     resume_tag = checkpoint_to_resume(args) if args.resume else None
-    from_mpi = ds_comet.launch.init_distributed(args.dist_backend)
+    check_save_dir(args)
+    # The process groups' timeout, and the bound of the example's own collectives, from "moe": {"wait_timeout_s"};
+    # each rank exits when its launcher is gone.
+    from_mpi = ds_comet.launch.init_distributed(args.dist_backend, ds_config)
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     # Model, data and engine.
@@ -525,7 +547,7 @@ def main(argv=None):
     metrics.write_summary(summary, final_step)
     # Leave together: a rank that exits while another still uses the process group (rank 0 hosts
     # its store) makes the other's NCCL heartbeat monitor complain.
-    dist.barrier()
+    collectives.barrier("the end of the run")
     dist.destroy_process_group()
 
 

@@ -196,7 +196,7 @@ class PipelineSelection:
         """
         key = (tokens.dtype, tokens.shape[-1], tokens.device, self.spec.settings())
         if key != self._agreed_key:
-            agreed = self._agree(tokens)
+            agreed = self._agree(tokens, _why_agree(self._agreed_key, key))
             if agreed is NO_TOKENS_YET:
                 # Nothing to size the workspace by: this call (nothing to compute) runs the reference
                 # pipeline, and the group agrees again at the next call. The last agreement stands.
@@ -287,9 +287,10 @@ class PipelineSelection:
     # Under torch.compile this runs as written, not traced: a collective on Python objects, the op's
     # build, the symmetric-memory rendezvous and new CUDA streams, once per layer.
     @torch._disable_dynamo
-    def _agree(self, tokens: torch.Tensor) -> str | None:
+    def _agree(self, tokens: torch.Tensor, why: str) -> str | None:
         """One collective: every rank's settings, local answer, host, GPU and token count; then, if every
-        rank can run the fused pipeline, its workspace. Returns why not fused, or None."""
+        rank can run the fused pipeline, its workspace. Returns why not fused, or None. ``why`` says
+        why this rank asks for the agreement, in the error of a wait that times out."""
         fp8 = self._set_up_fp8(tokens.shape[-1])
         if self.config.overlap == "none":
             fused = '"overlap" is "none"'
@@ -313,9 +314,7 @@ class PipelineSelection:
             everyone = [local]
         else:
             everyone = gather_objects(
-                local,
-                self.reference.waits(),
-                "the other ranks' settings for this layer (the group's agreement at its first call)",
+                local, self.reference.waits(), f"the other ranks' settings for this layer ({why})"
             )
         self._check_settings([entry[0] for entry in everyone])
         self.spec.router_agreed(any(entry[5] for entry in everyone))
@@ -488,6 +487,46 @@ class PipelineSelection:
         self._said.add(message)
         if not torch_dist.is_initialized() or torch_dist.get_rank() == 0:
             logger.warning(message)
+
+
+def _why_agree(agreed_key, key) -> str:
+    """Why a rank asks its group to agree: the layer's first call (``agreed_key`` None), or what
+    changed on this rank since the last agreement (``agreed_key``) in ``key``: the tokens' dtype,
+    width or device, or a setting.
+
+    Only this rank's own change is known here: its peers, whose settings did not change, are not
+    in the agreement but in the call's exchange, and the roll call of a wait that times out shows
+    each rank this text as where the changed rank waits.
+    """
+    if agreed_key is None:
+        return "the group's agreement at its first call"
+    changes = [
+        f"{name} changed from {before} to {after}"
+        for name, before, after in zip(
+            ("the tokens' dtype", "the tokens' width", "the tokens' device"), agreed_key, key
+        )
+        if before != after
+    ]
+    before_settings, after_settings = dict(agreed_key[3]), dict(key[3])
+    changes += [
+        f"{name} changed from {before_settings.get(name)!r} to {value!r}"
+        for name, value in after_settings.items()
+        if before_settings.get(name) != value
+    ]
+    if not changes:
+        return "the group's agreement again"
+    return f"the group's agreement again: on this rank {', '.join(changes)} since the last one"
+
+
+def refuse_meta(tokens: torch.Tensor, layer_name: str) -> None:
+    """Raises ValueError for tokens on the meta device: they hold no values, and the router picks
+    each token's experts, and so the rows every rank exchanges, from the values."""
+    if tokens.device.type == "meta":
+        raise ValueError(
+            f"ds_comet: {layer_name} got hidden states on the meta device, which hold no values: the router "
+            "picks each token's experts from the values, and the exchange between ranks is sized by those "
+            "picks. Call the layer on tensors with values, on the CPU or a GPU"
+        )
 
 
 def bound_rows_warning(rows: int, balanced: int, row_bytes: int) -> str | None:

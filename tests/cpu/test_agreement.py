@@ -1,6 +1,8 @@
 """Ranks of an expert-parallel group that build or call a layer differently get a named error on
 every rank before any rows are exchanged, not a crash or wrong numbers."""
 
+import re
+
 import pytest
 import torch
 from deepspeed import comm as dist
@@ -218,3 +220,130 @@ def test_a_gate_hooked_on_one_rank_sends_every_rank_through_stocks_forward(cpu_p
     counts = cpu_pool.run(gate_hooked_on_one_rank_case)
     assert counts[0] == (2, 2), counts  # rank 0's hooks ran at every call
     assert all(calls == 2 for calls, _ in counts), counts
+
+
+def own_group_layer(name, **moe_kwargs):
+    """A layer named ``name`` whose waits end after 2 s, on an expert-parallel group of its own (all
+    ranks): a case that leaves a collective posted there leaves the pool's other groups usable."""
+    world = dist.get_world_size()
+    config = {"moe": {"backend": "comet", "overlap": "none", "wait_timeout_s": 2.0}}
+    layer = ds_comet.MoE(16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, config=config, **moe_kwargs)
+    layer.deepspeed_moe._set_ep_group(torch.distributed.new_group(list(range(world))))
+    layer.deepspeed_moe.pipelines.name = name
+    return layer
+
+
+def forget_reports():
+    """Once every rank has its error: this rank's report of a wait leaves the store, so that a later
+    case's roll call does not take it for a wait given up before its own."""
+    from ds_comet.pipelines.collective_waits import REPORT_KEY
+
+    dist.barrier()
+    torch.distributed.distributed_c10d._get_default_store().delete_key(f"{REPORT_KEY}{dist.get_rank()}")
+
+
+def changed_setting_case():
+    """After the first call, rank 1 alone changes its gate's capacity factor: it asks the group to
+    agree again while its peers go on to the call's exchange. Returns each rank's error."""
+    from ds_comet.kernels.ops import CometWaitTimeout
+
+    layer = own_group_layer("blocks.7.moe", k=1)
+    layer(torch.randn(1, 8, 16))
+    if dist.get_rank() == 1:
+        layer.deepspeed_moe.gate.capacity_factor = 2.0
+    with pytest.raises(CometWaitTimeout) as raised:
+        layer(torch.randn(1, 8, 16))
+    forget_reports()
+    return str(raised.value)
+
+
+def test_a_setting_changed_on_one_rank_after_the_first_call_is_named(cpu_pool):
+    messages = cpu_pool.run(changed_setting_case)
+    change = "on this rank capacity_factor changed from 1.0 to 2.0 since the last one"
+    # Rank 1 says what it changed; every other rank names rank 1 and the change, where rank 1 waits.
+    assert change in messages[1] and "disagree on the collectives of this call" in messages[1], messages[1]
+    for message in messages[:1] + messages[2:]:
+        where = "blocks.7.moe: the sizes of the other ranks' settings for this layer (the group's agreement again"
+        assert f"global rank 1: {where}: {change})" in message, message
+
+
+def ep_sizes_case(through_initialize):
+    """Rank 1 builds its MoE layer with ep_size 1, the others with the world size: DeepSpeed would
+    make different groups on each and wait in new_group forever. Returns each rank's error."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ep_size = 1 if rank == 1 else world
+    config = {"moe": {"backend": "deepspeed" if through_initialize else "comet", "wait_timeout_s": 5.0}}
+    layer = ds_comet.build_moe(
+        config, hidden_size=16, expert=FeedForward(16, 24), num_experts=2 * world, ep_size=ep_size
+    )
+    if not through_initialize:
+        with pytest.raises(ValueError) as raised:
+            layer.set_deepspeed_parallelism()
+        return str(raised.value)
+    model = torch.nn.ModuleDict({"blocks": torch.nn.ModuleList([layer])})
+    config.update(train_micro_batch_size_per_gpu=1, optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    with pytest.raises(ValueError) as raised:
+        ds_comet.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("through_initialize", [False, True], ids=["set_deepspeed_parallelism", "initialize"])
+def test_ranks_whose_layers_differ_in_ep_size_are_named_before_deepspeed_makes_groups(cpu_pool, through_initialize):
+    world = cpu_world_size()
+    messages = cpu_pool.run(ep_sizes_case, through_initialize=through_initialize, timeout=60)
+    assert len(set(messages)) == 1, messages  # every rank raises the same error
+    name = "blocks.0" if through_initialize else "MoE layer"
+    assert re.search(
+        rf"the ranks build MoE layer 1 of 1 with different ep_size \(rank 0: {name}[ \d]* has ep_size={world}, "
+        rf"rank 1: {name}[ \d]* has ep_size=1",
+        messages[0],
+    ), messages[0]
+
+
+def raised_then_exited_case(answer_file):
+    """Both ranks call the layer; then every rank but 0 raises inside the next call (noted for its
+    peers, as an out-of-memory error is) and its process ends, as a script's does when nothing
+    catches the error. Rank 0, in the call's exchange, writes its error to ``answer_file``."""
+    import os
+
+    import ds_comet.pipelines.reference as reference
+
+    rank = dist.get_rank()
+    layer = called_layer("blocks.8.moe")
+    if rank != 0:
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError(f"stand-in: rank {rank} ran out of memory")
+
+        reference.plan_rank_rows = out_of_memory
+        try:
+            layer(torch.randn(1, 8, 16))
+        finally:
+            os._exit(1)
+    try:
+        layer(torch.randn(1, 8, 16))
+    except Exception as error:
+        with open(answer_file, "w") as handle:
+            handle.write(f"{type(error).__name__}: {error}")
+
+
+def test_a_peer_whose_process_ended_is_named_with_its_note(cpu_pool, tmp_path):
+    answer = tmp_path / "rank0.txt"
+    try:
+        with pytest.raises(AssertionError, match=r"process ended \(exit code 1\)"):
+            cpu_pool.run(raised_then_exited_case, answer_file=str(answer), timeout=60)
+    finally:
+        cpu_pool.stop()
+    message = answer.read_text()
+    others = ", ".join(str(rank) for rank in range(1, cpu_world_size()))
+    assert message.startswith("PeerLost: ds_comet: blocks.8.moe: rank 0 of its expert-parallel group (global ranks "), (
+        message
+    )
+    assert "the collective failed after" in message and "Connection" in message, message
+    assert f"global rank(s) {others} of the group did not report a wait of their own" in message, message
+    assert "their process ended" in message, message
+    for rank in range(1, cpu_world_size()):
+        assert (
+            f"global rank {rank} raised in blocks.8.moe: OutOfMemoryError: stand-in: rank {rank} ran out of memory"
+            in message
+        ), message

@@ -9,6 +9,7 @@ rounding). Which presets the fused kernels compute is decided without a GPU and 
 import pytest
 
 import ds_comet
+from ds_comet.config import autoep_section_keys
 from tests.support.autoep_models import (
     PRESETS,
     REFERENCE_PIPELINE_PRESETS,
@@ -90,7 +91,7 @@ def test_autoep_keys_the_comet_backend_replaces_are_named():
         )
         is None
     )
-    assert set(REPLACED_KEYS) <= set(_autoep_section_keys())
+    assert set(REPLACED_KEYS) <= autoep_section_keys()  # read from DeepSpeed's parser, so a renamed key fails here
     # A key set to AutoEP's own default changes nothing that the comet backend replaces.
     assert (
         replaced_keys_message({"enabled": True, "combine_impl": "auto", "comm_num_sm": 12, "async_split_plan": False})
@@ -106,16 +107,6 @@ def test_a_graphed_gate_asked_for_autoep_layers_is_named():
     assert "AutoEP's layers route with their own router" in moe_keys_message(
         CometMoEConfig(backend="comet", cuda_graph_gate=True)
     )
-
-
-def _autoep_section_keys():
-    """The keys DeepSpeed's AutoEP parser reads, from its source (so a renamed key fails here)."""
-    import inspect
-    import re
-
-    from deepspeed.module_inject import auto_ep_config
-
-    return set(re.findall(r'param_dict\.get\("(\w+)"', inspect.getsource(auto_ep_config.parse_autoep_config)))
 
 
 def deepep_case(autoep_size):

@@ -177,6 +177,45 @@ def test_a_failed_save_keeps_latest_and_the_earlier_checkpoint(cpu_pool, tmp_pat
     assert os.path.isdir(os.path.join(save_dir, "step1.saving")), "the failed save's files are left for a look"
 
 
+class FailingEngine(Engine):
+    """``Engine`` whose save fails on every rank but 0 once DeepSpeed's part is done (a disk error
+    there): rank 0 goes on to hash the files, and waits for the others."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        super().save_checkpoint(save_dir, tag, client_state, save_latest)
+        if dist.get_rank() != 0:
+            raise OSError(errno.EIO, "stand-in: Input/output error", os.path.join(save_dir, tag))
+
+
+def failed_on_a_peer_case(save_dir):
+    """The save's own collectives wait at most ds_comet.collectives' bound (here 1 s, from
+    "wait_timeout_s"): returns rank 0's error, which names the rank and what it raised."""
+    from ds_comet import collectives
+    from ds_comet.kernels.ops import CometWaitTimeout
+
+    collectives.set_wait_timeout(1.0)
+    if dist.get_rank() != 0:
+        with pytest.raises(OSError, match="stand-in"):
+            checkpoints.save_checkpoint(FailingEngine(), save_dir, "step3", {"step": 3})
+        return None
+    with pytest.raises(CometWaitTimeout) as raised:
+        checkpoints.save_checkpoint(FailingEngine(), save_dir, "step3", {"step": 3})
+    return str(raised.value)
+
+
+def test_a_rank_that_fails_during_a_save_ends_its_peers_waits_by_name(cpu_pool, tmp_path):
+    try:
+        message = cpu_pool.run(failed_on_a_peer_case, save_dir=str(tmp_path), timeout=60)[0]
+    finally:
+        cpu_pool.stop()  # rank 0's gather is still posted on the default group
+    others = ", ".join(str(rank) for rank in range(1, cpu_pool.world_size))
+    assert message.startswith("ds_comet: saving checkpoint step3: rank 0 of the job (global ranks "), message
+    assert f"global rank(s) {others} of the group did not report a wait of their own within 1 s more" in message
+    for rank in range(1, cpu_pool.world_size):
+        assert f"global rank {rank} raised in saving checkpoint step3: OSError: [Errno 5] stand-in" in message
+    assert checkpoints.read_latest(str(tmp_path)) is None  # nothing named whole
+
+
 def damaged_case(save_dir):
     for step in (5, 10, 20):
         checkpoints.save_checkpoint(Engine(), save_dir, f"step{step}", {"step": step}, SHAPE)
@@ -274,6 +313,27 @@ def test_find_checkpoint(tmp_path):
         str(missing.value)
         == f"no checkpoint step4 in {save_dir} (there: step2, step4.replaced); {hint} to resume from it"
     )
+
+
+@pytest.mark.parametrize("content", [b"\x80\x04\x95binary\xff", b"step2\x00\x01"], ids=["not-utf8", "control"])
+def test_a_latest_that_is_not_text_is_named(tmp_path, content):
+    os.makedirs(tmp_path / "step2")
+    (tmp_path / "latest").write_bytes(content)
+    with pytest.raises(checkpoints.CheckpointNotFoundError) as raised:
+        checkpoints.find_checkpoint(str(tmp_path))
+    assert str(raised.value).startswith(
+        f"{tmp_path / 'latest'} is not text ({len(content)} bytes, starting {content!r}): a save writes the tag"
+    ), raised.value
+    assert checkpoints.find_checkpoint(str(tmp_path), "step2") == "step2"  # a tag named still resumes
+
+
+def test_a_save_directory_that_cannot_be_written_is_named(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("a file where the save directory's parent should be")
+    with pytest.raises(checkpoints.CheckpointError, match=f"checkpoints cannot be written to {blocker}/ckpt: "):
+        checkpoints.check_writable(str(blocker / "ckpt"))
+    checkpoints.check_writable(str(tmp_path / "made"))
+    assert os.listdir(tmp_path / "made") == []  # made, and its trial file removed
 
 
 def test_what_save_refuses_before_writing(tmp_path):

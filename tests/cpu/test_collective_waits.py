@@ -8,7 +8,7 @@ import torch
 
 import ds_comet.pipelines.collective_waits as collective_waits
 from ds_comet.kernels.ops import CometWaitTimeout
-from ds_comet.pipelines.collective_waits import FAILURE_KEY, REPORT_KEY, CollectiveWaits, post_failure
+from ds_comet.pipelines.collective_waits import FAILURE_KEY, REPORT_KEY, CollectiveWaits, PeerLost, post_failure
 
 
 class Store:
@@ -53,7 +53,7 @@ def group_of_four(monkeypatch):
 def timed_out(waits):
     start = time.monotonic()
     with pytest.raises(CometWaitTimeout) as raised:
-        waits._timed_out(waits.timeout_s, "the rows the other ranks send it", None)
+        waits.give_up(waits.timeout_s, "the rows the other ranks send it", None)
     return str(raised.value), time.monotonic() - start
 
 
@@ -151,3 +151,60 @@ def test_a_silent_rank_that_noted_its_error_is_named_with_it(group_of_four, monk
         and "; global rank 3 raised in blocks.0.moe: ValueError: this MoE layer got 9000 tokens" in message
     ), message
     assert "rank 1 raised" not in message and "rank 2 raised" not in message, message
+
+
+def test_every_peer_waiting_in_this_same_collective_says_the_bound_is_too_short(group_of_four):
+    """With every rank in the same collective, none is missing and none disagrees: the collective
+    itself took longer than the bound (a bound of milliseconds would say so of a healthy job)."""
+    store = group_of_four(Store())
+    for rank in (1, 2, 3):
+        store.set(f"{REPORT_KEY}{rank}", f"{time.time():.3f} blocks.0.moe: the rows the other ranks send it")
+    message, _ = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
+    assert "every other rank of the group waits in this same collective: it took longer than" in message, message
+    assert "disagree" not in message, message
+
+
+def test_peers_waiting_elsewhere_are_named_with_where_they_wait(group_of_four):
+    store = group_of_four(Store(present=[2, 3]))
+    store.set(f"{REPORT_KEY}1", f"{time.time():.3f} blocks.1.moe: the expert counts")
+    message, _ = timed_out(CollectiveWaits(None, 0.3, "blocks.0.moe"))
+    assert (
+        "every other rank of the group is waiting too, elsewhere (global rank 1: blocks.1.moe: the expert counts; "
+        "global rank 2: blocks.0.moe: the rows; global rank 3: blocks.0.moe: the rows): they disagree"
+    ) in message, message
+    assert "of its expert-parallel group (global ranks 0-3) waited" in message, message
+
+
+class FailingWork:
+    """A collective whose wait fails at once, as gloo's does when a peer's process ended."""
+
+    def wait(self, timeout=None):
+        raise RuntimeError(
+            "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:30353. This is typically caused by a remote worker crashing."
+        )
+
+
+def test_a_failed_collective_names_the_rank_whose_process_ended_with_its_note(group_of_four, monkeypatch):
+    """A peer that raised inside the layer and then exited: the collective fails at once, and the
+    error names the layer, the group's ranks, the rank that did not report, and its note, after a
+    roll call of a few seconds rather than of the bound."""
+    monkeypatch.setattr(collective_waits, "LOST_PEER_ROLL_CALL_S", 0.3)
+    group_of_four(Store(present=[2, 3]))  # alive, and waiting in the same collective
+    noted(monkeypatch, 1, MemoryError("stand-in: out of memory"))
+    start = time.monotonic()
+    with pytest.raises(PeerLost) as raised:
+        CollectiveWaits(None, 60.0, "blocks.0.moe").wait(FailingWork(), "the rows the other ranks send it", False)
+    message = str(raised.value)
+    assert isinstance(raised.value, CometWaitTimeout), "a lost peer is caught as a timeout is"
+    assert message.startswith(
+        "ds_comet: blocks.0.moe: rank 0 of its expert-parallel group (global ranks 0-3) lost the rows the other "
+        "ranks send it: the collective failed after 0.0 s (RuntimeError: [/pytorch/third_party/gloo/gloo/transport/"
+        "tcp/pair.cc:553] Connection closed by peer"
+    ), message
+    assert (
+        "global rank(s) 1 of the group did not report a wait of their own within 0.3 s: their process ended (the "
+        "connection to them closed), or they stopped calling the layer; global rank 1 raised in blocks.0.moe: "
+        "MemoryError: stand-in: out of memory"
+    ) in message, message
+    assert time.monotonic() - start < 10, "the roll call after a failure is not the bound's length"

@@ -102,7 +102,8 @@ def test_deepspeed_accepts_the_section():
         # The kernels count the wait in 64-bit nanoseconds.
         ({"backend": "comet", "wait_timeout_s": float("inf")}, ["'moe.wait_timeout_s' is inf"]),
         ({"backend": "comet", "wait_timeout_s": 1e10}, ["'moe.wait_timeout_s' is 10000000000.0", "1000000"]),
-        ({"backend": "comet", "wait_timeout_s": 1e-10}, ["'moe.wait_timeout_s' is 1e-10", "0.001"]),
+        # Below a second, healthy jobs would time out (MIN_WAIT_TIMEOUT_S).
+        ({"backend": "comet", "wait_timeout_s": 0.01}, ["'moe.wait_timeout_s' is 0.01", "greater than or equal to 1"]),
     ],
 )
 def test_bad_config_names_key_and_choices(section, words):
@@ -232,8 +233,16 @@ def test_inputs_the_layer_cannot_take_are_named():
         layer(torch.tensor(1.0))
     with pytest.raises(ValueError, match=r"takes hidden states \[\.\.\., 16\].*shape \(2, 8, 12\)"):
         layer(torch.randn(2, 8, 12))
+    # Stock's gate reads used_token with k=1 only: with k=2 it would be ignored, so it is refused.
+    applies = "used_token is given, but DeepSpeed's gate applies it only with k=1; with k=2 stock DeepSpeed ignores it"
+    with pytest.raises(ValueError, match=applies):
+        layer(torch.randn(2, 8, 16), used_token=torch.ones(16))
+    top1 = ds_comet.MoE(16, expert(), num_experts=4, k=1, config={"moe": {"backend": "comet"}})
     with pytest.raises(ValueError, match=r"used_token must hold one entry per token \(16\), got shape \(15,\)"):
-        layer(torch.randn(2, 8, 16), used_token=torch.ones(15))
+        top1(torch.randn(2, 8, 16), used_token=torch.ones(15))
+    assert top1(torch.randn(2, 8, 16), used_token=torch.ones(16))[0].shape == (2, 8, 16)
+    with pytest.raises(ValueError, match="got hidden states on the meta device, which hold no values"):
+        layer(torch.randn(2, 8, 16, device="meta"))
 
 
 def test_a_bad_moe_section_fails_before_deepspeed_builds_the_engine(monkeypatch):
@@ -307,3 +316,79 @@ def test_initialize_refuses_a_section_its_comet_layers_were_not_built_with(cpu_p
     for message in cpu_pool.run(initialize_built_layer_case, section={"backend": "comet", "overlap": "none"}):
         assert "differs from what these comet layers were built with" in message, message
         assert "deepspeed_moe (overlap: 'auto' (the ds_config: 'none'))" in message, message
+
+
+@pytest.fixture
+def warnings_said(monkeypatch):
+    """The warnings ds_comet.config logs from now on (each said once a process, so the record starts empty)."""
+    import ds_comet.config as config
+
+    said = []
+    monkeypatch.setattr(config.logger, "warning", said.append)
+    monkeypatch.setattr(config, "_warned_unread", set())
+    return said
+
+
+@pytest.mark.parametrize("key", ["MoE", "Moe", "moe ", "comet_moe", "moes"])
+def test_a_section_key_that_looks_like_moe_is_named(warnings_said, monkeypatch, key):
+    """A misspelled section would run stock DeepSpeed without a word: build_moe and ds_comet.initialize,
+    where the engine's ds_config is read, name the key."""
+    layer = build_moe({key: {"backend": "comet"}}, expert=expert(), **MOE_KWARGS)
+    assert type(layer) is deepspeed.moe.layer.MoE  # the section is not read: stock, as asked
+    expected = (
+        f'ds_config key {key!r} is not read: the MoE backend\'s section is spelled "moe" (lower case, no '
+        "spaces), and without one the job runs stock DeepSpeed's MoE"
+    )
+    assert warnings_said == [expected], warnings_said
+    initialize_module = importlib.import_module("ds_comet.initialize")
+    monkeypatch.setattr(initialize_module.deepspeed, "initialize", lambda *a, **k: pytest.fail("not reached"))
+    monkeypatch.setattr(importlib.import_module("ds_comet.config"), "_warned_unread", set())
+    with pytest.raises(BaseException, match="not reached"):
+        ds_comet.initialize(model=torch.nn.Linear(2, 2), config={key: {"backend": "comet"}, "moe": {}})
+    assert warnings_said[-1] == f'ds_config key {key!r} is not read: only "moe" is, whose settings stand'
+
+
+def test_keys_of_other_sections_are_not_taken_for_moe(warnings_said):
+    moe_config_from({"comet": {"enabled": False}, "zero_optimization": {}, "moe": {}, "train_batch_size": 8})
+    assert warnings_said == []
+
+
+def test_unknown_expert_parallel_keys_are_named_with_the_closest_known_key(warnings_said):
+    """DeepSpeed's AutoEP parser reads the keys it knows and ignores the rest: a misspelled
+    autoep_size would run AutoEP at EP 1 without a word."""
+    from ds_comet.config import autoep_section_keys
+
+    # Read from DeepSpeed's parser, so that a DeepSpeed that reads other keys is followed.
+    assert {"enabled", "autoep_size", "preset_model", "expert_w3", "load_balance_coeff"} <= autoep_section_keys()
+    section = {"enabled": True, "autoep_sise": 2, "preset_model": "mixtral", "zzz": 1}
+    for _ in range(2):  # once, not once per layer
+        moe_config_from({"expert_parallel": section, "moe": {"backend": "comet"}})
+    assert warnings_said[0] == (
+        "ds_config \"expert_parallel\" key 'autoep_sise' is not one that DeepSpeed's AutoEP reads, and it ignores "
+        "it: did you mean 'autoep_size'?"
+    ), warnings_said
+    assert len(warnings_said) == 2 and "'zzz' is not one that DeepSpeed's AutoEP reads" in warnings_said[1]
+    assert "it reads async_split_plan, autoep_size," in warnings_said[1], warnings_said[1]
+
+
+@pytest.mark.parametrize("backend", ["comet", "deepspeed"])
+def test_an_expert_of_another_width_is_refused_when_the_layer_is_built(backend):
+    config = {"moe": {"backend": backend}}
+    with pytest.raises(
+        ValueError, match=r"the expert FeedForward takes rows of 12 features, the layer's hidden_size is 16"
+    ):
+        build_moe(config, hidden_size=16, expert=FeedForward(12, 32), num_experts=4, k=1)
+    with pytest.raises(ValueError, match=r"the expert FeedForward takes rows of 12 features"):
+        ds_comet.MoE(16, FeedForward(12, 32), num_experts=4, k=1, config=config)
+    wide_out = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 20))
+    with pytest.raises(ValueError, match=r"returns rows of 20 features, the layer's hidden_size is 16"):
+        build_moe(config, hidden_size=16, expert=wide_out, num_experts=4, k=1)
+    # Another class: refused when none of its nn.Linear layers takes the hidden size.
+    custom = torch.nn.ModuleDict({"a": torch.nn.Linear(12, 32), "b": torch.nn.Linear(32, 16)})
+    with pytest.raises(ValueError, match=r"the expert ModuleDict's nn.Linear layers take rows of 12, 32 features"):
+        build_moe(config, hidden_size=16, expert=custom, num_experts=4, k=1)
+    # A stock layer of another width, converted by ds_comet.initialize, is refused as well.
+    if backend == "deepspeed":
+        stock = deepspeed.moe.layer.MoE(16, FeedForward(12, 32), num_experts=4, k=1)
+        with pytest.raises(ValueError, match=r"takes rows of 12 features"):
+            CometMOELayer.adopt(stock.deepspeed_moe, CometMoEConfig(backend="comet"))

@@ -13,6 +13,7 @@ about three minutes on two cores (the first launch on a machine also JIT-builds 
 comm op, about a minute more).
 """
 
+import contextlib
 import csv
 import hashlib
 import importlib.util
@@ -24,12 +25,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from tests.support.dist_pool import cpu_world_size, free_port
-from tests.support.launches import run_launch
+from tests.support.dist_pool import cpu_world_size, free_port, remove_shm_buffers
+from tests.support.launches import cpu_environment, run_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "examples", "train_moe.py")
@@ -580,6 +582,144 @@ def test_a_failed_save_keeps_latest_and_the_earlier_checkpoint_of_its_tag(workdi
     assert not os.path.exists(os.path.join(save_dir, "step5.replaced"))
     # The files the other ranks wrote are there: it was the failing rank that kept `latest` back.
     assert os.path.getsize(os.path.join(save_dir, "step10.saving", "zero_pp_rank_0_mp_rank_00_optim_states.pt")) > 0
+
+
+# --------------------------------------------------------------------------------------------
+# A rank that stops, a launcher that dies, a save directory that cannot be written
+# --------------------------------------------------------------------------------------------
+
+# Loaded into every process of a run (sitecustomize): rank 1 stops after the backward of step 3,
+# before that step's update, in which its peers wait for it in DeepSpeed's ZeRO collectives.
+STOP_RANK1_BEFORE_STEP3_UPDATE = """
+import os, time
+if os.environ.get("RANK") == "1":
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    _step = DeepSpeedEngine.step
+    def step(self, *args, **kwargs):
+        if self.global_steps == 2:
+            time.sleep(600)
+        return _step(self, *args, **kwargs)
+    DeepSpeedEngine.step = step
+"""
+WAIT_TIMEOUT_S = 2  # the run's "moe": {"wait_timeout_s"}: the process groups' timeout is 2 x 2 + 10 s
+
+
+def test_a_rank_stopped_inside_a_step_ends_its_peers_by_name(workdir):
+    """Rank 1 stops between its MoE backward and the step's update; its peers wait for it in
+    DeepSpeed's own collectives. The example's process groups take their timeout from the ds_config's
+    "wait_timeout_s" (2 x 2 + 10 s, not DeepSpeed's 30 minutes), and the step's error names rank 1."""
+    hook = os.path.join(workdir, "stop_rank1_hook")
+    os.makedirs(hook)
+    with open(os.path.join(hook, "sitecustomize.py"), "w") as handle:
+        handle.write(STOP_RANK1_BEFORE_STEP3_UPDATE)
+    with open(config("zero2_comet")) as handle:
+        ds_config = json.load(handle)
+    ds_config["moe"]["wait_timeout_s"] = WAIT_TIMEOUT_S
+    path = os.path.join(workdir, "zero2_comet_short_wait.json")
+    with open(path, "w") as handle:
+        json.dump(ds_config, handle)
+    run = torchrun(
+        workdir,
+        "stopped_rank",
+        path,
+        6,
+        "--corpus-mb",
+        "0.5",
+        expect_success=False,
+        env_extra={"PYTHONPATH": os.pathsep.join([hook, REPO])},
+    )
+    assert run.returncode != 0, run.tail()
+    match = re.search(
+        r"CometWaitTimeout: ds_comet: training step 3: rank 0 of the job \(global ranks [0-9, -]+\) waited ([0-9.]+) s "
+        r"for a collective of DeepSpeed's or torch's inside it \(bounded by the process groups' timeout, 14 s\); "
+        r"global rank\(s\) 1 of the group did not report a wait of their own within 2 s more",
+        run.output,
+    )
+    assert match and float(match.group(1)) <= 15, run.tail()
+    assert "step 2 | loss" in run.output and "step 3 | loss" not in run.output, run.tail()
+    print(f"\nrank 1 stopped in step 3: named after {match.group(1)} s, the run ended in {run.seconds:.0f} s")
+
+
+def _session_processes(session: int) -> list[int]:
+    """The live processes of ``session`` (from /proc), zombies left out."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == session:  # state, then ppid, pgrp, session
+            found.append(int(entry))
+    return found
+
+
+def test_ranks_exit_when_the_deepspeed_command_is_killed():
+    """The deepspeed command on one node forwards no signal to DeepSpeed's launch.py, which started
+    the ranks: ended by SIGTERM (or SIGINT, which ends it the same way), it would leave them
+    training. Each rank watches the command and exits."""
+    deepspeed_cli = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    if not os.path.exists(deepspeed_cli):
+        pytest.skip("the deepspeed launcher is not installed")
+    port = free_port()
+    cmd = [deepspeed_cli, "--num_gpus", str(RANKS), "--master_port", str(port)] + example_args(
+        "zero2_comet", None, 100000, "--corpus-mb", "0.5"
+    )
+    runner = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cpu_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(runner.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(line.startswith("step 1 | loss") for line in list(lines)) and time.monotonic() < deadline:
+            assert runner.poll() is None, "".join(lines)
+            time.sleep(0.2)
+        assert time.monotonic() < deadline, "the run never trained" + "".join(lines)[-3000:]
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _session_processes(runner.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _session_processes(runner.pid)
+        reader.join(timeout=10)
+        output = "".join(lines)
+        assert not left, f"processes {left} outlived the deepspeed command{output[-3000:]}"
+        # The first rank to see it exits; launch.py, seeing a rank fail, then ends the others.
+        assert re.search(
+            rf"ds_comet: rank \d+: the deepspeed command above deepspeed.launcher.launch \(pid {runner.pid}\) "
+            r"is gone; this rank exits rather than train on without it",
+            output,
+        ), output[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(runner.pid, signal.SIGKILL)
+        for pid in _session_processes(runner.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        remove_shm_buffers(port)
+
+
+def test_a_save_dir_that_cannot_be_written_is_refused_before_training(tmp_path, example):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    save_dir = str(blocker / "checkpoints")
+    with pytest.raises(
+        SystemExit, match=re.escape(f"error: --save-dir: checkpoints cannot be written to {save_dir}: ")
+    ):
+        example.main(["--deepspeed_config", config("zero2_comet"), "--save-dir", save_dir])
+    # A run that never saves (--no-final-save, no save steps) only reads it: nothing to refuse there.
+    args = example.parse_args(["--deepspeed_config", config("zero2_comet"), "--save-dir", save_dir, "--no-final-save"])
+    assert example.check_save_dir(args) is None
 
 
 def assert_step_shares(run, timed_steps):

@@ -39,6 +39,14 @@ class TrainingOnlyScale(MixtralStyleMLP):
         return super().forward(x) * (1.5 if self.training else 1.0)
 
 
+class ClampedMLP(MixtralStyleMLP):
+    """The SwiGLU with its gate's activation clamped at 7 (as gpt-oss clamps its SwiGLU): the same
+    on rows of scale 1, where the activation stays far below 7, and not on larger rows."""
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)).clamp(max=7.0) * self.w3(x))
+
+
 class NoisyMLP(MixtralStyleMLP):
     """The SwiGLU with a little noise in training mode, drawn from the global generator (within
     the check's tolerance, so that the check runs the forward in both modes)."""
@@ -87,6 +95,16 @@ def test_a_registered_class_whose_forward_computes_something_else_is_refused():
     register_expert(MixtralStyleMLP, first="w1", up="w3", second="w2", activation="gelu")  # the wrong activation
     reason = structure_reason(ModuleExperts(nn.ModuleList(), [MixtralStyleMLP(16, 24)]), 16, 2)
     assert isinstance(reason, str) and "differs from its registered layout" in reason
+
+
+def test_a_clamp_that_rows_of_scale_one_never_reach_is_caught_on_larger_rows():
+    register_expert(ClampedMLP, first="w1", up="w3", second="w2", activation="silu")
+    expert = ClampedMLP(16, 24)
+    x = torch.randn(16, 16)
+    torch.testing.assert_close(expert(x), fused_expert(expert).compute(x))  # unit rows pass
+    reason = forward_mismatch(fused_expert(expert), 16)
+    assert reason is not None and "ClampedMLP's forward in training mode differs from its registered layout" in reason
+    assert "on random rows of standard deviation 10" in reason and "a clamp or a saturation" in reason, reason
 
 
 def test_the_check_covers_both_modes_whichever_the_first_call_had():

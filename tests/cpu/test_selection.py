@@ -403,7 +403,7 @@ class _FusedStandIn:
 def _fusable(pipelines, monkeypatch):
     """The selection as it stands once the group agreed on the fused pipeline (which needs a GPU):
     only the per-call hook check is left to decide."""
-    monkeypatch.setattr(pipelines, "_agree", lambda tokens: None)
+    monkeypatch.setattr(pipelines, "_agree", lambda tokens, why: None)
     pipelines.fused = _FusedStandIn()
 
 
@@ -542,7 +542,7 @@ def test_static_checks_run_again_for_new_dtype_or_width(monkeypatch):
     moe = layer("auto").deepspeed_moe
     pipelines = moe.pipelines
     agreed = []
-    monkeypatch.setattr(pipelines, "_agree", lambda t: agreed.append((t.dtype, t.shape[-1])) or "stub")
+    monkeypatch.setattr(pipelines, "_agree", lambda t, why: agreed.append((t.dtype, t.shape[-1])) or "stub")
     for tokens in (
         torch.randn(8, 16),
         torch.randn(5, 16),
@@ -572,8 +572,12 @@ def test_the_group_agrees_again_when_the_gates_capacity_changes(monkeypatch):
     # raised factor must be agreed again (and the workspace sized for it), not overflow the old one.
     moe = layer("auto").deepspeed_moe
     pipelines, tokens = moe.pipelines, torch.randn(8, 16)
-    bounds = []
-    monkeypatch.setattr(pipelines, "_agree", lambda t: bounds.append(pipelines.spec.row_bound(64, True)) or "stub")
+    bounds, whys = [], []
+    monkeypatch.setattr(
+        pipelines,
+        "_agree",
+        lambda t, why: whys.append(why) or bounds.append(pipelines.spec.row_bound(64, True)) or "stub",
+    )
     moe.gate.capacity_factor = moe.gate.eval_capacity_factor = 0.25
     pipelines.pipeline_for(tokens)
     pipelines.pipeline_for(tokens)
@@ -581,6 +585,11 @@ def test_the_group_agrees_again_when_the_gates_capacity_changes(monkeypatch):
     pipelines.pipeline_for(tokens)
     pipelines.pipeline_for(tokens)
     assert len(bounds) == 2 and bounds[1] > bounds[0], bounds
+    # What the agreement's wait says, should it time out (a peer that did not change goes on to the call).
+    assert whys == [
+        "the group's agreement at its first call",
+        "the group's agreement again: on this rank capacity_factor changed from 0.25 to 4.0 since the last one",
+    ], whys
 
 
 def test_expert_tables_refuse_weights_converted_after_the_choice():

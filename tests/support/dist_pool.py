@@ -3,7 +3,8 @@
 Starting ranks costs seconds (importing torch and DeepSpeed, joining the process group), so the
 pool starts them once and each test sends it a case: a module-level function that every rank
 runs. A failure on any rank comes back as that rank's traceback; a rank that does not answer in
-time fails the test instead of hanging it, and the pool is started afresh for the next test.
+time, or whose process ended, fails the test instead of hanging it, and the pool is started afresh
+for the next test.
 
 How many ranks: DS_COMET_TEST_WORLD_SIZE, so that the suite runs unchanged at 2, 4 or 8 ranks.
 The gloo (CPU) pool has that many ranks (at least 2; 2 when it is unset); the NCCL pool has one
@@ -22,6 +23,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -185,10 +187,18 @@ class DistPool:
 
     def _collect(self, timeout: float, what: str):
         answers, failures = {}, []
+        deadline = time.monotonic() + timeout
         while len(answers) < self.world_size:
             try:
-                rank, ok, value = self.results.get(timeout=timeout)
+                rank, ok, value = self.results.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
             except queue.Empty:
+                # A rank whose process ended answers nothing: its failure, at once, not at the deadline.
+                for rank, proc in enumerate(self.procs):
+                    if rank not in answers and not proc.is_alive():
+                        answers[rank] = None
+                        failures.append((rank, f"its process ended (exit code {proc.exitcode}) without answering"))
+                if time.monotonic() < deadline:
+                    continue
                 missing = sorted(set(range(self.world_size)) - set(answers))
                 self.stop()
                 details = "".join(f"\n--- rank {r} ---\n{v}" for r, v in failures)

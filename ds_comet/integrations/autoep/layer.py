@@ -19,7 +19,7 @@ from torch import Tensor
 from ...config import CometMoEConfig
 from ...pipelines.collective_waits import failures_noted
 from ...pipelines.expert_weights import StackedExperts
-from ...pipelines.selection import LayerSpec, PipelineSelection
+from ...pipelines.selection import LayerSpec, PipelineSelection, refuse_meta
 
 # "expert_parallel" keys that choose how AutoEP itself exchanges rows or combines: the comet backend
 # replaces those parts, so they do nothing under it. What stands in for each. The keys that choose
@@ -144,6 +144,7 @@ class CometAutoEPMoELayer(AutoEPMoELayer):
         x = hidden_states.reshape(-1, hdim)  # [T, H]
         # The steps before the pipeline's exchange: peers wait there for a rank that raised here.
         with failures_noted(self.pipelines.name, self.ep_size):
+            refuse_meta(x, self.pipelines.name)
             routes = RouterOutput(*self.router(x, self.expert_bias))
             with torch.no_grad():
                 self.tokens_per_expert.add_(routes.num_tokens_per_expert)

@@ -14,11 +14,11 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import Tensor
 
 from ...config import CometMoEConfig, moe_config_from
-from ...experts import row_mixing_reason
-from ...pipelines.collective_waits import failures_noted
+from ...experts import expert_width_reason, row_mixing_reason
+from ...pipelines.collective_waits import CollectiveWaits, failures_noted, gather_objects, process_group_timeout_s
 from ...pipelines.expert_weights import ModuleExperts
 from ...pipelines.parameters import max_received_rows
-from ...pipelines.selection import LayerSpec, PipelineSelection
+from ...pipelines.selection import LayerSpec, PipelineSelection, refuse_meta
 from .gate import gate_routes, hooks_now, record_group_hooks
 from .gate_graph import GateGraphs
 
@@ -73,6 +73,7 @@ class CometMOELayer(MOELayer):
             _refuse_tensor_parallel()
         # Everything that can refuse runs before the class changes: a refused layer stays stock's.
         _refuse_top_k(layer.num_local_experts * layer.ep_size, layer.gate.k)
+        _refuse_expert_width(layer.experts.deepspeed_experts[0], layer.gate.wg.weight.shape[1])
         reason = row_mixing_reason(layer.experts.deepspeed_experts[0])
         if reason is not None:
             raise ValueError(reason)
@@ -112,6 +113,7 @@ class CometMOELayer(MOELayer):
             )
         # The steps before the pipeline's exchange: peers wait there for a rank that raised here.
         with failures_noted(self.pipelines.name, self.ep_size):
+            refuse_meta(hidden_states, self.pipelines.name)
             hidden = self.gate.wg.weight.shape[1]
             if hidden_states.dim() < 2 or hidden_states.shape[-1] != hidden:
                 raise ValueError(
@@ -119,11 +121,8 @@ class CometMOELayer(MOELayer):
                     f"the model's hidden size), got a tensor of shape {tuple(hidden_states.shape)}"
                 )
             tokens = hidden_states.reshape(-1, hidden)
-            if used_token is not None and used_token.numel() != tokens.shape[0]:
-                raise ValueError(
-                    f"ds_comet: {self.pipelines.name}: used_token must hold one entry per token "
-                    f"({tokens.shape[0]}), got shape {tuple(used_token.shape)}"
-                )
+            if used_token is not None:
+                self._check_used_token(used_token, tokens.shape[0])
             pipeline = self.pipelines.pipeline_for(tokens)
             # The pipeline says what the gate before it may do: its op's gate kernels may do the
             # integer bookkeeping, and the gate may be replayed from CUDA graphs.
@@ -131,6 +130,21 @@ class CometMOELayer(MOELayer):
             self.l_aux, _, indices, weights, self.exp_counts = routes(self.gate, tokens, used_token, pipeline.gate_op)
         output = pipeline.forward(tokens, indices, weights, train=self.gate.training)
         return output.reshape(hidden_states.shape)
+
+    def _check_used_token(self, used_token: Tensor, num_tokens: int) -> None:
+        # DeepSpeed's gate reads used_token in top-1 routing only; its top-2 and top-k routing
+        # take no mask, so stock routes the masked tokens as any other.
+        if self.gate.k >= 2:
+            raise ValueError(
+                f"ds_comet: {self.pipelines.name}: used_token is given, but DeepSpeed's gate applies it only "
+                f"with k=1; with k={self.gate.k} stock DeepSpeed ignores it and routes the masked tokens too. "
+                "Drop used_token (stock's behaviour), or leave the masked tokens out of the layer's input"
+            )
+        if used_token.numel() != num_tokens:
+            raise ValueError(
+                f"ds_comet: {self.pipelines.name}: used_token must hold one entry per token "
+                f"({num_tokens}), got shape {tuple(used_token.shape)}"
+            )
 
 
 class MoE(deepspeed.moe.layer.MoE):
@@ -161,6 +175,7 @@ class MoE(deepspeed.moe.layer.MoE):
         config=None,
     ) -> None:
         moe_config = CometMoEConfig(backend="comet") if config is None else moe_config_from(config)
+        _refuse_expert_width(expert, hidden_size)
         if moe_config.backend == "comet":
             _refuse_unsupported(num_experts, ep_size, k, use_tutel, enable_expert_tensor_parallelism)
         super().__init__(
@@ -193,7 +208,55 @@ class MoE(deepspeed.moe.layer.MoE):
                 "expert-parallel group takes ep_size ranks; choose an ep_size that divides the world "
                 "size (and num_experts)"
             )
+        if world > 1:
+            pipelines = getattr(self.deepspeed_moe, "pipelines", None)
+            name = pipelines.name if pipelines is not None else "an MoE layer"
+            agree_on_ep_sizes([(name, self.ep_size)], self.moe_config.wait_timeout_s)
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
+
+
+def agree_on_ep_sizes(layers: list[tuple[str, int]], wait_timeout_s: float) -> None:
+    """Raises ValueError unless every rank gives the same ep_size for each of ``layers`` (``(name,
+    ep_size)`` in the order the engine sets them up), naming the layer and each rank's value (a
+    gather over the default group; collective).
+
+    DeepSpeed makes a layer's expert-parallel groups from its ep_size, with ``new_group`` calls that
+    every rank must make alike: ranks that disagree would wait there forever, without a word. The
+    gather waits as long as those calls would (the process groups' timeout for ``wait_timeout_s``):
+    ranks reach the set-up further apart than a layer's calls (building the model, loading data).
+    """
+    timeout_s = process_group_timeout_s(wait_timeout_s)
+    waits = CollectiveWaits(None, timeout_s, "the MoE layers' ep_size", "the job", "did not come to this collective")
+    everyone = gather_objects(list(layers), waits, "the other ranks' ep_size of each MoE layer")
+    counts = [len(ranks_layers) for ranks_layers in everyone]
+    if len(set(counts)) > 1:
+        found = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+        raise ValueError(
+            f"ds_comet: the ranks have different numbers of MoE layers ({found}); every rank must build the same model"
+        )
+    for position, entries in enumerate(zip(*everyone)):
+        if len({ep_size for _, ep_size in entries}) > 1:
+            values = ", ".join(f"rank {rank}: {name} has ep_size={ep}" for rank, (name, ep) in enumerate(entries))
+            raise ValueError(
+                f"ds_comet: the ranks build MoE layer {position + 1} of {counts[0]} with different ep_size ({values}); "
+                "DeepSpeed makes its expert-parallel groups from ep_size, with calls every rank must make alike: "
+                "build each MoE layer with the same ep_size on every rank"
+            )
+
+
+def check_model_ep_sizes(model, wait_timeout_s: float) -> None:
+    """``agree_on_ep_sizes`` on the ``deepspeed.moe.layer.MoE`` layers of ``model`` (stock's and
+    ds_comet's), named by their paths: collective, before DeepSpeed makes their groups. Nothing
+    to check without a process group of several ranks (DeepSpeed then starts it, and
+    ``MoE.set_deepspeed_parallelism`` checks ds_comet's layers)."""
+    if model is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    layers = [
+        (path or type(module).__name__, module.ep_size)
+        for path, module in model.named_modules()
+        if isinstance(module, deepspeed.moe.layer.MoE)
+    ]
+    agree_on_ep_sizes(layers, wait_timeout_s)
 
 
 def _refuse_tensor_parallel():
@@ -202,6 +265,12 @@ def _refuse_tensor_parallel():
             "the comet MoE backend does not support tensor-parallel non-expert layers "
             '(mpu tensor parallel size > 1); use "moe": {"backend": "deepspeed"}'
         )
+
+
+def _refuse_expert_width(expert, hidden_size: int) -> None:
+    reason = expert_width_reason(expert, hidden_size)
+    if reason is not None:
+        raise ValueError(f"{reason}: build the expert for rows of hidden_size features")
 
 
 def _refuse_top_k(num_experts: int, k: int) -> None:
@@ -239,5 +308,7 @@ def build_moe(ds_config=None, **moe_kwargs) -> deepspeed.moe.layer.MoE:
         raise TypeError("build_moe takes the ds_config as its first argument, not as config=")
     moe_config = moe_config_from(ds_config)
     if moe_config.backend == "deepspeed":
+        if "expert" in moe_kwargs and "hidden_size" in moe_kwargs:
+            _refuse_expert_width(moe_kwargs["expert"], moe_kwargs["hidden_size"])
         return deepspeed.moe.layer.MoE(**moe_kwargs)
     return MoE(config=moe_config, **moe_kwargs)
