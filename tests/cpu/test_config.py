@@ -341,7 +341,7 @@ def test_a_section_key_that_looks_like_moe_is_named(warnings_said, monkeypatch, 
     )
     assert warnings_said == [expected], warnings_said
     initialize_module = importlib.import_module("ds_comet.initialize")
-    monkeypatch.setattr(initialize_module.deepspeed, "initialize", lambda *a, **k: pytest.fail("not reached"))
+    monkeypatch.setattr(initialize_module, "_deepspeed_initialize", lambda *a, **k: pytest.fail("not reached"))
     monkeypatch.setattr(importlib.import_module("ds_comet.config"), "_warned_unread", set())
     with pytest.raises(BaseException, match="not reached"):
         ds_comet.initialize(model=torch.nn.Linear(2, 2), config={key: {"backend": "comet"}, "moe": {}})
