@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import fp8
 from .fused_experts import POINTER_NAMES, FusedExperts
@@ -85,7 +86,7 @@ class Fp8WeightCache:
     def __init__(self, phases: frozenset[Phase]):
         global _step_hook
         if _step_hook is None:
-            _step_hook = torch.optim.optimizer.register_optimizer_step_post_hook(_count_step)
+            _step_hook = register_optimizer_step_post_hook(_count_step)
         self.wanted = [weight for phase in Phase if phase in phases for weight in QUANTISED.get(phase, ())]
         self.quantisations = 0
         self._key = None
