@@ -10,7 +10,7 @@ K-major), so each weight a GEMM reads is kept in the orientation that GEMM needs
 A block's scale does not depend on the orientation (the blocks are square), so a transposed copy is
 the transposed values with the transposed grid of scales. The copies live as long as the layer, about
 the bf16 weights' size when the recipe runs both the forward and the input gradients in FP8 (two
-one-byte copies of each weight, a 1/64 of that in scales); the bf16 (or fp32) weights stay what
+one-byte copies of each weight, a 4,096th of that in scales); the bf16 (or fp32) weights stay what
 ZeRO, the optimizer and checkpoints see.
 
 A layer quantises its weights again only when they may have changed: it keys them on each weight's

@@ -18,7 +18,9 @@ gradients dA @ W1, stored chunk by chunk on the expert ranks, are summed there p
 read by the source ranks, which collect the gate gradients as they go). The weight gradients are
 grouped GEMMs that run while the combine moves data. Each GEMM phase runs on the implementation
 the GEMM table (``kernels/gemm_table.py``) gives the call: alone in the group, where no row waits
-for a link, stacked bf16 experts on sm_90 take the library's grouped GEMM for GEMM1, both ways.
+for a link, stacked bf16 experts on sm_90 take the library's grouped GEMM for GEMM1, both ways; under
+an ``"fp8"`` recipe that the pipeline runs (``fp8``), the phases it puts in FP8 take the FP8 GEMMs,
+which read the weights the pipeline keeps quantised (``fp8_weights``).
 
 Reuse across calls: a rank's next call writes ``recv``, ``reduced`` and ``row_dot`` (and peers stage
 into its ``stage``) only after its next exchange, which waits until every rank has published that
