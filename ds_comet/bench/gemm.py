@@ -44,7 +44,8 @@ it; "scaled_grouped_mm" is ``torch._scaled_grouped_mm`` on the same rows and gro
 e4m3 scales (fp8.py's rowwise quantisation: one scale per row and per output channel, the
 library's scaling, not the recipe's blocks; its operands quantised beforehand, outside the timing;
 ``use_fast_accum``); "bf16" is the bf16 layer's phase, the same product in bf16. The FLOPs of a
-phase are the same in every implementation.
+phase are the same in every implementation. A shape the recipe cannot scale (hidden and FFN sizes
+must be multiples of 128) gets no FP8 phases: the recipe's refusal is printed in their place.
 """
 
 import argparse

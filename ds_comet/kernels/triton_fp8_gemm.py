@@ -249,10 +249,9 @@ def gemm1_fp8_kernel(
     E5M2: tl.constexpr,
 ):
     """``gemm1_kernel`` in FP8: the same tiles, waits and outputs from the same bf16 ``rows`` ([R, K]),
-    with the products of the module's docstring. The weights are the quantised copies, each [N, K]
-    with its block scales: forward W1 (and W3) [F, H]; backward W2^T [F, H] (``Fp8WeightCache``'s
-    "w2t"), so that every GEMM reads its weight K-major. E5M2: the rows (the backward's output
-    gradients) are quantised to e5m2, else e4m3. BK is 128, one quantisation tile."""
+    the products as the module's docstring says, BK 128. The weights are quantised copies, [N, K]
+    with block scales: forward W1 (and W3) [F, H]; backward W2^T [F, H] (``Fp8WeightCache``'s "w2t"),
+    read K-major. E5M2: the rows (the backward's output gradients) go to e5m2, else e4m3."""
     tl.static_assert(not (BACKWARD and (STORE_PRE or ACTIVATE)), "gemm1_fp8_kernel: the backward stores g alone")
     tl.static_assert(ACTIVATE or not STORE_PRE, "gemm1_fp8_kernel: without ACTIVATE, out holds the products")
     tl.static_assert(ACTIVATE or BACKWARD or not GATED, "gemm1_fp8_kernel: a gated forward activates in its epilogue")
