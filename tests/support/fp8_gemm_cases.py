@@ -237,8 +237,11 @@ class GemmCase:
         )
 
     def launch(self, kernel, *args, **constants):
-        run = lambda: kernel[(3,)](*args, **self.common, **constants)  # noqa: E731
-        with_descriptor_scratch(run) if self.device.type == "cuda" else run()
+        if self.device.type != "cuda":
+            kernel[(3,)](*args, **self.common, **constants)
+            return
+        # The warps and stages TritonFp8Gemm launches with; Triton's allocator for the TMA descriptors.
+        with_descriptor_scratch(lambda: kernel[(3,)](*args, **self.common, **constants, num_warps=8, num_stages=3))
 
     def gemm1(self, rows, out, pre, weight, second, backward):
         lo, q = self.layout.offsets, self.quantised
