@@ -133,12 +133,14 @@ def fp8_exchange_reason(recipe: Fp8Recipe) -> str | None:
     """Why the fused pipeline cannot run ``recipe``'s exchange, or None: its dispatch moves rows in
     the tokens' dtype, and a recipe that sends them in FP8 changes what the expert's rank holds (W1's
     gradient is taken from the quantised rows)."""
-    in_fp8 = [f'"{key}": "fp8"' for key in ("dispatch", "gradient_dispatch") if getattr(recipe, key) == "fp8"]
-    if not in_fp8:
+    keys = [key for key in ("dispatch", "gradient_dispatch") if getattr(recipe, key) == "fp8"]
+    if not keys:
         return None
+    asked = " and ".join(f'"{key}": "fp8"' for key in keys)
+    fix = " and ".join(f'"{key}": "bf16"' for key in keys)
     return (
-        f"the recipe sends rows across the exchange in FP8 ({' and '.join(in_fp8)}), and the fused dispatch "
-        'moves them in bf16 (with "bf16" there, the fused pipeline runs the recipe\'s GEMMs in FP8)'
+        f"it sends rows across the exchange in FP8 ({asked}), which the fused dispatch does not: it moves "
+        f"them in bf16 (with {fix} the fused pipeline runs the recipe's GEMMs in FP8)"
     )
 
 

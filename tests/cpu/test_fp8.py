@@ -805,13 +805,13 @@ def test_where_the_fused_pipeline_cannot_run_an_enabled_recipe_it_does_not_run_i
     monkeypatch.setattr(selection, "fp8_reason", lambda *args: None)  # a GPU that can run FP8 GEMMs
     monkeypatch.setattr(selection, "device_capability", lambda device: (9, 0))
     answer = moe.pipelines._fp8_fused(fused, tokens)
-    exchange = 'the recipe sends rows across the exchange in FP8 ("dispatch": "fp8"), and the fused dispatch'
+    exchange = 'it sends rows across the exchange in FP8 ("dispatch": "fp8"), which the fused dispatch does not'
     assert moe.pipelines._fp8_facts is None
     if outcome == "fused":
         assert answer is fused
         assert len(said) == 1 and f'in bf16, without its "fp8" recipe ("fallback": "bf16"): {exchange}' in said[0]
     else:
-        assert answer.startswith(f'the "fp8" recipe is enabled, and {exchange} moves them in bf16 (with "bf16" ')
+        assert answer.startswith(f'the "fp8" recipe is enabled, and {exchange}: it moves them in bf16 (with "dispatch"')
         assert outcome in answer and '"fp8": {"fallback": "bf16"} runs the fused kernels in bf16' in answer
         assert not said
 
