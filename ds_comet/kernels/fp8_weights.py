@@ -20,6 +20,10 @@ DeepSpeed's optimizers write the weights through ``.data`` (ZeRO's partition cop
 which moves no version counter. Micro-batches between two steps, and a forward and its backward,
 share one quantisation. Under ZeRO-3 the weights are gathered anew for each call, usually at new
 addresses: the cache then quantises them at each gather.
+
+The copies are ``fp8.quantise_blocks``'s (``quantised_by_torch``); the fused pipeline's bf16 weights
+on the GPU are quantised by a Triton kernel in one pass (``quantised_by_triton``), which gives the
+same bits (tests/cpu/test_fp8_weights.py holds it to ``fp8.py`` in Triton's interpreter).
 """
 
 from dataclasses import dataclass
@@ -51,8 +55,8 @@ QUANTISED = {
     Phase.FIRST_LAYER_BACKWARD: (QuantisedWeight("w2t", "w2", True),),
     Phase.GEMM2_BACKWARD: (QuantisedWeight("w1t", "w1", True), QuantisedWeight("w3t", "w3", True)),
 }
-# Experts quantised together, at most this many weight elements at once: fp8.quantise works in fp32
-# and holds a few copies of its input, so a Mixtral-sized layer's w1 at once would take gigabytes.
+# quantised_by_torch's experts at once hold at most this many weight elements: fp8.quantise works in
+# fp32 and holds a few copies of its input, so a Mixtral-sized layer's w1 at once would take gigabytes.
 CHUNK_ELEMENTS = 1 << 25
 
 _optimizer_steps = 0
@@ -135,37 +139,71 @@ class Fp8WeightCache:
             if matrices[0] is None:
                 continue  # W3 of an ungated expert
             wanted = [weight for weight in self.wanted if weight.source == source]
-            self._weights.update(_quantised_copies(matrices, wanted))
+            by_triton = matrices[0].is_cuda and matrices[0].dtype == torch.bfloat16  # the fused FP8 path's weights
+            self._weights.update((quantised_by_triton if by_triton else quantised_by_torch)(matrices, wanted))
         self._tables = _pointer_tables(self._weights, device)
         self.quantisations += 1
 
 
-def _quantised_copies(matrices: list[Tensor], wanted: list[QuantisedWeight]) -> dict[str, fp8.Quantised]:
-    """Each of ``wanted`` (one source) from the local experts' ``matrices`` (``[N, K]`` each, on the
-    kernels' device): ``fp8.quantise_blocks`` of each expert's matrix, transposed where asked, stacked
-    over the experts, a few experts at a time."""
-    rows, columns = matrices[0].shape
-    if rows % fp8.BLOCK or columns % fp8.BLOCK:
-        # Stacked along N below, a block of an edge that is not whole would take rows of the next expert.
-        raise ValueError(f"FP8 weights are quantised in {fp8.BLOCK}x{fp8.BLOCK} blocks, got [{rows}, {columns}]")
-    num_local = len(matrices)
-    out = {}
-    for weight in wanted:
-        shape = (num_local, columns, rows) if weight.transposed else (num_local, rows, columns)
-        values = torch.empty(shape, dtype=fp8.E4M3.dtype, device=matrices[0].device)
-        scales = torch.empty((num_local, -(-shape[1] // fp8.BLOCK), -(-shape[2] // fp8.BLOCK)), device=values.device)
-        out[weight.name] = fp8.Quantised(values, scales, fp8.WEIGHT_BLOCK)
-    step = max(1, CHUNK_ELEMENTS // max(rows * columns, 1))
+def quantised_by_torch(matrices: list[Tensor], wanted: list[QuantisedWeight]) -> dict[str, fp8.Quantised]:
+    """Each of ``wanted`` (one source) from the local experts' ``matrices`` (``[N, K]`` each, N and K
+    multiples of 128): ``fp8.quantise_blocks`` of each expert's matrix, transposed where asked, stacked
+    over the experts (``Fp8WeightCache.quantised``'s layout). ``fp8.py`` itself, a few experts at a time."""
+    out = _empty_copies(matrices, wanted)
+    num_local, (rows, columns) = len(matrices), matrices[0].shape
+    step = max(1, CHUNK_ELEMENTS // (rows * columns))
     for first in range(0, num_local, step):
         last = min(first + step, num_local)
         # Experts stacked along N, whole blocks each: the same blocks as each expert's own.
         quantised = fp8.quantise_blocks(torch.cat(matrices[first:last]))
         values = quantised.values.view(last - first, rows, columns)
-        scales = quantised.scales.view(last - first, -(-rows // fp8.BLOCK), -1)
+        scales = quantised.scales.view(last - first, rows // fp8.BLOCK, -1)
         for weight in wanted:
             copy = out[weight.name]
             copy.values[first:last] = values.transpose(1, 2) if weight.transposed else values
             copy.scales[first:last] = scales.transpose(1, 2) if weight.transposed else scales
+    return out
+
+
+def quantised_by_triton(matrices: list[Tensor], wanted: list[QuantisedWeight]) -> dict[str, fp8.Quantised]:
+    """``quantised_by_torch``'s copies of bf16 ``matrices``, bit for bit, in one pass over them
+    (``triton_fp8_quantise.quantise_blocks_kernel``: a read of each weight and a write of each copy,
+    where ``fp8.py``'s torch operations make several passes in fp32)."""
+    from .triton_fp8_quantise import quantise_blocks_kernel  # triton is an extra
+
+    out = _empty_copies(matrices, wanted)
+    num_local, (rows, columns) = len(matrices), matrices[0].shape
+    plain = next((out[w.name] for w in wanted if not w.transposed), None)
+    transposed = next((out[w.name] for w in wanted if w.transposed), None)
+    table = host_to_device(torch.tensor([m.data_ptr() for m in matrices], dtype=torch.int64), matrices[0].device)
+    either = plain or transposed
+    quantise_blocks_kernel[(rows // fp8.BLOCK, columns // fp8.BLOCK, num_local)](
+        table,
+        either.values,
+        (transposed or plain).values,
+        either.scales,
+        (transposed or plain).scales,
+        rows,
+        columns,
+        STORE=plain is not None,
+        STORE_T=transposed is not None,
+        num_warps=8,  # a [128, 128] block and its transpose: 4 warps spilled 760 bytes a thread
+    )
+    return out
+
+
+def _empty_copies(matrices: list[Tensor], wanted: list[QuantisedWeight]) -> dict[str, fp8.Quantised]:
+    """The stacked copies ``wanted`` of ``matrices`` (``[N, K]`` each) take, not yet written."""
+    rows, columns = matrices[0].shape
+    if rows % fp8.BLOCK or columns % fp8.BLOCK:
+        # Stacked along N, a block of an edge that is not whole would take rows of the next expert.
+        raise ValueError(f"FP8 weights are quantised in {fp8.BLOCK}x{fp8.BLOCK} blocks, got [{rows}, {columns}]")
+    out = {}
+    for weight in wanted:
+        shape = (len(matrices), columns, rows) if weight.transposed else (len(matrices), rows, columns)
+        values = torch.empty(shape, dtype=fp8.E4M3.dtype, device=matrices[0].device)
+        scales = torch.empty((shape[0], shape[1] // fp8.BLOCK, shape[2] // fp8.BLOCK), device=values.device)
+        out[weight.name] = fp8.Quantised(values, scales, fp8.WEIGHT_BLOCK)
     return out
 
 

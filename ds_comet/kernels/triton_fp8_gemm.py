@@ -6,14 +6,10 @@ chunk counters (the same helpers), so that they run beside the dispatch and the 
 bf16 kernels do. Each reads its rows in bf16 as those do (the received rows, the activations, the
 output gradients, the first layer's gradients) and walks K in steps of ``fp8.BLOCK`` (128):
 
-- it quantises the step's ``[rows, 128]`` tile of rows where it loads it (``_quantise_tile``): each
-  row's 1x128 tile gets the power-of-two scale ``ds_comet/fp8.py`` defines, computed from the bits
-  of the tile's largest magnitude as ``fp8.block_scales`` computes it from its frexp mantissa and
-  exponent, and each element becomes its value over that scale rounded to the nearest value of the
-  format, ties to even. The kernel rounds explicitly, so that the cast to FP8 that follows is exact
-  wherever it runs (Triton's interpreter truncates where the GPU rounds). Activations and output
-  gradients' products go to e4m3, or the recipe's ``gradient_format`` for gradients; nothing
-  quantised is stored;
+- it quantises the step's ``[rows, 128]`` tile of rows where it loads it, each row's 1x128 tile as
+  ``fp8.quantise_tiles`` does, bit for bit (``triton_fp8_quantise._quantise_tile``): activations
+  to e4m3, the backward's gradients to the recipe's ``gradient_format``. Nothing quantised is
+  stored;
 - it takes the expert's weight tile in e4m3 through a TMA descriptor, from the layer's quantised
   copies (``kernels/fp8_weights.py``), each stored ``[N, K]``: Hopper's FP8 tensor cores take both
   operands K-major;
@@ -26,12 +22,10 @@ operands only in the order and precision of its additions (docs/design.md, "FP8 
 must be multiples of 128 (``TritonFp8Gemm``'s needs).
 """
 
-import math
-
 import triton
 import triton.language as tl
 
-from .. import fp8
+from .triton_fp8_quantise import FP8_BLOCK, _quantise_tile
 from .triton_gemm import (
     _chunk_major_tile,
     _count_finished_rows,
@@ -42,117 +36,6 @@ from .triton_gemm import (
     _weight_tile,
     _weight_tiles,
 )
-
-FP8_BLOCK = tl.constexpr(fp8.BLOCK)
-MIN_SCALE_EXPONENT = tl.constexpr(fp8.MIN_SCALE_EXPONENT)
-MAX_SCALE_EXPONENT = tl.constexpr(fp8.MAX_SCALE_EXPONENT)
-# A magnitude's fp32 bits from 0x7F800000 up are an infinity or a NaN; 0x7FC00000 is a NaN.
-INFINITY_BITS = tl.constexpr(0x7F800000)
-NAN_BITS = tl.constexpr(0x7FC00000)
-
-
-def format_constants(fmt: fp8.Fp8Format) -> dict[str, int | float]:
-    """What ``_quantise_in_format`` needs to know of ``fmt``, derived from ``fp8.py``'s definition of it.
-
-    Returns:
-        ``dropped``: the fp32 mantissa bits the format lacks; ``rounding_bias`` and ``keep``: what
-        rounds a magnitude's bits to the nearest of those with the low ``dropped`` bits clear, ties
-        to even (``(bits + rounding_bias + odd) & keep``); ``smallest_normal``: the fp32 bits of the
-        format's smallest normal value; ``subnormal_rounder``: 1.5 x 2**(23 + emin - m), which, added
-        to a smaller magnitude, puts it in an fp32 binade whose step is the format's subnormal step
-        2**(emin - m), so that fp32's own rounding of the sum rounds it; ``max_exponent`` and
-        ``max_mantissa``: ``fmt.max = mantissa * 2**max_exponent`` (frexp), the mantissa's fraction
-        above 0.5 as fp32 mantissa bits (what ``fp8.block_scales`` compares amax's mantissa with).
-    """
-    dropped = 23 - fmt.mantissa_bits
-    mantissa, exponent = math.frexp(fmt.max)
-    return dict(
-        dropped=dropped,
-        rounding_bias=(1 << (dropped - 1)) - 1,
-        keep=-(1 << dropped),
-        smallest_normal=(fmt.min_normal_exponent + 127) << 23,
-        subnormal_rounder=1.5 * 2.0 ** (23 + fmt.min_normal_exponent - fmt.mantissa_bits),
-        max_exponent=exponent,
-        max_mantissa=int((2 * mantissa - 1) * 2**23),
-    )
-
-
-def _constexprs(fmt: fp8.Fp8Format) -> tuple[tl.constexpr, ...]:
-    return tuple(tl.constexpr(value) for value in format_constants(fmt).values())
-
-
-E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER, E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA = (
-    _constexprs(fp8.E4M3)
-)
-E5M2_DROPPED, E5M2_BIAS, E5M2_KEEP, E5M2_SMALLEST_NORMAL, E5M2_ROUNDER, E5M2_MAX_EXPONENT, E5M2_MAX_MANTISSA = (
-    _constexprs(fp8.E5M2)
-)
-
-
-@triton.jit
-def _quantise_tile(x, E5M2: tl.constexpr):
-    """Rows ``x`` ([BM, 128], any float dtype) quantised as ``fp8.quantise_tiles`` quantises them, each
-    row one tile: ``(values [BM, 128] e4m3, or e5m2 with E5M2; scales [BM] fp32)``, the values times the
-    scales being the dequantised tile."""
-    if E5M2:
-        return _quantise_in_format(
-            x, tl.float8e5, E5M2_DROPPED, E5M2_BIAS, E5M2_KEEP, E5M2_SMALLEST_NORMAL, E5M2_ROUNDER,
-            E5M2_MAX_EXPONENT, E5M2_MAX_MANTISSA,
-        )  # fmt: skip
-    else:
-        return _quantise_in_format(
-            x, tl.float8e4nv, E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER,
-            E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA,
-        )  # fmt: skip
-
-
-@triton.jit
-def _quantise_in_format(
-    x,
-    DTYPE: tl.constexpr,
-    DROPPED: tl.constexpr,
-    BIAS: tl.constexpr,
-    KEEP: tl.constexpr,
-    SMALLEST_NORMAL: tl.constexpr,
-    ROUNDER: tl.constexpr,
-    MAX_EXPONENT: tl.constexpr,
-    MAX_MANTISSA: tl.constexpr,
-):
-    """``_quantise_tile`` in the format of ``DTYPE``, whose constants (``format_constants``) the others are.
-
-    The scale: fp32 bits of a non-negative float order as the floats do, so the tile's largest
-    magnitude is the largest of its magnitudes' bits, an integer maximum that no flushing of
-    subnormal floats can change. Its biased exponent less 126 is frexp's exponent and its mantissa
-    bits above MAX_MANTISSA say frexp's mantissa exceeds the format's, which gives
-    ``fp8.block_scales``'s exponent; the scale 2**e and its inverse are built from their bits (a
-    tile of zeros: 1; one with an infinity or a NaN: NaN). Dividing by the scale is then an exact
-    multiplication by its inverse.
-    """
-    if x.dtype == tl.bfloat16:
-        # A bf16's bits are its fp32 bits' upper half: exact for subnormals too, which Triton's
-        # interpreter converts wrongly.
-        values = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        values = x.to(tl.float32)
-    magnitudes = values.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    amax = tl.max(magnitudes, axis=1)
-    exponent = (amax >> 23) - 126 - MAX_EXPONENT + ((amax & 0x7FFFFF) > MAX_MANTISSA).to(tl.int32)
-    exponent = tl.minimum(tl.maximum(exponent, MIN_SCALE_EXPONENT), MAX_SCALE_EXPONENT)
-    nan = tl.full(amax.shape, NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    scale = tl.where(amax == 0, 1.0, tl.where(amax < INFINITY_BITS, scale, nan))
-    inverse = tl.where(amax == 0, 1.0, tl.where(amax < INFINITY_BITS, inverse, nan))
-    scaled = values * inverse[:, None]
-    # Rounded to the format here; the cast then only changes the representation.
-    bits = scaled.to(tl.int32, bitcast=True)
-    magnitudes = bits & 0x7FFFFFFF
-    sign = bits ^ magnitudes
-    normal = (magnitudes + BIAS + ((magnitudes >> DROPPED) & 1)) & KEEP
-    subnormal = ((magnitudes.to(tl.float32, bitcast=True) + ROUNDER) - ROUNDER).to(tl.int32, bitcast=True)
-    rounded = (tl.where(magnitudes < SMALLEST_NORMAL, subnormal, normal) | sign).to(tl.float32, bitcast=True)
-    rounded = tl.where(magnitudes < INFINITY_BITS, rounded, scaled)  # a NaN stays one
-    return rounded.to(DTYPE), scale
 
 
 @triton.jit

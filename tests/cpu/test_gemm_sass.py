@@ -95,16 +95,17 @@ FP8_SCRIPT = (
     PRELUDE
     + r"""
 from ds_comet.kernels.triton_fp8_gemm import gemm1_fp8_kernel, gemm2_fp8_kernel
+from ds_comet.kernels.triton_fp8_quantise import quantise_blocks_kernel
 from ds_comet.kernels.triton_fp8_phases import ACCUMULATOR_ELEMENTS, GATED_GEMM1_TILE_N, GEMM1_TILE_N
 MMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.(e4m3|e5m2)\.(e4m3|e5m2)")
 path = sys.argv[1]
 found = {}
 
 def check(name, kernel, rows_format):
-    # Each FP8 product on Hopper's FP8 tensor cores: rows in their format, weights e4m3.
+    # Each FP8 product on Hopper's FP8 tensor cores: rows in their format, weights e4m3 (none: no products).
     found[name] = predicated(kernel, path)
     mma = set(MMA.findall(kernel.asm["ptx"]))
-    if mma != {(rows_format, "e4m3")}:
+    if mma != ({(rows_format, "e4m3")} if rows_format else set()):
         found[name].append(f"wgmma {sorted(mma)}")
     usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
     text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
@@ -137,6 +138,11 @@ for num_local in (16, 4):
                                     grid=(1, ), num_warps=8, num_stages=3)
         check(f"gemm2_fp8 local={num_local} backward={backward} gated={gated} e5m2={e5m2} tile_n={tile_n}", k,
               "e5m2" if e5m2 else "e4m3")
+u8 = MockTensor(torch.float8_e4m3fn)
+for store, store_t in ((True, True), (False, True), (True, False)):
+    k = quantise_blocks_kernel.warmup(i64, u8, u8, MockTensor(torch.float32), MockTensor(torch.float32), 14336, 4096,
+                                      STORE=store, STORE_T=store_t, grid=(1, ), num_warps=8)
+    check(f"quantise_blocks store={store} store_t={store_t}", k, None)
 bad = {key: ins for key, ins in found.items() if ins}
 print("checked", len(found), "kernels; predicated collectives, large stacks or other MMAs:", bad)
 sys.exit(1 if bad else 0)
@@ -169,8 +175,9 @@ def test_no_predicated_collective_and_little_spilling(tmp_path):
 
 def test_the_fp8_gemms_run_on_the_fp8_tensor_cores_without_predicated_collectives_or_spilling(tmp_path):
     """The FP8 GEMMs as ``TritonFp8Gemm`` launches them: their products are Hopper's FP8 wgmma (e4m3 rows,
-    or e5m2 gradients, by e4m3 weights), with the bf16 GEMMs' rules on collectives and stacks; each
-    kernel's registers, stack, local-memory accesses and shared memory are printed (pytest -s)."""
+    or e5m2 gradients, by e4m3 weights), with the bf16 GEMMs' rules on collectives and stacks; and the
+    weights' quantisation kernel as ``Fp8WeightCache`` launches it. Each kernel's registers, stack,
+    local-memory accesses and shared memory are printed (pytest -s)."""
     out = compile_for_sm90(tmp_path, FP8_SCRIPT)
     print(out)
-    assert "checked 16 kernels" in out
+    assert "checked 19 kernels" in out

@@ -33,7 +33,8 @@ from ds_comet.kernels import layout as L
 from ds_comet.kernels.fp8_weights import Fp8WeightCache
 from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.kernels.launch import PointerTables
-from ds_comet.kernels.triton_fp8_gemm import _quantise_tile, gemm1_fp8_kernel, gemm2_fp8_kernel
+from ds_comet.kernels.triton_fp8_gemm import gemm1_fp8_kernel, gemm2_fp8_kernel
+from ds_comet.kernels.triton_fp8_quantise import _quantise_tile
 from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
 from ds_comet.kernels.triton_phases import next_power_of_2, with_descriptor_scratch
 from ds_comet.pipelines.expert_weights import ModuleFusedExperts
