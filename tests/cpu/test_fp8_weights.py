@@ -150,54 +150,24 @@ def test_the_fused_pipeline_hands_its_fp8_gemms_the_recipe_and_the_quantised_wei
     assert plain.fp8_weights is None and plain.kernels(tokens).fp8_tables == {}
 
 
-TRITON_SCRIPT = r"""
-import sys, torch
-sys.path.insert(0, sys.argv[1])
-from ds_comet.kernels.fp8_weights import QuantisedWeight, quantised_by_torch, quantised_by_triton
-
-generator = torch.Generator().manual_seed(3)
-matrices = []
-for e in range(3):
-    rows = 2.0 ** (torch.rand(256, 1, generator=generator) * 60 - 30)
-    columns = 2.0 ** (torch.rand(1, 384, generator=generator) * 20 - 10)
-    matrices.append((torch.randn(256, 384, generator=generator) * rows * columns).bfloat16())
-matrices[0][:128, :128] = 0  # a block of zeros: scale 1
-matrices[0][128:, :128] = torch.linspace(-1, 1, 128 * 128).view(128, 128) * 2.0**-127  # bf16 subnormals
-matrices[1][:128, 128:256] = 1.0625  # ties between e4m3 values at scale 1 (amax 448 below)
-matrices[1][0, 128] = 448.0
-matrices[1][5, 300] = float("nan")
-matrices[2][200, 5] = -float("inf")
-for wanted in ([QuantisedWeight("w1", "w1", False), QuantisedWeight("w1t", "w1", True)],
-               [QuantisedWeight("w2t", "w2", True)], [QuantisedWeight("w2", "w2", False)]):
-    got, want = quantised_by_triton(matrices, wanted), quantised_by_torch(matrices, wanted)
-    for weight in wanted:
-        g, w = got[weight.name], want[weight.name]
-        nan = w.scales.isnan()
-        assert torch.equal(g.scales.isnan(), nan) and torch.equal(g.scales[~nan], w.scales[~nan]), weight
-        finite = ~nan.repeat_interleave(128, 1).repeat_interleave(128, 2)
-        same = g.values.view(torch.uint8) == w.values.view(torch.uint8)
-        assert same[finite].all(), (weight, int((~same & finite).sum()))
-        assert nan.sum() == 2, weight  # the NaN and the infinity blocks were reached
-print("ok")
-"""
-
-
 def test_the_triton_quantisation_of_the_weights_is_fp8_pys_bit_for_bit():
-    """``quantised_by_triton`` (the fused FP8 path's, in Triton's interpreter) against ``fp8.py``'s, both
-    orientations, on blocks spread over 2**±40, a block of zeros, bf16 subnormals, ties, a block at
-    its scale's limit, and blocks holding a NaN or an infinity (their values compared on the GPU:
-    tests/gpu/test_fp8.py; Triton's interpreter casts NaN to e4m3 as a number)."""
+    """``quantised_by_triton`` (the fused FP8 path's, in Triton's interpreter) against ``fp8.py``'s,
+    ``tests/support/fp8_gemm_cases.weight_quantisation_case`` (tests/gpu/test_fp8.py runs it on the GPU)."""
     pytest.importorskip("triton")
     import os
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (
+        "import sys, torch\nsys.path.insert(0, sys.argv[1])\nfrom tests.support import fp8_gemm_cases as cases\n"
+        "print(cases.weight_quantisation_case(torch.device('cpu')))"
+    )
     result = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT, repo],
+        [sys.executable, "-c", code, repo],
         env=dict(os.environ, TRITON_INTERPRET="1"),
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stdout[-3000:] + result.stderr[-6000:]
+    assert result.returncode == 0 and "blocks" in result.stdout, result.stdout[-3000:] + result.stderr[-6000:]

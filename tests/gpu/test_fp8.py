@@ -70,6 +70,11 @@ def test_the_kernels_quantise_rows_as_fp8_py_does_on_the_gpu():
     assert "tiles " in _on_the_gpu(f"print('tiles', cases.quantisation_case(torch.device('cuda'), seed={_seed()}))")
 
 
+def test_the_weights_are_quantised_as_fp8_py_does_on_the_gpu():
+    """Bit for bit, both orientations, NaN blocks included."""
+    assert "blocks" in _on_the_gpu("print(cases.weight_quantisation_case(torch.device('cuda')))")
+
+
 @pytest.mark.parametrize(
     "gated, gradient_format, tiles",
     [(True, "e4m3", (128, 64, 256, 64)), (False, "e5m2", (128, 128, 256, 64)), (True, "e5m2", (64, 64, 128, 64))],

@@ -3,7 +3,8 @@ reference pipeline's emulation (``pipelines/fp8_emulation.py``), on one device: 
 on CPU (tests/cpu/test_fp8_gemm.py) or a GPU (tests/gpu/test_fp8.py).
 
 ``quantisation_case``: the kernels' in-register quantisation, through a kernel that stores what it
-computes, bit for bit against ``fp8.quantise_tiles``.
+computes, bit for bit against ``fp8.quantise_tiles``; ``weight_quantisation_case``: the weights'
+quantisation kernel against ``fp8.quantise_blocks``.
 
 ``GemmCase``: one rank's rows laid out as the exchange lays them out (tests/support/layout_reference.py,
 every row tile marked as arrived), experts with skewed row counts (one with none, odd ones), weights
@@ -30,7 +31,7 @@ from ds_comet.config import Fp8Recipe
 from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.kernels import constants as C
 from ds_comet.kernels import layout as L
-from ds_comet.kernels.fp8_weights import Fp8WeightCache
+from ds_comet.kernels.fp8_weights import Fp8WeightCache, QuantisedWeight, quantised_by_torch, quantised_by_triton
 from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.kernels.launch import PointerTables
 from ds_comet.kernels.triton_fp8_gemm import gemm1_fp8_kernel, gemm2_fp8_kernel
@@ -108,6 +109,46 @@ def quantisation_case(device: torch.device, seed: int) -> int:
             assert torch.equal(got_values.float().isnan(), ~finite), f"{fmt.name}: NaN tiles' values"
         checked += want.scales.numel()
     return checked
+
+
+def weight_quantisation_case(device: torch.device) -> str:
+    """``fp8_weights.quantised_by_triton`` against ``quantised_by_torch`` (``fp8.quantise_blocks``), bit
+    for bit, in both orientations, one and both at once: blocks spread over 2**±40, a block of zeros,
+    bf16 subnormals, ties at a block's scale limit (amax 448), and blocks holding a NaN or an infinity
+    (their values NaN on the GPU; Triton's interpreter casts NaN to e4m3 as a number). Returns a line
+    saying how many blocks it compared."""
+    generator = torch.Generator().manual_seed(3)
+    matrices = []
+    for _ in range(3):
+        rows = 2.0 ** (torch.rand(256, 1, generator=generator) * 60 - 30)
+        columns = 2.0 ** (torch.rand(1, 384, generator=generator) * 20 - 10)
+        matrices.append((torch.randn(256, 384, generator=generator) * rows * columns).bfloat16())
+    matrices[0][:128, :128] = 0  # a block of zeros: scale 1
+    matrices[0][128:, :128] = torch.linspace(-1, 1, 128 * 128).view(128, 128) * 2.0**-127  # bf16 subnormals
+    matrices[1][:128, 128:256] = 1.0625  # a tie between two e4m3 values at scale 1 (amax 448 below)
+    matrices[1][0, 128] = 448.0
+    matrices[1][5, 300] = float("nan")
+    matrices[2][200, 5] = -float("inf")
+    matrices = [m.to(device) for m in matrices]
+    compared = 0
+    for wanted in (
+        [QuantisedWeight("w1", "w1", False), QuantisedWeight("w1t", "w1", True)],
+        [QuantisedWeight("w1t", "w1", True)],
+        [QuantisedWeight("w1", "w1", False)],
+    ):
+        got, want = quantised_by_triton(matrices, wanted), quantised_by_torch(matrices, wanted)
+        for weight in wanted:
+            g, w = got[weight.name], want[weight.name]
+            nan = w.scales.isnan()
+            assert nan.sum() == 2, weight  # the NaN and the infinity blocks
+            assert torch.equal(g.scales.isnan(), nan) and torch.equal(g.scales[~nan], w.scales[~nan]), weight
+            finite = ~nan.repeat_interleave(128, 1).repeat_interleave(128, 2)
+            same = g.values.view(torch.uint8) == w.values.view(torch.uint8)
+            assert same[finite].all(), (weight, int((~same & finite).sum()))
+            if device.type == "cuda":
+                assert g.values.float().isnan()[~finite].all(), weight
+            compared += nan.numel()
+    return f"{compared} blocks"
 
 
 def spread(rows: int, columns: int, generator: torch.Generator, octaves: float = 3.0) -> torch.Tensor:
