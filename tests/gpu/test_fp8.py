@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 
-import deepspeed  # noqa: F401  (the pool's ranks import it; here for MoE)
 import pytest
 import torch
 from deepspeed import comm as dist
