@@ -51,10 +51,10 @@ def peak_mib(fn):
     return (accelerator.max_memory_allocated() - before) / 2**20
 
 
-def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides):
-    torch.manual_seed(0)
-    template = GatedFeedForward(hidden, ffn) if gated else FeedForward(hidden, ffn)
-    kwargs = dict(
+def moe_kwargs(experts, ep_size, k, capacity_factor) -> dict:
+    """The MoE layers' arguments besides the hidden size and the expert: every layer a benchmark
+    compares takes the same."""
+    return dict(
         num_experts=experts,
         ep_size=ep_size,
         k=k,
@@ -62,6 +62,29 @@ def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides):
         eval_capacity_factor=capacity_factor,
         min_capacity=4,
     )
+
+
+def expert_template(hidden, ffn, gated):
+    return GatedFeedForward(hidden, ffn) if gated else FeedForward(hidden, ffn)
+
+
+def comet_layer(hidden, template, kwargs, section, stock):
+    """A comet layer of the ``"moe"`` ``section`` with ``stock``'s weights, in bf16 on the accelerator,
+    in eval mode. Raises ValueError where the section refuses the layer (an ``"fp8"`` recipe that
+    cannot scale its sizes, under ``"fallback": "error"``)."""
+    layer = ds_comet.MoE(hidden, template, config={"moe": section}, **kwargs)
+    layer.set_deepspeed_parallelism()
+    layer.load_state_dict(stock.state_dict())
+    device = torch.device(get_accelerator().device_name(), get_accelerator().current_device())
+    return layer.to(device=device, dtype=torch.bfloat16).eval()
+
+
+def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides):
+    """{"stock", "reference", "fused"}: stock DeepSpeed's layer and the comet layers on each pipeline
+    (``overrides``: their further "moe" keys), the same weights, in bf16 on the accelerator."""
+    torch.manual_seed(0)
+    template = expert_template(hidden, ffn, gated)
+    kwargs = moe_kwargs(experts, ep_size, k, capacity_factor)
     stock = deepspeed.moe.layer.MoE(hidden, template, **kwargs)
     stock.set_deepspeed_parallelism()
     rank = dist.get_rank(group=stock.deepspeed_moe.ep_group)
@@ -70,13 +93,9 @@ def build(hidden, ffn, experts, k, ep_size, gated, capacity_factor, overrides):
     layers = {"stock": stock}
     for name, overlap in (("reference", "none"), ("fused", "fused")):
         section = {"backend": "comet", "overlap": overlap, **overrides}
-        layer = ds_comet.MoE(hidden, template, config={"moe": section}, **kwargs)
-        layer.set_deepspeed_parallelism()
-        layer.load_state_dict(stock.state_dict())
-        layers[name] = layer
+        layers[name] = comet_layer(hidden, template, kwargs, section, stock)
     device = torch.device(get_accelerator().device_name(), get_accelerator().current_device())
-    for layer in layers.values():
-        layer.to(device=device, dtype=torch.bfloat16).eval()
+    stock.to(device=device, dtype=torch.bfloat16).eval()
     return layers
 
 

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 1 -m ds_comet.bench.gemm [--shape NAME ...] [--custom H,F,E,K,T ...] [--gated]
                                                        [--skew 0.7] [--warm-ms 200] [--time-ms MS] [--power]
-                                                       [--out DIR]
+                                                       [--fp8] [--out DIR]
 
 One rank (EP=1), so that every route's row lands on this GPU: R = k x T rows over E experts. Each
 shape runs twice, with routes drawn uniformly over the experts ("balanced") and from expert
@@ -35,6 +35,17 @@ calls for ``--time-ms``, the implementations of one phase in turn. With ``--powe
 samples the GPU's SM clock and power through each timed window (``ds_comet.bench.power``), and the
 energy of a call is its time by the mean power: at the power cap, time follows energy. Rank 0
 prints TFLOP/s and the ratios and writes gemm.json.
+
+With ``--fp8`` a second fused layer, with the same weights, runs the blockwise ``"fp8"`` recipe
+(rows crossing in bf16, so that its four FP8 phases run on the GEMM table's "triton_fp8"), and
+its phases are timed on the same routes as ``gemm1_fwd_fp8`` ... ``gemm2_bwd_fp8`` (the weight
+gradients stay bf16): "ours" is the FP8 phase, rows quantised inside the GEMM as the pipeline runs
+it; "scaled_grouped_mm" is ``torch._scaled_grouped_mm`` on the same rows and groups with rowwise
+e4m3 scales (fp8.py's rowwise quantisation: one scale per row and per output channel, the
+library's scaling, not the recipe's blocks; its operands quantised beforehand, outside the timing;
+``use_fast_accum``); "bf16" is the bf16 layer's phase, the same product in bf16. The FLOPs of a
+phase are the same in every implementation. A shape the recipe cannot scale (hidden and FFN sizes
+must be multiples of 128) gets no FP8 phases: the recipe's refusal is printed in their place.
 """
 
 import argparse
@@ -49,13 +60,22 @@ import deepspeed
 import torch
 
 import ds_comet
+from ds_comet import fp8
 from ds_comet.bench.power import Sampler
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.experts import FeedForward, GatedFeedForward
 from ds_comet.kernels.gemm_phases import Phase
 
 PHASES = ("gemm1_fwd", "gemm2_fwd", "gemm1_bwd", "gemm2_bwd", "wgrad_w2", "wgrad_w1")
-IMPLEMENTATIONS = ("ours", "grouped_mm", "composed")
+FP8_PHASES = ("gemm1_fwd", "gemm2_fwd", "gemm1_bwd", "gemm2_bwd")  # the recipe's; the weight gradients stay bf16
+IMPLEMENTATIONS = ("ours", "grouped_mm", "composed", "scaled_grouped_mm", "bf16")
+# The blockwise recipe as the fused pipeline runs it: rows cross the exchange in bf16.
+FP8_RECIPE = {"enabled": True, "dispatch": "bf16"}
+FP8_HEADER = (
+    "  FP8, blockwise (1x128 row tiles, 128x128 weight blocks; rows quantised inside ours, timed); "
+    "scaled_grouped_mm runs rowwise scaling (a scale per row and per output channel), its operands "
+    "quantised beforehand, untimed:"
+)
 
 
 # The pipeline's GEMM phase that each benchmarked phase relaunches.
@@ -78,6 +98,9 @@ class TimedPhase:
     flops: int
     composed: Callable[[], object] | None = None  # the library's product, then our elementwise kernel
     implementation: str = ""  # the name of the implementation "ours" runs (the GEMM table's)
+    scaled_grouped_mm: Callable[[], object] | None = None  # FP8 phases: the library's rowwise FP8 product
+    bf16: Callable[[], object] | None = None  # FP8 phases: the bf16 layer's phase
+    bf16_implementation: str = ""
 
 
 def parse_args():
@@ -98,6 +121,11 @@ def parse_args():
         "--power",
         action="store_true",
         help="sample the SM clock and power through each timed window (needs nvidia-smi)",
+    )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also the FP8 phases of the blockwise recipe, against torch._scaled_grouped_mm (rowwise) and bf16",
     )
     parser.add_argument("--out", default="gemm_out")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
@@ -136,7 +164,9 @@ def routes(tokens: int, experts: int, k: int, skew: float, device) -> torch.Tens
     return torch.multinomial(probs, k, replacement=False, generator=generator).t().contiguous().to(device)
 
 
-def fused_layer(hidden, ffn, experts, k, tokens, gated, device):
+def fused_layer(hidden, ffn, experts, k, tokens, gated, device, fp8_recipe: dict | None = None):
+    """The bf16 comet layer of one shape on the fused pipeline, alone in its group; with ``fp8_recipe``
+    under that recipe. The same weights every time (seeded)."""
     torch.manual_seed(0)
     template = GatedFeedForward(hidden, ffn) if gated else FeedForward(hidden, ffn)
     layer = ds_comet.MoE(
@@ -148,7 +178,7 @@ def fused_layer(hidden, ffn, experts, k, tokens, gated, device):
         capacity_factor=1.0,
         eval_capacity_factor=1.0,
         drop_tokens=False,
-        config={"moe": {"backend": "comet", "overlap": "fused"}},
+        config={"moe": {"backend": "comet", "overlap": "fused", **({"fp8": fp8_recipe} if fp8_recipe else {})}},
     )
     layer.set_deepspeed_parallelism()
     return layer.to(device=device, dtype=torch.bfloat16)
@@ -208,24 +238,90 @@ def phase_calls(pipeline, tokens, indices, experts):
     }
     for name, phase in phases.items():
         phase.implementation = kernels.implementation(PIPELINE_PHASES[name]).name
+    if pipeline.fp8 is not None:
+        w2_t, w1_t = w2.transpose(1, 2).contiguous(), w1.transpose(1, 2).contiguous()
+        for name, a, weight in (
+            ("gemm1_fwd", x, w1),
+            ("gemm2_fwd", h, w2),
+            ("gemm1_bwd", x, w2_t),
+            ("gemm2_bwd", grad_pre, w1_t),
+        ):
+            phases[name].scaled_grouped_mm = rowwise_scaled_grouped_mm(a, weight, offsets)
     return phases, counts
+
+
+def rowwise_operands(a: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``torch._scaled_grouped_mm``'s operands for ``a @ weight[g]^T`` over groups of rows, with rowwise
+    e4m3 scaling (``fp8.quantise_rows``: one power-of-two scale per row of ``a`` and per output channel
+    of each weight).
+
+    Args:
+        a: [M, K] rows, grouped by their weight.
+        weight: [G, N, K], each group's weight with K contiguous.
+
+    Returns:
+        (a's values [M, K] e4m3 row-major, the weights' values [G, K, N] e4m3 column-major, a's scales
+        [M] fp32, the weights' scales [G, N] fp32): values times scales are the dequantised operands.
+    """
+    rows = fp8.quantise_rows(a)
+    groups, n, k = weight.shape
+    weights = fp8.quantise_rows(weight.reshape(groups * n, k))
+    return (
+        rows.values,
+        weights.values.view(groups, n, k).transpose(-2, -1),
+        rows.scales.view(-1),
+        weights.scales.view(groups, n),
+    )
+
+
+def rowwise_scaled_grouped_mm(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor):
+    """A call of ``torch._scaled_grouped_mm`` on ``rowwise_operands(a, weight)`` grouped by ``offsets``
+    (the groups' row ends, int32), bf16 out; the operands are quantised once, here."""
+    values, weights, scales, weight_scales = rowwise_operands(a, weight)
+    return lambda: torch._scaled_grouped_mm(
+        values, weights, scales, weight_scales, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=True
+    )
+
+
+def fused_pipeline(hidden, ffn, experts, k, tokens, gated, x, fp8_recipe: dict | None = None):
+    """The fused pipeline of ``fused_layer``'s layer, built by one eval call on ``x`` ([T, H]); with
+    ``fp8_recipe``, one whose GEMMs run it (ValueError where the recipe cannot scale the shape,
+    SystemExit where the fused pipeline does not run it, each with the layer's reason)."""
+    layer = fused_layer(hidden, ffn, experts, k, tokens, gated, x.device, fp8_recipe)
+    with torch.no_grad():
+        layer.eval()(x[None])  # builds the pipeline and its workspace
+    pipelines = layer.deepspeed_moe.pipelines
+    if fp8_recipe is not None and (pipelines.fused is None or pipelines.fused.fp8 is None):
+        raise SystemExit(f"the fused pipeline does not run the FP8 recipe on this shape: {pipelines.reason}")
+    return pipelines.fused
 
 
 def bench_shape(name, hidden, ffn, experts, k, tokens, args, sampler):
     device = torch.device("cuda", torch.cuda.current_device())
     gated = args.gated or name in SWIGLU
-    layer = fused_layer(hidden, ffn, experts, k, tokens, gated, device)
     x = torch.randn(tokens, hidden, device=device).to(torch.bfloat16)
-    with torch.no_grad():
-        layer.eval()(x[None])  # builds the pipeline and its workspace
-    pipeline = layer.deepspeed_moe.pipelines.fused
+    pipeline = fused_pipeline(hidden, ffn, experts, k, tokens, gated, x)
+    fp8_pipeline = None
+    if args.fp8:
+        try:
+            fp8_pipeline = fused_pipeline(hidden, ffn, experts, k, tokens, gated, x, FP8_RECIPE)
+        except ValueError as refusal:  # "fallback": "error": the recipe names why it cannot scale the shape
+            print(f"{name}: no FP8 phases: {refusal}", flush=True)
     results = {}
     for routing, skew in (("balanced", 0.0), ("skewed", args.skew)):
-        calls, counts = phase_calls(pipeline, x, routes(tokens, experts, k, skew, device), experts)
+        indices = routes(tokens, experts, k, skew, device)
+        calls, counts = phase_calls(pipeline, x, indices, experts)
         mean = counts.float().mean().item()
         results[routing] = {"largest_over_mean": counts.max().item() / mean, "empty_experts": int((counts == 0).sum())}
         for phase in PHASES:
             results[routing][phase] = time_phase(calls[phase], args, sampler)
+        if fp8_pipeline is None:
+            continue
+        # The same routes, rows and weights (seeded): the bf16 phases' rows are the FP8 forward's too.
+        fp8_calls, _ = phase_calls(fp8_pipeline, x, indices, experts)
+        for phase in FP8_PHASES:
+            fp8_calls[phase].bf16, fp8_calls[phase].bf16_implementation = calls[phase].ours, calls[phase].implementation
+            results[routing][f"{phase}_fp8"] = time_phase(fp8_calls[phase], args, sampler)
     return results
 
 
@@ -233,6 +329,8 @@ def time_phase(phase: TimedPhase, args, sampler: Sampler | None) -> dict:
     """Each implementation's TFLOP/s (and, with a ``sampler``, SM clock, watts and mJ a call) and
     ours over the others' rates; ``ours_implementation`` names the GEMM table's implementation."""
     result, ms = {"ours_implementation": phase.implementation}, {}
+    if phase.bf16 is not None:
+        result["bf16_implementation"] = phase.bf16_implementation
     for name in IMPLEMENTATIONS:
         fn = getattr(phase, name)
         if fn is None:
@@ -256,6 +354,12 @@ def phase_line(phase: str, r: dict) -> str:
     )
     if "composed_tflops" in r:
         line += f"  composed {r['composed_tflops']:6.1f} TFLOP/s  ours/composed {r['ours_over_composed']:.3f}"
+    if "scaled_grouped_mm_tflops" in r:
+        line += (
+            f"\n    {'':10s} scaled_grouped_mm (rowwise e4m3) {r['scaled_grouped_mm_tflops']:6.1f} TFLOP/s  "
+            f"ours/scaled {r['ours_over_scaled_grouped_mm']:.3f}  bf16 ({r['bf16_implementation']}) "
+            f"{r['bf16_tflops']:6.1f} TFLOP/s  ours/bf16 {r['ours_over_bf16']:.3f}"
+        )
     for name in IMPLEMENTATIONS:
         if f"{name}_mj" in r:
             line += (
@@ -273,6 +377,8 @@ def main():
         raise SystemExit("ds_comet.bench.gemm times one rank's GEMMs at EP=1: run it with --nproc_per_node 1")
     if not hasattr(torch, "_grouped_mm"):
         raise SystemExit("this torch has no torch._grouped_mm to compare with")
+    if args.fp8 and not hasattr(torch, "_scaled_grouped_mm"):
+        raise SystemExit("--fp8: this torch has no torch._scaled_grouped_mm to compare with")
     sampler = Sampler(torch.device("cuda", torch.cuda.current_device())) if args.power else None
     if args.time_ms is None:
         args.time_ms = 1500.0 if args.power else 400.0
@@ -290,6 +396,10 @@ def main():
             )
             for phase in PHASES:
                 print(phase_line(phase, phases[phase]), flush=True)
+            if f"{FP8_PHASES[0]}_fp8" in phases:
+                print(FP8_HEADER, flush=True)
+                for phase in FP8_PHASES:
+                    print(phase_line(phase, phases[f"{phase}_fp8"]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gemm.json"), "w") as f:
         json.dump(all_results, f, indent=1)

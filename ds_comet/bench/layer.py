@@ -1,7 +1,7 @@
 """Benchmark one MoE layer, forward and forward+backward: stock DeepSpeed, the reference and the fused pipeline.
 
     torchrun --nproc_per_node 2 -m ds_comet.bench [--shape NAME ...] [--custom H,F,E,K,T ...] [--out DIR]
-                                                  [--no-backward] [--cuda-graph-gate]
+                                                  [--no-backward] [--cuda-graph-gate] [--fp8]
 
 Every number comes from one run on the same GPUs and inputs: the three layers (same weights), the
 gate alone (stock's call and the comet layer's ``gate_routes``), the routing plan, the fused
@@ -14,6 +14,12 @@ up before each call.
 On the SwiGLU shapes (and every shape with --gated) it also times DeepSpeed AutoEP's layer on a
 Hugging Face block of the same sizes (``torch._grouped_mm`` experts, its NCCL ``comm`` exchange)
 beside that same block on ds_comet ("autoep_comet"), with the same weights; --no-autoep skips them.
+
+With --fp8 the comet layer also runs the blockwise ``"fp8"`` recipe on the fused pipeline (rows
+crossing the exchange in bf16, its four GEMM phases in FP8, the same weights: "fused_fp8"), and on
+the SwiGLU shapes AutoEP's block on ds_comet under it ("autoep_comet_fp8"), timed against the
+bf16 comet layer and against AutoEP (bf16). A shape the recipe cannot scale (gpt-oss's H2880 is
+no multiple of 128) gets no FP8 rows; rank 0 prints the recipe's refusal instead.
 
 Unless --no-backward, each pipeline also runs training steps (forward, then backward of the output
 against a fixed random gradient plus the aux loss; grads set to None at the start of each step),
@@ -32,7 +38,19 @@ import torch
 from deepspeed import comm as dist
 
 from ds_comet.bench import autoep
-from ds_comet.bench.common import autoep_step, build, expert_ffn, grouped_ffn, peak_mib, run_shapes, timed, train_step
+from ds_comet.bench.common import (
+    autoep_step,
+    build,
+    comet_layer,
+    expert_ffn,
+    expert_template,
+    grouped_ffn,
+    moe_kwargs,
+    peak_mib,
+    run_shapes,
+    timed,
+    train_step,
+)
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
 from ds_comet.kernels.gemm_phases import Phase
@@ -41,7 +59,9 @@ from ds_comet.pipelines.fused import FusedPipeline
 from ds_comet.pipelines.routing import remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
-AUTOEP_PIPELINES = ("autoep", "autoep_comet")
+AUTOEP_PIPELINES = ("autoep", "autoep_comet", "autoep_comet_fp8")
+# The blockwise recipe as the fused pipeline runs it: rows cross the exchange in bf16.
+FP8_RECIPE = {"enabled": True, "dispatch": "bf16"}
 
 
 def parse_args():
@@ -72,6 +92,11 @@ def parse_args():
         dest="backward",
         action="store_false",
         help="time the forward only (skip the training steps and their bounds)",
+    )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help='also the comet layers under the blockwise "fp8" recipe, against the bf16 comet layer and AutoEP',
     )
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
@@ -185,7 +210,30 @@ def build_layers(name, hidden, ffn, experts, k, ep_size, device, args):
             )
         elif dist.get_rank() == 0:
             print(f"{name}: no AutoEP rows: {reason}", flush=True)
+    if args.fp8:
+        layers.update(fp8_layers(name, hidden, ffn, experts, k, ep_size, gated, layers, device, args))
     return layers
+
+
+def fp8_layers(name, hidden, ffn, experts, k, ep_size, gated, layers, device, args):
+    """With --fp8: the fused comet layer under ``FP8_RECIPE`` with the stock layer's weights
+    ("fused_fp8") and, where ``layers`` has AutoEP's block, that block on ds_comet under it
+    ("autoep_comet_fp8"); none where the recipe refuses the shape (rank 0 prints its reason)."""
+    section = {"backend": "comet", "overlap": "fused", "fp8": FP8_RECIPE, **layer_overrides(args)}
+    kwargs = moe_kwargs(experts, ep_size, k, args.capacity_factor)
+    built = {}
+    try:
+        built["fused_fp8"] = comet_layer(hidden, expert_template(hidden, ffn, gated), kwargs, section, layers["stock"])
+        if "autoep" in layers:
+            family = SWIGLU.get(name, "mixtral")
+            built["autoep_comet_fp8"] = autoep.autoep_layer(
+                family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16, 0, section
+            )
+    except ValueError as refusal:  # "fallback": "error": the recipe names why it cannot run the shape
+        if dist.get_rank() == 0:
+            print(f"{name}: no FP8 rows: {refusal}", flush=True)
+        return {}
+    return built
 
 
 def bench_routing(moe, x, experts, ep_size, args):
@@ -270,6 +318,8 @@ def add_ratios(results, backward):
             fused_over_bound_fwd_bwd=results["fused_fwd_bwd"] / results["bound_fwd_bwd"],
             reference_over_fused_fwd_bwd=results["reference_fwd_bwd"] / results["fused_fwd_bwd"],
         )
+    if "fused_fp8" in results:
+        add_fp8_ratios(results, backward)
     if "autoep" in results:
         results.update(
             autoep_over_comet=results["autoep"] / results["autoep_comet"],
@@ -279,6 +329,21 @@ def add_ratios(results, backward):
             results.update(
                 autoep_over_comet_fwd_bwd=results["autoep_fwd_bwd"] / results["autoep_comet_fwd_bwd"],
                 autoep_comet_over_bound_fwd_bwd=results["autoep_comet_fwd_bwd"] / results["bound_fwd_bwd"],
+            )
+
+
+def add_fp8_ratios(results, backward):
+    """The FP8 layers' speedups: the bf16 comet layer's time and AutoEP's over theirs."""
+    suffixes = ("", "_fwd_bwd") if backward else ("",)
+    for suffix in suffixes:
+        results[f"fused_over_fused_fp8{suffix}"] = results[f"fused{suffix}"] / results[f"fused_fp8{suffix}"]
+        if "autoep_comet_fp8" in results:
+            results[f"autoep_over_fused_fp8{suffix}"] = results[f"autoep{suffix}"] / results[f"fused_fp8{suffix}"]
+            results[f"autoep_over_comet_fp8{suffix}"] = (
+                results[f"autoep{suffix}"] / results[f"autoep_comet_fp8{suffix}"]
+            )
+            results[f"autoep_comet_over_comet_fp8{suffix}"] = (
+                results[f"autoep_comet{suffix}"] / results[f"autoep_comet_fp8{suffix}"]
             )
 
 
@@ -411,6 +476,43 @@ def print_autoep_table(all_results):
     )
 
 
+def print_fp8_table(all_results):
+    """The FP8 rows, where any shape has them: each FP8 layer's ms and its speedups (ratios above 1:
+    the FP8 layer is faster)."""
+    fp8_rows = {name: results for name, results in all_results.items() if "fused_fp8" in results}
+    if not fp8_rows:
+        return
+    columns = (("comet", "fused"), ("comet FP8", "fused_fp8"), ("comet/FP8", "fused_over_fused_fp8"))
+    if all("fused_fp8_fwd_bwd" in results for results in fp8_rows.values()):
+        columns += (
+            ("comet fb", "fused_fwd_bwd"),
+            ("comet FP8 fb", "fused_fp8_fwd_bwd"),
+            ("comet/FP8 fb", "fused_over_fused_fp8_fwd_bwd"),
+        )
+    lines = ["shape".ljust(40) + "".join(h.rjust(14) for h, _ in columns)]
+    for name, results in fp8_rows.items():
+        lines.append(name.ljust(40) + "".join(f"{results[key]:14.3f}" for _, key in columns))
+    autoep_columns = (
+        ("AutoEP", "autoep"),
+        ("AutoEP+comet FP8", "autoep_comet_fp8"),
+        ("AutoEP/FP8", "autoep_over_comet_fp8"),
+        ("AutoEP/comet FP8", "autoep_over_fused_fp8"),
+        ("AutoEP+comet/FP8", "autoep_comet_over_comet_fp8"),
+    )
+    autoep_columns += tuple((f"{h} fb", f"{key}_fwd_bwd") for h, key in autoep_columns)
+    with_autoep = {name: results for name, results in fp8_rows.items() if "autoep_comet_fp8" in results}
+    if with_autoep:
+        keys = [(h, key) for h, key in autoep_columns if all(key in r for r in with_autoep.values())]
+        lines.append("shape".ljust(40) + "".join(h.rjust(20) for h, _ in keys))
+        for name, results in with_autoep.items():
+            lines.append(name.ljust(40) + "".join(f"{results[key]:20.3f}" for _, key in keys))
+    print(
+        'the blockwise "fp8" recipe on the fused pipeline (rows crossing in bf16) against the bf16 comet layer and '
+        "AutoEP (bf16): ms (fb: forward+backward), ratios of their times over the FP8 layer's\n" + "\n".join(lines),
+        flush=True,
+    )
+
+
 def print_training_table(all_results):
     lines = ["shape".ljust(28) + "".join(h.rjust(12) for h, _ in TRAIN_COLUMNS)]
     for name, results in all_results.items():
@@ -461,6 +563,7 @@ def report(all_results, out_dir):
     print_forward_table(all_results)
     print_sent_table(all_results)
     print_autoep_table(all_results)
+    print_fp8_table(all_results)
     backward = all("fused_fwd_bwd" in results for results in all_results.values())
     if backward:
         print_training_table(all_results)

@@ -3,10 +3,13 @@
 A call of the fused pipeline runs five GEMM phases (``Phase``). An implementation
 (``GemmImplementation``) is a named way to launch some of them; for each phase it runs, it declares
 what it needs of the call (``Needs``): the row and weight dtypes it takes, the GPUs it runs on, the
-torch functions it calls, and conditions on the call such as a rank alone in its group. A call
-is described by its ``GemmFacts``. ``gemm_table`` lists the implementations and gives each phase
-the first one whose needs the facts meet; the launch code (``launch.FusedKernels``) asks that
-implementation to run the phase and what dtype it stores its outputs in.
+torch functions it calls, conditions on the call such as a rank alone in its group, and whether it
+computes in FP8. A call is described by its ``GemmFacts``, which include what the layer's FP8
+recipe asks of it (``Fp8Facts``): a phase the recipe puts in FP8 runs only on an implementation that
+runs it in FP8, and any other phase only on one that does not. ``gemm_table`` lists the
+implementations and gives each phase the first one whose needs the facts meet; the launch code
+(``launch.FusedKernels``) asks that implementation to run the phase and what dtype it stores its
+outputs in.
 """
 
 import enum
@@ -15,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from ..fp8 import BLOCK as FP8_BLOCK
 
 if TYPE_CHECKING:
     from .launch import FusedKernels
@@ -42,6 +47,22 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Fp8Facts:
+    """What a layer's ``"fp8"`` recipe asks of its calls' GEMMs (``config.Fp8Recipe``, as it applies here)."""
+
+    phases: frozenset[Phase]
+    """The phases it runs in FP8: the forward's two GEMMs with ``"forward"``, the backward's two
+    input-gradient GEMMs with ``"input_gradients"`` (the weight gradients stay in the rows' dtype)."""
+    scaling: str
+    """``"blockwise"`` (1x128 tiles of rows, 128x128 blocks of weights) or ``"rowwise"``."""
+    gradient_format: str
+    """The gradients' rows' FP8 format in the backward's GEMMs: ``"e4m3"`` or ``"e5m2"``."""
+    hidden: int
+    ffn: int
+    """The layer's H and F: the GEMMs' reduction sizes, which blockwise scaling tiles by 128."""
+
+
+@dataclass(frozen=True)
 class GemmFacts:
     """What the choice of a phase's implementation reads about a call."""
 
@@ -58,6 +79,8 @@ class GemmFacts:
     stacked: bool
     """The weights are stacked tensors, ``[L, F, H]`` and ``[L, H, F]`` (what a grouped-GEMM library
     call takes), not one module per expert."""
+    fp8: Fp8Facts | None = None
+    """The layer's FP8 recipe, where the fused pipeline runs one; None: every phase in the rows' dtype."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -80,18 +103,27 @@ class Needs:
     """Only for gated experts."""
     stacked: bool = False
     """Only for stacked weights."""
+    fp8_scalings: tuple[str, ...] = ()
+    """The FP8 scalings it runs the phase in (``"blockwise"``, ``"rowwise"``): then it runs the phase
+    only where the layer's recipe puts it in FP8 with one of them (blockwise: with hidden and FFN
+    sizes that are multiples of ``FP8_BLOCK``). Empty: it computes in the rows' dtype, and runs the
+    phase only where no recipe puts it in FP8."""
 
-    def refusal(self, facts: GemmFacts) -> str | None:
+    def refusal(self, facts: GemmFacts, in_fp8: bool = False) -> str | None:
         """Whether a call meets these needs.
 
         Args:
             facts: the call's facts.
+            in_fp8: the layer's FP8 recipe puts the phase in FP8 in this call.
 
         Returns:
             None where the call meets them, else the first that it does not, as a phrase
             ("takes bfloat16 rows with bfloat16 weights, not ...", "runs on sm_90, not sm_80",
             "needs gated experts", ...).
         """
+        reason = self.fp8_refusal(facts, in_fp8)
+        if reason is not None:
+            return reason
         if (facts.row_dtype, facts.weight_dtype) not in self.dtypes:
             taken = " or ".join(f"{dtype_name(r)} rows with {dtype_name(w)} weights" for r, w in self.dtypes)
             given = f"{dtype_name(facts.row_dtype)} rows with {dtype_name(facts.weight_dtype)} weights"
@@ -108,6 +140,22 @@ class Needs:
             return "needs gated experts"
         if self.stacked and not facts.stacked:
             return "needs stacked expert weights (here one module per expert)"
+        return None
+
+    def fp8_refusal(self, facts: GemmFacts, in_fp8: bool) -> str | None:
+        """``refusal``'s answer on FP8 alone: whether an FP8 phase (``in_fp8``) meets ``fp8_scalings``."""
+        if not in_fp8:
+            return "runs only phases an FP8 recipe puts in FP8" if self.fp8_scalings else None
+        if not self.fp8_scalings:
+            return "does not compute in FP8, which the layer's recipe asks for here"
+        recipe = facts.fp8
+        if recipe.scaling not in self.fp8_scalings:
+            return f"runs {' or '.join(self.fp8_scalings)} FP8 scaling, not {recipe.scaling}"
+        if recipe.scaling == "blockwise" and (recipe.hidden % FP8_BLOCK or recipe.ffn % FP8_BLOCK):
+            return (
+                f"needs hidden and FFN sizes that are multiples of {FP8_BLOCK} (blockwise scaling's tiles), "
+                f"not {recipe.hidden} and {recipe.ffn}"
+            )
         return None
 
 
@@ -129,7 +177,12 @@ class GemmImplementation:
         needs = self.needs.get(phase)
         if needs is None:
             return f"does not run the {phase.value}"
-        return needs.refusal(facts)
+        return needs.refusal(facts, in_fp8=facts.fp8 is not None and phase in facts.fp8.phases)
+
+    def runs_fp8(self, phase: Phase) -> bool:
+        """Whether this implementation runs ``phase`` in FP8 (where it runs it at all)."""
+        needs = self.needs.get(phase)
+        return needs is not None and bool(needs.fp8_scalings)
 
     def stored_dtype(self, phase: Phase, facts: GemmFacts) -> torch.dtype:
         """The dtype ``phase`` stores its outputs in (what the caller allocates them as)."""

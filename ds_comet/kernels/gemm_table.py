@@ -8,9 +8,11 @@ place in the order.
 
 from .gemm_phases import GemmFacts, GemmImplementation, Phase
 from .library_phases import LibraryGemm
+from .triton_fp8_phases import TritonFp8Gemm
 from .triton_phases import TritonGemm
 
 IMPLEMENTATIONS: tuple[GemmImplementation, ...] = (
+    TritonFp8Gemm(),  # only the phases a layer's FP8 recipe puts in FP8, which no other one runs
     LibraryGemm(),  # where it runs at all (bf16, sm_90, nothing waiting), it was the faster
     TritonGemm(),  # every phase, for every call the fused pipeline takes
 )
@@ -48,3 +50,32 @@ def choose(phase: Phase, facts: GemmFacts) -> GemmImplementation:
             return implementation
     reasons = "; ".join(f"{name} {reason}" for name, reason in refusals(phase, facts).items())
     raise RuntimeError(f"ds_comet: no GEMM implementation runs the {phase.value} of this call: {reasons}")
+
+
+def fp8_refusal(facts: GemmFacts) -> str | None:
+    """Why a call's FP8 recipe cannot run on the fused pipeline's GEMMs, or None.
+
+    Args:
+        facts: the call's facts, with the layer's recipe (``GemmFacts.fp8``).
+
+    Returns:
+        None where every phase the recipe puts in FP8 has an implementation (or the facts hold no
+        recipe); else, for the first phase that has none, a sentence naming it with each FP8
+        implementation's reason ("the fused pipeline has no FP8 GEMM for its forward first layer
+        here (triton_fp8 runs blockwise FP8 scaling, not rowwise)").
+    """
+    if facts.fp8 is None:
+        return None
+    for phase in Phase:
+        if phase not in facts.fp8.phases:
+            continue
+        reasons = refusals(phase, facts)
+        if None in reasons.values():
+            continue
+        fp8_reasons = [
+            f"{implementation.name} {reasons[implementation.name]}"
+            for implementation in IMPLEMENTATIONS
+            if implementation.runs_fp8(phase)
+        ]
+        return f"the fused pipeline has no FP8 GEMM for its {phase.value} here ({'; '.join(fp8_reasons)})"
+    return None

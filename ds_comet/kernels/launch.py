@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .constants import TOTAL_COMBINE_CLAIM, TOTAL_RECV_ROWS
 from .fused_experts import POINTER_NAMES, FusedExperts
-from .gemm_phases import GemmFacts, GemmImplementation, Phase, Products
+from .gemm_phases import Fp8Facts, GemmFacts, GemmImplementation, Phase, Products
 from .gemm_table import choose
 from .host_copies import host_to_device
 from .routing_plan import RoutingPlan
@@ -40,6 +40,30 @@ class FusedParameters:
     tile_n: int  # GEMM2's column tile, and the granularity of the combine's chunk counters
     n_chunks: int
     gemm1_tile_n: int = 128
+
+
+def gemm_facts(
+    row_dtype: torch.dtype, experts: FusedExperts, capability: tuple[int, int], alone: bool, fp8: Fp8Facts | None
+) -> GemmFacts:
+    """The facts the GEMM table chooses a call's implementations by (``FusedKernels.facts``; the
+    selection asks them before it builds the pipeline).
+
+    Args:
+        row_dtype: the rows' dtype (the tokens').
+        experts: the local experts' weights as the kernels read them.
+        capability: the GPU's compute capability.
+        alone: one rank in the expert-parallel group.
+        fp8: what the layer's FP8 recipe asks of the GEMMs, None without one.
+    """
+    return GemmFacts(
+        row_dtype=row_dtype,
+        weight_dtype=experts.weight_dtype(),
+        capability=capability,
+        alone=alone,
+        gated=experts.gated,
+        stacked=experts.stacked() is not None,
+        fp8=fp8,
+    )
 
 
 class PointerTables:
@@ -94,6 +118,9 @@ class FusedKernels:
         params: the launch parameters for the layer's shape.
         tables: the experts' device pointer tables (``PointerTables.get``), by ``POINTER_NAMES``.
         hidden: the tokens' width H.
+        fp8: what the layer's FP8 recipe asks of the GEMMs, None without one.
+        fp8_tables: with ``fp8``, the quantised weights' device pointer tables
+            (``fp8_weights.Fp8WeightCache.tables``).
     """
 
     buffer: CometBuffer
@@ -101,6 +128,8 @@ class FusedKernels:
     params: FusedParameters
     tables: dict[str, Tensor]
     hidden: int
+    fp8: Fp8Facts | None = None
+    fp8_tables: dict[str, Tensor] = field(default_factory=dict)
     _implementations: dict[Phase, GemmImplementation] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -320,14 +349,7 @@ class FusedKernels:
     @functools.cached_property
     def facts(self) -> GemmFacts:
         """What the GEMM table chooses this call's implementations by."""
-        return GemmFacts(
-            row_dtype=self.buffer.shape.dtype,
-            weight_dtype=self.experts.weight_dtype(),
-            capability=self.buffer.capability,
-            alone=self.alone,
-            gated=self.gated,
-            stacked=self.experts.stacked() is not None,
-        )
+        return gemm_facts(self.buffer.shape.dtype, self.experts, self.buffer.capability, self.alone, self.fp8)
 
     def implementation(self, phase: Phase) -> GemmImplementation:
         """The implementation that runs ``phase`` in this call: the GEMM table's first that admits the

@@ -607,19 +607,32 @@ def gemm2_kernel(
         if SECOND:
             w3 = _weight_tiles(w3_table, expert, dtype, K, N, BK, BN, W_NK)
             acc, _ = _dot_rows(acc, acc, rows + K, lda, offs_m, m_mask, w3, w3, n0, K, BK, W_NK, False)
-        if HAS_BIAS:
-            bias2 = tl.load(b2_table + expert).to(tl.pointer_type(dtype))
-            acc += tl.load(bias2 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        _gemm2_store(acc, out, b2_table, expert, offs_m, m_mask, offs_n, n_mask, N, dtype, HAS_BIAS)
+        _count_finished_rows(origin, offs_m, m_mask, chunk_counter_table, chunk, EP_SIZE)
 
-        tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
-        source = (tl.load(origin + offs_m, mask=m_mask, other=0) >> 32).to(tl.int32)
-        # Every thread's stores are done before the (one-thread, release) count below.
-        tl.debug_barrier()
-        for p in tl.static_range(EP_SIZE):
-            delivered = tl.sum((m_mask & (source == p)).to(tl.int32))
-            if delivered > 0:
-                counter = tl.load(chunk_counter_table + p).to(tl.pointer_type(tl.int32))
-                tl.atomic_add(counter + chunk, delivered, sem="release", scope="sys")
+
+@triton.jit
+def _gemm2_store(acc, out, b2_table, expert, offs_m, m_mask, offs_n, n_mask, N, dtype, HAS_BIAS: tl.constexpr):
+    """GEMM2's tile ``acc`` (+ b2 with HAS_BIAS) into the rows ``offs_m`` and columns ``offs_n`` of ``out``
+    ([R, N]) in ``dtype``: a plain row-major store."""
+    if HAS_BIAS:
+        bias2 = tl.load(b2_table + expert).to(tl.pointer_type(dtype))
+        acc += tl.load(bias2 + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + offs_m[:, None] * N + offs_n[None, :], acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _count_finished_rows(origin, offs_m, m_mask, chunk_counter_table, chunk, EP_SIZE: tl.constexpr):
+    """After a GEMM2 tile's rows ``offs_m`` are stored: adds, per source rank, how many of them came from
+    it (``origin``) to that source's counter of column chunk ``chunk`` (``chunk_counter_table[source]``)."""
+    source = (tl.load(origin + offs_m, mask=m_mask, other=0) >> 32).to(tl.int32)
+    # Every thread's stores are done before the (one-thread, release) count below.
+    tl.debug_barrier()
+    for p in tl.static_range(EP_SIZE):
+        delivered = tl.sum((m_mask & (source == p)).to(tl.int32))
+        if delivered > 0:
+            counter = tl.load(chunk_counter_table + p).to(tl.pointer_type(tl.int32))
+            tl.atomic_add(counter + chunk, delivered, sem="release", scope="sys")
 
 
 @triton.jit

@@ -176,7 +176,7 @@ class Fp8EmulatedExperts(LocalExperts):
     """``experts`` computed under an FP8 recipe, emulated in float: the reference pipeline's experts
     when the recipe is enabled. ``fused``: their weights as the kernels read them
     (``experts.fused(hidden)``), from which the emulation computes them, without calling the modules
-    (as the kernels will): their hooks do not run."""
+    (as the kernels do): their hooks do not run."""
 
     def __init__(self, experts: LocalExperts, fused: FusedExperts, recipe: Fp8Recipe):
         self.experts = experts

@@ -18,7 +18,9 @@ gradients dA @ W1, stored chunk by chunk on the expert ranks, are summed there p
 read by the source ranks, which collect the gate gradients as they go). The weight gradients are
 grouped GEMMs that run while the combine moves data. Each GEMM phase runs on the implementation
 the GEMM table (``kernels/gemm_table.py``) gives the call: alone in the group, where no row waits
-for a link, stacked bf16 experts on sm_90 take the library's grouped GEMM for GEMM1, both ways.
+for a link, stacked bf16 experts on sm_90 take the library's grouped GEMM for GEMM1, both ways; under
+an ``"fp8"`` recipe that the pipeline runs (``fp8``), the phases it puts in FP8 take the FP8 GEMMs,
+which read the weights the pipeline keeps quantised (``fp8_weights``).
 
 Reuse across calls: a rank's next call writes ``recv``, ``reduced`` and ``row_dot`` (and peers stage
 into its ``stage``) only after its next exchange, which waits until every rank has published that
@@ -55,8 +57,9 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor
 
+from ..kernels.fp8_weights import Fp8WeightCache
 from ..kernels.fused_experts import FusedExperts
-from ..kernels.gemm_phases import Phase
+from ..kernels.gemm_phases import Fp8Facts, Phase
 from ..kernels.launch import FusedKernels, FusedParameters, PointerTables
 from ..kernels.ops import CometWaitTimeout
 from ..kernels.routing_plan import RoutingPlan, plan_routes_cuda
@@ -87,6 +90,9 @@ class FusedPipeline(Pipeline):
             error rather than let a call exceed it, and activations are sized by it.
         size_by_received: size activations by the rows each call receives instead (read back to
             the host after the exchange: ``"activation_rows": "received"``).
+        fp8: what the layer's FP8 recipe asks of the GEMMs, where they run it (the GEMM table then
+            gives those phases its FP8 implementation); the pipeline keeps the weights those GEMMs
+            read quantised (``fp8_weights``). None: every GEMM in the tokens' dtype.
     """
 
     name = "fused"
@@ -100,6 +106,7 @@ class FusedPipeline(Pipeline):
         num_experts: int,
         row_bounds: dict[bool, int],
         size_by_received: bool = False,
+        fp8: Fp8Facts | None = None,
     ):
         self.workspace = workspace
         self.experts = experts
@@ -108,6 +115,8 @@ class FusedPipeline(Pipeline):
         self.row_bounds = row_bounds
         self.size_by_received = size_by_received
         self.tables = PointerTables()
+        self.fp8 = fp8
+        self.fp8_weights = None if fp8 is None else Fp8WeightCache(fp8.phases)
         self.layer_name = "MoE layer"  # in the note its peers read if this rank raises (the selection names it)
 
     @property
@@ -205,9 +214,12 @@ class FusedPipeline(Pipeline):
         raise CometWaitTimeout(message)
 
     def kernels(self, tokens: Tensor) -> FusedKernels:
-        """The kernel launches of one call on ``tokens`` ([S, H]), with the experts' current weights."""
+        """The kernel launches of one call on ``tokens`` ([S, H]), with the experts' current weights
+        (quantised first for the FP8 GEMMs where they may have changed)."""
+        tables = self.tables.get(self.experts, tokens)
+        fp8_tables = {} if self.fp8_weights is None else self.fp8_weights.tables(self.experts, tokens.device)
         return FusedKernels(
-            self.workspace, self.experts, self.params, self.tables.get(self.experts, tokens), tokens.shape[1]
+            self.workspace, self.experts, self.params, tables, tokens.shape[1], fp8=self.fp8, fp8_tables=fp8_tables
         )
 
     def run_forward(

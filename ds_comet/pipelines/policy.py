@@ -22,6 +22,7 @@ from ..config import Fp8Recipe
 from ..fp8 import BLOCK as FP8_BLOCK
 from ..kernels.constants import MAX_COMBINE_TOP_K
 from ..kernels.fused_experts import FusedExperts
+from ..kernels.gemm_phases import Fp8Facts, Phase
 from ..kernels.workspace import allocator_ipc_refusal
 from .expert_weights import LocalExperts
 
@@ -105,13 +106,10 @@ def structure_reason(experts: LocalExperts, hidden: int, top_k: int, scale_befor
     return fused
 
 
-# What keeps FP8 GEMMs off the fused pipeline where fp8_reason finds nothing: they are still to come.
-FP8_KERNELS_MISSING = "the fused pipeline has no FP8 kernels yet"
-
-
 def fp8_fused_reason(why: str) -> str:
     """Why a layer under an enabled ``"fp8"`` recipe does not run the fused pipeline, where nothing
-    else stands in its way: ``why`` (``fp8_reason``'s answer, or ``FP8_KERNELS_MISSING``), with the fixes."""
+    else stands in its way: ``why`` (``fp8_reason``'s, ``fp8_exchange_reason``'s or the GEMM table's
+    answer), with the fixes."""
     return (
         f'the "fp8" recipe is enabled, and {why}: the reference pipeline emulates the recipe ("overlap": "auto" '
         'or "none"); under "overlap": "fused", "fp8": {"fallback": "bf16"} runs the fused kernels in bf16, and '
@@ -129,6 +127,36 @@ def fp8_shape_reason(recipe: Fp8Recipe, hidden: int, ffn: int) -> str | None:
             '"scaling": "rowwise"'
         )
     return None
+
+
+def fp8_exchange_reason(recipe: Fp8Recipe) -> str | None:
+    """Why the fused pipeline cannot run ``recipe``'s exchange, or None: its dispatch moves rows in
+    the tokens' dtype, and a recipe that sends them in FP8 changes what the expert's rank holds (W1's
+    gradient is taken from the quantised rows)."""
+    keys = [key for key in ("dispatch", "gradient_dispatch") if getattr(recipe, key) == "fp8"]
+    if not keys:
+        return None
+    asked = " and ".join(f'"{key}": "fp8"' for key in keys)
+    fix = " and ".join(f'"{key}": "bf16"' for key in keys)
+    return (
+        f"it sends rows across the exchange in FP8 ({asked}), which the fused dispatch does not: it moves "
+        f"them in bf16 (with {fix} the fused pipeline runs the recipe's GEMMs in FP8)"
+    )
+
+
+def fp8_facts(recipe: Fp8Recipe, hidden: int, ffn: int) -> Fp8Facts:
+    """What ``recipe`` asks of the GEMMs of a layer of these sizes (H, F), as the GEMM table reads it."""
+    phases = set()
+    if recipe.forward:
+        phases |= {Phase.FIRST_LAYER, Phase.GEMM2}
+    if recipe.input_gradients:
+        phases |= {Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD}
+    return Fp8Facts(frozenset(phases), recipe.scaling, recipe.gradient_format, hidden, ffn)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of ``device``'s GPU, None off CUDA."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
 
 
 def fp8_layer_reason(
@@ -152,8 +180,8 @@ def fp8_reason(
 ) -> str | None:
     """Why FP8 GEMMs cannot run ``recipe`` for [S, hidden] tokens of ``dtype`` on
     ``device`` (a GPU of compute ``capability``), experts of FFN size ``ffn``; None where they can.
-    The fused pipeline's FP8 kernels will be held to it; on CPU the reference pipeline emulates the
-    recipe instead."""
+    What the fused pipeline's FP8 GEMMs need beyond it, the GEMM table says
+    (``gemm_table.fp8_refusal``); on CPU the reference pipeline emulates the recipe instead."""
     if device.type != "cuda":
         return f"the tokens are on {device.type}; FP8 GEMMs need a CUDA GPU"
     if capability is None or tuple(capability) < (8, 9):

@@ -1,8 +1,10 @@
 """Per layer: which pipeline each call runs, and why not the fused one.
 
 The fused pipeline runs when the CUDA op builds, the expert-parallel group lies inside one node,
-the kernels know the experts' structure, the tokens are bf16/fp16 on the GPU, and no ``"fp8"``
-recipe is enabled (the fused pipeline has no FP8 kernels yet: the reference pipeline emulates it);
+the kernels know the experts' structure, the tokens are bf16/fp16 on the GPU, and an enabled
+``"fp8"`` recipe is one its FP8 GEMMs run (blockwise scaling on sm_90, rows crossing the exchange
+in bf16: the GEMM table's ``fp8_refusal`` and ``policy.fp8_exchange_reason``; otherwise the
+reference pipeline emulates the recipe);
 otherwise the layer runs the reference pipeline and says once why, with the fix, naming the layer (a WARNING on
 a GPU, where the user expects the fused one; INFO on CPU). With ``"overlap": "fused"`` a reason is an
 error instead, and the experts' structure is checked when the layer is built.
@@ -31,6 +33,9 @@ import torch.distributed as torch_dist
 from deepspeed.utils import log_dist, log_dist_once, logger
 
 from ..config import CometMoEConfig
+from ..kernels.gemm_phases import Fp8Facts, Phase
+from ..kernels.gemm_table import fp8_refusal
+from ..kernels.launch import gemm_facts
 from ..kernels.workspace import BufferShape, get_buffer
 from .chunked import rule_chunks
 from .collective_waits import gather_objects
@@ -40,7 +45,9 @@ from .fused import FusedPipeline
 from .interface import Pipeline
 from .parameters import choose_parameters, offsets_overflow
 from .policy import (
-    FP8_KERNELS_MISSING,
+    device_capability,
+    fp8_exchange_reason,
+    fp8_facts,
     fp8_fused_reason,
     fp8_layer_reason,
     fp8_reason,
@@ -150,6 +157,7 @@ class PipelineSelection:
         self._hooked: list[torch.nn.Module] | None = None
         self._said = set()
         self._fp8_layers: dict[int, object] = {}  # fp8_layer_reason's answer, by hidden size
+        self._fp8_facts: Fp8Facts | None = None  # what the fused pipeline's FP8 GEMMs run, where they run the recipe
 
     @property
     def name(self) -> str:
@@ -291,6 +299,7 @@ class PipelineSelection:
         """One collective: every rank's settings, local answer, host, GPU and token count; then, if every
         rank can run the fused pipeline, its workspace. Returns why not fused, or None. ``why`` says
         why this rank asks for the agreement, in the error of a wait that times out."""
+        self._fp8_facts = None
         fp8 = self._set_up_fp8(tokens.shape[-1])
         if self.config.overlap == "none":
             fused = '"overlap" is "none"'
@@ -416,15 +425,18 @@ class PipelineSelection:
         )
         workspace = get_buffer(self.group, shape, config.wait_timeout_s, shared_device)
         by_received = config.activation_rows == "received"
-        self.fused = FusedPipeline(workspace, experts, params, spec.num_experts, row_bounds, by_received)
+        fp8 = self._fp8_facts
+        self.fused = FusedPipeline(workspace, experts, params, spec.num_experts, row_bounds, by_received, fp8=fp8)
         self.fused.layer_name = self.name
         if not by_received:
             row_bytes = (2 * hidden + experts.ffn * (2 if experts.gated else 1)) * tokens.element_size()
             message = bound_rows_warning(row_bounds[True], spec.top_k * max_tokens, row_bytes)
             if message is not None:
                 log_dist_once(message, ranks=[0], level=logging.WARNING)  # once a job, not once a layer
+        in_fp8 = "" if fp8 is None else f", FP8 GEMMs: {', '.join(p.value for p in Phase if p in fp8.phases)}"
         log_dist(
-            f"ds_comet: {self.name} runs the fused pipeline ({params}, workspace for {max_tokens} tokens per rank)",
+            f"ds_comet: {self.name} runs the fused pipeline ({params}, workspace for {max_tokens} tokens per "
+            f"rank{in_fp8})",
             ranks=[0],
         )
         return None
@@ -466,13 +478,21 @@ class PipelineSelection:
         return True
 
     def _fp8_fused(self, fused, tokens: torch.Tensor):
-        """Where the fused pipeline could run this call in bf16 under an applied ``"fp8"`` recipe: why it
-        does not run the recipe (the reason the selection logs, or raises under ``"overlap": "fused"``);
-        or, under ``"overlap": "fused"`` with ``"fallback": "bf16"``, ``fused`` itself, with a warning."""
-        recipe = self.config.fp8
-        capability = torch.cuda.get_device_capability(tokens.device) if tokens.device.type == "cuda" else None
-        why = fp8_reason(tokens.device, capability, tokens.dtype, tokens.shape[-1], fused.ffn, recipe)
-        why = why or FP8_KERNELS_MISSING
+        """Where the fused pipeline could run this call in bf16 under an applied ``"fp8"`` recipe:
+        ``fused`` itself where its FP8 GEMMs run the recipe (``_fp8_facts`` then says what they run);
+        else why it does not run the recipe (the reason the selection logs, or raises under
+        ``"overlap": "fused"``), or, under ``"overlap": "fused"`` with ``"fallback": "bf16"``,
+        ``fused`` itself in bf16, with a warning."""
+        recipe, hidden = self.config.fp8, tokens.shape[-1]
+        capability = device_capability(tokens.device)
+        why = fp8_reason(tokens.device, capability, tokens.dtype, hidden, fused.ffn, recipe)
+        why = why or fp8_exchange_reason(recipe)
+        if why is None:
+            facts = fp8_facts(recipe, hidden, fused.ffn)
+            why = fp8_refusal(gemm_facts(tokens.dtype, fused, capability, self.spec.ep_size == 1, facts))
+            if why is None:
+                self._fp8_facts = facts
+                return fused
         if self.config.overlap == "fused" and recipe.fallback == "bf16":
             self._warn_once(
                 f'ds_comet: {self.name} runs the fused pipeline in bf16, without its "fp8" recipe ("fallback": '

@@ -19,6 +19,7 @@ import ds_comet
 from ds_comet import fp8
 from ds_comet.config import Fp8Recipe, moe_config_from
 from ds_comet.experts import ACTIVATIONS, FeedForward, GatedFeedForward
+from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.pipelines import policy
 from ds_comet.pipelines.expert_weights import ModuleExperts, StackedExperts
 from ds_comet.pipelines.fp8_emulation import Fp8EmulatedExperts
@@ -786,10 +787,11 @@ def test_on_cpu_the_reference_pipeline_emulates_the_recipe(monkeypatch):
         ("fused", "bf16", "fused"),
     ],
 )
-def test_where_the_fused_pipeline_could_run_an_enabled_recipe_keeps_it_off_bf16(
+def test_where_the_fused_pipeline_cannot_run_an_enabled_recipe_it_does_not_run_it_in_bf16(
     monkeypatch, overlap, fallback, outcome
 ):
-    """Where the fused pipeline could run the call in bf16, an enabled recipe does not let it run
+    """Where the fused pipeline could run the call in bf16 but its FP8 GEMMs cannot run the recipe
+    (here: rows that cross in FP8, the recipe's default), an enabled recipe does not let it run
     silently without the recipe: under "auto" the reference pipeline emulates it (a reason logged);
     under "fused" that reason is the error, unless "fallback": "bf16" runs the fused kernels in bf16
     with a warning."""
@@ -801,17 +803,56 @@ def test_where_the_fused_pipeline_could_run_an_enabled_recipe_keeps_it_off_bf16(
     fused = moe.pipelines.experts.fused(128)
     tokens = torch.randn(8, 128, dtype=torch.bfloat16)
     monkeypatch.setattr(selection, "fp8_reason", lambda *args: None)  # a GPU that can run FP8 GEMMs
+    monkeypatch.setattr(selection, "device_capability", lambda device: (9, 0))
     answer = moe.pipelines._fp8_fused(fused, tokens)
+    exchange = 'it sends rows across the exchange in FP8 ("dispatch": "fp8"), which the fused dispatch does not'
+    assert moe.pipelines._fp8_facts is None
     if outcome == "fused":
         assert answer is fused
-        assert (
-            len(said) == 1
-            and 'in bf16, without its "fp8" recipe ("fallback": "bf16"): the fused pipeline has' in said[0]
-        )
+        assert len(said) == 1 and f'in bf16, without its "fp8" recipe ("fallback": "bf16"): {exchange}' in said[0]
     else:
-        assert answer.startswith('the "fp8" recipe is enabled, and the fused pipeline has no FP8 kernels yet: ')
+        assert answer.startswith(f'the "fp8" recipe is enabled, and {exchange}: it moves them in bf16 (with "dispatch"')
         assert outcome in answer and '"fp8": {"fallback": "bf16"} runs the fused kernels in bf16' in answer
         assert not said
+
+
+FORWARD_PHASES = frozenset({Phase.FIRST_LAYER, Phase.GEMM2})
+BACKWARD_PHASES = frozenset({Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD})
+
+
+@pytest.mark.parametrize(
+    "recipe,capability,outcome",
+    [
+        ({}, (9, 0), FORWARD_PHASES | BACKWARD_PHASES),
+        ({"gradient_format": "e5m2"}, (9, 0), FORWARD_PHASES | BACKWARD_PHASES),
+        ({"input_gradients": False}, (9, 0), FORWARD_PHASES),
+        ({"forward": False}, (9, 0), BACKWARD_PHASES),
+        ({"scaling": "rowwise"}, (9, 0), "(triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
+        ({}, (8, 9), "(triton_fp8 runs on sm_90, not sm_89)"),
+        ({"gradient_dispatch": "fp8"}, (9, 0), '("gradient_dispatch": "fp8")'),
+    ],
+    ids=["blockwise", "e5m2", "forward", "input-gradients", "rowwise", "sm89", "gradient-dispatch"],
+)
+def test_an_enabled_recipe_runs_on_the_fused_fp8_gemms_where_they_run_it(monkeypatch, recipe, capability, outcome):
+    """With rows crossing in bf16, blockwise scaling on sm_90 runs on the fused pipeline, its FP8
+    GEMMs taking the phases the recipe puts in FP8; what they do not run keeps the emulation, with
+    the reason naming what stands in the way."""
+    import ds_comet.pipelines.selection as selection
+
+    monkeypatch.setattr(selection, "fp8_reason", lambda *args: None)
+    monkeypatch.setattr(selection, "device_capability", lambda device: capability)
+    moe = _layer(128, GatedFeedForward(128, 256), {"enabled": True, "dispatch": "bf16", **recipe}, overlap="auto")
+    fused = moe.to(torch.bfloat16).pipelines.experts.fused(128)
+    answer = moe.pipelines._fp8_fused(fused, torch.randn(8, 128, dtype=torch.bfloat16))
+    if isinstance(outcome, frozenset):
+        assert answer is fused
+        facts = moe.pipelines._fp8_facts
+        assert facts.phases == outcome and (facts.hidden, facts.ffn) == (128, 256)
+        assert (facts.scaling, facts.gradient_format) == ("blockwise", recipe.get("gradient_format", "e4m3"))
+    else:
+        assert moe.pipelines._fp8_facts is None
+        assert answer.startswith('the "fp8" recipe is enabled, and ') and outcome in answer, answer
+        assert "the reference pipeline emulates the recipe" in answer
 
 
 def test_where_fp8_gemms_cannot_run():

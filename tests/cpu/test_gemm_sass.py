@@ -8,7 +8,9 @@ test compiles them for H100/H200 with Triton's own ptxas, disassembles them with
 fails if any REDUX, SHFL, VOTE or MATCH runs under a predicate again. GEMM1's epilogue once held
 a whole tile's accumulator with its pre-activations and activations, spilled up to 2.4 KB a thread
 and made a layer's training step 20-45 % slower on the device (docs/decisions.md); the test also
-fails if a compiled kernel's stack frame grows past STACK_LIMIT bytes again. Skipped without triton.
+fails if a compiled kernel's stack frame grows past STACK_LIMIT bytes again. The FP8 GEMMs are held to
+the same rules, and to computing their products on Hopper's FP8 tensor cores (``wgmma`` with e4m3 or
+e5m2 operands in their PTX). Skipped without triton.
 """
 
 import os
@@ -19,7 +21,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = r"""
+PRELUDE = r"""
 import os, re, subprocess, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
@@ -31,7 +33,6 @@ class Driver:  # just enough of Triton's driver to compile for sm_90 without a G
     def get_current_target(self): return GPUTarget("cuda", 90, 32)
 
 triton.runtime.driver.set_active(Driver())
-from ds_comet.kernels.triton_gemm import expert_column_sums_kernel, gemm1_kernel, gemm2_kernel, wgrad_kernel
 tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 nvdisasm, cuobjdump = os.path.join(tools, "nvdisasm"), os.path.join(tools, "cuobjdump")
 if not os.path.exists(nvdisasm) or not os.path.exists(cuobjdump):
@@ -50,6 +51,12 @@ def predicated(kernel, path):
     stack = max(int(v) for v in re.findall(r"STACK:(\d+)", usage))
     return [ins for ins in code if COLLECTIVE.match(ins)] + ([f"STACK:{stack}"] if stack > STACK_LIMIT else [])
 
+"""
+
+SCRIPT = (
+    PRELUDE
+    + r"""
+from ds_comet.kernels.triton_gemm import expert_column_sums_kernel, gemm1_kernel, gemm2_kernel, wgrad_kernel
 path = sys.argv[1]
 found = {}
 # The fp16 cases compile the same source with the other element type (the fused path takes both).
@@ -81,14 +88,75 @@ bad = {key: ins for key, ins in found.items() if ins}
 print("checked", len(found), "kernels; predicated collectives or large stacks:", bad)
 sys.exit(1 if bad else 0)
 """
+)
 
 
-def test_no_predicated_collective_and_little_spilling(tmp_path):
+FP8_SCRIPT = (
+    PRELUDE
+    + r"""
+from ds_comet.kernels.triton_fp8_gemm import gemm1_fp8_kernel, gemm2_fp8_kernel
+from ds_comet.kernels.triton_fp8_quantise import quantise_blocks_kernel
+from ds_comet.kernels.triton_fp8_phases import ACCUMULATOR_ELEMENTS, GATED_GEMM1_TILE_N, GEMM1_TILE_N
+MMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.(e4m3|e5m2)\.(e4m3|e5m2)")
+path = sys.argv[1]
+found = {}
+
+def check(name, kernel, rows_format):
+    # Each FP8 product on Hopper's FP8 tensor cores: rows in their format, weights e4m3 (none: no products).
+    found[name] = predicated(kernel, path)
+    mma = set(MMA.findall(kernel.asm["ptx"]))
+    if mma != ({(rows_format, "e4m3")} if rows_format else set()):
+        found[name].append(f"wgmma {sorted(mma)}")
+    usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    spills = len(re.findall(r"\b(STL|LDL)\b", text))
+    print(name, "registers", max(int(v) for v in re.findall(r"REG:(\d+)", usage)), "stack",
+          max(int(v) for v in re.findall(r"STACK:(\d+)", usage)), "local loads/stores", spills,
+          "shared", kernel.metadata.shared, "wgmma", sorted(mma))
+
+# As TritonFp8Gemm launches them (tile_m 128; GEMM2 at tile_n 256 and 128).
+for num_local in (16, 4):
+    l_pow2 = 1 << num_local.bit_length()
+    for backward, gated, e5m2 in ((False, False, False), (False, True, False), (True, False, False),
+                                  (True, False, True)):
+        forward_gated = gated and not backward
+        k = gemm1_fp8_kernel.warmup(bf, bf, bf, i64, i64, i64, i64, i64, i64, i32, i32, 2**40, 2**40, 0, 4096, 14336,
+                                    num_local, 0, 8, 16, 24, 32, L_POW2=l_pow2, BM=128,
+                                    BN=GATED_GEMM1_TILE_N if forward_gated else GEMM1_TILE_N, GROUP_M=8,
+                                    NUM_PROGS=116, HAS_BIAS=not gated, GATED=forward_gated,
+                                    ACTIVATION=3 if gated else 0, BACKWARD=backward, ACTIVATE=forward_gated,
+                                    STORE_PRE=forward_gated, WAIT=True,
+                                    INTERPRET=False, E5M2=e5m2, grid=(1, ), num_warps=8, num_stages=3)
+        check(f"gemm1_fp8 local={num_local} backward={backward} gated={gated} e5m2={e5m2}", k,
+              "e5m2" if e5m2 else "e4m3")
+    for backward, gated, e5m2, tile_n in ((False, False, False, 256), (True, True, False, 256),
+                                          (True, False, True, 256), (False, True, False, 128)):
+        k = gemm2_fp8_kernel.warmup(bf, 2048, i64, i64, i64, i64, i64, i64, bf, i64, i32, 2048, 7168, num_local, 0, 8,
+                                    16, EP_SIZE=2, L_POW2=l_pow2, BM=128, BN=tile_n,
+                                    SUB_M=min(128, ACCUMULATOR_ELEMENTS // tile_n), GROUP_M=8, CHUNK_TILES=4,
+                                    NUM_PROGS=116, HAS_BIAS=not backward, SECOND=backward and gated, E5M2=e5m2,
+                                    grid=(1, ), num_warps=8, num_stages=3)
+        check(f"gemm2_fp8 local={num_local} backward={backward} gated={gated} e5m2={e5m2} tile_n={tile_n}", k,
+              "e5m2" if e5m2 else "e4m3")
+u8 = MockTensor(torch.float8_e4m3fn)
+for store, store_t in ((True, True), (False, True), (True, False)):
+    k = quantise_blocks_kernel.warmup(i64, u8, u8, MockTensor(torch.float32), MockTensor(torch.float32), 14336, 4096,
+                                      STORE=store, STORE_T=store_t, grid=(1, ), num_warps=8)
+    check(f"quantise_blocks store={store} store_t={store_t}", k, None)
+bad = {key: ins for key, ins in found.items() if ins}
+print("checked", len(found), "kernels; predicated collectives, large stacks or other MMAs:", bad)
+sys.exit(1 if bad else 0)
+"""
+)
+
+
+def compile_for_sm90(tmp_path, script: str) -> str:
+    """Runs ``script`` (a compile for sm_90 with Triton's own ptxas) in a child process; its stdout."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton_cache"))
     env.pop("TRITON_INTERPRET", None)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "kernel.cubin")],
+        [sys.executable, "-c", script, str(tmp_path / "kernel.cubin")],
         cwd=root,
         env=env,
         capture_output=True,
@@ -98,4 +166,18 @@ def test_no_predicated_collective_and_little_spilling(tmp_path):
     if result.stdout.startswith("SKIP"):
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "checked 17 kernels" in result.stdout
+    return result.stdout
+
+
+def test_no_predicated_collective_and_little_spilling(tmp_path):
+    assert "checked 17 kernels" in compile_for_sm90(tmp_path, SCRIPT)
+
+
+def test_the_fp8_gemms_run_on_the_fp8_tensor_cores_without_predicated_collectives_or_spilling(tmp_path):
+    """The FP8 GEMMs as ``TritonFp8Gemm`` launches them: their products are Hopper's FP8 wgmma (e4m3 rows,
+    or e5m2 gradients, by e4m3 weights), with the bf16 GEMMs' rules on collectives and stacks; and the
+    weights' quantisation kernel as ``Fp8WeightCache`` launches it. Each kernel's registers, stack,
+    local-memory accesses and shared memory are printed (pytest -s)."""
+    out = compile_for_sm90(tmp_path, FP8_SCRIPT)
+    print(out)
+    assert "checked 19 kernels" in out

@@ -11,15 +11,23 @@ import torch
 
 import ds_comet.kernels as kernels_package
 from ds_comet.kernels import gemm_table
-from ds_comet.kernels.gemm_phases import GemmFacts, GemmImplementation, Needs, Phase
+from ds_comet.kernels.gemm_phases import Fp8Facts, GemmFacts, GemmImplementation, Needs, Phase
 from ds_comet.kernels.launch import FusedKernels
 
 BF16, FP16 = torch.bfloat16, torch.float16
 FIRST_LAYER_PHASES = (Phase.FIRST_LAYER, Phase.FIRST_LAYER_BACKWARD)
 
 
-def facts(dtype=BF16, capability=(9, 0), alone=True, gated=True, stacked=True) -> GemmFacts:
-    return GemmFacts(dtype, dtype, capability, alone, gated, stacked)
+FORWARD = frozenset({Phase.FIRST_LAYER, Phase.GEMM2})
+INPUT_GRADIENTS = frozenset({Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD})
+
+
+def facts(dtype=BF16, capability=(9, 0), alone=True, gated=True, stacked=True, fp8=None) -> GemmFacts:
+    return GemmFacts(dtype, dtype, capability, alone, gated, stacked, fp8)
+
+
+def recipe(phases=FORWARD | INPUT_GRADIENTS, scaling="blockwise", hidden=256, ffn=384) -> Fp8Facts:
+    return Fp8Facts(phases, scaling, "e4m3", hidden, ffn)
 
 
 def chosen(call_facts: GemmFacts) -> dict[Phase, str]:
@@ -70,6 +78,7 @@ def test_an_implementation_that_refuses_the_dtype_is_skipped_with_its_reason():
     call_facts = facts(dtype=FP16)
     reasons = gemm_table.refusals(Phase.WEIGHT_GRADIENTS, call_facts)
     assert reasons == {
+        "triton_fp8": "does not run the weight gradients",
         "library": "takes bfloat16 rows with bfloat16 weights, not float16 rows with float16 weights",
         "triton": None,
     }
@@ -99,6 +108,66 @@ def test_a_torch_without_the_grouped_gemm_leaves_every_phase_to_triton(monkeypat
     assert gemm_table.refusals(Phase.WEIGHT_GRADIENTS, facts())["library"].startswith("needs torch._grouped_mm")
 
 
+@pytest.mark.parametrize(
+    "call_facts, want",
+    [
+        # Every phase the recipe puts in FP8 is triton_fp8's, the library's first layer included.
+        (facts(fp8=recipe()), {**expected("triton_fp8", "library"), Phase.GEMM2: "triton_fp8",
+                               Phase.GEMM2_BACKWARD: "triton_fp8"}),
+        (facts(alone=False, stacked=False, gated=False, fp8=recipe()),
+         {**expected("triton_fp8", "library"), Phase.GEMM2: "triton_fp8", Phase.GEMM2_BACKWARD: "triton_fp8"}),
+        # The phases it leaves out keep today's choice.
+        (facts(fp8=recipe(FORWARD)), {**expected("library", "library"), Phase.FIRST_LAYER: "triton_fp8",
+                                      Phase.GEMM2: "triton_fp8"}),
+        (facts(fp8=recipe(INPUT_GRADIENTS)), {**expected("library", "library"),
+                                              Phase.FIRST_LAYER_BACKWARD: "triton_fp8",
+                                              Phase.GEMM2_BACKWARD: "triton_fp8"}),
+    ],
+    ids=["all", "ep2-modules-ungated", "forward", "input-gradients"],
+)  # fmt: skip
+def test_the_phases_an_fp8_recipe_puts_in_fp8_run_on_triton_fp8(call_facts, want):
+    assert chosen(call_facts) == want
+    assert gemm_table.fp8_refusal(call_facts) is None
+
+
+@pytest.mark.parametrize(
+    "call_facts, why",
+    [
+        (facts(fp8=recipe(scaling="rowwise")), "runs blockwise FP8 scaling, not rowwise"),
+        (facts(capability=(8, 9), fp8=recipe()), "runs on sm_90, not sm_89"),
+        (facts(capability=(10, 0), fp8=recipe()), "runs on sm_90, not sm_100"),
+        (facts(dtype=FP16, fp8=recipe()), "takes bfloat16 rows with bfloat16 weights, not float16 rows"),
+        (facts(fp8=recipe(hidden=200)), "needs hidden and FFN sizes that are multiples of 128 (blockwise scaling's "
+                                        "tiles), not 200 and 384"),
+    ],
+    ids=["rowwise", "sm89", "sm100", "fp16", "hidden"],
+)  # fmt: skip
+def test_an_fp8_phase_no_fp8_gemm_runs_is_refused_with_the_fp8_implementations_reason(call_facts, why):
+    """Never silently in bf16: a phase the recipe puts in FP8 has no implementation where triton_fp8
+    refuses it, and fp8_refusal names the first such phase with triton_fp8's reason."""
+    phase = Phase.FIRST_LAYER
+    assert gemm_table.refusals(phase, call_facts)["library"] == (
+        "does not compute in FP8, which the layer's recipe asks for here"
+    )
+    assert gemm_table.refusals(phase, call_facts)["triton"] == (
+        "does not compute in FP8, which the layer's recipe asks for here"
+    )
+    with pytest.raises(RuntimeError, match="no GEMM implementation runs the forward first layer"):
+        gemm_table.choose(phase, call_facts)
+    refusal = gemm_table.fp8_refusal(call_facts)
+    assert refusal.startswith("the fused pipeline has no FP8 GEMM for its forward first layer here (triton_fp8 ")
+    assert why in refusal, refusal
+
+
+def test_without_an_fp8_recipe_triton_fp8_runs_nothing():
+    reasons = {phase: gemm_table.refusals(phase, facts())["triton_fp8"] for phase in Phase}
+    assert reasons == {
+        **{phase: "runs only phases an FP8 recipe puts in FP8" for phase in FORWARD | INPUT_GRADIENTS},
+        Phase.WEIGHT_GRADIENTS: "does not run the weight gradients",
+    }
+    assert gemm_table.fp8_refusal(facts()) is None
+
+
 class Float8Rows(GemmImplementation):
     """A registration that takes rows and weights the fused path does not have today."""
 
@@ -119,9 +188,9 @@ def test_a_call_no_implementation_admits_raises_with_every_reason():
     with pytest.raises(RuntimeError) as raised:
         gemm_table.choose(Phase.GEMM2, facts(dtype=torch.float32))
     assert str(raised.value) == (
-        "ds_comet: no GEMM implementation runs the forward GEMM2 of this call: library does not run the forward "
-        "GEMM2; triton takes bfloat16 rows with bfloat16 weights or float16 rows with float16 weights, not "
-        "float32 rows with float32 weights"
+        "ds_comet: no GEMM implementation runs the forward GEMM2 of this call: triton_fp8 runs only phases an FP8 "
+        "recipe puts in FP8; library does not run the forward GEMM2; triton takes bfloat16 rows with bfloat16 "
+        "weights or float16 rows with float16 weights, not float32 rows with float32 weights"
     )
 
 
@@ -155,7 +224,7 @@ class Recording(GemmImplementation):
         return "weights"
 
 
-def kernels_for(dtype=BF16, capability=(9, 0), ep_size=1, stacked=True) -> FusedKernels:
+def kernels_for(dtype=BF16, capability=(9, 0), ep_size=1, stacked=True, fp8=None) -> FusedKernels:
     """FusedKernels whose workspace and experts answer only what the GEMM table reads (and GEMM2's
     output check): any launch would fail."""
     buffer = SimpleNamespace(shape=SimpleNamespace(dtype=dtype, ep_size=ep_size), capability=capability)
@@ -163,7 +232,19 @@ def kernels_for(dtype=BF16, capability=(9, 0), ep_size=1, stacked=True) -> Fused
     experts = SimpleNamespace(
         gated=True, has_bias=False, weight_dtype=lambda: dtype, stacked=lambda: weights, num_local=2, ffn=4
     )
-    return FusedKernels(buffer=buffer, experts=experts, params=None, tables={}, hidden=8)
+    return FusedKernels(buffer=buffer, experts=experts, params=None, tables={}, hidden=8, fp8=fp8)
+
+
+def test_the_launch_code_reads_the_layers_fp8_recipe_into_the_facts():
+    kernels = kernels_for(fp8=recipe(FORWARD))
+    assert kernels.facts == facts(fp8=recipe(FORWARD))
+    assert [kernels.implementation(phase).name for phase in Phase] == [
+        "triton_fp8",
+        "triton_fp8",
+        "library",
+        "triton",
+        "library",
+    ]
 
 
 @pytest.mark.parametrize(

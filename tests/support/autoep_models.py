@@ -194,9 +194,11 @@ def engine_for(
     overlap: str = "auto",
     activation_rows: str = "bound",
     fp8: dict | None = None,
+    sizes: tuple[int, int] = (64, 96),
 ):
+    """``preset``'s tiny model (hidden and FFN ``sizes``) in an engine of ``backend``, ``ds_config``'s."""
     torch.manual_seed(seed)
-    model = tiny_model(preset)
+    model = tiny_model(preset, *sizes)
     config = ds_config(preset, backend, zero_stage, dtype, overlap, activation_rows, fp8)
     engine, *_ = ds_comet.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
@@ -220,8 +222,9 @@ def _forward_backward(
     overlap: str,
     activation_rows: str = "bound",
     fp8: dict | None = None,
+    sizes: tuple[int, int] = (64, 96),
 ):
-    engine = engine_for(preset, backend, seed, 0, dtype, overlap, activation_rows, fp8)
+    engine = engine_for(preset, backend, seed, 0, dtype, overlap, activation_rows, fp8, sizes)
     ids = batch(seed, 0, engine.device)
     # The converted model called directly and torch.autograd.grad, not the engine's forward and
     # backward: the gradients as autograd computes them, before any optimizer hook (DeepSpeed's bf16
@@ -270,6 +273,61 @@ def fp8_case(preset: str, seed: int, recipe: dict):
     assert layers and plain.keys() == emulated.keys()
     kinds = [type(layer.pipelines.reference.experts).__name__ for layer in layers]
     return {name: rel(emulated[name], value) for name, value in plain.items()}, kinds
+
+
+# The blockwise recipe on the fused pipeline: rows cross in bf16; hidden and FFN sizes of 128.
+FUSED_FP8_RECIPE = {"enabled": True, "dispatch": "bf16"}
+FP8_SIZES = (128, 128)
+
+
+def fp8_fused_case(preset: str, seed: int):
+    """One forward and backward of AutoEP on ds_comet under ``FUSED_FP8_RECIPE``, in bf16, on the fused
+    pipeline and on the reference pipeline's emulation; and without the recipe, fused, and AutoEP in
+    fp32 (the same weights). Returns, per tensor (the logits and every parameter's gradient), the fused
+    FP8 run's relative difference from each of those, and the plain run's from AutoEP in fp32; and per
+    comet layer, (its reason for not running the fused pipeline, whether its fused pipeline runs FP8 GEMMs)."""
+    bf16 = torch.bfloat16
+    engine, fused, _ = _forward_backward(preset, "comet", seed, bf16, "fused", fp8=FUSED_FP8_RECIPE, sizes=FP8_SIZES)
+    ran = [
+        (layer.pipelines.reason, layer.pipelines.fused is not None and layer.pipelines.fused.fp8 is not None)
+        for layer in comet_layers(engine)
+    ]
+    _, emulated, _ = _forward_backward(preset, "comet", seed, bf16, "none", fp8=FUSED_FP8_RECIPE, sizes=FP8_SIZES)
+    _, plain, _ = _forward_backward(preset, "comet", seed, bf16, "fused", sizes=FP8_SIZES)
+    _, exact, _ = _forward_backward(preset, "deepspeed", seed, torch.float32, "none", sizes=FP8_SIZES)
+    differences = {
+        name: dict(
+            emulated=rel(value, emulated[name]),
+            plain=rel(value, plain[name]),
+            exact=rel(value, exact[name]),
+            plain_exact=rel(plain[name], exact[name]),
+        )
+        for name, value in fused.items()
+    }
+    return differences, ran
+
+
+def fp8_training_case(preset: str, seed: int, steps: int = 3):
+    """ZeRO-2 AdamW steps in bf16 of AutoEP on ds_comet under ``FUSED_FP8_RECIPE``, fused and emulated,
+    from the same weights and batches. DeepSpeed's optimizer writes the weights through ``.data``: the
+    fused layers must quantise them anew after every step. Returns both runs' losses and the fused
+    layers' quantisation counts."""
+
+    def train(overlap: str):
+        engine = engine_for(preset, "comet", seed, 2, torch.bfloat16, overlap, fp8=FUSED_FP8_RECIPE, sizes=FP8_SIZES)
+        losses = []
+        for step in range(steps):
+            ids = batch(seed, step, engine.device)
+            out = engine(input_ids=ids, labels=ids)
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(out.loss.item())
+        return losses, engine
+
+    losses, engine = train("fused")
+    counts = [layer.pipelines.fused.fp8_weights.quantisations for layer in comet_layers(engine)]
+    emulated, _ = train("none")
+    return losses, emulated, counts
 
 
 def training_case(preset: str, seed: int, steps: int = 3, dtype_name: str = "fp32", overlap: str = "auto"):

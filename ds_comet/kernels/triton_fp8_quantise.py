@@ -1,0 +1,173 @@
+"""FP8 quantisation in Triton, as ``ds_comet/fp8.py`` defines it, bit for bit.
+
+``_quantise_tile`` quantises rows in 1x128 tiles in registers (``fp8.quantise_tiles``), where the
+FP8 GEMMs (``triton_fp8_gemm``) load them; ``quantise_blocks_kernel`` quantises the experts' weights
+in 128x128 blocks (``fp8.quantise_blocks``) into the layer's FP8 copies (``fp8_weights``), in either
+orientation or both, in one pass over them.
+
+Both follow ``fp8.block_scales`` from bits rather than through float arithmetic that could round
+otherwise: a block's largest magnitude is an integer maximum over the magnitudes' fp32 bits (which
+order as the floats do, and which no flushing of subnormals can change); its biased exponent less
+126 is frexp's exponent, and its mantissa bits above the format's say frexp's mantissa exceeds the
+format's, which gives the scale's exponent; the scale 2**e and its inverse are built from their bits
+(a block of zeros: 1; one holding an infinity or a NaN: NaN), so dividing by the scale is an exact
+multiplication. Each value is then rounded to the format here, to nearest, ties to even (on the bits
+in the format's normal range; by fp32's own rounding of a sum in its subnormal range), so that the
+cast to FP8 after it is exact wherever it runs: Triton's interpreter truncates where the GPU rounds.
+"""
+
+import math
+
+import triton
+import triton.language as tl
+
+from .. import fp8
+
+FP8_BLOCK = tl.constexpr(fp8.BLOCK)
+MIN_SCALE_EXPONENT = tl.constexpr(fp8.MIN_SCALE_EXPONENT)
+MAX_SCALE_EXPONENT = tl.constexpr(fp8.MAX_SCALE_EXPONENT)
+# A magnitude's fp32 bits from 0x7F800000 up are an infinity or a NaN; 0x7FC00000 is a NaN.
+INFINITY_BITS = tl.constexpr(0x7F800000)
+NAN_BITS = tl.constexpr(0x7FC00000)
+
+
+def format_constants(fmt: fp8.Fp8Format) -> dict[str, int | float]:
+    """What ``_quantise_in_format`` needs to know of ``fmt``, derived from ``fp8.py``'s definition of it.
+
+    Returns:
+        ``dropped``: the fp32 mantissa bits the format lacks; ``rounding_bias`` and ``keep``: what
+        rounds a magnitude's bits to the nearest of those with the low ``dropped`` bits clear, ties
+        to even (``(bits + rounding_bias + odd) & keep``); ``smallest_normal``: the fp32 bits of the
+        format's smallest normal value; ``subnormal_rounder``: 1.5 x 2**(23 + emin - m), which, added
+        to a smaller magnitude, puts it in an fp32 binade whose step is the format's subnormal step
+        2**(emin - m), so that fp32's own rounding of the sum rounds it; ``max_exponent`` and
+        ``max_mantissa``: ``fmt.max = mantissa * 2**max_exponent`` (frexp), the mantissa's fraction
+        above 0.5 as fp32 mantissa bits (what ``fp8.block_scales`` compares amax's mantissa with).
+    """
+    dropped = 23 - fmt.mantissa_bits
+    mantissa, exponent = math.frexp(fmt.max)
+    return dict(
+        dropped=dropped,
+        rounding_bias=(1 << (dropped - 1)) - 1,
+        keep=-(1 << dropped),
+        smallest_normal=(fmt.min_normal_exponent + 127) << 23,
+        subnormal_rounder=1.5 * 2.0 ** (23 + fmt.min_normal_exponent - fmt.mantissa_bits),
+        max_exponent=exponent,
+        max_mantissa=int((2 * mantissa - 1) * 2**23),
+    )
+
+
+def _constexprs(fmt: fp8.Fp8Format) -> tuple[tl.constexpr, ...]:
+    return tuple(tl.constexpr(value) for value in format_constants(fmt).values())
+
+
+E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER, E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA = (
+    _constexprs(fp8.E4M3)
+)
+E5M2_DROPPED, E5M2_BIAS, E5M2_KEEP, E5M2_SMALLEST_NORMAL, E5M2_ROUNDER, E5M2_MAX_EXPONENT, E5M2_MAX_MANTISSA = (
+    _constexprs(fp8.E5M2)
+)
+
+
+@triton.jit
+def _quantise_tile(x, E5M2: tl.constexpr):
+    """Rows ``x`` ([BM, 128], any float dtype) quantised as ``fp8.quantise_tiles`` quantises them, each
+    row one tile: ``(values [BM, 128] e4m3, or e5m2 with E5M2; scales [BM] fp32)``, the values times the
+    scales being the dequantised tile."""
+    values = _as_fp32(x)
+    amax = tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    if E5M2:
+        scale, inverse = _scale_of(amax, E5M2_MAX_EXPONENT, E5M2_MAX_MANTISSA)
+        rounded = _round_to_format(
+            values * inverse[:, None], E5M2_DROPPED, E5M2_BIAS, E5M2_KEEP, E5M2_SMALLEST_NORMAL, E5M2_ROUNDER
+        )
+        return rounded.to(tl.float8e5), scale
+    else:
+        scale, inverse = _scale_of(amax, E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA)
+        rounded = _round_to_format(
+            values * inverse[:, None], E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER
+        )
+        return rounded.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _quantise_block(x):
+    """A weight's block ``x`` ([128, 128], any float dtype) quantised as ``fp8.quantise_blocks`` quantises
+    it: ``(values [128, 128] e4m3, its scale, an fp32 scalar)``."""
+    values = _as_fp32(x)
+    amax = tl.max(tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+    scale, inverse = _scale_of(amax, E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA)
+    rounded = _round_to_format(values * inverse, E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER)
+    return rounded.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _as_fp32(x):
+    """``x`` in fp32, exactly."""
+    if x.dtype == tl.bfloat16:
+        # A bf16's bits are its fp32 bits' upper half: exact for subnormals too, which Triton's
+        # interpreter converts wrongly.
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _scale_of(amax, MAX_EXPONENT: tl.constexpr, MAX_MANTISSA: tl.constexpr):
+    """(scale, its inverse), fp32, of blocks whose largest magnitudes' fp32 bits are ``amax`` (int32, any
+    shape), in the format of ``MAX_EXPONENT`` and ``MAX_MANTISSA`` (``format_constants``): the module's
+    docstring."""
+    exponent = (amax >> 23) - 126 - MAX_EXPONENT + ((amax & 0x7FFFFF) > MAX_MANTISSA).to(tl.int32)
+    exponent = tl.minimum(tl.maximum(exponent, MIN_SCALE_EXPONENT), MAX_SCALE_EXPONENT)
+    nan = tl.full(amax.shape, NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(amax == 0, 1.0, tl.where(amax < INFINITY_BITS, scale, nan))
+    inverse = tl.where(amax == 0, 1.0, tl.where(amax < INFINITY_BITS, inverse, nan))
+    return scale, inverse
+
+
+@triton.jit
+def _round_to_format(
+    scaled,
+    DROPPED: tl.constexpr,
+    BIAS: tl.constexpr,
+    KEEP: tl.constexpr,
+    SMALLEST_NORMAL: tl.constexpr,
+    ROUNDER: tl.constexpr,
+):
+    """``scaled`` (fp32, within the format's range, or NaN) rounded to the nearest value of the format whose
+    constants (``format_constants``) the others are, ties to even, as fp32 (NaN stays NaN)."""
+    bits = scaled.to(tl.int32, bitcast=True)
+    magnitudes = bits & 0x7FFFFFFF
+    sign = bits ^ magnitudes
+    normal = (magnitudes + BIAS + ((magnitudes >> DROPPED) & 1)) & KEEP
+    subnormal = ((magnitudes.to(tl.float32, bitcast=True) + ROUNDER) - ROUNDER).to(tl.int32, bitcast=True)
+    rounded = (tl.where(magnitudes < SMALLEST_NORMAL, subnormal, normal) | sign).to(tl.float32, bitcast=True)
+    return tl.where(magnitudes < INFINITY_BITS, rounded, scaled)
+
+
+@triton.jit
+def quantise_blocks_kernel(
+    source_table, values, values_t, scales, scales_t, N, K, STORE: tl.constexpr, STORE_T: tl.constexpr
+):
+    """``fp8.quantise_blocks`` of each local expert's bf16 ``[N, K]`` weight (``source_table``: [L] int64
+    pointers), one 128x128 block a program (grid: N / 128, K / 128, L; N and K multiples of 128).
+
+    With STORE the e4m3 values go to ``values`` ([L, N, K]) and the scales to ``scales``
+    ([L, N / 128, K / 128] fp32); with STORE_T the transposed ones to ``values_t`` ([L, K, N]) and
+    ``scales_t`` ([L, K / 128, N / 128]): a block's scale does not depend on the orientation.
+    """
+    block_n, block_k, expert = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = block_n * FP8_BLOCK + tl.arange(0, FP8_BLOCK)
+    columns = block_k * FP8_BLOCK + tl.arange(0, FP8_BLOCK)
+    weight = tl.load(source_table + expert).to(tl.pointer_type(tl.bfloat16))
+    quantised, scale = _quantise_block(tl.load(weight + rows.to(tl.int64)[:, None] * K + columns[None, :]))
+    first = expert.to(tl.int64) * N * K
+    n_blocks, k_blocks = N // FP8_BLOCK, K // FP8_BLOCK
+    if STORE:
+        tl.store(values + first + rows.to(tl.int64)[:, None] * K + columns[None, :], quantised)
+        tl.store(scales + (expert * n_blocks + block_n) * k_blocks + block_k, scale)
+    if STORE_T:
+        tl.store(values_t + first + columns.to(tl.int64)[:, None] * N + rows[None, :], tl.trans(quantised))
+        tl.store(scales_t + (expert * k_blocks + block_k) * n_blocks + block_n, scale)

@@ -1,0 +1,388 @@
+"""The FP8 GEMM kernels (``ds_comet/kernels/triton_fp8_gemm.py``) against ``ds_comet/fp8.py`` and the
+reference pipeline's emulation (``pipelines/fp8_emulation.py``), on one device: Triton's interpreter
+on CPU (tests/cpu/test_fp8_gemm.py) or a GPU (tests/gpu/test_fp8.py).
+
+``quantisation_case``: the kernels' in-register quantisation, through a kernel that stores what it
+computes, bit for bit against ``fp8.quantise_tiles``; ``weight_quantisation_case``: the weights'
+quantisation kernel against ``fp8.quantise_blocks``.
+
+``GemmCase``: one rank's rows laid out as the exchange lays them out (tests/support/layout_reference.py,
+every row tile marked as arrived), experts with skewed row counts (one with none, odd ones), weights
+from ``Fp8WeightCache``, and each of the four FP8 GEMMs launched as ``TritonFp8Gemm`` launches it
+(smaller tiles), each on the same bf16 operands as the emulation's GEMM. The bound, per element of a
+GEMM's output: both the kernel and the emulation compute ``P = Q(a) @ Q(w)^T (+ bias)`` from the same
+quantised operands, exactly representable, and each product of two FP8 values is exact in fp32. They
+differ only in how the K products are summed: the emulation in one fp32 GEMM, the kernel per 128 in
+the tensor cores, promoted into an fp32 accumulator. Summed in fp32, each result is within
+``K * 2**-24 * S`` of P (S = |Q(a)| @ |Q(w)|^T, the sum of the products' magnitudes); the tensor
+cores' FP8 accumulation keeps fewer bits than fp32 (DeepSeek-V3 measured about 14 on Hopper),
+which ``mma_error`` adds per unit of S. Both are then rounded to bf16, one rounding each: they may
+differ by one bf16 step of P (2**-7 |P| at most; also where Triton's interpreter truncates to bf16,
+as it does, where the GPU and torch round to nearest). So ``|kernel - emulation| <= 2**-7 |P| + 2 (K
+2**-24 + mma_error) S``, checked against P computed in float64.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ds_comet import fp8
+from ds_comet.config import Fp8Recipe
+from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
+from ds_comet.kernels import constants as C
+from ds_comet.kernels import layout as L
+from ds_comet.kernels.fp8_weights import Fp8WeightCache, QuantisedWeight, quantised_by_torch, quantised_by_triton
+from ds_comet.kernels.gemm_phases import Phase
+from ds_comet.kernels.launch import PointerTables
+from ds_comet.kernels.triton_fp8_gemm import gemm1_fp8_kernel, gemm2_fp8_kernel
+from ds_comet.kernels.triton_fp8_quantise import _quantise_tile
+from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
+from ds_comet.kernels.triton_phases import next_power_of_2, with_descriptor_scratch
+from ds_comet.pipelines.expert_weights import ModuleFusedExperts
+from ds_comet.pipelines.fp8_emulation import RecipeOperands, _activate, _first_layer
+from tests.support.layout_reference import layout_array, reference_layout
+
+BF16_STEP = 2.0**-7  # bf16's largest step relative to the value it rounds (8 significant bits)
+
+
+@triton.jit
+def quantise_tiles_kernel(x, values, scales, K, E5M2: tl.constexpr, BM: tl.constexpr):
+    """``_quantise_tile`` over ``x`` ([M, K], K a multiple of 128), each program one [BM, 128] tile: the
+    quantised values into ``values`` ([M, K]) and the scales into ``scales`` ([M, K / 128])."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_k = tl.program_id(1) * 128 + tl.arange(0, 128)
+    quantised, scale = _quantise_tile(tl.load(x + offs_m[:, None] * K + offs_k[None, :]), E5M2)
+    tl.store(values + offs_m[:, None] * K + offs_k[None, :], quantised)
+    tl.store(scales + offs_m * (K // 128) + tl.program_id(1), scale)
+
+
+def special_rows(fmt: fp8.Fp8Format) -> torch.Tensor:
+    """[16, 256] bf16 rows that reach every case of the definition: ties between two values of the
+    format (normal and subnormal) at scale 1, a tile at its scale's limit (amax = fmt.max x 2**e), a
+    tile of zeros, signed zeros, a tile of bf16 subnormals (scale 2**-126) and values quantised there,
+    and tiles holding an infinity or a NaN (scale NaN)."""
+    rows = torch.zeros(16, 256)
+    step = 2.0**-fmt.mantissa_bits  # the format's step on [1, 2)
+    sub = 2.0 ** (fmt.min_normal_exponent - fmt.mantissa_bits)  # its subnormal step
+    ties = torch.tensor([1 + step / 2, 1 + 3 * step / 2, -(1 + step / 2), sub / 2, 3 * sub / 2, -sub / 2])
+    rows[0, : len(ties)] = ties
+    rows[0, 127] = fmt.max  # scale 1: amax equals fmt.max x 2**0
+    rows[0, 128:] = torch.linspace(-3.0, 3.0, 128) * 2.0**-20
+    rows[1, :128] = torch.linspace(-1.0, 1.0, 128) * fmt.max * 2.0**5  # amax = fmt.max x 2**5 exactly
+    rows[2, 5] = -0.0
+    rows[3, :128] = torch.linspace(-1.0, 1.0, 128) * 2.0**-127  # bf16 subnormals
+    rows[3, 128:] = torch.linspace(-1.0, 1.0, 128) * 2.0**-120  # amax below fmt.max x 2**-126: scale 2**-126
+    rows[4, 7] = float("inf")
+    rows[5, 200] = float("nan")
+    rows[6, 0] = -float("inf")
+    return rows.to(torch.bfloat16)
+
+
+def quantisation_case(device: torch.device, seed: int) -> int:
+    """Every quantised value and scale of the kernels' quantisation, in both formats, equal to
+    ``fp8.quantise_tiles``'s bit for bit: random rows whose tiles span 2**±40 (so that their scales
+    differ) and ``special_rows``. Where a tile's scale is NaN its values are NaN too on the GPU (the
+    GEMM's product is NaN through the scale either way; Triton's interpreter casts NaN to e4m3 as a
+    number). Returns the number of tiles checked."""
+    generator = torch.Generator().manual_seed(seed)
+    checked = 0
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        rows, columns = 64, 512
+        magnitude = 2.0 ** (torch.rand(rows, columns // 128, generator=generator) * 80 - 40)
+        x = torch.randn(rows, columns, generator=generator) * magnitude.repeat_interleave(128, dim=1)
+        x = torch.cat([x.to(torch.bfloat16), torch.cat([special_rows(fmt)] * 2, dim=1)]).to(device)
+        values = torch.empty(x.shape, dtype=fmt.dtype, device=device)
+        scales = torch.empty((x.shape[0], x.shape[1] // 128), device=device)
+        quantise_tiles_kernel[(x.shape[0] // 16, x.shape[1] // 128)](
+            x, values, scales, x.shape[1], E5M2=fmt is fp8.E5M2, BM=16
+        )
+        want = fp8.quantise_tiles(x.cpu(), fmt)
+        got_scales, got_values = scales.cpu(), values.cpu()
+        nan_tiles = want.scales.isnan()
+        assert torch.equal(got_scales.isnan(), nan_tiles), f"{fmt.name}: NaN scales differ"
+        assert torch.equal(got_scales[~nan_tiles], want.scales[~nan_tiles]), f"{fmt.name}: scales differ"
+        finite = ~nan_tiles.repeat_interleave(128, dim=1)
+        got_bits, want_bits = got_values.view(torch.uint8), want.values.view(torch.uint8)
+        wrong = (got_bits != want_bits) & finite
+        assert not wrong.any(), f"{fmt.name}: {int(wrong.sum())} values differ, first at {wrong.nonzero()[0].tolist()}"
+        if device.type == "cuda":
+            assert torch.equal(got_values.float().isnan(), ~finite), f"{fmt.name}: NaN tiles' values"
+        checked += want.scales.numel()
+    return checked
+
+
+def weight_quantisation_case(device: torch.device) -> str:
+    """``fp8_weights.quantised_by_triton`` against ``quantised_by_torch`` (``fp8.quantise_blocks``), bit
+    for bit, in both orientations, one and both at once: blocks spread over 2**±40, a block of zeros,
+    bf16 subnormals, ties at a block's scale limit (amax 448), and blocks holding a NaN or an infinity
+    (their values NaN on the GPU; Triton's interpreter casts NaN to e4m3 as a number). Returns a line
+    saying how many blocks it compared."""
+    generator = torch.Generator().manual_seed(3)
+    matrices = []
+    for _ in range(3):
+        rows = 2.0 ** (torch.rand(256, 1, generator=generator) * 60 - 30)
+        columns = 2.0 ** (torch.rand(1, 384, generator=generator) * 20 - 10)
+        matrices.append((torch.randn(256, 384, generator=generator) * rows * columns).bfloat16())
+    matrices[0][:128, :128] = 0  # a block of zeros: scale 1
+    matrices[0][128:, :128] = torch.linspace(-1, 1, 128 * 128).view(128, 128) * 2.0**-127  # bf16 subnormals
+    matrices[1][:128, 128:256] = 1.0625  # a tie between two e4m3 values at scale 1 (amax 448 below)
+    matrices[1][0, 128] = 448.0
+    matrices[1][5, 300] = float("nan")
+    matrices[2][200, 5] = -float("inf")
+    matrices = [m.to(device) for m in matrices]
+    compared = 0
+    for wanted in (
+        [QuantisedWeight("w1", "w1", False), QuantisedWeight("w1t", "w1", True)],
+        [QuantisedWeight("w1t", "w1", True)],
+        [QuantisedWeight("w1", "w1", False)],
+    ):
+        got, want = quantised_by_triton(matrices, wanted), quantised_by_torch(matrices, wanted)
+        for weight in wanted:
+            g, w = got[weight.name], want[weight.name]
+            nan = w.scales.isnan()
+            assert nan.sum() == 2, weight  # the NaN and the infinity blocks
+            assert torch.equal(g.scales.isnan(), nan) and torch.equal(g.scales[~nan], w.scales[~nan]), weight
+            finite = ~nan.repeat_interleave(128, 1).repeat_interleave(128, 2)
+            same = g.values.view(torch.uint8) == w.values.view(torch.uint8)
+            assert same[finite].all(), (weight, int((~same & finite).sum()))
+            if device.type == "cuda":
+                assert g.values.float().isnan()[~finite].all(), weight
+            compared += nan.numel()
+    return f"{compared} blocks"
+
+
+def spread(rows: int, columns: int, generator: torch.Generator, octaves: float = 3.0) -> torch.Tensor:
+    """Gaussian values whose rows and 128-column tiles differ in magnitude by up to 2**±octaves."""
+    row_scale = 2.0 ** (torch.rand(rows, 1, generator=generator) * 2 * octaves - octaves)
+    tile_scale = 2.0 ** (torch.rand(1, -(-columns // 128), generator=generator) * 2 * octaves - octaves)
+    return (
+        torch.randn(rows, columns, generator=generator) * row_scale * tile_scale.repeat_interleave(128, 1)[:, :columns]
+    )
+
+
+def make_experts(num_local: int, hidden: int, ffn: int, gated: bool, generator: torch.Generator, device):
+    """``num_local`` experts (SwiGLU without biases, or GELU with them) in bf16 on ``device``, weights
+    spread as ``spread``, and the kernels' view of them."""
+    experts = [GatedFeedForward(hidden, ffn) if gated else FeedForward(hidden, ffn, "gelu") for _ in range(num_local)]
+    with torch.no_grad():
+        for expert in experts:
+            for param in expert.parameters():
+                if param.dim() == 1:
+                    param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+                else:
+                    param.copy_(spread(*param.shape, generator) / param.shape[1] ** 0.5)
+    experts = [expert.to(device=device, dtype=torch.bfloat16) for expert in experts]
+    return ModuleFusedExperts([fused_expert(expert) for expert in experts])
+
+
+class Layout:
+    """One rank's (P=1) received rows of ``counts`` routes per local expert, as the exchange lays them
+    out, with every row tile arrived; ``rows(values)`` puts per-route rows ([kept, W]) into the recv
+    buffer ([R + tile_m, W], NaN past the received rows); ``of_expert(buffer, e)`` takes them out."""
+
+    def __init__(self, counts: list[int], tile_m: int, device: torch.device):
+        num_local = len(counts)
+        self.counts, self.tile_m, self.device = counts, tile_m, device
+        self.lay = reference_layout([counts], 0, tile_m)
+        self.offsets = L.layout_offsets(num_local, num_local)
+        keys = {"layout_total": self.offsets.total, "total_tiles": C.TOTAL_TILES, "total_kept": C.TOTAL_KEPT}
+        keys.update(total_recv_rows=C.TOTAL_RECV_ROWS, total_pieces=C.TOTAL_PIECES, **self.offsets.__dict__)
+        self.layout = layout_array(self.lay, keys).to(device)
+        self.received = self.lay["totals"]["recv_rows"]
+        counters = torch.zeros(self.lay["totals"]["tiles"] + 1, dtype=torch.int32)
+        for e in range(num_local):
+            region = self.lay["expert_start"][e + 1] - self.lay["expert_start"][e]
+            for t in range(self.lay["tile_start"][e + 1] - self.lay["tile_start"][e]):
+                counters[self.lay["tile_start"][e] + t] = min(tile_m, region - t * tile_m)
+        self.counters = counters.to(device)
+        self.origin = torch.zeros(self.received + tile_m, dtype=torch.int64, device=device)  # every row rank 0's
+
+    def rows(self, values: torch.Tensor) -> torch.Tensor:
+        buffer = torch.full((self.received + self.tile_m, values.shape[1]), float("nan"), dtype=values.dtype)
+        for e, count in enumerate(self.counts):
+            first = self.lay["send_offset"][e]
+            buffer[self.lay["dest_row"][e] : self.lay["dest_row"][e] + count] = values[first : first + count]
+        return buffer.to(self.device)
+
+    def of_expert(self, buffer: torch.Tensor, e: int) -> torch.Tensor:
+        return buffer[self.lay["dest_row"][e] : self.lay["dest_row"][e] + self.counts[e]]
+
+    def empty(self, columns: int, dtype=torch.bfloat16) -> torch.Tensor:
+        return torch.full((self.received + self.tile_m, columns), float("nan"), dtype=dtype, device=self.device)
+
+
+def check_product(name, got, a, w, bias, emulated, mma_error):
+    """``got`` (the kernel's bf16 rows of one expert) against ``emulated`` (the emulation's fp32 product,
+    before its rounding to bf16) within the module docstring's bound; ``a`` and ``w`` are the
+    dequantised operands of ``a @ w^T`` (fp32), ``bias`` fp32 or None."""
+    if got.shape[0] == 0:
+        return
+    exact = a.double() @ w.double().t() + (0 if bias is None else bias.double())
+    magnitudes = a.double().abs() @ w.double().abs().t()
+    bound = BF16_STEP * exact.abs() + 2 * (a.shape[1] * 2.0**-24 + mma_error) * magnitudes
+    difference = (got.double() - emulated.to(torch.bfloat16).double()).abs()
+    worst = (difference - bound).argmax()
+    assert (difference <= bound).all(), (
+        f"{name}: {int((difference > bound).sum())} elements beyond the bound; worst "
+        f"{difference.flatten()[worst].item():.4g} against {bound.flatten()[worst].item():.4g}"
+    )
+
+
+class GemmCase:
+    """The four FP8 GEMMs on one rank's rows against the emulation (the module's docstring), each on
+    the same bf16 operands as the emulation's GEMM, with GEMM2's chunk counts and the rows past the
+    received ones left untouched.
+
+    Args:
+        device: where the kernels run (CPU: Triton's interpreter).
+        gated: SwiGLU experts without biases, else GELU ones with biases.
+        gradient_format: the recipe's ``"gradient_format"``.
+        seed: the data's.
+        tiles: (tile_m, GEMM1's tile_n, GEMM2's tile_n, GEMM2's SUB_M).
+        mma_error: the tensor cores' accumulation error, per unit of S (the module's docstring).
+        sizes: (H, F).
+        counts: rows per local expert.
+    """
+
+    CHUNK_TILES = 2
+
+    def __init__(self, device, gated, gradient_format, seed, tiles=(16, 32, 32, 16), mma_error=0.0,
+                 sizes=(256, 256), counts=(37, 0, 90, 1)):  # fmt: skip
+        self.device, self.gated, self.mma_error, self.counts = device, gated, mma_error, counts
+        self.generator = torch.Generator().manual_seed(seed)
+        self.hidden, self.ffn = sizes
+        self.tile_m, self.gemm1_n, self.gemm2_n, self.sub_m = tiles
+        self.experts = make_experts(len(counts), self.hidden, self.ffn, gated, self.generator, device)
+        tokens = torch.empty(0, self.hidden, dtype=torch.bfloat16, device=device)
+        self.tables = PointerTables().get(self.experts, tokens)
+        self.cache = Fp8WeightCache(frozenset(Phase))  # owns what the tables point at
+        self.quantised = self.cache.tables(self.experts, device)
+        self.layout = Layout(list(counts), self.tile_m, device)
+        recipe = Fp8Recipe(enabled=True, dispatch="bf16", gradient_format=gradient_format)
+        self.operands, self.gradients = RecipeOperands(recipe), fp8.FORMATS[gradient_format]
+        self.width = self.ffn * (2 if gated else 1)
+        self.activation = "silu" if gated else "gelu"
+        self.error = torch.zeros(C.ERROR_RECORD_WORDS, dtype=torch.int64, device=device)
+        self.chunk_counters = torch.zeros(64, dtype=torch.int32, device=device)
+        self.common = dict(L_POW2=next_power_of_2(len(counts) + 1), BM=self.tile_m, GROUP_M=2, NUM_PROGS=3)
+
+    def run(self) -> str:
+        """Every GEMM, forward then backward; returns a line saying what ran."""
+        h = self.forward_gemm1()
+        self.forward_gemm2(h)
+        self.backward_gemm1()
+        self.backward_gemm2()
+        assert self.error[0].item() == 0
+        return (
+            f"ok gated={self.gated} gradients={self.gradients.name} rows={self.layout.received} "
+            f"counts={list(self.counts)} tiles={(self.tile_m, self.gemm1_n, self.gemm2_n, self.sub_m)}"
+        )
+
+    def launch(self, kernel, *args, **constants):
+        if self.device.type != "cuda":
+            kernel[(3,)](*args, **self.common, **constants)
+            return
+        # The warps and stages TritonFp8Gemm launches with; Triton's allocator for the TMA descriptors.
+        with_descriptor_scratch(lambda: kernel[(3,)](*args, **self.common, **constants, num_warps=8, num_stages=3))
+
+    def gemm1(self, rows, out, pre, weight, second, backward):
+        lo, q = self.layout.offsets, self.quantised
+        self.launch(
+            gemm1_fp8_kernel, rows, out, pre, q[weight], q[second], q[weight + "_scales"], q[second + "_scales"],
+            self.tables["b1"], self.tables["b3"], self.layout.layout, self.layout.counters, self.error.data_ptr(),
+            10**9, 0, self.hidden, self.ffn, len(self.counts), lo.expert_start, lo.tile_start, lo.local_tiles,
+            lo.remote_tiles, lo.totals + C.TOTAL_TILES, BN=self.gemm1_n, HAS_BIAS=not (self.gated or backward),
+            GATED=self.gated and not backward, ACTIVATION=0 if backward else ACTIVATION_CODES[self.activation],
+            BACKWARD=backward, ACTIVATE=self.gated and not backward, STORE_PRE=self.gated and not backward,
+            WAIT=True, INTERPRET=self.device.type != "cuda", E5M2=backward and self.gradients is fp8.E5M2,
+        )  # fmt: skip
+        assert out[self.layout.received :].isnan().all(), "GEMM1 wrote rows past the received ones"
+
+    def gemm2(self, rows, lda, weight, second, out, backward):
+        lo, q = self.layout.offsets, self.quantised
+        self.chunk_counters.zero_()
+        chunk_table = torch.tensor([self.chunk_counters.data_ptr()], dtype=torch.int64, device=self.device)
+        self.launch(
+            gemm2_fp8_kernel, rows, lda, q[weight], q[second], q[weight + "_scales"], q[second + "_scales"],
+            self.tables["b2"], self.layout.origin, out, chunk_table, self.layout.layout, self.ffn, self.hidden,
+            len(self.counts), lo.expert_start, lo.tile_start, lo.totals + C.TOTAL_TILES, EP_SIZE=1, BN=self.gemm2_n,
+            SUB_M=self.sub_m, CHUNK_TILES=self.CHUNK_TILES, HAS_BIAS=not (self.gated or backward),
+            SECOND=backward and self.gated, E5M2=backward and self.gradients is fp8.E5M2,
+        )  # fmt: skip
+        n_tiles = -(-self.hidden // self.gemm2_n)
+        for chunk in range(-(-n_tiles // self.CHUNK_TILES)):
+            wanted = sum(self.counts) * min(self.CHUNK_TILES, n_tiles - chunk * self.CHUNK_TILES)
+            assert self.chunk_counters[chunk].item() == wanted, (chunk, self.chunk_counters[chunk].item(), wanted)
+        assert out[self.layout.received :].isnan().all(), "GEMM2 wrote rows past the received ones"
+
+    def random_rows(self, columns: int) -> torch.Tensor:
+        return self.layout.rows(spread(sum(self.counts), columns, self.generator).to(torch.bfloat16))
+
+    def check(self, name, out, rows, products):
+        """Each expert's rows of ``out`` against ``products(e, its rows)``: the emulation's fp32
+        product, and (a, w, bias) of its ``a @ w^T + bias`` dequantised."""
+        for e in range(len(self.counts)):
+            emulated, a, w, bias = products(e, self.layout.of_expert(rows, e))
+            got = self.layout.of_expert(out, e)
+            check_product(f"{name}, expert {e}", got, a, w, bias, emulated, self.mma_error)
+
+    def forward_gemm1(self) -> torch.Tensor:
+        """GEMM1 forward: a gated expert's activations with its products, another's products alone; returns
+        the activations (for a GELU expert computed from its products, as the elementwise step does)."""
+        x, pre, h = self.random_rows(self.hidden), self.layout.empty(self.width), self.layout.empty(self.ffn)
+        gated = self.gated
+        self.gemm1(x, h if gated else pre, pre, "w1", "w3" if gated else "w1", backward=False)
+        tensors = self.experts.expert_tensors()
+
+        def products(e, rows):
+            w13, b13 = _first_layer(tensors[e])
+            a, w = self.operands.rows(rows), self.operands.weight(w13, reduced_axis=1)
+            return self.operands.forward_product(rows, w13, b13), a, w, b13
+
+        self.check("forward GEMM1", pre, x, products)
+        if not gated:
+            return _activate(pre, self.activation, self.ffn).to(torch.bfloat16)
+        for e in range(len(self.counts)):
+            # The epilogue activates the fp32 products, the emulation their bf16 roundings: a few bf16 steps.
+            want = _activate(products(e, self.layout.of_expert(x, e))[0].to(torch.bfloat16), self.activation, self.ffn)
+            got = self.layout.of_expert(h, e).float()
+            torch.testing.assert_close(got, want, rtol=2**-5, atol=2**-5 * want.abs().mean().nan_to_num().item())
+        return h
+
+    def forward_gemm2(self, h: torch.Tensor) -> None:
+        y = self.layout.empty(self.hidden)
+        self.gemm2(h, self.ffn, "w2", "w2", y, backward=False)
+        tensors = self.experts.expert_tensors()
+
+        def products(e, rows):
+            w2, b2 = tensors[e][4], tensors[e][5]
+            a, w = self.operands.rows(rows), self.operands.weight(w2, reduced_axis=1)
+            return self.operands.forward_product(rows, w2, b2), a, w, b2
+
+        self.check("forward GEMM2", y, h, products)
+
+    def backward_gemm1(self) -> None:
+        """g = dY @ W2, on the quantised W2^T."""
+        dy, g = self.random_rows(self.hidden), self.layout.empty(self.ffn)
+        self.gemm1(dy, g, g, "w2t", "w2t", backward=True)
+        tensors = self.experts.expert_tensors()
+
+        def products(e, rows):
+            w2 = tensors[e][4]
+            a, w = self.operands.rows(rows, self.gradients), self.operands.weight(w2, reduced_axis=0).t()
+            return self.operands.gradient_product(rows, w2), a, w, None
+
+        self.check("backward GEMM1", g, dy, products)
+
+    def backward_gemm2(self) -> None:
+        """dX = dA @ W1 (+ dA_up @ W3), on the quantised W1^T (and W3^T)."""
+        da, dx = self.random_rows(self.width), self.layout.empty(self.hidden)
+        self.gemm2(da, self.width, "w1t", "w3t" if self.gated else "w1t", dx, backward=True)
+        tensors = self.experts.expert_tensors()
+
+        def products(e, rows):
+            w13, _ = _first_layer(tensors[e])
+            a, w = self.operands.rows(rows, self.gradients), self.operands.weight(w13, reduced_axis=0).t()
+            return self.operands.gradient_product(rows, w13), a, w, None
+
+        self.check("backward GEMM2", dx, da, products)
