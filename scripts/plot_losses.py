@@ -6,7 +6,8 @@
     python3 scripts/plot_losses.py rounds stock/1=runs/s1 comet/1=runs/c1 stock/2=runs/s2 comet/2=runs/c2
 
 Each run is the directory the csv_monitor wrote (its output_path/job_name; ``--monitor-dir`` of the
-example): one CSV per tag, ``step,<name>`` rows. A run resumed into the same directory appends to
+example): one CSV per tag, ``step,<name>`` rows; or, for losses alone, a ``.jsonl`` file of
+examples/train_hf_trainer.py's ``--losses``. A run resumed into the same directory appends to
 the same files; the last row of a step wins.
 
 ``plot`` draws each run's per-step training loss (top) and each run's difference from the first run
@@ -88,6 +89,9 @@ class Run:
         self.label, self.path = label, path
         self.losses, self.lrs, self.start_steps = {}, {}, []
         self.info, self.summary, self.expert_tokens = {}, {}, {}
+        if path.endswith(".jsonl") and os.path.isfile(path):
+            self._read_loss_lines(path)
+            return
         if not os.path.isdir(path):
             self.error = "missing"
             return
@@ -116,6 +120,19 @@ class Run:
             self.error = f"no {LOSS_FILE}"
         else:
             self.error = "no csv_monitor files (the run's directory is the csv_monitor's output_path/job_name)"
+
+    def _read_loss_lines(self, path):
+        """The Hugging Face Trainer example's ``--losses`` file: one {"step": ..., "loss": ...} a line."""
+        with open(path) as handle:
+            for number, line in enumerate(handle, 1):
+                try:
+                    record = json.loads(line)
+                    self.losses[int(record["step"])] = float(record["loss"])
+                except (ValueError, KeyError, TypeError):
+                    print(f"{path}:{number}: not a step/loss record, skipped", file=sys.stderr)
+        self.error = None if self.losses else "no step/loss records"
+        if self.losses:
+            self.summary["final_loss"] = self.losses[max(self.losses)]
 
     @property
     def steps(self):

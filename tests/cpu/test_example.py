@@ -907,6 +907,11 @@ def test_gpu_preset_and_configs(example):
                 continue
             # The fused workspace holds one layer call of the preset: micro batch x window.
             assert moe.max_tokens_per_rank == ds_config["train_micro_batch_size_per_gpu"] * args.seq_len == 8192, path
+    # The FP8 arm differs from the bf16 comet config in its recipe alone, so their losses compare the recipe.
+    fp8_config = ds_comet.read_ds_config(config("gpu_zero2_comet_fp8"))
+    assert ds_comet.moe_config_from(fp8_config).fp8.enabled
+    fp8_config["moe"].pop("fp8")
+    assert fp8_config == ds_comet.read_ds_config(config("gpu_zero2_comet"))
 
 
 @pytest.mark.parametrize(
@@ -1079,6 +1084,21 @@ def test_plot_summary_and_png(tmp_path, plot_losses, capsys):
     assert json.loads((tmp_path / "s.json").read_text())["runs"][0]["busiest_expert_share"] == 1.5
     assert plot_losses.main(["plot", "--max-diff-tol", "0.01"] + runs) == 1
     assert plot_losses.main(["plot", f"missing={tmp_path / 'none'}"] + runs) == 2
+
+
+def test_plot_reads_the_trainer_examples_loss_lines(tmp_path, plot_losses, capsys):
+    write_monitor(tmp_path / "monitor", {s: 4.0 - 0.02 * s for s in range(1, 11)})
+    lines = tmp_path / "trainer.jsonl"
+    records = [{"step": s, "loss": 4.0 - 0.02 * s + (0.05 if s == 4 else 0.0)} for s in range(1, 11)]
+    lines.write_text("".join(json.dumps(r) + "\n" for r in records) + "not json\n")
+    assert plot_losses.main(["plot", f"bf16={tmp_path / 'monitor'}", f"fp8={lines}"]) == 0
+    output = capsys.readouterr()
+    assert "max |loss diff| 0.0500 at step 4" in output.out
+    assert "| fp8 | - | 10 |" in output.out and "| 3.8000 |" in output.out  # its final loss: the last step's
+    assert "trainer.jsonl:11: not a step/loss record, skipped" in output.err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert plot_losses.main(["plot", f"bf16={tmp_path / 'monitor'}", f"none={empty}"]) == 2
 
 
 def test_plot_without_matplotlib_fails_with_the_reason(tmp_path):
