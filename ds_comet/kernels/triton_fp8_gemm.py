@@ -4,7 +4,9 @@
 ``gemm2_kernel`` with an FP8 mainloop: the same tile order, row-tile waits, epilogues, stores and
 chunk counters (the same helpers), so that they run beside the dispatch and the combine as the
 bf16 kernels do. Each reads its rows in bf16 as those do (the received rows, the activations, the
-output gradients, the first layer's gradients) and walks K in steps of ``fp8.BLOCK`` (128):
+output gradients, the first layer's gradients), or, GEMM1's forward under ``"dispatch": "fp8"``
+(``ROWS_FP8``), the received rows packed in FP8 (``fp8_rows``), and walks K in steps of
+``fp8.BLOCK`` (128):
 
 - it quantises the step's ``[rows, 128]`` tile of rows where it loads it, each row's 1x128 tile as
   ``fp8.quantise_tiles`` does, bit for bit (``triton_fp8_quantise._quantise_tile``): activations

@@ -3,7 +3,8 @@
 ``_quantise_tile`` quantises rows in 1x128 tiles in registers (``fp8.quantise_tiles``), where the
 FP8 GEMMs (``triton_fp8_gemm``) load them; ``quantise_blocks_kernel`` quantises the experts' weights
 in 128x128 blocks (``fp8.quantise_blocks``) into the layer's FP8 copies (``fp8_weights``), in either
-orientation or both, in one pass over them.
+orientation or both, in one pass over them; ``quantise_rows_kernel`` packs rows in 1x128 tiles for the
+FP8 dispatch (``fp8_rows``), and ``dequantise_rows_kernel`` turns packed rows back into bf16.
 
 Both follow ``fp8.block_scales`` from bits rather than through float arithmetic that could round
 otherwise: a block's largest magnitude is an integer maximum over the magnitudes' fp32 bits (which

@@ -1,6 +1,7 @@
 """The fused COMET pipeline: layer0 = dispatch + GEMM1, layer1 = GEMM2 + combine, both ways.
 
-Forward: the dispatch sends token rows (a token's row crosses to a rank once, staged there with the
+Forward: the dispatch sends token rows (packed in FP8 under the recipe's ``"dispatch": "fp8"``,
+``kernels/fp8_rows.py``; a token's row crosses to a rank once, staged there with the
 list of its routes and their gates, and that rank's dispatch copies it to each route's row), GEMM1
 runs per row tile as rows arrive (the activation in its epilogue for gated experts, in an
 elementwise kernel after it for the others), GEMM2 stores its output rows locally chunk
