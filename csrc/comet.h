@@ -27,6 +27,8 @@
 // max_staged_rows = min(max_recv_rows, (P - 1) x max tokens a rank): a staged row has a route
 // here and is a token of another rank. GEMM2's output rows are not symmetric: each call writes them
 // into a tensor of its own, by recv row, which only this rank's combine reads.
+// recv and stage are sized for rows of the tokens' dtype; a dispatch of packed FP8 rows (fewer
+// bytes a row, launch_dispatch) lays its rows in them at its own row stride.
 #pragma once
 
 #include <cstdint>
@@ -193,9 +195,12 @@ struct DispatchTables {
 // without routes) is each route's gate: it goes with the staged routes, for the combine's sums there.
 // With `scaled` (the backward; the same on every rank of the group) each route's row is also
 // multiplied by it where it is written to recv.
-// dtype_code: 0 = bf16, 1 = fp16.
-cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden, int top_k,
-                            int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
+// A row is row_bytes bytes (a multiple of 16), recv and stage rows too. dtype_code: 0 = bf16, 1 =
+// fp16, kPackedRowsCode = packed FP8 rows (e4m3 values and their tiles' scales, ds_comet/kernels/
+// fp8_rows.py: the forward under "dispatch": "fp8"), moved as bytes: neither scaled nor with outputs.
+constexpr int kPackedRowsCode = 2;
+cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t row_bytes,
+                            int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
                             const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
                             cudaStream_t stream);
 

@@ -328,8 +328,12 @@ void dispatch(const GroupShape& shape, const Workspace& workspace, const torch::
               const torch::Tensor& outputs, int64_t top_k, int64_t blocks) {
     TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2,
                 "tokens must be a contiguous 2-D CUDA tensor");
-    const int dtype_code = dtype_code_of(tokens, "tokens");
-    TORCH_CHECK(tokens.size(1) % 8 == 0, "a token row must be a multiple of 16 bytes");
+    // uint8 tokens are packed FP8 rows (ds_comet/kernels/fp8_rows.py), moved as they are.
+    const bool packed = tokens.scalar_type() == at::kByte;
+    const int dtype_code = packed ? ds_comet::kPackedRowsCode : dtype_code_of(tokens, "tokens");
+    TORCH_CHECK(tokens.size(1) * tokens.element_size() % 16 == 0, "a token row must be a multiple of 16 bytes");
+    TORCH_CHECK(!packed || (!scaled && outputs.numel() == 0),
+                "packed FP8 rows are moved as they are: neither scaled nor dotted with outputs");
     check_aligned(tokens, "tokens");
     check_cuda(route_order, "route_order", at::kLong);
     check_cuda(route_position, "route_position", at::kLong);
@@ -368,8 +372,8 @@ void dispatch(const GroupShape& shape, const Workspace& workspace, const torch::
                                     kept_outputs,
                                     kept_outputs == nullptr ? nullptr : workspace.row_dot.data_ptr<float>()};
     check_launch(
-        ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1), static_cast<int>(top_k),
-                                  dtype_code, scaled, scale, workspace.layout.data_ptr<int32_t>(), tables,
+        ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1) * tokens.element_size(),
+                                  static_cast<int>(top_k), dtype_code, scaled, scale, workspace.layout.data_ptr<int32_t>(), tables,
                                   workspace.route_row.data_ptr<int64_t>(), as_record(workspace.error_record),
                                   static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
         "dispatch");

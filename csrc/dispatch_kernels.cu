@@ -260,13 +260,14 @@ __global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t nu
 
 }  // namespace
 
-cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t hidden, int top_k,
-                            int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
+cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t row_bytes,
+                            int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
                             const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
                             cudaStream_t stream) {
-    const int64_t row_bytes = hidden * 2;  // bf16 and fp16 alike
     const char* rows = static_cast<const char*>(tokens);
-    if (dtype_code == 0) {
+    // Packed rows are bytes: the element type matters only to scaling and dot products, which they
+    // never take (the binding refuses them), so they run the bf16 kernel.
+    if (dtype_code == 0 || dtype_code == kPackedRowsCode) {
         dispatch_kernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(
             shape, rows, num_tokens, row_bytes, top_k, scaled, route_scale, layout, tables, route_row, error_record);
     } else {

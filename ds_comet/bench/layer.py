@@ -52,7 +52,9 @@ from ds_comet.bench.common import (
     train_step,
 )
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
+from ds_comet.fp8 import BLOCK as FP8_BLOCK
 from ds_comet.integrations.legacy.gate import gate_routes
+from ds_comet.kernels.fp8_rows import packed_row_bytes
 from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.kernels.routing_plan import RoutingPlan, plan_routes_cuda
 from ds_comet.pipelines.fused import FusedPipeline
@@ -60,7 +62,8 @@ from ds_comet.pipelines.routing import remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
 AUTOEP_PIPELINES = ("autoep", "autoep_comet", "autoep_comet_fp8")
-# The blockwise recipe as the fused pipeline runs it: rows cross the exchange in bf16.
+# The blockwise recipe the FP8 layers are timed under: rows cross the exchange in bf16 (the sent
+# table gives the bytes "dispatch": "fp8" would send instead).
 FP8_RECIPE = {"enabled": True, "dispatch": "bf16"}
 
 
@@ -256,6 +259,9 @@ def bench_routing(moe, x, experts, ep_size, args):
     hidden = x.shape[-1]
     results["sent_mb_per_route"] = route_rows * hidden * x.element_size() / 1e6
     results["sent_mb_once_per_rank"] = once_rows * hidden * x.element_size() / 1e6
+    # The forward's dispatch under "dispatch": "fp8": packed FP8 rows (values and scales), where blockwise tiles fit.
+    if hidden % FP8_BLOCK == 0:
+        results["sent_mb_fp8_rows"] = once_rows * packed_row_bytes(hidden) / 1e6
     results["comm_blocks"] = pipeline.params.comm_blocks
     results["combine_blocks"] = pipeline.params.combine_blocks
     for part, launch in fused_phases(pipeline, x[0], plan, gates.float()).items():
@@ -434,14 +440,19 @@ def print_forward_table(all_results):
 
 
 def print_sent_table(all_results):
-    lines = [
-        f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
-        f"{r['sent_mb_per_route'] / max(r['sent_mb_once_per_rank'], 1e-9):10.2f}"
-        for name, r in all_results.items()
-    ]
+    lines = []
+    for name, r in all_results.items():
+        once = max(r["sent_mb_once_per_rank"], 1e-9)
+        fp8 = f"{r['sent_mb_fp8_rows']:14.1f}{r['sent_mb_fp8_rows'] / once:10.3f}" if "sent_mb_fp8_rows" in r else ""
+        lines.append(
+            f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
+            f"{r['sent_mb_per_route'] / once:10.2f}{fp8}"
+        )
     print(
         "MB one rank sends to the others per exchange (max over ranks): route by route, once per (token, rank) "
-        "(every exchange of both ds_comet pipelines, dispatch and combine), their ratio\n" + "\n".join(lines),
+        "(every exchange of both ds_comet pipelines, dispatch and combine), their ratio; then the forward's "
+        'dispatch once per (token, rank) under "dispatch": "fp8" (e4m3 rows with their 1x128 tiles\' fp32 '
+        "scales; shapes with H a multiple of 128) and its ratio to bf16 rows\n" + "\n".join(lines),
         flush=True,
     )
 

@@ -60,6 +60,9 @@ class Fp8Facts:
     hidden: int
     ffn: int
     """The layer's H and F: the GEMMs' reduction sizes, which blockwise scaling tiles by 128."""
+    rows_in_fp8: bool = False
+    """``"dispatch": "fp8"``: the forward's rows cross the exchange packed in FP8 (``fp8_rows``), and
+    the forward's first layer takes them so (only an implementation that runs it in FP8 can)."""
 
 
 @dataclass(frozen=True)

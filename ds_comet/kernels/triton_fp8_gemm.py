@@ -4,7 +4,9 @@
 ``gemm2_kernel`` with an FP8 mainloop: the same tile order, row-tile waits, epilogues, stores and
 chunk counters (the same helpers), so that they run beside the dispatch and the combine as the
 bf16 kernels do. Each reads its rows in bf16 as those do (the received rows, the activations, the
-output gradients, the first layer's gradients) and walks K in steps of ``fp8.BLOCK`` (128):
+output gradients, the first layer's gradients), or, GEMM1's forward under ``"dispatch": "fp8"``
+(``ROWS_FP8``), the received rows packed in FP8 (``fp8_rows``), and walks K in steps of
+``fp8.BLOCK`` (128):
 
 - it quantises the step's ``[rows, 128]`` tile of rows where it loads it, each row's 1x128 tile as
   ``fp8.quantise_tiles`` does, bit for bit (``triton_fp8_quantise._quantise_tile``): activations
@@ -43,6 +45,7 @@ def _fp8_dot_rows(
     acc,
     acc2,
     a,
+    a_scales,
     lda,
     offs_m,
     m_mask,
@@ -56,10 +59,15 @@ def _fp8_dot_rows(
     K,
     E5M2: tl.constexpr,
     SECOND: tl.constexpr,
+    ROWS_FP8: tl.constexpr,
 ):
     """acc + A[offs_m, :K] @ W[offs_n, :K]^T in FP8 (the module's docstring), W a descriptor from
     ``_weight_tiles`` of an e4m3 ``[N, K]`` matrix and ``w_scales`` its ``[N / 128, K / 128]`` fp32
-    block scales; the rows A are quantised here, to e5m2 with E5M2, else e4m3.
+    block scales; the rows A (row stride ``lda``) are quantised here, to e5m2 with E5M2, else e4m3.
+
+    ROWS_FP8: A holds the rows' e4m3 values already, and ``a_scales`` (row stride ``lda // 4``) their
+    tiles' fp32 scales: packed FP8 rows as the dispatch delivers them (``fp8_rows``), taken as they
+    are. Else ``a_scales`` is not read.
 
     With SECOND, acc2 also gets the same rows times W2 (descriptor w2, scales w2_scales): both
     products of a gated expert's first layer share each quantised tile of A.
@@ -69,8 +77,11 @@ def _fp8_dot_rows(
     scale_columns = K // FP8_BLOCK
     scale_rows = (offs_n // FP8_BLOCK) * scale_columns
     for k in range(0, scale_columns):
-        x = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
-        xq, x_scale = _quantise_tile(x, E5M2)
+        if ROWS_FP8:
+            xq = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            x_scale = tl.load(a_scales + offs_m * (lda // 4) + k, mask=m_mask, other=1.0)
+        else:
+            xq, x_scale = _quantise_tile(tl.load(a_ptrs, mask=m_mask[:, None], other=0.0), E5M2)
         w_scale = tl.load(w_scales + scale_rows + k, mask=n_mask, other=1.0)
         partial = tl.dot(xq, _weight_tile(w, k * FP8_BLOCK, n0, True))
         acc += partial * (x_scale[:, None] * w_scale[None, :])
@@ -95,6 +106,8 @@ def _fp8_weights(table, scale_table, expert, K, N, BN: tl.constexpr):
 @triton.jit(do_not_specialize=["error_addr", "timeout_ns", "rank"])
 def gemm1_fp8_kernel(
     rows,
+    row_scales,
+    lda,
     out,
     pre,
     w_table,
@@ -130,15 +143,23 @@ def gemm1_fp8_kernel(
     WAIT: tl.constexpr,
     INTERPRET: tl.constexpr,
     E5M2: tl.constexpr,
+    ROWS_FP8: tl.constexpr,
 ):
-    """``gemm1_kernel`` in FP8: the same tiles, waits and outputs from the same bf16 ``rows`` ([R, K]),
-    the products as the module's docstring says, BK 128. The weights are quantised copies, [N, K]
-    with block scales: forward W1 (and W3) [F, H]; backward W2^T [F, H] (``Fp8WeightCache``'s "w2t"),
-    read K-major. E5M2: the rows (the backward's output gradients) go to e5m2, else e4m3."""
+    """``gemm1_kernel`` in FP8: the same tiles, waits and outputs from the same bf16 ``rows`` ([R, K],
+    row stride ``lda``), the products as the module's docstring says, BK 128. The weights are quantised
+    copies, [N, K] with block scales: forward W1 (and W3) [F, H]; backward W2^T [F, H]
+    (``Fp8WeightCache``'s "w2t"), read K-major. E5M2: the rows (the backward's output gradients) go
+    to e5m2, else e4m3.
+
+    ROWS_FP8 (the forward under ``"dispatch": "fp8"``): ``rows`` are the received rows' e4m3 values
+    and ``row_scales`` their tiles' fp32 scales (``fp8_rows.packed_parts``), taken as they are, with no
+    quantisation here; the outputs are the same, bit for bit, as from the bf16 rows they quantise.
+    Else ``row_scales`` is not read."""
     tl.static_assert(not (BACKWARD and (STORE_PRE or ACTIVATE)), "gemm1_fp8_kernel: the backward stores g alone")
     tl.static_assert(ACTIVATE or not STORE_PRE, "gemm1_fp8_kernel: without ACTIVATE, out holds the products")
     tl.static_assert(ACTIVATE or BACKWARD or not GATED, "gemm1_fp8_kernel: a gated forward activates in its epilogue")
-    dtype = rows.dtype.element_ty
+    tl.static_assert(not (BACKWARD and ROWS_FP8), "gemm1_fp8_kernel: the backward's gradients arrive in bf16")
+    dtype = out.dtype.element_ty  # the rows' (bf16) where they are not in FP8
     total_m = tl.load(layout + off_total_tiles)
     n_tiles = tl.cdiv(N, BN)
     lanes = tl.arange(0, L_POW2)
@@ -161,8 +182,8 @@ def gemm1_fp8_kernel(
             w3, w3_scales = _fp8_weights(w3_table, w3_scale_table, expert, K, N, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc, acc3 = _fp8_dot_rows(
-            acc, acc, rows, K, offs_m, m_mask, w, w3, w_scales, w3_scales, offs_n, offs_n < N, pid_n * BN, K, E5M2,
-            two_products,
+            acc, acc, rows, row_scales, lda, offs_m, m_mask, w, w3, w_scales, w3_scales, offs_n, offs_n < N,
+            pid_n * BN, K, E5M2, two_products, ROWS_FP8,
         )  # fmt: skip
         if ACTIVATE:
             _gemm1_activations(
@@ -237,12 +258,13 @@ def gemm2_fp8_kernel(
             m_mask = offs_m < row_end
             acc = tl.zeros((SUB_M, BN), dtype=tl.float32)
             acc, _ = _fp8_dot_rows(
-                acc, acc, rows, lda, offs_m, m_mask, w, w, w_scales, w_scales, offs_n, n_mask, n0, K, E5M2, False
-            )
+                acc, acc, rows, rows, lda, offs_m, m_mask, w, w, w_scales, w_scales, offs_n, n_mask, n0, K, E5M2,
+                False, False,
+            )  # fmt: skip
             if SECOND:
                 acc, _ = _fp8_dot_rows(
-                    acc, acc, rows + K, lda, offs_m, m_mask, w3, w3, w3_scales, w3_scales, offs_n, n_mask, n0, K,
-                    E5M2, False,
+                    acc, acc, rows + K, rows, lda, offs_m, m_mask, w3, w3, w3_scales, w3_scales, offs_n, n_mask, n0,
+                    K, E5M2, False, False,
                 )  # fmt: skip
             _gemm2_store(acc, out, b2_table, expert, offs_m, m_mask, offs_n, n_mask, N, dtype, HAS_BIAS)
         offs_m = row0 + tl.arange(0, BM)

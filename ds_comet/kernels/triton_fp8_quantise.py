@@ -3,7 +3,8 @@
 ``_quantise_tile`` quantises rows in 1x128 tiles in registers (``fp8.quantise_tiles``), where the
 FP8 GEMMs (``triton_fp8_gemm``) load them; ``quantise_blocks_kernel`` quantises the experts' weights
 in 128x128 blocks (``fp8.quantise_blocks``) into the layer's FP8 copies (``fp8_weights``), in either
-orientation or both, in one pass over them.
+orientation or both, in one pass over them; ``quantise_rows_kernel`` packs rows in 1x128 tiles for the
+FP8 dispatch (``fp8_rows``), and ``dequantise_rows_kernel`` turns packed rows back into bf16.
 
 Both follow ``fp8.block_scales`` from bits rather than through float arithmetic that could round
 otherwise: a block's largest magnitude is an integer maximum over the magnitudes' fp32 bits (which
@@ -171,3 +172,46 @@ def quantise_blocks_kernel(
     if STORE_T:
         tl.store(values_t + first + columns.to(tl.int64)[:, None] * N + rows[None, :], tl.trans(quantised))
         tl.store(scales_t + (expert * k_blocks + block_k) * n_blocks + block_n, scale)
+
+
+@triton.jit
+def quantise_rows_kernel(tokens, values, scales, num_rows, K, row_bytes, BM: tl.constexpr):
+    """``fp8.quantise_tiles`` of the rows ``tokens`` ([S, K] bf16, contiguous) into packed FP8 rows
+    (``fp8_rows``), one [BM, 128] tile of rows a program (grid: ceil(S / BM), K / 128): the e4m3 values
+    into ``values`` (row stride ``row_bytes``) and each tile's fp32 scale into ``scales`` (row stride
+    ``row_bytes // 4``)."""
+    k = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    columns = k * FP8_BLOCK + tl.arange(0, FP8_BLOCK)
+    in_range = rows < num_rows
+    x = tl.load(tokens + rows[:, None] * K + columns[None, :], mask=in_range[:, None], other=0.0)
+    quantised, scale = _quantise_tile(x, False)
+    tl.store(values + rows[:, None] * row_bytes + columns[None, :], quantised, mask=in_range[:, None])
+    tl.store(scales + rows * (row_bytes // 4) + k, scale, mask=in_range)
+
+
+@triton.jit
+def dequantise_rows_kernel(values, scales, out, num_rows, K, row_bytes, BM: tl.constexpr):
+    """Packed FP8 rows (``values`` and ``scales`` as ``quantise_rows_kernel`` writes them) dequantised
+    into ``out`` ([R, K] bf16, contiguous): each value times its tile's scale, in fp32 (exact: the scale
+    is a power of two), rounded once to bf16 as the emulation's cast rounds it (``_round_to_bf16``).
+    One [BM, 128] tile a program (grid: ceil(R / BM), K / 128)."""
+    k = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    columns = k * FP8_BLOCK + tl.arange(0, FP8_BLOCK)
+    in_range = rows < num_rows
+    quantised = tl.load(values + rows[:, None] * row_bytes + columns[None, :], mask=in_range[:, None], other=0.0)
+    scale = tl.load(scales + rows * (row_bytes // 4) + k, mask=in_range, other=1.0)
+    dequantised = _round_to_bf16(quantised.to(tl.float32) * scale[:, None])
+    tl.store(out + rows[:, None] * K + columns[None, :], dequantised, mask=in_range[:, None])
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 ``x`` rounded to bf16, to nearest, ties to even, on its bits (the upper half of fp32's):
+    exact in bf16's subnormal range too, where Triton's interpreter truncates. NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    magnitudes = bits & 0x7FFFFFFF
+    upper = (magnitudes + 0x7FFF + ((magnitudes >> 16) & 1)) >> 16
+    upper = tl.where(magnitudes < INFINITY_BITS, upper, magnitudes >> 16)  # an infinity or a NaN as it is
+    return (upper | ((bits >> 16) & 0x8000)).to(tl.int16).to(tl.bfloat16, bitcast=True)

@@ -1,6 +1,7 @@
 """The fused COMET pipeline: layer0 = dispatch + GEMM1, layer1 = GEMM2 + combine, both ways.
 
-Forward: the dispatch sends token rows (a token's row crosses to a rank once, staged there with the
+Forward: the dispatch sends token rows (packed in FP8 under the recipe's ``"dispatch": "fp8"``,
+``kernels/fp8_rows.py``; a token's row crosses to a rank once, staged there with the
 list of its routes and their gates, and that rank's dispatch copies it to each route's row), GEMM1
 runs per row tile as rows arrive (the activation in its epilogue for gated experts, in an
 elementwise kernel after it for the others), GEMM2 stores its output rows locally chunk
@@ -57,6 +58,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor
 
+from ..kernels.fp8_rows import dequantise_rows, packed_rows_in, quantise_rows
 from ..kernels.fp8_weights import Fp8WeightCache
 from ..kernels.fused_experts import FusedExperts
 from ..kernels.gemm_phases import Fp8Facts, Phase
@@ -117,6 +119,7 @@ class FusedPipeline(Pipeline):
         self.tables = PointerTables()
         self.fp8 = fp8
         self.fp8_weights = None if fp8 is None else Fp8WeightCache(fp8.phases)
+        self.rows_in_fp8 = fp8 is not None and fp8.rows_in_fp8
         self.layer_name = "MoE layer"  # in the note its peers read if this rank raises (the selection names it)
 
     @property
@@ -252,29 +255,35 @@ class FusedPipeline(Pipeline):
         # Each GEMM phase's outputs in the dtype its implementation stores them in.
         h = torch.empty((rows, kernels.ffn), dtype=kernels.stored_dtype(Phase.FIRST_LAYER), device=tokens.device)
         expert_out = torch.empty((rows, hidden), dtype=kernels.stored_dtype(Phase.GEMM2), device=tokens.device)
+        # Under "dispatch": "fp8" the rows cross packed in FP8 (fp8_rows), quantised once a token here.
+        sent = quantise_rows(tokens) if self.rows_in_fp8 else tokens
         # The backward needs the received rows after the next call has reused the workspace. Alone in
         # the group only this rank's dispatch writes them, so they go straight into a tensor of this
         # call's; with peers, who write into the workspace's buffer, they are copied out of it.
         own_rows = saved is not None and kernels.alone
-        recv = torch.empty((rows, hidden), dtype=tokens.dtype, device=tokens.device) if own_rows else buffer.recv
+        if own_rows:
+            recv = torch.empty((rows, sent.shape[1]), dtype=sent.dtype, device=tokens.device)
+        else:
+            recv = packed_rows_in(buffer.recv, rows, hidden) if self.rows_in_fp8 else buffer.recv
         if out is None:
             # Allocated before the dispatch orders the communication stream after the main one, as
             # everything the combine writes there must be: memory freed on the main stream before that
             # point may still be read by kernels queued before it.
             out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
 
-        kernels.dispatch(tokens, plan, weights, scale_rows=False, recv=recv if own_rows else None)
+        kernels.dispatch(sent, plan, weights, scale_rows=False, recv=recv if own_rows else None)
         pre = kernels.first_layer(recv, h, keep_pre=saved is not None)
         kernels.gemm2(h, expert_out, backward=False)
         if saved is not None:
-            # GEMM1 waited for every received row, so a copy out of the workspace reads them all. The
-            # backward takes the gate gradient where the outputs are, on the expert's rank.
-            saved.update(rows=recv if own_rows else buffer.recv[:rows].clone(), outputs=expert_out, pre=pre)
+            # GEMM1 waited for every received row, so a copy out of the workspace reads them all (packed
+            # rows stay packed until the backward needs them). The backward takes the gate gradient
+            # where the outputs are, on the expert's rank.
+            saved.update(rows=recv if own_rows else recv[:rows].clone(), outputs=expert_out, pre=pre)
         # The combine spins until this rank's GEMM2 and peers' combines deliver, so it is launched last:
         # a launch that blocks the host (a lazily loaded module waits for the device) must never wait
         # behind a spinning kernel whose producers this rank has not launched yet.
         kernels.combine(plan, expert_out, weights, out, None, finish_on_main=True)
-        kernels.join(tokens.device, tokens, plan.route_order, plan.route_position, weights, expert_out, out)
+        kernels.join(tokens.device, sent, plan.route_order, plan.route_position, weights, expert_out, out)
         return out
 
     def run_backward(
@@ -331,6 +340,8 @@ class FusedPipeline(Pipeline):
             dw2, db2 = kernels.wgrad(buffer.recv, h)
             del h
             x = saved.pop("rows")
+            if self.rows_in_fp8:  # the emulation's rows: the received values times their scales, in bf16
+                x = dequantise_rows(x, grad_out.shape[1])
             # A gated expert's two first-layer gradients are computed apart, so that each is one
             # contiguous tensor: a slice of a joint [L, 2F, H] result is copied by autograd when it
             # accumulates into a stacked [L, F, H] parameter.

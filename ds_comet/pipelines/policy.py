@@ -130,17 +130,15 @@ def fp8_shape_reason(recipe: Fp8Recipe, hidden: int, ffn: int) -> str | None:
 
 
 def fp8_exchange_reason(recipe: Fp8Recipe) -> str | None:
-    """Why the fused pipeline cannot run ``recipe``'s exchange, or None: its dispatch moves rows in
-    the tokens' dtype, and a recipe that sends them in FP8 changes what the expert's rank holds (W1's
-    gradient is taken from the quantised rows)."""
-    keys = [key for key in ("dispatch", "gradient_dispatch") if getattr(recipe, key) == "fp8"]
-    if not keys:
+    """Why the fused pipeline cannot run ``recipe``'s exchange, or None. Its forward dispatch sends
+    the rows in FP8 or in bf16 as the recipe says (``"dispatch"``); its backward dispatch moves the
+    output gradients in the tokens' dtype only (``"gradient_dispatch": "fp8"`` is not built)."""
+    if recipe.gradient_dispatch != "fp8":
         return None
-    asked = " and ".join(f'"{key}": "fp8"' for key in keys)
-    fix = " and ".join(f'"{key}": "bf16"' for key in keys)
     return (
-        f"it sends rows across the exchange in FP8 ({asked}), which the fused dispatch does not: it moves "
-        f"them in bf16 (with {fix} the fused pipeline runs the recipe's GEMMs in FP8)"
+        'it sends the output gradients across the exchange in FP8 ("gradient_dispatch": "fp8"), which the '
+        'fused backward does not: it moves them in bf16 (with "gradient_dispatch": "bf16" the fused pipeline '
+        "runs the recipe)"
     )
 
 
@@ -151,7 +149,8 @@ def fp8_facts(recipe: Fp8Recipe, hidden: int, ffn: int) -> Fp8Facts:
         phases |= {Phase.FIRST_LAYER, Phase.GEMM2}
     if recipe.input_gradients:
         phases |= {Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD}
-    return Fp8Facts(frozenset(phases), recipe.scaling, recipe.gradient_format, hidden, ffn)
+    rows_in_fp8 = recipe.dispatch == "fp8"
+    return Fp8Facts(frozenset(phases), recipe.scaling, recipe.gradient_format, hidden, ffn, rows_in_fp8)
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:

@@ -3,8 +3,8 @@
 The fused pipeline runs when the CUDA op builds, the expert-parallel group lies inside one node,
 the kernels know the experts' structure, the tokens are bf16/fp16 on the GPU, and an enabled
 ``"fp8"`` recipe is one its FP8 GEMMs run (blockwise scaling on sm_90, rows crossing the exchange
-in bf16: the GEMM table's ``fp8_refusal`` and ``policy.fp8_exchange_reason``; otherwise the
-reference pipeline emulates the recipe);
+in FP8 or in bf16, output gradients in bf16: the GEMM table's ``fp8_refusal`` and
+``policy.fp8_exchange_reason``; otherwise the reference pipeline emulates the recipe);
 otherwise the layer runs the reference pipeline and says once why, with the fix, naming the layer (a WARNING on
 a GPU, where the user expects the fused one; INFO on CPU). With ``"overlap": "fused"`` a reason is an
 error instead, and the experts' structure is checked when the layer is built.

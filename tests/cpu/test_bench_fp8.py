@@ -1,13 +1,14 @@
 """The benchmarks' FP8 additions that run without a GPU: the library's rowwise operands
-(``bench.gemm.rowwise_operands``), the FP8 layer's refusal of a shape it cannot scale, and the
-FP8 table's ratios and lines."""
+(``bench.gemm.rowwise_operands``), the FP8 layer's refusal of a shape it cannot scale, the
+FP8 table's ratios and lines, and the bytes the forward's dispatch sends in FP8."""
 
 import torch
 
 from ds_comet import fp8
 from ds_comet.bench.common import comet_layer, expert_template, moe_kwargs
 from ds_comet.bench.gemm import rowwise_operands
-from ds_comet.bench.layer import FP8_RECIPE, add_fp8_ratios, print_fp8_table
+from ds_comet.bench.layer import FP8_RECIPE, add_fp8_ratios, print_fp8_table, print_sent_table
+from ds_comet.kernels.fp8_rows import packed_row_bytes
 
 
 def test_the_librarys_operands_are_fp8_pys_rowwise_quantisation_in_its_layouts():
@@ -48,3 +49,23 @@ def test_the_fp8_table_gives_each_layers_time_over_the_fp8_layers(capsys):
     print_fp8_table({"mixtral-like": results, "gpt-oss-like": {"fused": 1.0}})
     out = capsys.readouterr().out
     assert "mixtral-like" in out and "gpt-oss-like" not in out and "2.250" in out, out
+
+
+def test_the_sent_table_shows_the_fp8_dispatchs_bytes_at_about_half_bf16s(capsys):
+    """A packed FP8 row is H e4m3 bytes and H / 32 bytes of scales (padded to 16): 0.516 of a bf16 row at
+    H = 7168; a shape whose H blockwise scaling cannot tile shows no FP8 columns."""
+    assert packed_row_bytes(7168) == 7168 + 224 and packed_row_bytes(128) == 128 + 16
+    rows = 1000
+    results = {
+        "dsv3": dict(
+            sent_mb_per_route=rows * 2 * 7168 * 2 / 1e6,
+            sent_mb_once_per_rank=rows * 7168 * 2 / 1e6,
+            sent_mb_fp8_rows=rows * packed_row_bytes(7168) / 1e6,
+        ),
+        "gpt-oss": dict(sent_mb_per_route=2.0, sent_mb_once_per_rank=1.0),
+    }
+    print_sent_table(results)
+    lines = capsys.readouterr().out.splitlines()
+    dsv3 = next(line for line in lines if line.startswith("dsv3")).split()
+    assert dsv3[-2:] == [f"{rows * 7392 / 1e6:.1f}", "0.516"], dsv3
+    assert len(next(line for line in lines if line.startswith("gpt-oss")).split()) == 4

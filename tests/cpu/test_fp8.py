@@ -790,8 +790,8 @@ def test_on_cpu_the_reference_pipeline_emulates_the_recipe(monkeypatch):
 def test_where_the_fused_pipeline_cannot_run_an_enabled_recipe_it_does_not_run_it_in_bf16(
     monkeypatch, overlap, fallback, outcome
 ):
-    """Where the fused pipeline could run the call in bf16 but its FP8 GEMMs cannot run the recipe
-    (here: rows that cross in FP8, the recipe's default), an enabled recipe does not let it run
+    """Where the fused pipeline could run the call in bf16 but cannot run the recipe (here: output
+    gradients that cross in FP8, which its backward does not send), an enabled recipe does not let it run
     silently without the recipe: under "auto" the reference pipeline emulates it (a reason logged);
     under "fused" that reason is the error, unless "fallback": "bf16" runs the fused kernels in bf16
     with a warning."""
@@ -799,19 +799,25 @@ def test_where_the_fused_pipeline_cannot_run_an_enabled_recipe_it_does_not_run_i
 
     said = []
     monkeypatch.setattr(selection.logger, "warning", said.append)
-    moe = _layer(128, FeedForward(128, 128), {"enabled": True, "fallback": fallback}, overlap=overlap)
+    recipe = {"enabled": True, "gradient_dispatch": "fp8", "fallback": fallback}
+    moe = _layer(128, FeedForward(128, 128), recipe, overlap=overlap)
     fused = moe.pipelines.experts.fused(128)
     tokens = torch.randn(8, 128, dtype=torch.bfloat16)
     monkeypatch.setattr(selection, "fp8_reason", lambda *args: None)  # a GPU that can run FP8 GEMMs
     monkeypatch.setattr(selection, "device_capability", lambda device: (9, 0))
     answer = moe.pipelines._fp8_fused(fused, tokens)
-    exchange = 'it sends rows across the exchange in FP8 ("dispatch": "fp8"), which the fused dispatch does not'
+    exchange = (
+        'it sends the output gradients across the exchange in FP8 ("gradient_dispatch": "fp8"), which the fused '
+        "backward does not"
+    )
     assert moe.pipelines._fp8_facts is None
     if outcome == "fused":
         assert answer is fused
         assert len(said) == 1 and f'in bf16, without its "fp8" recipe ("fallback": "bf16"): {exchange}' in said[0]
     else:
-        assert answer.startswith(f'the "fp8" recipe is enabled, and {exchange}: it moves them in bf16 (with "dispatch"')
+        assert answer.startswith(
+            f'the "fp8" recipe is enabled, and {exchange}: it moves them in bf16 (with "gradient_dispatch"'
+        )
         assert outcome in answer and '"fp8": {"fallback": "bf16"} runs the fused kernels in bf16' in answer
         assert not said
 
@@ -830,13 +836,28 @@ BACKWARD_PHASES = frozenset({Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD})
         ({"scaling": "rowwise"}, (9, 0), "(triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
         ({}, (8, 9), "(triton_fp8 runs on sm_90, not sm_89)"),
         ({"gradient_dispatch": "fp8"}, (9, 0), '("gradient_dispatch": "fp8")'),
+        ({"dispatch": "fp8"}, (9, 0), FORWARD_PHASES | BACKWARD_PHASES),
+        ({"dispatch": "fp8", "input_gradients": False}, (9, 0), FORWARD_PHASES),
+        ({"dispatch": "fp8", "scaling": "rowwise"}, (9, 0), "(triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
     ],
-    ids=["blockwise", "e5m2", "forward", "input-gradients", "rowwise", "sm89", "gradient-dispatch"],
+    ids=[
+        "blockwise",
+        "e5m2",
+        "forward",
+        "input-gradients",
+        "rowwise",
+        "sm89",
+        "gradient-dispatch",
+        "fp8-dispatch",
+        "fp8-dispatch-forward",
+        "fp8-dispatch-rowwise",
+    ],
 )
 def test_an_enabled_recipe_runs_on_the_fused_fp8_gemms_where_they_run_it(monkeypatch, recipe, capability, outcome):
-    """With rows crossing in bf16, blockwise scaling on sm_90 runs on the fused pipeline, its FP8
-    GEMMs taking the phases the recipe puts in FP8; what they do not run keeps the emulation, with
-    the reason naming what stands in the way."""
+    """Blockwise scaling on sm_90 runs on the fused pipeline, rows crossing in bf16 or, with
+    ``"dispatch": "fp8"`` (the default), packed in FP8, its FP8 GEMMs taking the phases the recipe
+    puts in FP8; what they do not run keeps the emulation, with the reason naming what stands in the
+    way (output gradients crossing in FP8 among them)."""
     import ds_comet.pipelines.selection as selection
 
     monkeypatch.setattr(selection, "fp8_reason", lambda *args: None)
@@ -849,6 +870,7 @@ def test_an_enabled_recipe_runs_on_the_fused_fp8_gemms_where_they_run_it(monkeyp
         facts = moe.pipelines._fp8_facts
         assert facts.phases == outcome and (facts.hidden, facts.ffn) == (128, 256)
         assert (facts.scaling, facts.gradient_format) == ("blockwise", recipe.get("gradient_format", "e4m3"))
+        assert facts.rows_in_fp8 == (recipe.get("dispatch") == "fp8")
     else:
         assert moe.pipelines._fp8_facts is None
         assert answer.startswith('the "fp8" recipe is enabled, and ') and outcome in answer, answer

@@ -95,7 +95,8 @@ FP8_SCRIPT = (
     PRELUDE
     + r"""
 from ds_comet.kernels.triton_fp8_gemm import gemm1_fp8_kernel, gemm2_fp8_kernel
-from ds_comet.kernels.triton_fp8_quantise import quantise_blocks_kernel
+from ds_comet.kernels.fp8_rows import packed_row_bytes
+from ds_comet.kernels.triton_fp8_quantise import dequantise_rows_kernel, quantise_blocks_kernel, quantise_rows_kernel
 from ds_comet.kernels.triton_fp8_phases import ACCUMULATOR_ELEMENTS, GATED_GEMM1_TILE_N, GEMM1_TILE_N
 MMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.(e4m3|e5m2)\.(e4m3|e5m2)")
 path = sys.argv[1]
@@ -114,20 +115,26 @@ def check(name, kernel, rows_format):
           max(int(v) for v in re.findall(r"STACK:(\d+)", usage)), "local loads/stores", spills,
           "shared", kernel.metadata.shared, "wgmma", sorted(mma))
 
-# As TritonFp8Gemm launches them (tile_m 128; GEMM2 at tile_n 256 and 128).
+u8 = MockTensor(torch.float8_e4m3fn)
+f32 = MockTensor(torch.float32)
+# As TritonFp8Gemm launches them (tile_m 128; GEMM2 at tile_n 256 and 128); GEMM1's forward also on
+# packed FP8 rows ("dispatch": "fp8": e4m3 values and fp32 scales, H + H / 32 bytes a row).
 for num_local in (16, 4):
     l_pow2 = 1 << num_local.bit_length()
-    for backward, gated, e5m2 in ((False, False, False), (False, True, False), (True, False, False),
-                                  (True, False, True)):
+    for backward, gated, e5m2, rows_fp8 in ((False, False, False, False), (False, True, False, False),
+                                            (True, False, False, False), (True, False, True, False),
+                                            (False, False, False, True), (False, True, False, True)):
         forward_gated = gated and not backward
-        k = gemm1_fp8_kernel.warmup(bf, bf, bf, i64, i64, i64, i64, i64, i64, i32, i32, 2**40, 2**40, 0, 4096, 14336,
-                                    num_local, 0, 8, 16, 24, 32, L_POW2=l_pow2, BM=128,
+        rows, row_scales, lda = (u8, f32, packed_row_bytes(4096)) if rows_fp8 else (bf, bf, 4096)
+        k = gemm1_fp8_kernel.warmup(rows, row_scales, lda, bf, bf, i64, i64, i64, i64, i64, i64, i32, i32, 2**40,
+                                    2**40, 0, 4096, 14336, num_local, 0, 8, 16, 24, 32, L_POW2=l_pow2, BM=128,
                                     BN=GATED_GEMM1_TILE_N if forward_gated else GEMM1_TILE_N, GROUP_M=8,
                                     NUM_PROGS=116, HAS_BIAS=not gated, GATED=forward_gated,
                                     ACTIVATION=3 if gated else 0, BACKWARD=backward, ACTIVATE=forward_gated,
                                     STORE_PRE=forward_gated, WAIT=True,
-                                    INTERPRET=False, E5M2=e5m2, grid=(1, ), num_warps=8, num_stages=3)
-        check(f"gemm1_fp8 local={num_local} backward={backward} gated={gated} e5m2={e5m2}", k,
+                                    INTERPRET=False, E5M2=e5m2, ROWS_FP8=rows_fp8, grid=(1, ), num_warps=8,
+                                    num_stages=3)
+        check(f"gemm1_fp8 local={num_local} backward={backward} gated={gated} e5m2={e5m2} rows_fp8={rows_fp8}", k,
               "e5m2" if e5m2 else "e4m3")
     for backward, gated, e5m2, tile_n in ((False, False, False, 256), (True, True, False, 256),
                                           (True, False, True, 256), (False, True, False, 128)):
@@ -138,11 +145,15 @@ for num_local in (16, 4):
                                     grid=(1, ), num_warps=8, num_stages=3)
         check(f"gemm2_fp8 local={num_local} backward={backward} gated={gated} e5m2={e5m2} tile_n={tile_n}", k,
               "e5m2" if e5m2 else "e4m3")
-u8 = MockTensor(torch.float8_e4m3fn)
 for store, store_t in ((True, True), (False, True), (True, False)):
-    k = quantise_blocks_kernel.warmup(i64, u8, u8, MockTensor(torch.float32), MockTensor(torch.float32), 14336, 4096,
-                                      STORE=store, STORE_T=store_t, grid=(1, ), num_warps=8)
+    k = quantise_blocks_kernel.warmup(i64, u8, u8, f32, f32, 14336, 4096, STORE=store, STORE_T=store_t, grid=(1, ),
+                                      num_warps=8)
     check(f"quantise_blocks store={store} store_t={store_t}", k, None)
+# The dispatch's packed FP8 rows, as fp8_rows launches their passes.
+k = quantise_rows_kernel.warmup(bf, u8, f32, 4000, 7168, packed_row_bytes(7168), BM=32, grid=(1, ), num_warps=4)
+check("quantise_rows", k, None)
+k = dequantise_rows_kernel.warmup(u8, f32, bf, 4000, 7168, packed_row_bytes(7168), BM=32, grid=(1, ), num_warps=4)
+check("dequantise_rows", k, None)
 bad = {key: ins for key, ins in found.items() if ins}
 print("checked", len(found), "kernels; predicated collectives, large stacks or other MMAs:", bad)
 sys.exit(1 if bad else 0)
@@ -175,9 +186,10 @@ def test_no_predicated_collective_and_little_spilling(tmp_path):
 
 def test_the_fp8_gemms_run_on_the_fp8_tensor_cores_without_predicated_collectives_or_spilling(tmp_path):
     """The FP8 GEMMs as ``TritonFp8Gemm`` launches them: their products are Hopper's FP8 wgmma (e4m3 rows,
-    or e5m2 gradients, by e4m3 weights), with the bf16 GEMMs' rules on collectives and stacks; and the
-    weights' quantisation kernel as ``Fp8WeightCache`` launches it. Each kernel's registers, stack,
-    local-memory accesses and shared memory are printed (pytest -s)."""
+    or e5m2 gradients, by e4m3 weights), with the bf16 GEMMs' rules on collectives and stacks, GEMM1's
+    forward also on packed FP8 rows; the weights' quantisation kernel as ``Fp8WeightCache`` launches it,
+    and the dispatched rows' quantise and dequantise passes as ``fp8_rows`` launches them. Each kernel's
+    registers, stack, local-memory accesses and shared memory are printed (pytest -s)."""
     out = compile_for_sm90(tmp_path, FP8_SCRIPT)
     print(out)
-    assert "checked 19 kernels" in out
+    assert "checked 25 kernels" in out

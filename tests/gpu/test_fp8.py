@@ -43,8 +43,9 @@ U = fp8.E4M3.unit_roundoff
 EMULATION_BOUND, LAYER_BOUND, LAYER_FLOOR = U / 2, 4 * U, U / 8
 MMA_ERROR = 2.0**-9
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Rows cross the exchange in bf16: the fused pipeline's FP8 GEMMs then run the recipe.
+# Rows cross the exchange in bf16 unless a case says otherwise (FP8_ROWS: packed in FP8, the default).
 RECIPE = {"enabled": True, "dispatch": "bf16"}
+FP8_ROWS = {"dispatch": "fp8"}
 
 
 def _seed():
@@ -69,6 +70,11 @@ def test_the_kernels_quantise_rows_as_fp8_py_does_on_the_gpu():
     assert "tiles " in _on_the_gpu(f"print('tiles', cases.quantisation_case(torch.device('cuda'), seed={_seed()}))")
 
 
+def test_the_dispatched_fp8_rows_are_fp8_pys_and_dequantise_to_the_emulations_on_the_gpu():
+    """Bit for bit, NaN tiles included (their values NaN, as the GPU's cast makes them)."""
+    assert "tiles " in _on_the_gpu(f"print('tiles', cases.packed_rows_case(torch.device('cuda'), seed={_seed()}))")
+
+
 def test_the_weights_are_quantised_as_fp8_py_does_on_the_gpu():
     """Bit for bit, both orientations, NaN blocks included."""
     assert "blocks" in _on_the_gpu("print(cases.weight_quantisation_case(torch.device('cuda')))")
@@ -80,7 +86,8 @@ def test_the_weights_are_quantised_as_fp8_py_does_on_the_gpu():
     ids=["swiglu-e4m3", "gelu-bias-e5m2", "swiglu-tile64-e5m2"],
 )
 def test_each_fp8_gemm_gives_the_emulations_numbers_on_the_gpu(gated, gradient_format, tiles):
-    """The production tiles (GEMM1 64 columns gated forward, 128 otherwise; GEMM2 256 in two row parts)."""
+    """The production tiles (GEMM1 64 columns gated forward, 128 otherwise; GEMM2 256 in two row parts);
+    the forward GEMM1 on packed FP8 rows equal to it on the bf16 rows, bit for bit."""
     code = (
         f"print(cases.GemmCase(torch.device('cuda'), {gated}, {gradient_format!r}, seed={_seed()}, tiles={tiles}, "
         f"mma_error={MMA_ERROR}, sizes=(512, 384), counts=(300, 0, 1, 517, 128)).run())"
@@ -95,8 +102,42 @@ LAYER_CASES = [
     dict(hidden=384, ffn=256, experts_per_rank=8, k=8, tokens_per_rank=(129, 77), drop_tokens=False),
     dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(200, 150), recipe={"gradient_format": "e5m2"}),
     dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(200, 150), recipe={"input_gradients": False}),
+    # "dispatch": "fp8": the rows cross packed in FP8, GEMM1 takes them so, W1's gradient their dequantised values.
+    dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(333, 190), skew=4.0, recipe=FP8_ROWS),
+    dict(hidden=512, ffn=256, experts_per_rank=4, k=2, tokens_per_rank=(257, 300), expert_kind="gelu", recipe=FP8_ROWS),
+    dict(
+        hidden=256,
+        ffn=512,
+        experts_per_rank=4,
+        k=1,
+        tokens_per_rank=(301, 301),
+        drop_tokens=False,
+        skew=50.0,
+        recipe=FP8_ROWS,
+    ),
+    dict(hidden=384, ffn=256, experts_per_rank=8, k=8, tokens_per_rank=(129, 77), drop_tokens=False, recipe=FP8_ROWS),
+    dict(
+        hidden=256,
+        ffn=384,
+        experts_per_rank=4,
+        k=2,
+        tokens_per_rank=(200, 150),
+        recipe={**FP8_ROWS, "input_gradients": False},
+    ),
 ]
-LAYER_IDS = ["swiglu-skewed-drops", "gelu-bias", "swiglu-empty-experts", "k8-odd-rows", "e5m2", "forward-only"]
+LAYER_IDS = [
+    "swiglu-skewed-drops",
+    "gelu-bias",
+    "swiglu-empty-experts",
+    "k8-odd-rows",
+    "e5m2",
+    "forward-only",
+    "fp8-rows-skewed-drops",
+    "fp8-rows-gelu-bias",
+    "fp8-rows-empty-experts",
+    "fp8-rows-k8-odd-rows",
+    "fp8-rows-forward-only",
+]
 
 
 def fp8_layer_case(
@@ -153,6 +194,7 @@ def fp8_layer_case(
             outputs[name] += [out.detach()[0], inputs.grad[0]]
     pipelines = layers["fused"].deepspeed_moe.pipelines
     assert pipelines.reason is None and pipelines.fused.fp8 is not None, f"no fused FP8 GEMMs: {pipelines.reason}"
+    assert pipelines.fused.rows_in_fp8 == (full_recipe["dispatch"] == "fp8")
     tensors = {f"output/input gradient {i}": {n: outputs[n][i] for n in layers} for i in range(2 * micro_batches)}
     params = {name: dict(layer.named_parameters()) for name, layer in layers.items()}
     for pname in params["fused"]:
@@ -175,7 +217,7 @@ def test_the_fused_fp8_layer_gives_the_emulations_numbers(gpu_pool, case):
         for what, d in differences.items():
             assert d["emulated"] <= EMULATION_BOUND, f"seed {seed}: {what}: {d}"
             assert d["exact"] <= LAYER_BOUND, f"seed {seed}: {what}: {d}"
-            if what.startswith("output") and not case.get("recipe"):
+            if what.startswith("output") and case.get("recipe") in (None, FP8_ROWS):
                 assert d["plain"] >= LAYER_FLOOR, f"seed {seed}: {what}: the recipe did not run: {d}"
 
 

@@ -3,8 +3,10 @@ reference pipeline's emulation (``pipelines/fp8_emulation.py``), on one device: 
 on CPU (tests/cpu/test_fp8_gemm.py) or a GPU (tests/gpu/test_fp8.py).
 
 ``quantisation_case``: the kernels' in-register quantisation, through a kernel that stores what it
-computes, bit for bit against ``fp8.quantise_tiles``; ``weight_quantisation_case``: the weights'
-quantisation kernel against ``fp8.quantise_blocks``.
+computes, bit for bit against ``fp8.quantise_tiles``; ``packed_rows_case``: the rows ``"dispatch":
+"fp8"`` sends (``kernels/fp8_rows.py``), quantised and dequantised, against ``fp8.py`` and the
+emulation's exchange; ``weight_quantisation_case``: the weights' quantisation kernel against
+``fp8.quantise_blocks``.
 
 ``GemmCase``: one rank's rows laid out as the exchange lays them out (tests/support/layout_reference.py,
 every row tile marked as arrived), experts with skewed row counts (one with none, odd ones), weights
@@ -30,6 +32,7 @@ from ds_comet import fp8
 from ds_comet.config import Fp8Recipe
 from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.kernels import constants as C
+from ds_comet.kernels import fp8_rows
 from ds_comet.kernels import layout as L
 from ds_comet.kernels.fp8_weights import Fp8WeightCache, QuantisedWeight, quantised_by_torch, quantised_by_triton
 from ds_comet.kernels.gemm_phases import Phase
@@ -39,7 +42,7 @@ from ds_comet.kernels.triton_fp8_quantise import _quantise_tile
 from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
 from ds_comet.kernels.triton_phases import next_power_of_2, with_descriptor_scratch
 from ds_comet.pipelines.expert_weights import ModuleFusedExperts
-from ds_comet.pipelines.fp8_emulation import RecipeOperands, _activate, _first_layer
+from ds_comet.pipelines.fp8_emulation import Fp8Exchange, RecipeOperands, _activate, _first_layer
 from tests.support.layout_reference import layout_array, reference_layout
 
 BF16_STEP = 2.0**-7  # bf16's largest step relative to the value it rounds (8 significant bits)
@@ -109,6 +112,36 @@ def quantisation_case(device: torch.device, seed: int) -> int:
             assert torch.equal(got_values.float().isnan(), ~finite), f"{fmt.name}: NaN tiles' values"
         checked += want.scales.numel()
     return checked
+
+
+def packed_rows_case(device: torch.device, seed: int) -> int:
+    """``fp8_rows.quantise_rows`` (the rows ``"dispatch": "fp8"`` sends) against ``fp8.quantise_tiles``
+    bit for bit, and ``fp8_rows.dequantise_rows`` against the rows as the emulation's exchange holds them
+    (``Fp8Exchange``), bit for bit: an odd number of rows whose tiles span 2**±40, and the e4m3
+    ``special_rows`` (bf16 subnormals, ties, zeros; infinities and NaNs, whose tiles come back NaN on
+    the GPU). Returns the number of tiles checked."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, columns = 61, 256
+    magnitude = 2.0 ** (torch.rand(rows, columns // 128, generator=generator) * 80 - 40)
+    x = (torch.randn(rows, columns, generator=generator) * magnitude.repeat_interleave(128, dim=1)).bfloat16()
+    x = torch.cat([x, special_rows(fp8.E4M3)]).to(device)
+    packed = fp8_rows.quantise_rows(x)
+    assert packed.shape == (x.shape[0], fp8_rows.packed_row_bytes(columns))
+    values, scales = (part.cpu() for part in fp8_rows.packed_parts(packed, columns))
+    want = fp8.quantise_tiles(x.cpu())
+    nan_tiles = want.scales.isnan()
+    assert torch.equal(scales.isnan(), nan_tiles), "NaN scales differ"
+    assert torch.equal(scales[~nan_tiles], want.scales[~nan_tiles]), "scales differ"
+    finite = ~nan_tiles.repeat_interleave(128, dim=1)
+    wrong = (values.view(torch.uint8) != want.values.view(torch.uint8)) & finite
+    assert not wrong.any(), f"{int(wrong.sum())} values differ, first at {wrong.nonzero()[0].tolist()}"
+    exchange = Fp8Exchange(Fp8Recipe(enabled=True, dispatch="fp8"))
+    emulated = exchange.outgoing(x.cpu())
+    got = fp8_rows.dequantise_rows(packed, columns).cpu()
+    wrong = (got.view(torch.int16) != emulated.view(torch.int16)) & finite
+    assert not wrong.any(), f"{int(wrong.sum())} dequantised values differ, first at {wrong.nonzero()[0].tolist()}"
+    assert got[~finite].isnan().all() or device.type != "cuda", "NaN tiles' dequantised values"
+    return want.scales.numel()
 
 
 def weight_quantisation_case(device: torch.device) -> str:
@@ -286,15 +319,20 @@ class GemmCase:
         with_descriptor_scratch(lambda: kernel[(3,)](*args, **self.common, **constants, num_warps=8, num_stages=3))
 
     def gemm1(self, rows, out, pre, weight, second, backward):
+        """GEMM1 on ``rows``: bf16 rows, or packed FP8 rows (uint8, ``fp8_rows``), as ``TritonFp8Gemm`` launches it."""
         lo, q = self.layout.offsets, self.quantised
+        rows_fp8 = rows.dtype == fp8_rows.PACKED_DTYPE
+        rows, row_scales = fp8_rows.packed_parts(rows, self.hidden) if rows_fp8 else (rows, rows)
         self.launch(
-            gemm1_fp8_kernel, rows, out, pre, q[weight], q[second], q[weight + "_scales"], q[second + "_scales"],
+            gemm1_fp8_kernel, rows, row_scales, rows.stride(0), out, pre, q[weight], q[second], q[weight + "_scales"],
+            q[second + "_scales"],
             self.tables["b1"], self.tables["b3"], self.layout.layout, self.layout.counters, self.error.data_ptr(),
             10**9, 0, self.hidden, self.ffn, len(self.counts), lo.expert_start, lo.tile_start, lo.local_tiles,
             lo.remote_tiles, lo.totals + C.TOTAL_TILES, BN=self.gemm1_n, HAS_BIAS=not (self.gated or backward),
             GATED=self.gated and not backward, ACTIVATION=0 if backward else ACTIVATION_CODES[self.activation],
             BACKWARD=backward, ACTIVATE=self.gated and not backward, STORE_PRE=self.gated and not backward,
             WAIT=True, INTERPRET=self.device.type != "cuda", E5M2=backward and self.gradients is fp8.E5M2,
+            ROWS_FP8=rows_fp8,
         )  # fmt: skip
         assert out[self.layout.received :].isnan().all(), "GEMM1 wrote rows past the received ones"
 
@@ -328,10 +366,13 @@ class GemmCase:
 
     def forward_gemm1(self) -> torch.Tensor:
         """GEMM1 forward: a gated expert's activations with its products, another's products alone; returns
-        the activations (for a GELU expert computed from its products, as the elementwise step does)."""
+        the activations (for a GELU expert computed from its products, as the elementwise step does).
+        Then the same rows as ``"dispatch": "fp8"`` delivers them (packed FP8 rows): the same outputs,
+        bit for bit."""
         x, pre, h = self.random_rows(self.hidden), self.layout.empty(self.width), self.layout.empty(self.ffn)
         gated = self.gated
         self.gemm1(x, h if gated else pre, pre, "w1", "w3" if gated else "w1", backward=False)
+        self.check_packed_rows_gemm1(x, pre, h)
         tensors = self.experts.expert_tensors()
 
         def products(e, rows):
@@ -348,6 +389,20 @@ class GemmCase:
             got = self.layout.of_expert(h, e).float()
             torch.testing.assert_close(got, want, rtol=2**-5, atol=2**-5 * want.abs().mean().nan_to_num().item())
         return h
+
+    def check_packed_rows_gemm1(self, x: torch.Tensor, pre: torch.Tensor, h: torch.Tensor) -> None:
+        """GEMM1 forward on ``x`` quantised into packed FP8 rows (``fp8_rows.quantise_rows``, as the dispatch
+        sends them) gives ``pre`` and ``h`` (its outputs on the bf16 ``x``) bit for bit: the kernel takes the
+        values and scales it would have computed where it loads the rows."""
+        packed = fp8_rows.quantise_rows(x)
+        pre_fp8, h_fp8 = self.layout.empty(self.width), self.layout.empty(self.ffn)
+        gated = self.gated
+        self.gemm1(packed, h_fp8 if gated else pre_fp8, pre_fp8, "w1", "w3" if gated else "w1", backward=False)
+        received = self.layout.received
+        outputs = [(pre, pre_fp8)] + ([(h, h_fp8)] if gated else [])
+        for name, (want, got) in zip(("products", "activations"), outputs):
+            same = want[:received].view(torch.int16) == got[:received].view(torch.int16)
+            assert same.all(), f"GEMM1 on packed FP8 rows: {int((~same).sum())} {name} differ from the bf16 rows'"
 
     def forward_gemm2(self, h: torch.Tensor) -> None:
         y = self.layout.empty(self.hidden)
