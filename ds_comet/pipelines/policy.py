@@ -208,13 +208,9 @@ def local_reason(
     return runtime_reason() or fused
 
 
-def group_reason(hosts: Sequence[str], gpus: Sequence[str | None]) -> str | None:
-    """Why the group's ranks, by host and GPU, cannot share a fused workspace, or None."""
-    if len(set(hosts)) > 1:
-        return (
-            "the expert-parallel group spans nodes; the fused kernels need peer memory access inside one node "
-            "(the layer runs the reference pipeline's NCCL all-to-alls)"
-        )
+def group_reason(gpus: Sequence[str | None]) -> str | None:
+    """Why ranks of one node, by GPU, cannot share a fused workspace, or None (a group that spans
+    nodes: ``hybrid_layout``)."""
     if len(set(gpus)) < len(gpus):
         refusal = allocator_ipc_refusal()
         if refusal is not None:

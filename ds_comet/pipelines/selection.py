@@ -378,7 +378,7 @@ class PipelineSelection:
         nodes, gpus = [entry[2] for entry in everyone], [entry[3] for entry in everyone]
         if len(set(nodes)) > 1:
             return self._build_hybrid(tokens, fused, most_tokens, nodes, gpus)
-        reason = group_reason(nodes, gpus)
+        reason = group_reason(gpus)
         if reason is not None:
             return reason
         return self._build_fused(tokens, fused, most_tokens, shared_device=len(set(gpus)) < len(gpus))
@@ -435,7 +435,7 @@ class PipelineSelection:
             return per_node
         starts = range(0, len(nodes), per_node)
         for start in starts:  # every node's ranks, on every rank
-            reason = group_reason(nodes[start : start + per_node], gpus[start : start + per_node])
+            reason = group_reason(gpus[start : start + per_node])
             if reason is not None:
                 return reason
         split = NodeSplit(self.spec.num_experts, len(starts), torch_dist.get_rank(self.group) // per_node)
