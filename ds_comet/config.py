@@ -142,6 +142,8 @@ class CometMoEConfig(DeepSpeedConfigModel):
         activation_rows: ``"bound"`` or ``"received"``: how the fused pipeline sizes activations.
         internode_chunks, internode_forwarding: int or None, bool: the reference pipeline's
             exchange where the group spans nodes.
+        internode_hybrid: bool: where the group spans nodes, the fused kernels among each node's
+            ranks (the hybrid pipeline).
         cuda_graph_gate: bool: replay the DeepSpeed gate from CUDA graphs on the fused path.
         wait_timeout_s: float seconds: the longest wait on a peer rank.
     """
@@ -200,6 +202,14 @@ class CometMoEConfig(DeepSpeedConfigModel):
     than once to each rank; each node returns one row a token. Fewer rows cross between nodes (the
     cost model in docs/design.md), for two exchanges each way. Needs the group's ranks to fill its
     nodes in order, the same number each; otherwise the rows go to each rank, with a warning."""
+
+    internode_hybrid: bool = True
+    """Where the expert-parallel group spans nodes: run the fused kernels among each node's ranks on
+    the routes to that node's experts, and the reference pipeline's exchange (chunked, forwarded if
+    ``internode_forwarding``) between nodes on the others (the hybrid pipeline,
+    ``pipelines/hybrid.py``). Needs the group's ranks to fill its nodes in order, two or more each,
+    and the fused pipeline's conditions on every rank. ``False``: the reference pipeline for the whole
+    group."""
 
     cuda_graph_gate: bool = False
     """Replay the gate's routing from CUDA graphs on the fused path: bit for bit the same routes,

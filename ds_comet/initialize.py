@@ -158,14 +158,17 @@ class PipelineSummary:
                 self.waiting[id(pipelines)] = pipelines
                 pipelines.on_agreed = self.agreed
         self.total = len(self.waiting)
-        self.outcomes: list[str | None] = []
+        self.outcomes: list[str | None] = []  # each layer's reason; None: the fused kernels run it
+        self.hybrid = 0  # of those, layers whose group spans nodes (the hybrid pipeline)
 
     def agreed(self, selection) -> None:
-        """``selection`` has agreed with its group; its ``reason`` is None when it runs fused."""
+        """``selection`` has agreed with its group; its ``reason`` is None when it runs the fused kernels
+        (its ``hybrid`` then says whether among the ranks of each node)."""
         if self.waiting.pop(id(selection), None) is None:
             return  # a later agreement (another dtype, changed settings): the summary is said once
         selection.on_agreed = None
         self.outcomes.append(selection.reason)
+        self.hybrid += selection.reason is None and selection.hybrid is not None
         if not self.waiting and (not torch_dist.is_initialized() or torch_dist.get_rank() == 0):
             logger.warning(self.line())
 
@@ -175,6 +178,11 @@ class PipelineSummary:
         for reason in self.outcomes:
             if reason is not None:
                 reasons[reason] = reasons.get(reason, 0) + 1
-        parts = [f"{fused} on the fused pipeline"] if fused else []
+        parts = [f"{fused - self.hybrid} on the fused pipeline"] if fused > self.hybrid else []
+        if self.hybrid:
+            parts.append(
+                f"{self.hybrid} on the hybrid pipeline (the fused kernels inside each node, the reference "
+                "pipeline's exchange between nodes)"
+            )
         parts += [f"{count} on the reference pipeline ({reason})" for reason, count in reasons.items()]
         return f"ds_comet: {self.total} MoE layer(s) run the comet backend: " + "; ".join(parts)

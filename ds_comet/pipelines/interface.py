@@ -1,9 +1,9 @@
 """What an integration may ask of a pipeline, whichever one the selection hands it.
 
-``PipelineSelection.pipeline_for`` returns the reference pipeline or the fused one, call by call.
-An integration's layer runs the gate, then the pipeline's ``forward``; the two pipelines take the
-same call, and say themselves what the gate before them may do, so the layer never asks which one
-it holds.
+``PipelineSelection.pipeline_for`` returns the reference pipeline, the fused one or, for a group
+that spans nodes, the hybrid of the two, call by call. An integration's layer runs the gate, then
+the pipeline's ``forward``; the pipelines take the same call, and say themselves what the gate
+before them may do, so the layer never asks which one it holds.
 """
 
 from types import ModuleType
@@ -16,11 +16,13 @@ class Pipeline(Protocol):
     """Dispatch, experts and combine of one MoE layer's call on one rank of its expert-parallel group.
 
     ``ReferencePipeline`` (plain torch, any process group) and ``FusedPipeline`` (the fused COMET
-    kernels, GPUs of one node) implement it. Every rank of the group calls ``forward`` for every
-    call of the layer, in the same order, as with any collective.
+    kernels, GPUs of one node) implement it, and ``HybridPipeline`` (the two composed, for a group
+    that spans nodes). Every rank of the group calls ``forward`` for every call of the layer, in
+    the same order, as with any collective.
 
     Attributes:
-        name: ``"reference"`` or ``"fused"``: which pipeline it is, for messages and benchmarks.
+        name: ``"reference"``, ``"fused"`` or ``"hybrid"``: which pipeline it is, for messages and
+            benchmarks.
         layer_name: the layer's name in this pipeline's errors and in the notes its peers read
             when this rank raises (the selection sets it).
         gate_op: the loaded CUDA op (``kernels.ops.load_op``) whose gate kernels may do the

@@ -4,8 +4,8 @@ whether an ``"fp8"`` recipe applies to a layer, and whether FP8 GEMMs can run it
 Each check returns None when it passes and otherwise a sentence that names what stands in the way
 and what to do about it; ``pipelines.selection`` logs it (or, under ``"overlap": "fused"``,
 raises it). The checks come in three kinds: per rank, before the group agrees (``local_reason``);
-over the group's gathered facts (``group_reason``); and per call, for what can change between
-calls (``hooks_reason``).
+over the group's gathered facts (``group_reason``; for a group that spans nodes, ``hybrid_layout``);
+and per call, for what can change between calls (``hooks_reason``).
 """
 
 import functools
@@ -207,13 +207,9 @@ def local_reason(
     return runtime_reason() or fused
 
 
-def group_reason(hosts: Sequence[str], gpus: Sequence[str | None]) -> str | None:
-    """Why the group's ranks, by host and GPU, cannot share a fused workspace, or None."""
-    if len(set(hosts)) > 1:
-        return (
-            "the expert-parallel group spans nodes; the fused kernels need peer memory access inside one node "
-            "(the layer runs the reference pipeline's NCCL all-to-alls)"
-        )
+def group_reason(gpus: Sequence[str | None]) -> str | None:
+    """Why ranks of one node, by GPU, cannot share a fused workspace, or None (a group that spans
+    nodes: ``hybrid_layout``)."""
     if len(set(gpus)) < len(gpus):
         refusal = allocator_ipc_refusal()
         if refusal is not None:
@@ -223,6 +219,38 @@ def group_reason(hosts: Sequence[str], gpus: Sequence[str | None]) -> str | None
                 "PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF)"
             )
     return None
+
+
+def node_blocks(nodes: Sequence[str]) -> int | None:
+    """Ranks a node holds, where a group's ranks (``nodes``: each one's node, by rank of the group)
+    fill their nodes in order, the same number each; else None."""
+    per_node = nodes.count(nodes[0])
+    blocks = list(nodes[::per_node])  # each node's name once, if its ranks come together
+    if len(set(blocks)) == len(blocks) and list(nodes) == [name for name in blocks for _ in range(per_node)]:
+        return per_node
+    return None
+
+
+def hybrid_layout(nodes: Sequence[str], enabled: bool) -> int | str:
+    """Ranks a node holds, where the hybrid pipeline (the fused kernels among each node's ranks) can
+    run a group that spans nodes (``nodes``: each rank's node, by rank of the group); else why not.
+    ``enabled``: the config's ``"internode_hybrid"``."""
+    spans = "the expert-parallel group spans nodes"
+    fallback = "the layer runs the reference pipeline's NCCL all-to-alls"
+    if not enabled:
+        return f'{spans} and "internode_hybrid" is false: {fallback}'
+    per_node = node_blocks(nodes)
+    if per_node is None:
+        return (
+            f"{spans}, and its ranks do not fill them in order, the same number each (their nodes, by rank of "
+            f"the group: {list(nodes)}), as the fused kernels among each node's ranks need: {fallback}"
+        )
+    if per_node == 1:
+        return (
+            f"{spans} with one rank a node; the fused kernels run among the ranks of one node (peer memory), "
+            f"which takes two at least: {fallback}"
+        )
+    return per_node
 
 
 def hooks_reason(modules: list[torch.nn.Module]) -> str | None:

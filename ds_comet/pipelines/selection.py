@@ -4,9 +4,12 @@ The fused pipeline runs when the CUDA op builds, the expert-parallel group lies 
 the kernels know the experts' structure, the tokens are bf16/fp16 on the GPU, and an enabled
 ``"fp8"`` recipe is one its FP8 GEMMs run (blockwise scaling on sm_90, rows crossing the exchange
 in FP8 or in bf16, output gradients in bf16: the GEMM table's ``fp8_refusal`` and
-``policy.fp8_exchange_reason``; otherwise the reference pipeline emulates the recipe);
-otherwise the layer runs the reference pipeline and says once why, with the fix, naming the layer (a WARNING on
-a GPU, where the user expects the fused one; INFO on CPU). With ``"overlap": "fused"`` a reason is an
+``policy.fp8_exchange_reason``; otherwise the reference pipeline emulates the recipe). A group that
+spans nodes, its ranks filling them in order, two or more each, runs the hybrid pipeline under the
+same conditions (``hybrid.py``: the fused pipeline among each node's ranks, the reference
+pipeline's exchange between nodes) unless ``"internode_hybrid"`` is false. Otherwise the layer runs
+the reference pipeline and says once why, with the fix, naming the layer (a WARNING on a GPU, where
+the user expects the fused one; INFO on CPU). With ``"overlap": "fused"`` a reason is an
 error instead, and the experts' structure is checked when the layer is built.
 
 The ranks of the group agree in one collective at the first call, and again whenever the tokens'
@@ -38,10 +41,11 @@ from ..kernels.gemm_table import fp8_refusal
 from ..kernels.launch import gemm_facts
 from ..kernels.workspace import BufferShape, get_buffer
 from .chunked import rule_chunks
-from .collective_waits import gather_objects
+from .collective_waits import gather_objects, group_ranks
 from .expert_weights import LocalExperts
 from .fp8_emulation import Fp8EmulatedExperts, Fp8Exchange
 from .fused import FusedPipeline
+from .hybrid import HybridPipeline, NodeSplit, node_group
 from .interface import Pipeline
 from .parameters import choose_parameters, offsets_overflow
 from .policy import (
@@ -53,8 +57,10 @@ from .policy import (
     fp8_reason,
     group_reason,
     hooks_reason,
+    hybrid_layout,
     local_reason,
     module_hooks,
+    node_blocks,
     node_name,
     structure_reason,
 )
@@ -110,6 +116,27 @@ class LayerSpec:
     router_agreed: Callable[[bool], None] = bool
 
 
+@dataclass(frozen=True)
+class FusedGroup:
+    """The ranks the fused kernels run among: the whole expert-parallel group, or, where the group
+    spans nodes, the ranks of this rank's node (the hybrid pipeline's fused part).
+
+    Attributes:
+        group: their process group.
+        ep_size: how many they are.
+        num_experts: the experts they hold (numbered from 0 there).
+        row_bound: ``row_bound(max_tokens, train)`` -> int: the most rows one of them can receive from
+            the others (``LayerSpec.row_bound``'s arguments).
+        described: the pipeline as the log line that says the layer runs it names it.
+    """
+
+    group: object
+    ep_size: int
+    num_experts: int
+    row_bound: Callable[[int, bool], int]
+    described: str
+
+
 class RankFailure(str):
     """An exception one rank met while checking the fused pipeline, carried to every rank."""
 
@@ -133,8 +160,11 @@ class PipelineSelection:
 
     Attributes:
         reference: the ``ReferencePipeline``, always built.
-        fused: the ``FusedPipeline``, built by the group's agreement where every rank can run it;
-            else None.
+        fused: the ``FusedPipeline``, built by the group's agreement where every rank can run it
+            (on the whole group, or where the group spans nodes on this rank's node, inside
+            ``hybrid``); else None.
+        hybrid: the ``HybridPipeline`` of a group that spans nodes where its agreement built one
+            (``fused`` on each node, ``reference`` between nodes); else None.
         reason: why the last call did not run the fused pipeline (None when it did).
         on_agreed: called with this selection whenever its group has agreed on a pipeline (its
             ``reason`` then says which), or None; ``ds_comet.initialize.PipelineSummary`` sets it.
@@ -149,6 +179,7 @@ class PipelineSelection:
             experts, spec.num_experts, spec.ep_size, wait_timeout_s=config.wait_timeout_s
         )
         self.fused: FusedPipeline | None = None
+        self.hybrid: HybridPipeline | None = None
         self.name = name or f"MoE layer {next(_LAYER_NUMBERS)}"
         self.reason: str | None = None
         self.on_agreed: Callable[[PipelineSelection], None] | None = None
@@ -166,7 +197,7 @@ class PipelineSelection:
     @name.setter
     def name(self, value: str) -> None:
         self._name = value
-        for pipeline in (self.reference, self.fused):  # their errors name the layer
+        for pipeline in (self.reference, self.fused, self.hybrid):  # their errors name the layer
             if pipeline is not None:
                 pipeline.layer_name = value
 
@@ -199,7 +230,8 @@ class PipelineSelection:
             tokens: [S, H], the call's tokens (only their dtype, width, device and count are read).
 
         Returns:
-            ``reference`` or ``fused``; ``reason`` then says why not the fused one. Raises
+            ``reference``, ``fused``, or for a group that spans nodes ``hybrid``; ``reason`` then says
+            why not the fused kernels (None for ``fused`` and ``hybrid``). Raises
             ``RuntimeError`` instead where ``"overlap": "fused"`` was asked for and it cannot run.
         """
         key = (tokens.dtype, tokens.shape[-1], tokens.device, self.spec.settings())
@@ -221,7 +253,7 @@ class PipelineSelection:
             hooks = hooks_reason(self._hookable())
             if hooks is not None:
                 self._warn_skipped_hooks(hooks)
-            return self.fused
+            return self.fused if self.hybrid is None else self.hybrid
         if self.config.overlap == "fused":
             raise RuntimeError(f'ds_comet: {self.name}: "overlap": "fused" was asked for, but {reason}')
         self._say_once(reason, tokens)
@@ -286,6 +318,7 @@ class PipelineSelection:
                 ("k", self.spec.top_k),
                 ("internode_chunks", self.config.internode_chunks),
                 ("internode_forwarding", self.config.internode_forwarding),
+                ("internode_hybrid", self.config.internode_hybrid),
             )
             + self.spec.settings()
             + (("hidden size", tokens.shape[-1]), ("dtype", str(tokens.dtype)), ("experts", self.experts.structure()))
@@ -338,15 +371,17 @@ class PipelineSelection:
             return NO_TOKENS_YET  # before anything is sized: the standing agreement, if any, keeps its sizes
         self.reference.chunks = self._internode_chunks({entry[2] for entry in everyone}, most_tokens)
         self.reference.ranks_per_node = self._forwarding_ranks([entry[2] for entry in everyone])
+        self.hybrid = None
         for rank, (_, rank_reason, _, _, _, _) in enumerate(everyone):
             if rank_reason is not None:
                 return rank_reason if len(everyone) == 1 else f"rank {rank}: {rank_reason}"
-        reason = group_reason([entry[2] for entry in everyone], [entry[3] for entry in everyone])
+        nodes, gpus = [entry[2] for entry in everyone], [entry[3] for entry in everyone]
+        if len(set(nodes)) > 1:
+            return self._build_hybrid(tokens, fused, most_tokens, nodes, gpus)
+        reason = group_reason(gpus)
         if reason is not None:
             return reason
-        return self._build_fused(
-            tokens, fused, most_tokens, shared_device=len({entry[3] for entry in everyone}) < len(everyone)
-        )
+        return self._build_fused(tokens, fused, most_tokens, shared_device=len(set(gpus)) < len(gpus))
 
     def _internode_chunks(self, nodes: set, most_tokens: int) -> int:
         """The reference pipeline's chunks: 1 inside a node; across nodes the config's, else the rule's."""
@@ -361,11 +396,10 @@ class PipelineSelection:
         (``"internode_forwarding"`` on a group that spans nodes); else None."""
         if not self.config.internode_forwarding or len(set(nodes)) == 1:
             return None
-        per_node = nodes.count(nodes[0])
-        if per_node == 1:
+        if nodes.count(nodes[0]) == 1:
             return None  # one rank a node: forwarding inside it would send the same rows
-        blocks = nodes[::per_node]  # each node's name once, if its ranks come together
-        if len(set(blocks)) == len(blocks) and nodes == [name for name in blocks for _ in range(per_node)]:
+        per_node = node_blocks(nodes)
+        if per_node is not None:
             return per_node
         message = (
             f'ds_comet: {self.name}: "internode_forwarding" needs the expert-parallel group\'s ranks to fill '
@@ -391,8 +425,52 @@ class PipelineSelection:
                     f"{field} ({described}); every rank must build and call the layer alike"
                 )
 
-    def _build_fused(self, tokens: torch.Tensor, experts, most_tokens: int, shared_device: bool) -> str | None:
+    def _build_hybrid(self, tokens: torch.Tensor, experts, most_tokens: int, nodes: list, gpus: list) -> str | None:
+        """For a group that spans nodes (``nodes``, ``gpus``: each rank's, by rank of the group): the
+        hybrid pipeline, its fused part built on this rank's node by that node's ranks; or why the
+        layer runs the reference pipeline instead. Decided from what every rank gathered, so that
+        every rank of every node decides alike before any node's ranks make their group."""
+        per_node = hybrid_layout(nodes, self.config.internode_hybrid)
+        if isinstance(per_node, str):
+            return per_node
+        starts = range(0, len(nodes), per_node)
+        for start in starts:  # every node's ranks, on every rank
+            reason = group_reason(gpus[start : start + per_node])
+            if reason is not None:
+                return reason
+        split = NodeSplit(self.spec.num_experts, len(starts), torch_dist.get_rank(self.group) // per_node)
+        first = split.node * per_node
+        spec, local = self.spec, self.spec.num_experts // self.spec.ep_size
+
+        def row_bound(max_tokens: int, train: bool) -> int:
+            # Only the node's ranks send to this workspace: each of their tokens once per local expert
+            # it picks, at most; and never more than the whole group could send.
+            return min(spec.row_bound(max_tokens, train), max(per_node * min(spec.top_k, local) * max_tokens, 1))
+
+        on = FusedGroup(
+            node_group(tuple(group_ranks(self.group)[first : first + per_node])),
+            per_node,
+            split.node_experts,
+            row_bound,
+            f"the hybrid pipeline (the fused pipeline among the {per_node} ranks of each of its {split.nodes} nodes, "
+            f"the reference pipeline's exchange between them in {self.reference.chunks} chunk(s)); its fused part",
+        )
+        node_gpus = gpus[first : first + per_node]
+        reason = self._build_fused(tokens, experts, most_tokens, len(set(node_gpus)) < per_node, on)
+        if reason is not None:
+            return reason
+        self.hybrid = HybridPipeline(self.fused, self.reference, split)
+        self.hybrid.layer_name = self.name
+        return None
+
+    def _build_fused(
+        self, tokens: torch.Tensor, experts, most_tokens: int, shared_device: bool, on: "FusedGroup | None" = None
+    ) -> str | None:
+        """The fused pipeline among the ranks ``on`` names (by default the whole group), or why it
+        cannot run (its workspace past the kernels' 32-bit offsets)."""
         spec, config = self.spec, self.config
+        if on is None:
+            on = FusedGroup(self.group, spec.ep_size, spec.num_experts, spec.row_bound, "the fused pipeline")
         max_tokens = config.max_tokens_per_rank or most_tokens
         hidden = tokens.shape[-1]
         num_sms = torch.cuda.get_device_properties(tokens.device).multi_processor_count
@@ -402,20 +480,20 @@ class PipelineSelection:
             experts.ffn,
             experts.gated,
             spec.top_k,
-            spec.ep_size,
+            on.ep_size,
             max_tokens,
             tokens.element_size(),
             num_sms,
         )
         # Per mode, as the gate's capacity follows it; the workspace holds the larger.
-        row_bounds = {train: spec.row_bound(max_tokens, train) for train in (True, False)}
+        row_bounds = {train: on.row_bound(max_tokens, train) for train in (True, False)}
         rows = max(row_bounds.values())
         reason = offsets_overflow(rows, max_tokens * spec.top_k, hidden, experts.ffn, experts.gated)
         if reason is not None:
             return reason
         shape = BufferShape(
-            ep_size=spec.ep_size,
-            num_experts=spec.num_experts,
+            ep_size=on.ep_size,
+            num_experts=on.num_experts,
             hidden=hidden,
             dtype=tokens.dtype,
             max_tokens=max_tokens,
@@ -423,10 +501,10 @@ class PipelineSelection:
             top_k=spec.top_k,
             tile_m=params.tile_m,
         )
-        workspace = get_buffer(self.group, shape, config.wait_timeout_s, shared_device)
+        workspace = get_buffer(on.group, shape, config.wait_timeout_s, shared_device)
         by_received = config.activation_rows == "received"
         fp8 = self._fp8_facts
-        self.fused = FusedPipeline(workspace, experts, params, spec.num_experts, row_bounds, by_received, fp8=fp8)
+        self.fused = FusedPipeline(workspace, experts, params, on.num_experts, row_bounds, by_received, fp8=fp8)
         self.fused.layer_name = self.name
         if not by_received:
             row_bytes = (2 * hidden + experts.ffn * (2 if experts.gated else 1)) * tokens.element_size()
@@ -435,8 +513,7 @@ class PipelineSelection:
                 log_dist_once(message, ranks=[0], level=logging.WARNING)  # once a job, not once a layer
         in_fp8 = "" if fp8 is None else f", FP8 GEMMs: {', '.join(p.value for p in Phase if p in fp8.phases)}"
         log_dist(
-            f"ds_comet: {self.name} runs the fused pipeline ({params}, workspace for {max_tokens} tokens per "
-            f"rank{in_fp8})",
+            f"ds_comet: {self.name} runs {on.described} ({params}, workspace for {max_tokens} tokens per rank{in_fp8})",
             ranks=[0],
         )
         return None

@@ -1,6 +1,6 @@
 """One pipeline interface and one table of integrations, without a GPU.
 
-Both pipelines take ``Pipeline.forward``'s call; each integration's layer runs whatever pipeline
+The pipelines take ``Pipeline.forward``'s call; each integration's layer runs whatever pipeline
 the selection hands it through that interface alone (a stand-in pipeline records the call); and
 ``convert_moe_layers`` converts what the integrations' table names, nothing else.
 """
@@ -22,6 +22,7 @@ from ds_comet.config import CometMoEConfig
 from ds_comet.experts import FeedForward
 from ds_comet.integrations.legacy.gate import gate_routes
 from ds_comet.pipelines.fused import FusedPipeline
+from ds_comet.pipelines.hybrid import HybridPipeline, NodeSplit
 from ds_comet.pipelines.interface import Pipeline
 from ds_comet.pipelines.reference import ReferencePipeline
 
@@ -45,7 +46,9 @@ def test_both_pipelines_take_the_interfaces_call():
     # The fused pipeline's one addition, for the GPU test that writes into a poisoned tensor.
     assert fused[: len(protocol)] == protocol
     assert fused[len(protocol) :] == [("out", inspect.Parameter.KEYWORD_ONLY, None, torch.Tensor | None)]
-    assert Pipeline in ReferencePipeline.__mro__ and Pipeline in FusedPipeline.__mro__  # declared, not only alike
+    assert _parameters(HybridPipeline.forward) == protocol
+    for pipeline in (ReferencePipeline, FusedPipeline, HybridPipeline):
+        assert Pipeline in pipeline.__mro__, pipeline  # declared, not only alike
 
 
 def test_each_pipeline_says_what_the_gate_before_it_may_do():
@@ -54,6 +57,10 @@ def test_each_pipeline_says_what_the_gate_before_it_may_do():
     op = object()
     fused = FusedPipeline(types.SimpleNamespace(op=op), None, None, num_experts=4, row_bounds={True: 8, False: 8})
     assert fused.gate_op is op and fused.replays_gate is True
+    hybrid = HybridPipeline(fused, reference, NodeSplit(num_experts=8, nodes=2, node=0))
+    assert hybrid.gate_op is op and hybrid.replays_gate is True, "the fused part's gate, as on one node"
+    hybrid.layer_name = "blocks.3.moe"
+    assert fused.layer_name == reference.layer_name == "blocks.3.moe"
 
 
 def test_the_fused_pipeline_refuses_rows_scaled_before_the_experts():

@@ -482,7 +482,7 @@ def test_a_call_without_tokens_on_any_rank_defers_the_workspace(monkeypatch):
     pipelines.set_group(object())
     monkeypatch.setattr(selection_module, "local_reason", lambda *args: _KernelsCanRun())
     monkeypatch.setattr(selection_module, "gather_objects", lambda local, waits, what: [local, local])
-    monkeypatch.setattr(selection_module, "group_reason", lambda nodes, gpus: None)
+    monkeypatch.setattr(selection_module, "group_reason", lambda gpus: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-0"))
     built = []
 
