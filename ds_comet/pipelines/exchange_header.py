@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .collective_waits import CollectiveWaits, describe_ranks, gather_objects
+from .collective_waits import NOTED, CollectiveWaits, describe_ranks, gather_objects
 
 HEADER_WORDS = 4  # layer, call, direction, settings' digest
 FORWARD_TRAINING, FORWARD_EVALUATION, BACKWARD = 1, 2, 3
@@ -153,10 +153,12 @@ def raise_mismatch(header: ExchangeHeader, waits: CollectiveWaits) -> None:
     )
     if differences:
         message += f"; they disagree on {'; '.join(differences)}"
-    raise ExchangeMismatch(
+    error = ExchangeMismatch(
         message + ". Every rank must call the group's MoE layers in the same order and as many times, run the "
         "backward of every call, in the same mode (training or evaluation), with the same settings"
     )
+    setattr(error, NOTED, True)  # every rank raises it: no peer is left waiting to read a note of it
+    raise error
 
 
 def _ranks(ranks: list[int]) -> str:
