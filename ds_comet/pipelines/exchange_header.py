@@ -7,8 +7,9 @@ an evaluation forward that its peers do not, or changes a setting alone would ot
 with another exchange: rows of another layer mixed into its sums, or, where the sizes differ, a
 transport that ends the process (gloo's "Received data size doesn't match expected size").
 
-Each exchange therefore carries ``HEADER_WORDS`` words (``ExchangeHeader.words``), each below 2**31
-so that the fused kernels hold them in the int32 words of their metadata:
+Each exchange therefore carries ``HEADER_WORDS`` words (csrc/comet.h; ``ExchangeHeader.words``, in
+the order of ``layout.HEADER_FIELDS``), each below 2**31 so that the fused kernels hold them in the
+int32 words of their metadata:
 
 - the layer: a stable hash of its name (the module's path under ``ds_comet.initialize``, else
   ``MoE layer <n>`` in construction order), the same on every rank that builds the same model;
@@ -33,12 +34,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..kernels.constants import HEADER_WORDS
+from ..kernels.layout import HEADER_FIELDS
 from .collective_waits import NOTED, CollectiveWaits, describe_ranks, gather_objects
 
-HEADER_WORDS = 4  # layer, call, direction, settings' digest
 FORWARD_TRAINING, FORWARD_EVALUATION, BACKWARD = 1, 2, 3
 DIRECTIONS = {FORWARD_TRAINING: "forward (training)", FORWARD_EVALUATION: "forward (evaluation)", BACKWARD: "backward"}
 WORD_RANGE = 2**31  # every word is below it: the fused kernels keep them in int32
+NO_HEADER = [0] * HEADER_WORDS  # the header of a pipeline used without a selection: the same on every rank
 
 
 class GroupDisagreement(RuntimeError):
@@ -69,8 +72,9 @@ class ExchangeHeader:
     settings: tuple = field(compare=False, repr=False)
 
     def words(self) -> list[int]:
-        """The words every rank compares: [layer, call, direction, digest], each in [0, 2**31)."""
-        return [self.layer, self.call, self.direction, self.digest]
+        """The ``HEADER_WORDS`` words every rank compares (``layout.HEADER_FIELDS``: layer, call,
+        direction, digest), each in [0, 2**31)."""
+        return [getattr(self, name) for name in HEADER_FIELDS]
 
     def backward(self) -> "ExchangeHeader":
         """The header of this call's backward."""
