@@ -49,6 +49,10 @@ namespace ds_comet {
     X(WorkspaceOverflow, 4) /* more rows or tiles than the workspace holds */                        \
     X(WaitDispatchStage, 5) /* a peer's staged rows for this rank (one staging piece) */             \
     X(WaitCombineReduce, 6) /* this rank's GEMM2 rows of other ranks' tokens in a column chunk */    \
+    X(HeaderMismatch, 7)    /* a peer's exchange header differs (index: source * HeaderWords + word) */ \
+    /* Words of an exchange's header: the layer, the call, the direction, the settings' digest */    \
+    /* (ds_comet/pipelines/exchange_header.py), each below 2**31. */                                 \
+    X(HeaderWords, 4)                                                                                \
     /* Rows of one staging piece: what a peer's dispatch publishes with one release. */              \
     X(StagePieceRows, 32)                                                                            \
     /* The int64 error record in host memory the device can write (pinned, mapped through UVA), */   \
@@ -98,6 +102,13 @@ struct MetaOffsets {
                              // per column chunk; the chunk counters then count this rank's own routes and
                              // its tokens' reduced rows on other ranks
     int64_t generation;      // [1] this rank's call counter (only the owner touches it)
+    int64_t header;          // [2][P][kHeaderWords] every source's exchange header, by call parity, beside
+                             // its counts; the exchange kernel compares each with its own
+};
+
+// One exchange's header, by value: what every rank of the group must agree on (kHeaderWords words).
+struct ExchangeHeader {
+    int32_t words[kHeaderWords];
 };
 
 // Offsets (in int32 words) of the per-call layout the exchange kernel computes.
@@ -158,10 +169,11 @@ cudaError_t launch_rank_tokens(const int32_t* indices, int64_t num_tokens, int t
 // Publishes this rank's expert counts and its staged rows per destination (rank_counts of
 // launch_rank_tokens; its own entry is ignored) to every peer, waits for theirs, and computes the
 // layout. One block. Zeroes this rank's arrival counters first: peers only write them after they saw
-// this call's counts.
-cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, const int64_t* rank_counts,
-                            int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
-                            cudaStream_t stream);
+// this call's counts. Publishes `header` beside the counts and compares every source's with it once
+// the source's flag is up: a difference stops the kernel (HeaderMismatch in the error record).
+cudaError_t launch_exchange(const GroupShape& shape, const ExchangeHeader& header, const int64_t* expert_counts,
+                            const int64_t* rank_counts, int32_t* meta, const int64_t* peer_meta, int32_t* layout,
+                            int64_t* error_record, cudaStream_t stream);
 
 // The dispatch (dispatch_kernels.cu).
 //

@@ -5,11 +5,13 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <initializer_list>
 #include <iterator>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "comet.h"
 
@@ -149,14 +151,20 @@ void check_group(const GroupShape& shape, const Workspace& workspace) {
 }
 
 void exchange(const GroupShape& shape, const Workspace& workspace, const torch::Tensor& expert_counts,
-              const torch::Tensor& rank_counts) {
+              const torch::Tensor& rank_counts, const std::vector<int64_t>& header) {
     check_cuda(expert_counts, "expert_counts", at::kLong);
     check_cuda(rank_counts, "rank_counts", at::kLong);
     TORCH_CHECK(rank_counts.numel() == shape.ep_size, "rank_counts must have ep_size entries");
     TORCH_CHECK(expert_counts.numel() == shape.num_experts, "expert_counts must have num_experts entries");
     check_group(shape, workspace);
+    TORCH_CHECK(header.size() == ds_comet::kHeaderWords, "header must have ", ds_comet::kHeaderWords, " words");
+    ds_comet::ExchangeHeader words{};
+    for (size_t w = 0; w < header.size(); ++w) {
+        TORCH_CHECK(header[w] >= 0 && header[w] <= INT32_MAX, "header words must lie in [0, 2**31)");
+        words.words[w] = static_cast<int32_t>(header[w]);
+    }
     const c10::cuda::CUDAGuard device_guard(one_device("exchange", {expert_counts, rank_counts, workspace.layout}));
-    check_launch(ds_comet::launch_exchange(shape, expert_counts.data_ptr<int64_t>(), rank_counts.data_ptr<int64_t>(),
+    check_launch(ds_comet::launch_exchange(shape, words, expert_counts.data_ptr<int64_t>(), rank_counts.data_ptr<int64_t>(),
                                            workspace.meta.data_ptr<int32_t>(), workspace.peer_meta.data_ptr<int64_t>(),
                                            workspace.layout.data_ptr<int32_t>(), as_record(workspace.error_record),
                                            at::cuda::getCurrentCUDAStream()),
@@ -472,7 +480,8 @@ void bind_group_shape(py::module_& m) {
         .def_readwrite("chunk_counter", &ds_comet::MetaOffsets::chunk_counter)
         .def_readwrite("stage_counter", &ds_comet::MetaOffsets::stage_counter)
         .def_readwrite("reduce_counter", &ds_comet::MetaOffsets::reduce_counter)
-        .def_readwrite("generation", &ds_comet::MetaOffsets::generation);
+        .def_readwrite("generation", &ds_comet::MetaOffsets::generation)
+        .def_readwrite("header", &ds_comet::MetaOffsets::header);
     py::class_<ds_comet::LayoutOffsets>(m, "LayoutOffsets")
         .def(py::init<>())
         .def_readwrite("expert_start", &ds_comet::LayoutOffsets::expert_start)
@@ -535,7 +544,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("indices"), py::arg("top_k"), py::arg("num_experts"), py::arg("ep_size"), py::arg("rank_tokens"),
           py::arg("rank_counts"));
     m.def("exchange", &exchange, "Exchange expert counts with the group and compute the call's layout", py::kw_only(),
-          py::arg("shape"), py::arg("workspace"), py::arg("expert_counts"), py::arg("rank_counts"));
+          py::arg("shape"), py::arg("workspace"), py::arg("expert_counts"), py::arg("rank_counts"), py::arg("header"));
     m.def("dispatch", &dispatch,
           "Put every kept route's token row (optionally scaled per route) in its destination's recv buffer, each "
           "token's row crossing to another rank once",

@@ -42,8 +42,9 @@ __host__ __device__ inline ExchangeSharedLayout exchange_shared_layout(const Gro
     return s;
 }
 
-__global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, const int64_t* rank_counts,
-                                int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record) {
+__global__ void exchange_kernel(GroupShape shape, ExchangeHeader header, const int64_t* expert_counts,
+                                const int64_t* rank_counts, int32_t* meta, const int64_t* peer_meta, int32_t* layout,
+                                int64_t* error_record) {
     const int P = shape.ep_size, E = shape.num_experts, L = E / P, rank = shape.rank, tid = threadIdx.x;
     const int W = E + P;  // a source's counts: its routes per expert, then its staged rows per destination
     const int64_t tile_m = shape.tile_m;
@@ -69,6 +70,11 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
         const int64_t value = j < E ? expert_counts[j] : (j - E == rank ? 0 : rank_counts[j - E]);
         peer[mo.counts + (parity * P + rank) * W + j] = static_cast<int32_t>(value);
     }
+    // The header goes with the counts, under the same flag.
+    for (int i = tid; i < P * kHeaderWords; i += blockDim.x) {
+        int32_t* peer = reinterpret_cast<int32_t*>(peer_meta[i / kHeaderWords]);
+        peer[mo.header + (parity * P + rank) * kHeaderWords + i % kHeaderWords] = header.words[i % kHeaderWords];
+    }
     __syncthreads();
     if (tid == 0) {
         __threadfence_system();
@@ -78,6 +84,16 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
     }
     if (tid < P) {
         wait_at_least(meta + mo.exchange_flag + tid, generation, shape, kWaitExchangeFlag, tid, layout, error_record);
+        // Read after the flag's acquire, as the counts are: a source in another exchange (another
+        // layer sharing this workspace, another call, the other direction, other settings) stops
+        // the call here, before any row moves.
+        const volatile int32_t* theirs = meta + mo.header + (parity * P + tid) * kHeaderWords;
+        for (int w = 0; w < kHeaderWords; ++w) {
+            const int32_t seen = theirs[w];
+            if (seen != header.words[w]) {
+                fail(shape, layout, error_record, kHeaderMismatch, tid * kHeaderWords + w, header.words[w], seen, 0);
+            }
+        }
     }
     __syncthreads();
 
@@ -233,9 +249,9 @@ __global__ void exchange_kernel(GroupShape shape, const int64_t* expert_counts, 
 
 }  // namespace
 
-cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_counts, const int64_t* rank_counts,
-                            int32_t* meta, const int64_t* peer_meta, int32_t* layout, int64_t* error_record,
-                            cudaStream_t stream) {
+cudaError_t launch_exchange(const GroupShape& shape, const ExchangeHeader& header, const int64_t* expert_counts,
+                            const int64_t* rank_counts, int32_t* meta, const int64_t* peer_meta, int32_t* layout,
+                            int64_t* error_record, cudaStream_t stream) {
     const size_t shared = static_cast<size_t>(exchange_shared_layout(shape).words) * sizeof(int32_t);
     // Past 48 KiB, static words included, a kernel must opt in (thousands of experts); the margin
     // covers the kernel's own static shared words.
@@ -244,7 +260,7 @@ cudaError_t launch_exchange(const GroupShape& shape, const int64_t* expert_count
                                                      static_cast<int>(shared));
         if (err != cudaSuccess) return err;
     }
-    exchange_kernel<<<1, 256, shared, stream>>>(shape, expert_counts, rank_counts, meta, peer_meta, layout,
+    exchange_kernel<<<1, 256, shared, stream>>>(shape, header, expert_counts, rank_counts, meta, peer_meta, layout,
                                                 error_record);
     return cudaGetLastError();
 }

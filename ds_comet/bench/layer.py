@@ -57,6 +57,7 @@ from ds_comet.integrations.legacy.gate import gate_routes
 from ds_comet.kernels.fp8_rows import packed_row_bytes
 from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.kernels.routing_plan import RoutingPlan, plan_routes_cuda
+from ds_comet.pipelines.exchange_header import NO_HEADER
 from ds_comet.pipelines.fused import FusedPipeline
 from ds_comet.pipelines.routing import remote_rows
 
@@ -115,7 +116,7 @@ def fused_phases(pipeline: FusedPipeline, tokens, plan: RoutingPlan, gates):
     counters (a late dispatch would count rows of the old call): ``timed`` lines the ranks up.
     """
     rows = pipeline.row_bounds[False]
-    out = pipeline.run_forward(tokens, plan, gates, rows)
+    out = pipeline.run_forward(tokens, plan, gates, rows, NO_HEADER)
     kernels = pipeline.kernels(tokens)
     workspace, params = pipeline.workspace, pipeline.params
     rows = min(rows, workspace.shape.max_recv_rows)

@@ -177,8 +177,10 @@ class FusedKernels:
         chunk_tiles = -(-n_col_tiles // self.params.n_chunks)
         return chunk_tiles, -(-n_col_tiles // chunk_tiles)
 
-    def exchange(self, plan: RoutingPlan, row_limit: int):
-        """Shares the counts and lays out the call; more than row_limit received rows stops the kernel."""
+    def exchange(self, plan: RoutingPlan, row_limit: int, header: list[int]):
+        """Shares the counts and lays out the call; more than row_limit received rows stops the kernel,
+        and so does a peer whose ``header`` (``layout.HEADER_FIELDS``, host ints in [0, 2**31))
+        differs from this rank's."""
         b = self.buffer
         b.kernel_shape.max_recv_rows = row_limit  # what the exchange checks; the other kernels ignore it
         b.op.exchange(
@@ -186,6 +188,7 @@ class FusedKernels:
             workspace=b.kernel_workspace,
             expert_counts=plan.expert_counts,
             rank_counts=plan.rank_token_counts,
+            header=header,
         )
 
     def received_rows(self) -> int:

@@ -7,7 +7,12 @@ Triton GEMMs read the layout through them.
 
 from dataclasses import dataclass
 
-from .constants import TOTALS_WORDS
+from .constants import HEADER_WORDS, TOTALS_WORDS
+
+# An exchange header's words, in the order the kernels compare them (ds_comet/pipelines/exchange_header.py
+# says what each holds).
+HEADER_FIELDS = ("layer", "call", "direction", "digest")
+assert len(HEADER_FIELDS) == HEADER_WORDS, "csrc/comet.h's HeaderWords and HEADER_FIELDS disagree"
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,7 @@ class MetaOffsets:
     stage_counter: int
     reduce_counter: int
     generation: int
+    header: int
     total: int
 
 
@@ -52,8 +58,17 @@ def meta_offsets(ep_size: int, num_experts: int, max_tiles: int, max_chunks: int
     stage_counter = chunk_counter + max_chunks
     reduce_counter = stage_counter + max_stage_pieces
     generation = reduce_counter + max_chunks
+    header = generation + 1  # per call parity and source: its exchange header
     return MetaOffsets(
-        counts, exchange_flag, tile_counter, chunk_counter, stage_counter, reduce_counter, generation, generation + 1
+        counts,
+        exchange_flag,
+        tile_counter,
+        chunk_counter,
+        stage_counter,
+        reduce_counter,
+        generation,
+        header,
+        header + 2 * ep_size * HEADER_WORDS,
     )
 
 

@@ -11,6 +11,7 @@ from deepspeed.utils import logger
 from ..op_builder import CometBuilder
 from . import constants
 from .jit_build import guarded_build, torch_build_directory
+from .layout import HEADER_FIELDS
 
 
 class CometWaitTimeout(RuntimeError):
@@ -111,6 +112,14 @@ def describe_error_record(record: torch.Tensor) -> str | None:
             f"ds_comet: rank {rank} needed {observed} {what} but the call allows {target} (the workspace, or "
             'the gate\'s capacity in its current mode, for the most tokens per rank); raise "moe": '
             '{"max_tokens_per_rank"} in the ds_config if a rank got more tokens than the first call'
+        )
+    if kind == constants.HEADER_MISMATCH:
+        source, word = divmod(index, constants.HEADER_WORDS)
+        return (
+            f"ds_comet: rank {rank}'s exchange header differs from peer rank {source}'s in its "
+            f"{HEADER_FIELDS[word]}: {target} here, {observed} there; the ranks of the expert-parallel group are "
+            "not in the same exchange (another layer, another call, a backward or an evaluation forward on some "
+            "ranks alone, or a setting changed on some ranks alone)"
         )
     what = _WHAT.get(kind, "signal {index}").format(index=index)
     return (

@@ -266,6 +266,7 @@ class CometBuffer:
             "stage_counter",
             "reduce_counter",
             "generation",
+            "header",
         ):
             setattr(meta, field, getattr(self.meta_offsets, field))
         offsets = self.op.LayoutOffsets()

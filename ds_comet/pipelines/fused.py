@@ -67,6 +67,7 @@ from ..kernels.ops import CometWaitTimeout
 from ..kernels.routing_plan import RoutingPlan, plan_routes_cuda
 from ..kernels.workspace import CometBuffer
 from .collective_waits import describe_failures, failure_notes, group_ranks, post_failure
+from .exchange_header import NO_HEADER, ExchangeHeader, LayerHeaders
 from .interface import Pipeline
 
 
@@ -121,6 +122,9 @@ class FusedPipeline(Pipeline):
         self.fp8_weights = None if fp8 is None else Fp8WeightCache(fp8.phases)
         self.rows_in_fp8 = fp8 is not None and fp8.rows_in_fp8
         self.layer_name = "MoE layer"  # in the note its peers read if this rank raises (the selection names it)
+        # The layer's exchange headers (exchange_header.py), which the selection keeps; None: every call's
+        # header is NO_HEADER.
+        self.headers: LayerHeaders | None = None
 
     @property
     def gate_op(self) -> ModuleType:
@@ -169,13 +173,14 @@ class FusedPipeline(Pipeline):
                     f"built for k={self.workspace.shape.top_k}"
                 )
             max_rows = self.row_bounds[train]
+            header = None if self.headers is None else self.headers.current
 
             def call(tokens: Tensor, weights: Tensor) -> Tensor:
                 if out is None and torch.is_grad_enabled():
                     params = self.experts.parameters()
                     if tokens.requires_grad or weights.requires_grad or any(p.requires_grad for p in params):
-                        return FusedMoEFunction.apply(self, plan, max_rows, tokens, weights, *params)
-                return self.run_forward(tokens, plan, weights, max_rows, out=out)
+                        return FusedMoEFunction.apply(self, plan, max_rows, header, tokens, weights, *params)
+                return self.run_forward(tokens, plan, weights, max_rows, header_words(header), out=out)
 
             return self.experts.with_whole_weights(call, tokens, weights)
         except Exception as error:
@@ -209,6 +214,8 @@ class FusedPipeline(Pipeline):
         if failure is None:
             return
         message, began = failure
+        if self.headers is not None and self.headers.current is not None:
+            message += f"; this rank's last call: {self.headers.current.describe()}"
         if self.workspace.shape.ep_size > 1:
             me = torch_dist.get_rank()
             peers = [rank for rank in group_ranks(self.workspace.group) if rank != me]
@@ -231,10 +238,12 @@ class FusedPipeline(Pipeline):
         plan: RoutingPlan,
         weights: Tensor,
         max_rows: int,
+        header: list[int],
         out: Tensor | None = None,
         saved: dict | None = None,
     ) -> Tensor:
         """The forward's kernels: exchange, dispatch, GEMM1, GEMM2, combine (see the module's docstring).
+        ``header``: the call's exchange header words (``header_words``), which every rank's must match.
 
         ``saved``, if given, receives what ``run_backward`` needs: the received rows in a tensor of this
         call's (the workspace is reused by the next call), their expert outputs (GEMM2 writes them into a tensor
@@ -249,7 +258,7 @@ class FusedPipeline(Pipeline):
         kernels = self.kernels(tokens)
         tokens, weights = rows_for_kernels(tokens), weights.contiguous()
         rows = min(max_rows, buffer.shape.max_recv_rows)
-        kernels.exchange(plan, rows)
+        kernels.exchange(plan, rows, header)
         if self.size_by_received and not torch.cuda.is_current_stream_capturing():
             rows = max(kernels.received_rows(), 1)  # one row at least: the kernels take no null pointers
         # Each GEMM phase's outputs in the dtype its implementation stores them in.
@@ -292,12 +301,14 @@ class FusedPipeline(Pipeline):
         plan: RoutingPlan,
         weights: Tensor,
         saved: dict,
+        header: list[int],
         need_tokens: bool,
         need_weights: bool,
         need_params: bool,
     ) -> tuple[Tensor | None, Tensor | None, list[Tensor] | None]:
         """Gradients of ``run_forward``'s output with respect to the tokens, the route weights ([k, S],
-        fp32) and ``experts.parameters()``, from the output gradient ``grad_out`` ([S, H])."""
+        fp32) and ``experts.parameters()``, from the output gradient ``grad_out`` ([S, H]); ``header``:
+        the exchange header words of the call's backward."""
         buffer = self.workspace
         self.raise_if_failed()
         grad_out = rows_for_kernels(grad_out)
@@ -318,7 +329,7 @@ class FusedPipeline(Pipeline):
         # GEMM1 when the combine runs.
         grad_tokens = torch.empty_like(grad_out)
         route_grad = torch.empty(weights.shape, dtype=torch.float32, device=device) if need_weights else None
-        kernels.exchange(plan, rows)
+        kernels.exchange(plan, rows, header)
         # The combine weighted each route by its gate, so each route's output gradient is the gate
         # times the token's gradient (rounded like stock's fp32 combine rounds it). Each route's
         # gate gradient, the dot product of the token's gradient with the route's output, is taken
@@ -368,6 +379,12 @@ class FusedPipeline(Pipeline):
         return grad_tokens, grad_weights, param_grads
 
 
+def header_words(header: ExchangeHeader | None) -> list[int]:
+    """The words the exchange kernel publishes and compares for ``header``; NO_HEADER for None (a
+    pipeline used without a selection: every rank's alike)."""
+    return NO_HEADER if header is None else header.words()
+
+
 def rows_for_kernels(rows: Tensor) -> Tensor:
     """``rows`` contiguous and 16-byte aligned (the kernels move rows as 16-byte vectors): as it is
     when it already is, else a copy (a view starting mid-vector would fault on the device)."""
@@ -377,7 +394,8 @@ def rows_for_kernels(rows: Tensor) -> Tensor:
 
 class FusedMoEFunction(torch.autograd.Function):
     """The fused forward with the fused backward:
-    (pipeline, plan, max_rows, tokens, weights, *expert parameters) -> output.
+    (pipeline, plan, max_rows, header, tokens, weights, *expert parameters) -> output, where ``header``
+    is the call's ``ExchangeHeader`` (or None), whose backward's words the backward exchange carries.
 
     The expert parameters are inputs so that autograd accumulates their gradients into the experts'
     own ``.grad`` and DeepSpeed's hooks see them as they would with stock.
@@ -389,13 +407,15 @@ class FusedMoEFunction(torch.autograd.Function):
         pipeline: FusedPipeline,
         plan: RoutingPlan,
         max_rows: int,
+        header: ExchangeHeader | None,
         tokens: Tensor,
         weights: Tensor,
         *expert_params: Tensor,
     ) -> Tensor:
         saved = {}
-        out = pipeline.run_forward(tokens, plan, weights, max_rows, saved=saved)
+        out = pipeline.run_forward(tokens, plan, weights, max_rows, header_words(header), saved=saved)
         ctx.pipeline, ctx.plan, ctx.saved = pipeline, plan, saved
+        ctx.header = header_words(None if header is None else header.backward())
         ctx.save_for_backward(weights)
         return out
 
@@ -415,9 +435,10 @@ class FusedMoEFunction(torch.autograd.Function):
                 ctx.plan,
                 weights,
                 ctx.saved,
-                need_tokens=need[3],
-                need_weights=need[4],
-                need_params=any(need[5:]),
+                ctx.header,
+                need_tokens=need[4],
+                need_weights=need[5],
+                need_params=any(need[6:]),
             )
         except Exception as error:
             ctx.pipeline.note_error(error)
@@ -425,5 +446,5 @@ class FusedMoEFunction(torch.autograd.Function):
             raise
         ctx.saved = None
         if param_grads is None:
-            param_grads = [None] * (len(need) - 5)
-        return (None, None, None, grad_tokens, grad_weights, *param_grads)
+            param_grads = [None] * (len(need) - 6)
+        return (None, None, None, None, grad_tokens, grad_weights, *param_grads)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .chunked import chunked_exchange
 from .collective_waits import CollectiveWaits, failures_noted
+from .exchange_header import ExchangeHeader, LayerHeaders, check_header
 from .expert_weights import LocalExperts
 from .interface import Pipeline
 from .policy import saved_tensor_hooks_active
@@ -59,6 +60,21 @@ def exchange(rows: Tensor, send_splits: list[int], recv_splits: list[int], waits
     """``rows`` ([R, ...], grouped by destination rank as ``send_splits`` says) exchanged over
     ``waits.group``: the rows every rank sends this one, by source rank."""
     return _AllToAllV.apply(rows, send_splits, recv_splits, waits, what)
+
+
+# Eager under torch.compile, as the exchanges are: the hook makes a collective.
+@torch.compiler.disable
+def check_before_backward(output: Tensor, header: ExchangeHeader, waits: CollectiveWaits) -> None:
+    """Compares ``header`` (a call's backward) with every rank's when ``output``'s gradient arrives:
+    before the backward of anything that made ``output``, so before any of the call's gradient
+    exchanges. A hook on the tensor, not a function around it: the output stays the tensor the
+    pipeline made (a view made by a custom function could not be modified in place)."""
+
+    def check(grad: Tensor) -> Tensor:
+        check_header(header, waits, "the exchanges of its gradients")
+        return grad
+
+    output.register_hook(check)
 
 
 def pack_routes(local_experts: Tensor, gates: Tensor) -> Tensor:
@@ -131,6 +147,8 @@ class ReferencePipeline(Pipeline):
         self.ranks_per_node = None
         # Under an "fp8" recipe (selection.py), the rows as they cross in FP8 (fp8_emulation.py); None: as they are.
         self.fp8_exchange = None
+        # The layer's exchange headers (exchange_header.py), which the selection keeps; None: no header.
+        self.headers: LayerHeaders | None = None
 
     def forward(
         self, tokens: Tensor, indices: Tensor, weights: Tensor, *, train: bool = True, scale_before: bool = False
@@ -147,7 +165,10 @@ class ReferencePipeline(Pipeline):
         token whose routes meet four experts of one rank crosses to it once, not four times.
         """
         with failures_noted(self.layer_name, self.ep_size):  # its peers will wait for it: tell them why
-            return self._forward(tokens, indices, weights, scale_before)
+            output = self._forward(tokens, indices, weights, scale_before)
+        if self.ep_size > 1 and self.headers is not None and self.headers.current is not None and output.requires_grad:
+            check_before_backward(output, self.headers.current.backward(), self.waits())
+        return output
 
     def _forward(self, tokens: Tensor, indices: Tensor, weights: Tensor, scale_before: bool) -> Tensor:
         # Under saved-tensor hooks (non-reentrant checkpointing) the rows go whole: the chunks keep

@@ -42,6 +42,7 @@ from ..kernels.launch import gemm_facts
 from ..kernels.workspace import BufferShape, get_buffer
 from .chunked import rule_chunks
 from .collective_waits import gather_objects, group_ranks
+from .exchange_header import GroupDisagreement, LayerHeaders, check_header, setting_differences
 from .expert_weights import LocalExperts
 from .fp8_emulation import Fp8EmulatedExperts, Fp8Exchange
 from .fused import FusedPipeline
@@ -141,10 +142,6 @@ class RankFailure(str):
     """An exception one rank met while checking the fused pipeline, carried to every rank."""
 
 
-class GroupDisagreement(RuntimeError):
-    """The ranks of an expert-parallel group called a layer with settings that do not line up."""
-
-
 class PipelineSelection:
     """The pipelines of one layer and the choice between them, call by call.
 
@@ -189,6 +186,8 @@ class PipelineSelection:
         self._said = set()
         self._fp8_layers: dict[int, object] = {}  # fp8_layer_reason's answer, by hidden size
         self._fp8_facts: Fp8Facts | None = None  # what the fused pipeline's FP8 GEMMs run, where they run the recipe
+        self.headers = LayerHeaders()  # the header of each call's exchanges (exchange_header.py)
+        self.reference.headers = self.headers
 
     @property
     def name(self) -> str:
@@ -220,21 +219,36 @@ class PipelineSelection:
         if isinstance(fused, str):
             raise ValueError(f'"overlap": "fused" was asked for, but {fused}')
 
-    def pipeline_for(self, tokens: torch.Tensor) -> Pipeline:
-        """The pipeline that runs a call on ``tokens``.
+    def pipeline_for(self, tokens: torch.Tensor, train: bool = True) -> Pipeline:
+        """The pipeline that runs a call on ``tokens``, and the call's exchange header (``headers``).
 
         The first call (and one on tokens of another dtype, width or device, or with other layer
-        settings) makes the group agree, collectively: every rank of the group must call it.
+        settings) makes the group agree, collectively: every rank of the group must call it. A call
+        whose collectives the host makes (the agreement, the reference pipeline) first compares its
+        header with every rank's (``exchange_header.check_header``).
 
         Args:
             tokens: [S, H], the call's tokens (only their dtype, width, device and count are read).
+            train: whether the layer runs in training mode (the gate's); part of the header.
 
         Returns:
             ``reference``, ``fused``, or for a group that spans nodes ``hybrid``; ``reason`` then says
-            why not the fused kernels (None for ``fused`` and ``hybrid``). Raises
-            ``RuntimeError`` instead where ``"overlap": "fused"`` was asked for and it cannot run.
+            why not the fused kernels (None for ``fused`` and ``hybrid``). Raises ``RuntimeError``
+            instead where ``"overlap": "fused"`` was asked for and it cannot run, and
+            ``ExchangeMismatch`` where the ranks of the group are not in the same exchange.
         """
         key = (tokens.dtype, tokens.shape[-1], tokens.device, self.spec.settings())
+        header = self.headers.begin_call(self.name, train, key, lambda: self._settings(tokens))
+        host_exchange = self._agreed_reason is not None or self.hybrid is not None
+        if self.spec.ep_size > 1 and (key != self._agreed_key or host_exchange):
+            # Before any collective whose size the ranks could disagree on (the fused pipeline's
+            # kernels compare the header themselves, with no host sync; the hybrid's fused part
+            # compares it only inside its node, and its exchange between nodes is the reference
+            # pipeline's, so it is checked here).
+            before = (
+                _why_agree(self._agreed_key, key) if key != self._agreed_key else "the reference pipeline's exchange"
+            )
+            check_header(header, self.reference.waits(), before)
         if key != self._agreed_key:
             agreed = self._agree(tokens, _why_agree(self._agreed_key, key))
             if agreed is NO_TOKENS_YET:
@@ -413,17 +427,12 @@ class PipelineSelection:
         return None
 
     def _check_settings(self, settings: list[tuple[tuple[str, object], ...]]) -> None:
-        for field, value in settings[0]:
-            values = [dict(rank_settings).get(field) for rank_settings in settings]
-            if any(v != value for v in values):
-                by_value = {}
-                for rank, v in enumerate(values):
-                    by_value.setdefault(repr(v), []).append(rank)
-                described = "; ".join(f"ranks {ranks}: {v}" for v, ranks in by_value.items())
-                raise GroupDisagreement(
-                    f"ds_comet: {self.name}: the ranks of the expert-parallel group disagree on "
-                    f"{field} ({described}); every rank must build and call the layer alike"
-                )
+        differences = setting_differences(settings)
+        if differences:
+            raise GroupDisagreement(
+                f"ds_comet: {self.name}: the ranks of the expert-parallel group disagree on "
+                f"{differences[0]}; every rank must build and call the layer alike"
+            )
 
     def _build_hybrid(self, tokens: torch.Tensor, experts, most_tokens: int, nodes: list, gpus: list) -> str | None:
         """For a group that spans nodes (``nodes``, ``gpus``: each rank's, by rank of the group): the
@@ -506,6 +515,7 @@ class PipelineSelection:
         fp8 = self._fp8_facts
         self.fused = FusedPipeline(workspace, experts, params, on.num_experts, row_bounds, by_received, fp8=fp8)
         self.fused.layer_name = self.name
+        self.fused.headers = self.headers
         if not by_received:
             row_bytes = (2 * hidden + experts.ffn * (2 if experts.gated else 1)) * tokens.element_size()
             message = bound_rows_warning(row_bounds[True], spec.top_k * max_tokens, row_bytes)

@@ -115,7 +115,7 @@ def rank_0_alone(cpu_pool, case):
 
 def test_a_peer_that_stops_calling_ends_the_wait_with_a_named_error(cpu_pool):
     message = rank_0_alone(cpu_pool, stopped_peer_case)
-    assert "blocks.3.moe" in message and "expert counts" in message and "wait_timeout_s" in message, message
+    assert "blocks.3.moe" in message and "exchange headers" in message and "wait_timeout_s" in message, message
 
 
 def test_a_first_call_whose_peers_stall_ends_with_a_named_error(cpu_pool):
@@ -220,51 +220,6 @@ def test_a_gate_hooked_on_one_rank_sends_every_rank_through_stocks_forward(cpu_p
     counts = cpu_pool.run(gate_hooked_on_one_rank_case)
     assert counts[0] == (2, 2), counts  # rank 0's hooks ran at every call
     assert all(calls == 2 for calls, _ in counts), counts
-
-
-def own_group_layer(name, **moe_kwargs):
-    """A layer named ``name`` whose waits end after 2 s, on an expert-parallel group of its own (all
-    ranks): a case that leaves a collective posted there leaves the pool's other groups usable."""
-    world = dist.get_world_size()
-    config = {"moe": {"backend": "comet", "overlap": "none", "wait_timeout_s": 2.0}}
-    layer = ds_comet.MoE(16, FeedForward(16, 24), num_experts=2 * world, ep_size=world, config=config, **moe_kwargs)
-    layer.deepspeed_moe._set_ep_group(torch.distributed.new_group(list(range(world))))
-    layer.deepspeed_moe.pipelines.name = name
-    return layer
-
-
-def forget_reports():
-    """Once every rank has its error: this rank's report of a wait leaves the store, so that a later
-    case's roll call does not take it for a wait given up before its own."""
-    from ds_comet.pipelines.collective_waits import REPORT_KEY
-
-    dist.barrier()
-    torch.distributed.distributed_c10d._get_default_store().delete_key(f"{REPORT_KEY}{dist.get_rank()}")
-
-
-def changed_setting_case():
-    """After the first call, rank 1 alone changes its gate's capacity factor: it asks the group to
-    agree again while its peers go on to the call's exchange. Returns each rank's error."""
-    from ds_comet.kernels.ops import CometWaitTimeout
-
-    layer = own_group_layer("blocks.7.moe", k=1)
-    layer(torch.randn(1, 8, 16))
-    if dist.get_rank() == 1:
-        layer.deepspeed_moe.gate.capacity_factor = 2.0
-    with pytest.raises(CometWaitTimeout) as raised:
-        layer(torch.randn(1, 8, 16))
-    forget_reports()
-    return str(raised.value)
-
-
-def test_a_setting_changed_on_one_rank_after_the_first_call_is_named(cpu_pool):
-    messages = cpu_pool.run(changed_setting_case)
-    change = "on this rank capacity_factor changed from 1.0 to 2.0 since the last one"
-    # Rank 1 says what it changed; every other rank names rank 1 and the change, where rank 1 waits.
-    assert change in messages[1] and "disagree on the collectives of this call" in messages[1], messages[1]
-    for message in messages[:1] + messages[2:]:
-        where = "blocks.7.moe: the sizes of the other ranks' settings for this layer (the group's agreement again"
-        assert f"global rank 1: {where}: {change})" in message, message
 
 
 def ep_sizes_case(through_initialize):

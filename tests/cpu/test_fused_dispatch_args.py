@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ds_comet.kernels.constants import HEADER_WORDS
 from ds_comet.kernels.launch import FusedKernels
 from tests.support.op_calls import SHAPE, recording_kernels, routing_plan
 
@@ -52,7 +53,7 @@ def test_a_rank_alone_dispatches_into_its_recv_tensor_through_a_workspace_that_n
 def test_launches_take_the_workspace_the_buffer_built():
     kernels, op = recording_kernels()
     plan = routing_plan()
-    kernels.exchange(plan, row_limit=5)
+    kernels.exchange(plan, row_limit=5, header=[0] * HEADER_WORDS)
     kernels.send(torch.randn(plan.num_tokens, SHAPE.hidden), plan, None, False, None, blocks=3)
     kernels.reduce(plan, torch.empty(0, SHAPE.hidden), None, torch.empty(plan.num_tokens, SHAPE.hidden), None, 3)
     workspace = kernels.buffer.kernel_workspace

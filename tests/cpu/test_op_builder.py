@@ -270,6 +270,8 @@ def test_layout_parts_do_not_overlap():
     # The exchange zeroes the four arrival counters as one run: max_tiles + 2 max_chunks + max_stage_pieces words.
     assert (meta.stage_counter - meta.chunk_counter, meta.reduce_counter - meta.stage_counter) == (4, 5)
     assert meta.generation - meta.tile_counter == 10 + 2 * 4 + 5
+    # Each call parity and source: its exchange header, after the owner's generation word.
+    assert (meta.header - meta.generation, meta.total - meta.header) == (1, 2 * 2 * constants.HEADER_WORDS)
 
 
 def test_report_runs_and_names_the_pipeline():

@@ -97,7 +97,7 @@ class RecordingPipeline(Pipeline):
 
 def _hand(layer, pipeline, monkeypatch):
     """Makes ``layer``'s selection hand it ``pipeline`` at every call."""
-    monkeypatch.setattr(layer.pipelines, "pipeline_for", lambda tokens: pipeline)
+    monkeypatch.setattr(layer.pipelines, "pipeline_for", lambda tokens, train: pipeline)
 
 
 class RecordingGraphs:

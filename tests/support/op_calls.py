@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ds_comet.kernels.constants import HEADER_WORDS
 from ds_comet.kernels.launch import FusedKernels
 from ds_comet.kernels.routing_plan import RoutingPlan
 from ds_comet.kernels.workspace import BufferShape, CometBuffer, symmetric_parts
@@ -85,7 +86,7 @@ def launch_keywords() -> dict[str, set[str]]:
     kernels, op = recording_kernels()
     plan = routing_plan()
     rows, gates = torch.randn(plan.num_tokens, SHAPE.hidden), torch.rand(SHAPE.top_k, plan.num_tokens)
-    kernels.exchange(plan, SHAPE.max_recv_rows)
+    kernels.exchange(plan, SHAPE.max_recv_rows, [0] * HEADER_WORDS)
     kernels.send(rows, plan, gates, False, None, blocks=2, recv_table=torch.zeros(SHAPE.ep_size, dtype=torch.int64))
     kernels.reduce(plan, torch.empty(0, SHAPE.hidden), gates, torch.empty_like(rows), None, blocks=2)
     called = {function for function, _ in op.calls}

@@ -148,7 +148,7 @@ class CometAutoEPMoELayer(AutoEPMoELayer):
             routes = RouterOutput(*self.router(x, self.expert_bias))
             with torch.no_grad():
                 self.tokens_per_expert.add_(routes.num_tokens_per_expert)
-            pipeline = self.pipelines.pipeline_for(x)
+            pipeline = self.pipelines.pipeline_for(x, train=self.training)
         # The pipelines take routes as [k, T]: route j of token t is entry (j, t).
         indices, weights = routes.selected_experts.t(), routes.top_scores.t()
         output = pipeline.forward(x, indices, weights, train=self.training, scale_before=self.score_apply == "pre")

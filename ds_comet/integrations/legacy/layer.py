@@ -123,7 +123,7 @@ class CometMOELayer(MOELayer):
             tokens = hidden_states.reshape(-1, hidden)
             if used_token is not None:
                 self._check_used_token(used_token, tokens.shape[0])
-            pipeline = self.pipelines.pipeline_for(tokens)
+            pipeline = self.pipelines.pipeline_for(tokens, train=self.gate.training)
             # The pipeline says what the gate before it may do: its op's gate kernels may do the
             # integer bookkeeping, and the gate may be replayed from CUDA graphs.
             routes = self.gate_graphs.routes if pipeline.replays_gate and self.gate_graphs is not None else gate_routes
