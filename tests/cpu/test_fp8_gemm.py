@@ -53,8 +53,9 @@ def test_the_kernels_quantise_rows_as_fp8_py_does_bit_for_bit():
 
 
 def test_the_dispatched_fp8_rows_are_fp8_pys_and_dequantise_to_the_emulations_bit_for_bit():
-    """The packed rows ``"dispatch": "fp8"`` sends: values and scales as ``fp8.quantise_tiles``'s, and
-    dequantised (for W1's gradient) as the emulation's exchange holds them, on the corner cases too."""
+    """The packed rows the exchange sends in either format (e4m3 tokens, e5m2 gradients): values and
+    scales as ``fp8.quantise_tiles``'s, and dequantised as the emulation's exchange holds them, on the
+    corner cases too."""
     out = interpret("print('tiles', cases.packed_rows_case(cpu, seed=4))")
     assert "tiles " in out
 

@@ -149,11 +149,15 @@ for store, store_t in ((True, True), (False, True), (True, False)):
     k = quantise_blocks_kernel.warmup(i64, u8, u8, f32, f32, 14336, 4096, STORE=store, STORE_T=store_t, grid=(1, ),
                                       num_warps=8)
     check(f"quantise_blocks store={store} store_t={store_t}", k, None)
-# The dispatch's packed FP8 rows, as fp8_rows launches their passes.
-k = quantise_rows_kernel.warmup(bf, u8, f32, 4000, 7168, packed_row_bytes(7168), BM=32, grid=(1, ), num_warps=4)
-check("quantise_rows", k, None)
-k = dequantise_rows_kernel.warmup(u8, f32, bf, 4000, 7168, packed_row_bytes(7168), BM=32, grid=(1, ), num_warps=4)
-check("dequantise_rows", k, None)
+# The exchanged packed FP8 rows, as fp8_rows launches their passes: e4m3 tokens, e4m3 or e5m2 gradients.
+for values in (u8, MockTensor(torch.float8_e5m2)):
+    e5m2 = values.dtype == torch.float8_e5m2
+    k = quantise_rows_kernel.warmup(bf, values, f32, 4000, 7168, packed_row_bytes(7168), E5M2=e5m2, BM=32,
+                                    grid=(1, ), num_warps=4)
+    check(f"quantise_rows e5m2={e5m2}", k, None)
+    k = dequantise_rows_kernel.warmup(values, f32, bf, 4000, 7168, packed_row_bytes(7168), BM=32, grid=(1, ),
+                                      num_warps=4)
+    check(f"dequantise_rows e5m2={e5m2}", k, None)
 bad = {key: ins for key, ins in found.items() if ins}
 print("checked", len(found), "kernels; predicated collectives, large stacks or other MMAs:", bad)
 sys.exit(1 if bad else 0)
@@ -192,4 +196,4 @@ def test_the_fp8_gemms_run_on_the_fp8_tensor_cores_without_predicated_collective
     registers, stack, local-memory accesses and shared memory are printed (pytest -s)."""
     out = compile_for_sm90(tmp_path, FP8_SCRIPT)
     print(out)
-    assert "checked 25 kernels" in out
+    assert "checked 27 kernels" in out

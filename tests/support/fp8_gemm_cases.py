@@ -115,33 +115,50 @@ def quantisation_case(device: torch.device, seed: int) -> int:
 
 
 def packed_rows_case(device: torch.device, seed: int) -> int:
-    """``fp8_rows.quantise_rows`` (the rows ``"dispatch": "fp8"`` sends) against ``fp8.quantise_tiles``
-    bit for bit, and ``fp8_rows.dequantise_rows`` against the rows as the emulation's exchange holds them
-    (``Fp8Exchange``), bit for bit: an odd number of rows whose tiles span 2**±40, and the e4m3
-    ``special_rows`` (bf16 subnormals, ties, zeros; infinities and NaNs, whose tiles come back NaN on
-    the GPU). Returns the number of tiles checked."""
+    """``fp8_rows.quantise_rows`` against ``fp8.quantise_tiles`` bit for bit, and ``fp8_rows.dequantise_rows``
+    against the rows as the emulation's exchange holds them (``Fp8Exchange``), bit for bit, in both
+    formats: e4m3, the rows ``"dispatch": "fp8"`` sends, and e5m2, the output gradients ``"gradient_dispatch":
+    "fp8"`` sends under ``"gradient_format": "e5m2"``. On an odd number of rows whose tiles span 2**±40,
+    and the format's ``special_rows`` (bf16 subnormals, ties, zeros; infinities and NaNs, whose tiles come
+    back NaN on the GPU). Returns the number of tiles checked."""
     generator = torch.Generator().manual_seed(seed)
-    rows, columns = 61, 256
-    magnitude = 2.0 ** (torch.rand(rows, columns // 128, generator=generator) * 80 - 40)
-    x = (torch.randn(rows, columns, generator=generator) * magnitude.repeat_interleave(128, dim=1)).bfloat16()
-    x = torch.cat([x, special_rows(fp8.E4M3)]).to(device)
-    packed = fp8_rows.quantise_rows(x)
-    assert packed.shape == (x.shape[0], fp8_rows.packed_row_bytes(columns))
-    values, scales = (part.cpu() for part in fp8_rows.packed_parts(packed, columns))
-    want = fp8.quantise_tiles(x.cpu())
-    nan_tiles = want.scales.isnan()
-    assert torch.equal(scales.isnan(), nan_tiles), "NaN scales differ"
-    assert torch.equal(scales[~nan_tiles], want.scales[~nan_tiles]), "scales differ"
-    finite = ~nan_tiles.repeat_interleave(128, dim=1)
-    wrong = (values.view(torch.uint8) != want.values.view(torch.uint8)) & finite
-    assert not wrong.any(), f"{int(wrong.sum())} values differ, first at {wrong.nonzero()[0].tolist()}"
-    exchange = Fp8Exchange(Fp8Recipe(enabled=True, dispatch="fp8"))
-    emulated = exchange.outgoing(x.cpu())
-    got = fp8_rows.dequantise_rows(packed, columns).cpu()
-    wrong = (got.view(torch.int16) != emulated.view(torch.int16)) & finite
-    assert not wrong.any(), f"{int(wrong.sum())} dequantised values differ, first at {wrong.nonzero()[0].tolist()}"
-    assert got[~finite].isnan().all() or device.type != "cuda", "NaN tiles' dequantised values"
-    return want.scales.numel()
+    checked = 0
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        rows, columns = 61, 256
+        magnitude = 2.0 ** (torch.rand(rows, columns // 128, generator=generator) * 80 - 40)
+        x = (torch.randn(rows, columns, generator=generator) * magnitude.repeat_interleave(128, dim=1)).bfloat16()
+        x = torch.cat([x, special_rows(fmt)]).to(device)
+        packed = fp8_rows.quantise_rows(x, fmt)
+        assert packed.shape == (x.shape[0], fp8_rows.packed_row_bytes(columns))
+        values, scales = (part.cpu() for part in fp8_rows.packed_parts(packed, columns, fmt))
+        want = fp8.quantise_tiles(x.cpu(), fmt)
+        nan_tiles = want.scales.isnan()
+        assert torch.equal(scales.isnan(), nan_tiles), f"{fmt.name}: NaN scales differ"
+        assert torch.equal(scales[~nan_tiles], want.scales[~nan_tiles]), f"{fmt.name}: scales differ"
+        finite = ~nan_tiles.repeat_interleave(128, dim=1)
+        wrong = (values.view(torch.uint8) != want.values.view(torch.uint8)) & finite
+        assert not wrong.any(), f"{fmt.name}: {int(wrong.sum())} values differ, first at {wrong.nonzero()[0].tolist()}"
+        got = fp8_rows.dequantise_rows(packed, columns, fmt).cpu()
+        wrong = (got.view(torch.int16) != exchanged(x.cpu(), fmt).view(torch.int16)) & finite
+        assert not wrong.any(), (
+            f"{fmt.name}: {int(wrong.sum())} dequantised values differ, first at {wrong.nonzero()[0].tolist()}"
+        )
+        assert got[~finite].isnan().all() or device.type != "cuda", f"{fmt.name}: NaN tiles' dequantised values"
+        checked += want.scales.numel()
+    return checked
+
+
+def exchanged(x: torch.Tensor, fmt: fp8.Fp8Format) -> torch.Tensor:
+    """``x`` as the emulation's exchange delivers it in ``fmt``: e4m3, the tokens that cross under
+    ``"dispatch": "fp8"`` (``Fp8Exchange.outgoing``); e5m2, an output gradient that crosses back under
+    ``"gradient_dispatch": "fp8"`` and ``"gradient_format": "e5m2"`` (the gradient ``Fp8Exchange.returning``
+    passes on)."""
+    if fmt is fp8.E4M3:
+        return Fp8Exchange(Fp8Recipe(enabled=True, dispatch="fp8")).outgoing(x)
+    recipe = Fp8Recipe(enabled=True, gradient_dispatch="fp8", gradient_format=fmt.name)
+    rows = torch.zeros_like(x, requires_grad=True)
+    Fp8Exchange(recipe).returning(rows).backward(x)
+    return rows.grad
 
 
 def weight_quantisation_case(device: torch.device) -> str:
