@@ -72,6 +72,8 @@ def test_each_fp8_gemm_gives_the_emulations_numbers(gated, gradient_format, tile
     """GEMM1 and GEMM2, forward and backward, on skewed row counts (an expert without rows, odd
     counts) against the emulation within float32's summation-order noise and one bf16 rounding; the
     forward GEMM1 also on the rows packed in FP8 as ``"dispatch": "fp8"`` delivers them, equal to its
-    outputs on the bf16 rows bit for bit."""
+    outputs on the bf16 rows bit for bit; the backward GEMM1 also on output gradients packed in the
+    gradient format with each route's gate folded into their scales, against the gate times the
+    emulation's product."""
     out = interpret(f"print(cases.GemmCase(cpu, {gated}, {gradient_format!r}, seed=2, tiles={tiles}).run())")
     assert "\nok gated=" in out, out
