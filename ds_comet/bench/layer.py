@@ -15,11 +15,13 @@ On the SwiGLU shapes (and every shape with --gated) it also times DeepSpeed Auto
 Hugging Face block of the same sizes (``torch._grouped_mm`` experts, its NCCL ``comm`` exchange)
 beside that same block on ds_comet ("autoep_comet"), with the same weights; --no-autoep skips them.
 
-With --fp8 the comet layer also runs the blockwise ``"fp8"`` recipe on the fused pipeline (rows
-crossing the exchange in bf16, its four GEMM phases in FP8, the same weights: "fused_fp8"), and on
-the SwiGLU shapes AutoEP's block on ds_comet under it ("autoep_comet_fp8"), timed against the
-bf16 comet layer and against AutoEP (bf16). A shape the recipe cannot scale (gpt-oss's H2880 is
-no multiple of 128) gets no FP8 rows; rank 0 prints the recipe's refusal instead.
+With --fp8 the comet layer also runs the blockwise ``"fp8"`` recipe on the fused pipeline, its four
+GEMM phases in FP8 and the same weights, twice: as a user gets it by default, the forward's rows
+crossing the exchange as packed FP8 rows ("fused_fp8"), and with ``"dispatch": "bf16"``
+("fused_fp8_bf16_dispatch"); on the SwiGLU shapes AutoEP's block on ds_comet runs the default
+recipe ("autoep_comet_fp8"). Each is timed against the bf16 comet layer and against AutoEP (bf16).
+A shape the recipe cannot scale (gpt-oss's H2880 is no multiple of 128) gets no FP8 rows; rank 0
+prints the recipe's refusal instead.
 
 Unless --no-backward, each pipeline also runs training steps (forward, then backward of the output
 against a fixed random gradient plus the aux loss; grads set to None at the start of each step),
@@ -63,9 +65,9 @@ from ds_comet.pipelines.routing import remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
 AUTOEP_PIPELINES = ("autoep", "autoep_comet", "autoep_comet_fp8")
-# The blockwise recipe the FP8 layers are timed under: rows cross the exchange in bf16 (the sent
-# table gives the bytes "dispatch": "fp8" would send instead).
-FP8_RECIPE = {"enabled": True, "dispatch": "bf16"}
+# The blockwise recipes the fused FP8 layers are timed under: the default (the forward's rows cross the
+# exchange as packed FP8 rows), and the same GEMMs with the rows crossing in bf16.
+FP8_RECIPES = {"fused_fp8": {"enabled": True}, "fused_fp8_bf16_dispatch": {"enabled": True, "dispatch": "bf16"}}
 
 
 def parse_args():
@@ -220,16 +222,19 @@ def build_layers(name, hidden, ffn, experts, k, ep_size, device, args):
 
 
 def fp8_layers(name, hidden, ffn, experts, k, ep_size, gated, layers, device, args):
-    """With --fp8: the fused comet layer under ``FP8_RECIPE`` with the stock layer's weights
-    ("fused_fp8") and, where ``layers`` has AutoEP's block, that block on ds_comet under it
-    ("autoep_comet_fp8"); none where the recipe refuses the shape (rank 0 prints its reason)."""
-    section = {"backend": "comet", "overlap": "fused", "fp8": FP8_RECIPE, **layer_overrides(args)}
+    """With --fp8: the fused comet layer under each of ``FP8_RECIPES`` with the stock layer's weights
+    ("fused_fp8", "fused_fp8_bf16_dispatch") and, where ``layers`` has AutoEP's block, that block on
+    ds_comet under the default recipe ("autoep_comet_fp8"); none where the recipe refuses the shape
+    (rank 0 prints its reason)."""
     kwargs = moe_kwargs(experts, ep_size, k, args.capacity_factor)
     built = {}
     try:
-        built["fused_fp8"] = comet_layer(hidden, expert_template(hidden, ffn, gated), kwargs, section, layers["stock"])
+        for pipeline, recipe in FP8_RECIPES.items():
+            section = {"backend": "comet", "overlap": "fused", "fp8": recipe, **layer_overrides(args)}
+            built[pipeline] = comet_layer(hidden, expert_template(hidden, ffn, gated), kwargs, section, layers["stock"])
         if "autoep" in layers:
             family = SWIGLU.get(name, "mixtral")
+            section = {"backend": "comet", "overlap": "fused", "fp8": FP8_RECIPES["fused_fp8"], **layer_overrides(args)}
             built["autoep_comet_fp8"] = autoep.autoep_layer(
                 family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16, 0, section
             )
@@ -340,12 +345,15 @@ def add_ratios(results, backward):
 
 
 def add_fp8_ratios(results, backward):
-    """The FP8 layers' speedups: the bf16 comet layer's time and AutoEP's over theirs."""
+    """The FP8 layers' speedups: the bf16 comet layer's time and AutoEP's over each fused FP8 layer's, and
+    over the AutoEP block's on ds_comet under the recipe."""
     suffixes = ("", "_fwd_bwd") if backward else ("",)
     for suffix in suffixes:
-        results[f"fused_over_fused_fp8{suffix}"] = results[f"fused{suffix}"] / results[f"fused_fp8{suffix}"]
+        for pipeline in FP8_RECIPES:
+            results[f"fused_over_{pipeline}{suffix}"] = results[f"fused{suffix}"] / results[f"{pipeline}{suffix}"]
+            if "autoep" in results:
+                results[f"autoep_over_{pipeline}{suffix}"] = results[f"autoep{suffix}"] / results[f"{pipeline}{suffix}"]
         if "autoep_comet_fp8" in results:
-            results[f"autoep_over_fused_fp8{suffix}"] = results[f"autoep{suffix}"] / results[f"fused_fp8{suffix}"]
             results[f"autoep_over_comet_fp8{suffix}"] = (
                 results[f"autoep{suffix}"] / results[f"autoep_comet_fp8{suffix}"]
             )
@@ -494,33 +502,38 @@ def print_fp8_table(all_results):
     fp8_rows = {name: results for name, results in all_results.items() if "fused_fp8" in results}
     if not fp8_rows:
         return
-    columns = (("comet", "fused"), ("comet FP8", "fused_fp8"), ("comet/FP8", "fused_over_fused_fp8"))
+    columns = (
+        ("comet", "fused"),
+        ("comet FP8", "fused_fp8"),
+        ("comet FP8 bd", "fused_fp8_bf16_dispatch"),
+        ("comet/FP8", "fused_over_fused_fp8"),
+        ("comet/FP8 bd", "fused_over_fused_fp8_bf16_dispatch"),
+    )
     if all("fused_fp8_fwd_bwd" in results for results in fp8_rows.values()):
-        columns += (
-            ("comet fb", "fused_fwd_bwd"),
-            ("comet FP8 fb", "fused_fp8_fwd_bwd"),
-            ("comet/FP8 fb", "fused_over_fused_fp8_fwd_bwd"),
-        )
-    lines = ["shape".ljust(40) + "".join(h.rjust(14) for h, _ in columns)]
+        columns += tuple((f"{h} fb", f"{key}_fwd_bwd") for h, key in columns)
+    lines = ["shape".ljust(40) + "".join(h.rjust(16) for h, _ in columns)]
     for name, results in fp8_rows.items():
-        lines.append(name.ljust(40) + "".join(f"{results[key]:14.3f}" for _, key in columns))
+        lines.append(name.ljust(40) + "".join(f"{results[key]:16.3f}" for _, key in columns))
     autoep_columns = (
         ("AutoEP", "autoep"),
         ("AutoEP+comet FP8", "autoep_comet_fp8"),
         ("AutoEP/FP8", "autoep_over_comet_fp8"),
         ("AutoEP/comet FP8", "autoep_over_fused_fp8"),
+        ("AutoEP/comet FP8 bd", "autoep_over_fused_fp8_bf16_dispatch"),
         ("AutoEP+comet/FP8", "autoep_comet_over_comet_fp8"),
     )
     autoep_columns += tuple((f"{h} fb", f"{key}_fwd_bwd") for h, key in autoep_columns)
     with_autoep = {name: results for name, results in fp8_rows.items() if "autoep_comet_fp8" in results}
     if with_autoep:
         keys = [(h, key) for h, key in autoep_columns if all(key in r for r in with_autoep.values())]
-        lines.append("shape".ljust(40) + "".join(h.rjust(20) for h, _ in keys))
+        lines.append("shape".ljust(40) + "".join(h.rjust(24) for h, _ in keys))
         for name, results in with_autoep.items():
-            lines.append(name.ljust(40) + "".join(f"{results[key]:20.3f}" for _, key in keys))
+            lines.append(name.ljust(40) + "".join(f"{results[key]:24.3f}" for _, key in keys))
     print(
-        'the blockwise "fp8" recipe on the fused pipeline (rows crossing in bf16) against the bf16 comet layer and '
-        "AutoEP (bf16): ms (fb: forward+backward), ratios of their times over the FP8 layer's\n" + "\n".join(lines),
+        'the blockwise "fp8" recipe on the fused pipeline against the bf16 comet layer and AutoEP (bf16): FP8, '
+        'the default (the forward\'s rows cross as packed FP8 rows), and FP8 bd, "dispatch": "bf16" (rows cross '
+        "in bf16); AutoEP's block on ds_comet runs the default. ms (fb: forward+backward), ratios of their times "
+        "over the FP8 layer's\n" + "\n".join(lines),
         flush=True,
     )
 

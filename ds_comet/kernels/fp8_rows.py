@@ -1,7 +1,8 @@
 """Rows that cross the exchange in FP8 (the recipe's ``"dispatch": "fp8"``): the one statement of
 their layout, and the passes that make them and read them back.
 
-A packed row of H elements is ``packed_row_bytes(H)`` bytes: its H values in e4m3, then the fp32
+A packed row of H elements is ``packed_row_bytes(H)`` bytes: its H values in one FP8 format (e4m3 for
+the tokens; e5m2 is the other format the recipe names, ``"gradient_format"``), then the fp32
 scales of its H / 128 tiles (``fp8.quantise_tiles``: powers of two), then zeros to a multiple of 16
 bytes (the dispatch moves rows as 16-byte vectors, and never reads what a row's bytes mean). A
 [R, H] bf16 row is 2H bytes, a packed one H + H / 32 (rounded up to 16): 0.52 of it at H = 7168.
@@ -32,15 +33,16 @@ def packed_row_bytes(hidden: int) -> int:
     return hidden + -(-scale_bytes // VECTOR_BYTES) * VECTOR_BYTES
 
 
-def packed_parts(packed: Tensor, hidden: int) -> tuple[Tensor, Tensor]:
+def packed_parts(packed: Tensor, hidden: int, fmt: fp8.Fp8Format = fp8.E4M3) -> tuple[Tensor, Tensor]:
     """The values and scales of packed rows, as views of their bytes.
 
     Args:
         packed: [R, packed_row_bytes(hidden)] uint8, row after row (strides (row bytes, 1)).
         hidden: H.
+        fmt: the values' FP8 format.
 
     Returns:
-        (values [R, H] e4m3, scales [R, H / 128] fp32), each with ``packed``'s row stride.
+        (values [R, H] of ``fmt.dtype``, scales [R, H / 128] fp32), each with ``packed``'s row stride.
     """
     row_bytes = packed_row_bytes(hidden)
     if packed.dtype != PACKED_DTYPE or packed.dim() != 2 or packed.shape[1] != row_bytes:
@@ -49,7 +51,7 @@ def packed_parts(packed: Tensor, hidden: int) -> tuple[Tensor, Tensor]:
         )
     if packed.shape[0] > 1 and packed.stride() != (row_bytes, 1):
         raise ValueError(f"packed FP8 rows lie row after row, got strides {packed.stride()}")
-    values = packed[:, :hidden].view(torch.float8_e4m3fn)
+    values = packed[:, :hidden].view(fmt.dtype)
     scales = packed[:, hidden : hidden + hidden // fp8.BLOCK * SCALE_BYTES].view(torch.float32)
     return values, scales
 
@@ -65,11 +67,12 @@ def packed_rows_in(buffer: Tensor, rows: int, hidden: int) -> Tensor:
     return flat[: rows * row_bytes].view(rows, row_bytes)
 
 
-def quantise_rows(tokens: Tensor) -> Tensor:
-    """The tokens as packed FP8 rows: ``fp8.quantise_tiles``'s values and scales, bit for bit.
+def quantise_rows(tokens: Tensor, fmt: fp8.Fp8Format = fp8.E4M3) -> Tensor:
+    """The tokens as packed FP8 rows: ``fp8.quantise_tiles``'s values and scales in ``fmt``, bit for bit.
 
     Args:
         tokens: [S, H] bf16, contiguous, on the GPU; H a multiple of 128.
+        fmt: the values' FP8 format.
 
     Returns:
         [S, packed_row_bytes(H)] uint8 (the padding bytes are not written).
@@ -80,13 +83,15 @@ def quantise_rows(tokens: Tensor) -> Tensor:
     row_bytes = packed_row_bytes(hidden)
     packed = torch.empty((num_rows, row_bytes), dtype=PACKED_DTYPE, device=tokens.device)
     if num_rows:
-        values, scales = packed_parts(packed, hidden)
+        values, scales = packed_parts(packed, hidden, fmt)
         grid = (-(-num_rows // PASS_ROWS), hidden // fp8.BLOCK)
-        quantise_rows_kernel[grid](tokens, values, scales, num_rows, hidden, row_bytes, BM=PASS_ROWS, num_warps=4)
+        quantise_rows_kernel[grid](
+            tokens, values, scales, num_rows, hidden, row_bytes, E5M2=fmt is fp8.E5M2, BM=PASS_ROWS, num_warps=4
+        )
     return packed
 
 
-def dequantise_rows(packed: Tensor, hidden: int) -> Tensor:
+def dequantise_rows(packed: Tensor, hidden: int, fmt: fp8.Fp8Format = fp8.E4M3) -> Tensor:
     """Packed FP8 rows as values: each value times its tile's scale (exact in fp32), rounded once to
     bf16 (the FP8 recipe's tokens' dtype), as the reference pipeline's emulation of ``"dispatch":
     "fp8"`` holds the rows.
@@ -94,13 +99,14 @@ def dequantise_rows(packed: Tensor, hidden: int) -> Tensor:
     Args:
         packed: [R, packed_row_bytes(hidden)] uint8 (``packed_parts``).
         hidden: H.
+        fmt: the values' FP8 format.
 
     Returns:
         [R, H] bf16, contiguous.
     """
     from .triton_fp8_quantise import dequantise_rows_kernel  # triton is an extra
 
-    values, scales = packed_parts(packed, hidden)
+    values, scales = packed_parts(packed, hidden, fmt)
     num_rows = packed.shape[0]
     out = torch.empty((num_rows, hidden), dtype=torch.bfloat16, device=packed.device)
     if num_rows:

@@ -4,9 +4,10 @@
 ``gemm2_kernel`` with an FP8 mainloop: the same tile order, row-tile waits, epilogues, stores and
 chunk counters (the same helpers), so that they run beside the dispatch and the combine as the
 bf16 kernels do. Each reads its rows in bf16 as those do (the received rows, the activations, the
-output gradients, the first layer's gradients), or, GEMM1's forward under ``"dispatch": "fp8"``
-(``ROWS_FP8``), the received rows packed in FP8 (``fp8_rows``), and walks K in steps of
-``fp8.BLOCK`` (128):
+output gradients, the first layer's gradients), or, GEMM1 on rows that crossed the exchange in FP8
+(``ROWS_FP8``: the forward's rows under ``"dispatch": "fp8"``, the backward's output gradients under
+``"gradient_dispatch": "fp8"``), those rows as they arrive packed (``fp8_rows``), and walks K in
+steps of ``fp8.BLOCK`` (128):
 
 - it quantises the step's ``[rows, 128]`` tile of rows where it loads it, each row's 1x128 tile as
   ``fp8.quantise_tiles`` does, bit for bit (``triton_fp8_quantise._quantise_tile``): activations
@@ -151,14 +152,15 @@ def gemm1_fp8_kernel(
     (``Fp8WeightCache``'s "w2t"), read K-major. E5M2: the rows (the backward's output gradients) go
     to e5m2, else e4m3.
 
-    ROWS_FP8 (the forward under ``"dispatch": "fp8"``): ``rows`` are the received rows' e4m3 values
-    and ``row_scales`` their tiles' fp32 scales (``fp8_rows.packed_parts``), taken as they are, with no
-    quantisation here; the outputs are the same, bit for bit, as from the bf16 rows they quantise.
-    Else ``row_scales`` is not read."""
+    ROWS_FP8 (the forward under ``"dispatch": "fp8"``, the backward under ``"gradient_dispatch": "fp8"``):
+    ``rows`` are the received rows' FP8 values (the backward's in the gradient format) and ``row_scales``
+    their tiles' fp32 scales (``fp8_rows.packed_parts``), taken as they are, with no quantisation here;
+    forward, the outputs are the same, bit for bit, as from the bf16 rows they quantise; backward, the
+    dispatch has folded each route's gate into its row's scales, so that g is the gate times the product
+    of the quantised gradient. Else ``row_scales`` is not read."""
     tl.static_assert(not (BACKWARD and (STORE_PRE or ACTIVATE)), "gemm1_fp8_kernel: the backward stores g alone")
     tl.static_assert(ACTIVATE or not STORE_PRE, "gemm1_fp8_kernel: without ACTIVATE, out holds the products")
     tl.static_assert(ACTIVATE or BACKWARD or not GATED, "gemm1_fp8_kernel: a gated forward activates in its epilogue")
-    tl.static_assert(not (BACKWARD and ROWS_FP8), "gemm1_fp8_kernel: the backward's gradients arrive in bf16")
     dtype = out.dtype.element_ty  # the rows' (bf16) where they are not in FP8
     total_m = tl.load(layout + off_total_tiles)
     n_tiles = tl.cdiv(N, BN)

@@ -4,7 +4,8 @@ It runs the phases as the "triton" implementation does (``triton_phases.TritonGe
 outputs, the same elementwise steps after GEMM1) on the FP8 kernels of ``triton_fp8_gemm``, which
 read the layer's quantised weights (``FusedKernels.fp8_tables``, from ``fp8_weights.Fp8WeightCache``)
 and quantise the bf16 rows where they load them; under ``"dispatch": "fp8"`` the forward's GEMM1
-takes the received rows already quantised (``fp8_rows``). It admits a phase only where the call's recipe
+takes the received rows already quantised (``fp8_rows``), and under ``"gradient_dispatch": "fp8"``
+the backward's GEMM1 the received output gradients. It admits a phase only where the call's recipe
 puts it in FP8 with blockwise scaling (``GemmFacts.fp8``), on sm_90, for bf16 rows and weights with
 hidden and FFN sizes that are multiples of 128; the weight gradients stay with the others.
 """
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .. import fp8
 from .constants import TOTAL_TILES
 from .fp8_rows import PACKED_DTYPE, packed_parts
 from .gemm_phases import Needs, Phase
@@ -53,14 +55,16 @@ class TritonFp8Gemm(TritonGemm):
     ):
         """``TritonGemm.gemm1``'s outputs from ``gemm1_fp8_kernel``: forward on W1 (and W3), backward on
         W2^T ("w2t"), the rows quantised to e4m3 forward and to the recipe's gradient format backward.
-        Forward ``rows`` may be packed FP8 rows ([R, ``fp8_rows.packed_row_bytes(H)``] uint8, as
-        ``"dispatch": "fp8"`` delivers them), which the kernel takes as they are."""
+        ``rows`` may be packed FP8 rows ([R, ``fp8_rows.packed_row_bytes(H)``] uint8), which the kernel
+        takes as they are: forward as ``"dispatch": "fp8"`` delivers them (e4m3), backward as
+        ``"gradient_dispatch": "fp8"`` does (the gradient format, each route's gate in its scales)."""
         from .triton_fp8_gemm import gemm1_fp8_kernel
         from .triton_gemm import ACTIVATION_CODES
 
         rows_fp8 = rows.dtype == PACKED_DTYPE
+        e5m2 = backward and call.fp8.gradient_format == "e5m2"
         if rows_fp8:
-            rows, row_scales = packed_parts(rows, call.hidden)
+            rows, row_scales = packed_parts(rows, call.hidden, fp8.E5M2 if e5m2 else fp8.E4M3)
             lda = rows.stride(0)
         else:
             row_scales, lda = rows, call.hidden
@@ -113,7 +117,7 @@ class TritonFp8Gemm(TritonGemm):
                 STORE_PRE=pre is not None,
                 WAIT=True,
                 INTERPRET=_interpreting(),
-                E5M2=backward and call.fp8.gradient_format == "e5m2",
+                E5M2=e5m2,
                 ROWS_FP8=rows_fp8,
                 num_warps=8,
                 num_stages=3,

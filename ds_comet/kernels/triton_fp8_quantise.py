@@ -175,25 +175,25 @@ def quantise_blocks_kernel(
 
 
 @triton.jit
-def quantise_rows_kernel(tokens, values, scales, num_rows, K, row_bytes, BM: tl.constexpr):
+def quantise_rows_kernel(tokens, values, scales, num_rows, K, row_bytes, E5M2: tl.constexpr, BM: tl.constexpr):
     """``fp8.quantise_tiles`` of the rows ``tokens`` ([S, K] bf16, contiguous) into packed FP8 rows
-    (``fp8_rows``), one [BM, 128] tile of rows a program (grid: ceil(S / BM), K / 128): the e4m3 values
-    into ``values`` (row stride ``row_bytes``) and each tile's fp32 scale into ``scales`` (row stride
-    ``row_bytes // 4``)."""
+    (``fp8_rows``), one [BM, 128] tile of rows a program (grid: ceil(S / BM), K / 128): the values
+    (e5m2 with E5M2, else e4m3) into ``values`` (row stride ``row_bytes``) and each tile's fp32 scale
+    into ``scales`` (row stride ``row_bytes // 4``)."""
     k = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     columns = k * FP8_BLOCK + tl.arange(0, FP8_BLOCK)
     in_range = rows < num_rows
     x = tl.load(tokens + rows[:, None] * K + columns[None, :], mask=in_range[:, None], other=0.0)
-    quantised, scale = _quantise_tile(x, False)
+    quantised, scale = _quantise_tile(x, E5M2)
     tl.store(values + rows[:, None] * row_bytes + columns[None, :], quantised, mask=in_range[:, None])
     tl.store(scales + rows * (row_bytes // 4) + k, scale, mask=in_range)
 
 
 @triton.jit
 def dequantise_rows_kernel(values, scales, out, num_rows, K, row_bytes, BM: tl.constexpr):
-    """Packed FP8 rows (``values`` and ``scales`` as ``quantise_rows_kernel`` writes them) dequantised
-    into ``out`` ([R, K] bf16, contiguous): each value times its tile's scale, in fp32 (exact: the scale
+    """Packed FP8 rows (``values``, e4m3 or e5m2, and ``scales`` as ``quantise_rows_kernel`` writes them)
+    dequantised into ``out`` ([R, K] bf16, contiguous): each value times its tile's scale, in fp32 (exact: the scale
     is a power of two), rounded once to bf16 as the emulation's cast rounds it (``_round_to_bf16``).
     One [BM, 128] tile a program (grid: ceil(R / BM), K / 128)."""
     k = tl.program_id(1)

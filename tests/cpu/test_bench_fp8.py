@@ -7,7 +7,8 @@ import torch
 from ds_comet import fp8
 from ds_comet.bench.common import comet_layer, expert_template, moe_kwargs
 from ds_comet.bench.gemm import rowwise_operands
-from ds_comet.bench.layer import FP8_RECIPE, add_fp8_ratios, print_fp8_table, print_sent_table
+from ds_comet.bench.layer import FP8_RECIPES, add_fp8_ratios, print_fp8_table, print_sent_table
+from ds_comet.config import Fp8Recipe
 from ds_comet.kernels.fp8_rows import packed_row_bytes
 
 
@@ -29,7 +30,7 @@ def test_a_shape_the_recipe_cannot_scale_is_refused_by_name():
     """gpt-oss's H2880 in small: the FP8 layer's constructor raises the recipe's reason, which the layer
     bench prints in place of the shape's FP8 rows."""
     stock = torch.nn.Module()
-    section = {"backend": "comet", "overlap": "fused", "fp8": FP8_RECIPE}
+    section = {"backend": "comet", "overlap": "fused", "fp8": FP8_RECIPES["fused_fp8"]}
     try:
         comet_layer(96, expert_template(96, 96, True), moe_kwargs(4, 1, 2, 1.0), section, stock)
     except ValueError as refusal:
@@ -38,17 +39,31 @@ def test_a_shape_the_recipe_cannot_scale_is_refused_by_name():
         raise AssertionError("the recipe ran a hidden size of 96")
 
 
+def test_the_layer_bench_times_the_default_recipe_and_bf16_dispatch():
+    """The "fused_fp8" layer runs the recipe as a user gets it (rows crossing as packed FP8 rows), and
+    "fused_fp8_bf16_dispatch" the same GEMMs with the rows crossing in bf16."""
+    assert Fp8Recipe(**FP8_RECIPES["fused_fp8"]).dispatch == "fp8"
+    assert Fp8Recipe(**FP8_RECIPES["fused_fp8_bf16_dispatch"]).dispatch == "bf16"
+    assert Fp8Recipe(**FP8_RECIPES["fused_fp8"]).gradient_dispatch == Fp8Recipe().gradient_dispatch
+
+
 def test_the_fp8_table_gives_each_layers_time_over_the_fp8_layers(capsys):
     results = dict(fused=2.0, fused_fp8=1.0, fused_fwd_bwd=6.0, fused_fp8_fwd_bwd=4.0)
+    results.update(fused_fp8_bf16_dispatch=1.25, fused_fp8_bf16_dispatch_fwd_bwd=5.0)
     results.update(autoep=3.0, autoep_comet=2.5, autoep_comet_fp8=1.5, autoep_fwd_bwd=9.0)
     results.update(autoep_comet_fwd_bwd=7.0, autoep_comet_fp8_fwd_bwd=5.0)
     add_fp8_ratios(results, backward=True)
     assert results["fused_over_fused_fp8"] == 2.0 and results["fused_over_fused_fp8_fwd_bwd"] == 1.5
+    assert results["fused_over_fused_fp8_bf16_dispatch"] == 1.6
+    assert results["fused_over_fused_fp8_bf16_dispatch_fwd_bwd"] == 1.2
     assert results["autoep_over_comet_fp8"] == 2.0 and results["autoep_over_fused_fp8_fwd_bwd"] == 2.25
+    assert results["autoep_over_fused_fp8_bf16_dispatch_fwd_bwd"] == 1.8
     assert results["autoep_comet_over_comet_fp8_fwd_bwd"] == 1.4
     print_fp8_table({"mixtral-like": results, "gpt-oss-like": {"fused": 1.0}})
     out = capsys.readouterr().out
-    assert "mixtral-like" in out and "gpt-oss-like" not in out and "2.250" in out, out
+    assert "mixtral-like" in out and "gpt-oss-like" not in out and "2.250" in out and "1.800" in out, out
+    header = next(line for line in out.splitlines() if line.startswith("shape"))
+    assert "comet FP8 bd" in header and "comet/FP8 bd fb" in header, header
 
 
 def test_the_sent_table_shows_the_fp8_dispatchs_bytes_at_about_half_bf16s(capsys):

@@ -53,8 +53,9 @@ def test_the_kernels_quantise_rows_as_fp8_py_does_bit_for_bit():
 
 
 def test_the_dispatched_fp8_rows_are_fp8_pys_and_dequantise_to_the_emulations_bit_for_bit():
-    """The packed rows ``"dispatch": "fp8"`` sends: values and scales as ``fp8.quantise_tiles``'s, and
-    dequantised (for W1's gradient) as the emulation's exchange holds them, on the corner cases too."""
+    """The packed rows the exchange sends in either format (e4m3 tokens, e5m2 gradients): values and
+    scales as ``fp8.quantise_tiles``'s, and dequantised as the emulation's exchange holds them, on the
+    corner cases too."""
     out = interpret("print('tiles', cases.packed_rows_case(cpu, seed=4))")
     assert "tiles " in out
 
@@ -71,6 +72,8 @@ def test_each_fp8_gemm_gives_the_emulations_numbers(gated, gradient_format, tile
     """GEMM1 and GEMM2, forward and backward, on skewed row counts (an expert without rows, odd
     counts) against the emulation within float32's summation-order noise and one bf16 rounding; the
     forward GEMM1 also on the rows packed in FP8 as ``"dispatch": "fp8"`` delivers them, equal to its
-    outputs on the bf16 rows bit for bit."""
+    outputs on the bf16 rows bit for bit; the backward GEMM1 also on output gradients packed in the
+    gradient format with each route's gate folded into their scales, against the gate times the
+    emulation's product."""
     out = interpret(f"print(cases.GemmCase(cpu, {gated}, {gradient_format!r}, seed=2, tiles={tiles}).run())")
     assert "\nok gated=" in out, out

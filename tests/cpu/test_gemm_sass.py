@@ -117,15 +117,18 @@ def check(name, kernel, rows_format):
 
 u8 = MockTensor(torch.float8_e4m3fn)
 f32 = MockTensor(torch.float32)
-# As TritonFp8Gemm launches them (tile_m 128; GEMM2 at tile_n 256 and 128); GEMM1's forward also on
-# packed FP8 rows ("dispatch": "fp8": e4m3 values and fp32 scales, H + H / 32 bytes a row).
+# As TritonFp8Gemm launches them (tile_m 128; GEMM2 at tile_n 256 and 128); GEMM1 also on packed FP8
+# rows (fp32 scales, H + H / 32 bytes a row): forward e4m3 ("dispatch": "fp8"), backward e5m2 gradients
+# ("gradient_dispatch": "fp8").
 for num_local in (16, 4):
     l_pow2 = 1 << num_local.bit_length()
     for backward, gated, e5m2, rows_fp8 in ((False, False, False, False), (False, True, False, False),
                                             (True, False, False, False), (True, False, True, False),
-                                            (False, False, False, True), (False, True, False, True)):
+                                            (False, False, False, True), (False, True, False, True),
+                                            (True, False, True, True)):
         forward_gated = gated and not backward
-        rows, row_scales, lda = (u8, f32, packed_row_bytes(4096)) if rows_fp8 else (bf, bf, 4096)
+        values = MockTensor(torch.float8_e5m2) if e5m2 else u8
+        rows, row_scales, lda = (values, f32, packed_row_bytes(4096)) if rows_fp8 else (bf, bf, 4096)
         k = gemm1_fp8_kernel.warmup(rows, row_scales, lda, bf, bf, i64, i64, i64, i64, i64, i64, i32, i32, 2**40,
                                     2**40, 0, 4096, 14336, num_local, 0, 8, 16, 24, 32, L_POW2=l_pow2, BM=128,
                                     BN=GATED_GEMM1_TILE_N if forward_gated else GEMM1_TILE_N, GROUP_M=8,
@@ -149,11 +152,15 @@ for store, store_t in ((True, True), (False, True), (True, False)):
     k = quantise_blocks_kernel.warmup(i64, u8, u8, f32, f32, 14336, 4096, STORE=store, STORE_T=store_t, grid=(1, ),
                                       num_warps=8)
     check(f"quantise_blocks store={store} store_t={store_t}", k, None)
-# The dispatch's packed FP8 rows, as fp8_rows launches their passes.
-k = quantise_rows_kernel.warmup(bf, u8, f32, 4000, 7168, packed_row_bytes(7168), BM=32, grid=(1, ), num_warps=4)
-check("quantise_rows", k, None)
-k = dequantise_rows_kernel.warmup(u8, f32, bf, 4000, 7168, packed_row_bytes(7168), BM=32, grid=(1, ), num_warps=4)
-check("dequantise_rows", k, None)
+# The exchanged packed FP8 rows, as fp8_rows launches their passes: e4m3 tokens, e4m3 or e5m2 gradients.
+for values in (u8, MockTensor(torch.float8_e5m2)):
+    e5m2 = values.dtype == torch.float8_e5m2
+    k = quantise_rows_kernel.warmup(bf, values, f32, 4000, 7168, packed_row_bytes(7168), E5M2=e5m2, BM=32,
+                                    grid=(1, ), num_warps=4)
+    check(f"quantise_rows e5m2={e5m2}", k, None)
+    k = dequantise_rows_kernel.warmup(values, f32, bf, 4000, 7168, packed_row_bytes(7168), BM=32, grid=(1, ),
+                                      num_warps=4)
+    check(f"dequantise_rows e5m2={e5m2}", k, None)
 bad = {key: ins for key, ins in found.items() if ins}
 print("checked", len(found), "kernels; predicated collectives, large stacks or other MMAs:", bad)
 sys.exit(1 if bad else 0)
@@ -187,9 +194,9 @@ def test_no_predicated_collective_and_little_spilling(tmp_path):
 def test_the_fp8_gemms_run_on_the_fp8_tensor_cores_without_predicated_collectives_or_spilling(tmp_path):
     """The FP8 GEMMs as ``TritonFp8Gemm`` launches them: their products are Hopper's FP8 wgmma (e4m3 rows,
     or e5m2 gradients, by e4m3 weights), with the bf16 GEMMs' rules on collectives and stacks, GEMM1's
-    forward also on packed FP8 rows; the weights' quantisation kernel as ``Fp8WeightCache`` launches it,
+    forward and backward also on packed FP8 rows; the weights' quantisation kernel as ``Fp8WeightCache`` launches it,
     and the dispatched rows' quantise and dequantise passes as ``fp8_rows`` launches them. Each kernel's
     registers, stack, local-memory accesses and shared memory are printed (pytest -s)."""
     out = compile_for_sm90(tmp_path, FP8_SCRIPT)
     print(out)
-    assert "checked 25 kernels" in out
+    assert "checked 29 kernels" in out

@@ -115,33 +115,72 @@ def quantisation_case(device: torch.device, seed: int) -> int:
 
 
 def packed_rows_case(device: torch.device, seed: int) -> int:
-    """``fp8_rows.quantise_rows`` (the rows ``"dispatch": "fp8"`` sends) against ``fp8.quantise_tiles``
-    bit for bit, and ``fp8_rows.dequantise_rows`` against the rows as the emulation's exchange holds them
-    (``Fp8Exchange``), bit for bit: an odd number of rows whose tiles span 2**±40, and the e4m3
-    ``special_rows`` (bf16 subnormals, ties, zeros; infinities and NaNs, whose tiles come back NaN on
-    the GPU). Returns the number of tiles checked."""
+    """``fp8_rows.quantise_rows`` against ``fp8.quantise_tiles`` bit for bit, and ``fp8_rows.dequantise_rows``
+    against the rows as the emulation's exchange holds them (``Fp8Exchange``), bit for bit, in both
+    formats: e4m3, the rows ``"dispatch": "fp8"`` sends, and e5m2, the output gradients ``"gradient_dispatch":
+    "fp8"`` sends under ``"gradient_format": "e5m2"``. On an odd number of rows whose tiles span 2**±40,
+    and the format's ``special_rows`` (bf16 subnormals, ties, zeros; infinities and NaNs, whose tiles come
+    back NaN on the GPU). Returns the number of tiles checked."""
     generator = torch.Generator().manual_seed(seed)
-    rows, columns = 61, 256
-    magnitude = 2.0 ** (torch.rand(rows, columns // 128, generator=generator) * 80 - 40)
-    x = (torch.randn(rows, columns, generator=generator) * magnitude.repeat_interleave(128, dim=1)).bfloat16()
-    x = torch.cat([x, special_rows(fp8.E4M3)]).to(device)
-    packed = fp8_rows.quantise_rows(x)
-    assert packed.shape == (x.shape[0], fp8_rows.packed_row_bytes(columns))
-    values, scales = (part.cpu() for part in fp8_rows.packed_parts(packed, columns))
-    want = fp8.quantise_tiles(x.cpu())
-    nan_tiles = want.scales.isnan()
-    assert torch.equal(scales.isnan(), nan_tiles), "NaN scales differ"
-    assert torch.equal(scales[~nan_tiles], want.scales[~nan_tiles]), "scales differ"
-    finite = ~nan_tiles.repeat_interleave(128, dim=1)
-    wrong = (values.view(torch.uint8) != want.values.view(torch.uint8)) & finite
-    assert not wrong.any(), f"{int(wrong.sum())} values differ, first at {wrong.nonzero()[0].tolist()}"
-    exchange = Fp8Exchange(Fp8Recipe(enabled=True, dispatch="fp8"))
-    emulated = exchange.outgoing(x.cpu())
-    got = fp8_rows.dequantise_rows(packed, columns).cpu()
-    wrong = (got.view(torch.int16) != emulated.view(torch.int16)) & finite
-    assert not wrong.any(), f"{int(wrong.sum())} dequantised values differ, first at {wrong.nonzero()[0].tolist()}"
-    assert got[~finite].isnan().all() or device.type != "cuda", "NaN tiles' dequantised values"
-    return want.scales.numel()
+    checked = 0
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        rows, columns = 61, 256
+        magnitude = 2.0 ** (torch.rand(rows, columns // 128, generator=generator) * 80 - 40)
+        x = (torch.randn(rows, columns, generator=generator) * magnitude.repeat_interleave(128, dim=1)).bfloat16()
+        x = torch.cat([x, special_rows(fmt)]).to(device)
+        packed = fp8_rows.quantise_rows(x, fmt)
+        assert packed.shape == (x.shape[0], fp8_rows.packed_row_bytes(columns))
+        values, scales = (part.cpu() for part in fp8_rows.packed_parts(packed, columns, fmt))
+        want = fp8.quantise_tiles(x.cpu(), fmt)
+        nan_tiles = want.scales.isnan()
+        assert torch.equal(scales.isnan(), nan_tiles), f"{fmt.name}: NaN scales differ"
+        assert torch.equal(scales[~nan_tiles], want.scales[~nan_tiles]), f"{fmt.name}: scales differ"
+        finite = ~nan_tiles.repeat_interleave(128, dim=1)
+        wrong = (values.view(torch.uint8) != want.values.view(torch.uint8)) & finite
+        assert not wrong.any(), f"{fmt.name}: {int(wrong.sum())} values differ, first at {wrong.nonzero()[0].tolist()}"
+        got = fp8_rows.dequantise_rows(packed, columns, fmt).cpu()
+        wrong = (got.view(torch.int16) != exchanged(x.cpu(), fmt).view(torch.int16)) & finite
+        assert not wrong.any(), (
+            f"{fmt.name}: {int(wrong.sum())} dequantised values differ, first at {wrong.nonzero()[0].tolist()}"
+        )
+        assert got[~finite].isnan().all() or device.type != "cuda", f"{fmt.name}: NaN tiles' dequantised values"
+        check_gated_gradient_rows(x, packed, fmt, finite, generator)
+        checked += want.scales.numel()
+    return checked
+
+
+def check_gated_gradient_rows(x, packed, fmt, finite, generator) -> None:
+    """Packed gradient rows with each route's gate folded into their scales (as the backward's dispatch of
+    packed rows delivers them) dequantise to each route's output gradient in the reference pipeline under
+    ``"gradient_dispatch": "fp8"``, bit for bit: the returned row's gradient times the gate, in fp32, in
+    the experts' dtype (autograd through ``outputs * gates``). Where the unscaled values would be bf16
+    subnormals the reference rounds twice: those rows are left out."""
+    gates = torch.rand(x.shape[0], generator=generator) * 0.9 + 0.05
+    gated = packed.clone()
+    fp8_rows.packed_parts(gated, x.shape[1], fmt)[1].mul_(gates[:, None].to(x.device))
+    got = fp8_rows.dequantise_rows(gated, x.shape[1], fmt).cpu()
+    outputs = torch.zeros(x.shape, dtype=torch.bfloat16, requires_grad=True)
+    (outputs * gates[:, None]).backward(exchanged(x.cpu(), fmt).float())
+    unscaled = fp8.quantise_tiles(x.cpu(), fmt).dequantise().abs()
+    compared = finite & ((unscaled == 0) | (unscaled >= 2.0**-126)).all(dim=1, keepdim=True)
+    assert compared.sum() > x.numel() // 2, f"{fmt.name}: too few gated gradients compared"
+    wrong = (got.view(torch.int16) != outputs.grad.view(torch.int16)) & compared
+    assert not wrong.any(), (
+        f"{fmt.name}: {int(wrong.sum())} gated gradients differ, first at {wrong.nonzero()[0].tolist()}"
+    )
+
+
+def exchanged(x: torch.Tensor, fmt: fp8.Fp8Format) -> torch.Tensor:
+    """``x`` as the emulation's exchange delivers it in ``fmt``: e4m3, the tokens that cross under
+    ``"dispatch": "fp8"`` (``Fp8Exchange.outgoing``); e5m2, an output gradient that crosses back under
+    ``"gradient_dispatch": "fp8"`` and ``"gradient_format": "e5m2"`` (the gradient ``Fp8Exchange.returning``
+    passes on)."""
+    if fmt is fp8.E4M3:
+        return Fp8Exchange(Fp8Recipe(enabled=True, dispatch="fp8")).outgoing(x)
+    recipe = Fp8Recipe(enabled=True, gradient_dispatch="fp8", gradient_format=fmt.name)
+    rows = torch.zeros_like(x, requires_grad=True)
+    Fp8Exchange(recipe).returning(rows).backward(x)
+    return rows.grad
 
 
 def weight_quantisation_case(device: torch.device) -> str:
@@ -322,7 +361,8 @@ class GemmCase:
         """GEMM1 on ``rows``: bf16 rows, or packed FP8 rows (uint8, ``fp8_rows``), as ``TritonFp8Gemm`` launches it."""
         lo, q = self.layout.offsets, self.quantised
         rows_fp8 = rows.dtype == fp8_rows.PACKED_DTYPE
-        rows, row_scales = fp8_rows.packed_parts(rows, self.hidden) if rows_fp8 else (rows, rows)
+        fmt = self.gradients if backward else fp8.E4M3
+        rows, row_scales = fp8_rows.packed_parts(rows, self.hidden, fmt) if rows_fp8 else (rows, rows)
         self.launch(
             gemm1_fp8_kernel, rows, row_scales, rows.stride(0), out, pre, q[weight], q[second], q[weight + "_scales"],
             q[second + "_scales"],
@@ -417,7 +457,7 @@ class GemmCase:
         self.check("forward GEMM2", y, h, products)
 
     def backward_gemm1(self) -> None:
-        """g = dY @ W2, on the quantised W2^T."""
+        """g = dY @ W2, on the quantised W2^T; then on dY as ``"gradient_dispatch": "fp8"`` delivers it."""
         dy, g = self.random_rows(self.hidden), self.layout.empty(self.ffn)
         self.gemm1(dy, g, g, "w2t", "w2t", backward=True)
         tensors = self.experts.expert_tensors()
@@ -428,6 +468,33 @@ class GemmCase:
             return self.operands.gradient_product(rows, w2), a, w, None
 
         self.check("backward GEMM1", g, dy, products)
+        self.check_packed_gradients_gemm1(dy)
+
+    def check_packed_gradients_gemm1(self, dy: torch.Tensor) -> None:
+        """g from output gradients packed in the gradient format (``fp8_rows.quantise_rows``), each route's
+        gate folded into its row's tile scales (as the backward's dispatch of packed rows does): the gate
+        times the emulation's product of the quantised gradient by W2, within the same bound."""
+        packed = fp8_rows.quantise_rows(dy, self.gradients)
+        gates = torch.rand(packed.shape[0], generator=self.generator).to(self.device) * 0.9 + 0.05
+        _, scales = fp8_rows.packed_parts(packed, self.hidden, self.gradients)
+        scales.mul_(gates[:, None])  # exact: each scale is a power of two
+        g = self.layout.empty(self.ffn)
+        self.gemm1(packed, g, g, "w2t", "w2t", backward=True)
+        tensors = self.experts.expert_tensors()
+
+        def products(e, rows):
+            first = self.layout.lay["dest_row"][e]  # the expert's rows' place in the buffer, and their gates'
+            gate = gates[first : first + rows.shape[0], None]
+            w2 = tensors[e][4]
+            a, w = self.operands.rows(rows, self.gradients), self.operands.weight(w2, reduced_axis=0).t()
+            return (
+                self.operands.gradient_product(a, w2, quantise_grad=False) * gate,
+                a.double() * gate.double(),
+                w,
+                None,
+            )
+
+        self.check("backward GEMM1 on packed gradients", g, dy, products)
 
     def backward_gemm2(self) -> None:
         """dX = dA @ W1 (+ dA_up @ W3), on the quantised W1^T (and W3^T)."""
