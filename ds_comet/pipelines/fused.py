@@ -13,7 +13,8 @@ crosses each link at most once each way, however many of its k routes share a ra
 Backward, through the same two primitives: the gradient of the combine is a dispatch (each token's
 output gradient travels once to each rank holding one of its routes and becomes each route's
 gate-scaled row there, where its dot product with the route's saved output, the gate's gradient,
-is taken too), overlapped with the GEMM for the gradient of the activation (dY @ W2, which an
+is taken too; packed in FP8 under ``"gradient_dispatch": "fp8"``, each route's gate then in its
+row's tile scales), overlapped with the GEMM for the gradient of the activation (dY @ W2, which an
 elementwise kernel multiplies by act'); the gradient of the dispatch is a combine (the rows' input
 gradients dA @ W1, stored chunk by chunk on the expert ranks, are summed there per staged token and
 read by the source ranks, which collect the gate gradients as they go). The weight gradients are
