@@ -41,47 +41,47 @@ namespace ds_comet {
 // X(name, value) for each. Below it declares ds_comet::k<name>; ds_comet/kernels/constants.py reads
 // these lines from this file, and the binding's codes() exports the compiled values, which the op
 // loader checks against them (a build older than this header is refused).
-#define DS_COMET_CONSTANTS(X)                                                                        \
-    /* What a bounded wait waited for (the error record's kind word). */                             \
-    X(WaitExchangeFlag, 1)  /* a peer's expert counts for this call */                               \
-    X(WaitDispatchTile, 2)  /* the rows of a GEMM1 row tile (waited on in the Triton GEMM) */        \
-    X(WaitCombineChunk, 3)  /* expert outputs of a column chunk finished for this rank */            \
-    X(WorkspaceOverflow, 4) /* more rows or tiles than the workspace holds */                        \
-    X(WaitDispatchStage, 5) /* a peer's staged rows for this rank (one staging piece) */             \
-    X(WaitCombineReduce, 6) /* this rank's GEMM2 rows of other ranks' tokens in a column chunk */    \
+#define DS_COMET_CONSTANTS(X)                                                                           \
+    /* What a bounded wait waited for (the error record's kind word). */                                \
+    X(WaitExchangeFlag, 1)  /* a peer's expert counts for this call */                                  \
+    X(WaitDispatchTile, 2)  /* the rows of a GEMM1 row tile (waited on in the Triton GEMM) */           \
+    X(WaitCombineChunk, 3)  /* expert outputs of a column chunk finished for this rank */               \
+    X(WorkspaceOverflow, 4) /* more rows or tiles than the workspace holds */                           \
+    X(WaitDispatchStage, 5) /* a peer's staged rows for this rank (one staging piece) */                \
+    X(WaitCombineReduce, 6) /* this rank's GEMM2 rows of other ranks' tokens in a column chunk */       \
     X(HeaderMismatch, 7)    /* a peer's exchange header differs (index: source * HeaderWords + word) */ \
-    /* Words of an exchange's header: the layer, the call, the direction, the settings' digest */    \
-    /* (ds_comet/pipelines/exchange_header.py), each below 2**31. */                                 \
-    X(HeaderWords, 4)                                                                                \
-    /* Rows of one staging piece: what a peer's dispatch publishes with one release. */              \
-    X(StagePieceRows, 32)                                                                            \
-    /* The int64 error record in host memory the device can write (pinned, mapped through UVA), */   \
-    /* and the word that holds each of its fields. */                                                \
-    X(ErrorRecordWords, 8)                                                                           \
-    X(ErrorFilled, 0)   /* 1 once the fields below are written */                                    \
-    X(ErrorRank, 1)     /* the rank that gave up */                                                  \
-    X(ErrorKind, 2)     /* what it waited for: a Wait* kind, or WorkspaceOverflow */                 \
-    X(ErrorIndex, 3)    /* which one of them (peer, tile, chunk) */                                  \
-    X(ErrorTarget, 4)   /* the count it waited to reach */                                           \
-    X(ErrorObserved, 5) /* the count it saw last */                                                  \
-    X(ErrorWaitedNs, 6) /* how long it waited */                                                     \
-    /* Longest a wait that gave up waits for another one to finish filling the error record. */      \
-    X(ErrorRecordWaitNs, 1000000000)                                                                 \
-    /* The combine stages each unit's routes in shared memory (16 bytes a route, within the 48 KB */ \
-    /* a launch takes without opting in to more): a token can have at most this many. */             \
-    X(MaxCombineTopK, 3000)                                                                          \
-    /* Words of layout[totals:], and what each holds. */                                             \
-    X(TotalsWords, 9)                                                                                \
-    X(TotalTiles, 0)        /* GEMM1 row tiles on this rank */                                       \
-    X(TotalKept, 1)         /* routes this rank sends (kept by the gate) */                          \
-    X(TotalRecvRows, 2)     /* rows this rank receives */                                            \
-    X(TotalPieces, 3)       /* dispatch pieces this rank sends */                                    \
-    X(TotalGeneration, 4)   /* the call generation */                                                \
-    X(TotalCombineClaim, 5) /* combine work units claimed so far (zeroed by the exchange) */         \
-    /* 1 once a wait that gave up owns the error record (never reset: its trap ends the process's */ \
-    /* CUDA context). */                                                                             \
-    X(TotalErrorClaim, 6)                                                                            \
-    X(TotalOwnRoutes, 7)  /* routes this rank sends to its own experts */                            \
+    /* Words of an exchange's header: the layer, the call, the direction, the settings' digest */       \
+    /* (ds_comet/pipelines/exchange_header.py), each below 2**31. */                                    \
+    X(HeaderWords, 4)                                                                                   \
+    /* Rows of one staging piece: what a peer's dispatch publishes with one release. */                 \
+    X(StagePieceRows, 32)                                                                               \
+    /* The int64 error record in host memory the device can write (pinned, mapped through UVA), */      \
+    /* and the word that holds each of its fields. */                                                   \
+    X(ErrorRecordWords, 8)                                                                              \
+    X(ErrorFilled, 0)   /* 1 once the fields below are written */                                       \
+    X(ErrorRank, 1)     /* the rank that gave up */                                                     \
+    X(ErrorKind, 2)     /* what it waited for: a Wait* kind, or WorkspaceOverflow */                    \
+    X(ErrorIndex, 3)    /* which one of them (peer, tile, chunk) */                                     \
+    X(ErrorTarget, 4)   /* the count it waited to reach */                                              \
+    X(ErrorObserved, 5) /* the count it saw last */                                                     \
+    X(ErrorWaitedNs, 6) /* how long it waited */                                                        \
+    /* Longest a wait that gave up waits for another one to finish filling the error record. */         \
+    X(ErrorRecordWaitNs, 1000000000)                                                                    \
+    /* The combine stages each unit's routes in shared memory (16 bytes a route, within the 48 KB */    \
+    /* a launch takes without opting in to more): a token can have at most this many. */                \
+    X(MaxCombineTopK, 3000)                                                                             \
+    /* Words of layout[totals:], and what each holds. */                                                \
+    X(TotalsWords, 9)                                                                                   \
+    X(TotalTiles, 0)        /* GEMM1 row tiles on this rank */                                          \
+    X(TotalKept, 1)         /* routes this rank sends (kept by the gate) */                             \
+    X(TotalRecvRows, 2)     /* rows this rank receives */                                               \
+    X(TotalPieces, 3)       /* dispatch pieces this rank sends */                                       \
+    X(TotalGeneration, 4)   /* the call generation */                                                   \
+    X(TotalCombineClaim, 5) /* combine work units claimed so far (zeroed by the exchange) */            \
+    /* 1 once a wait that gave up owns the error record (never reset: its trap ends the process's */    \
+    /* CUDA context). */                                                                                \
+    X(TotalErrorClaim, 6)                                                                               \
+    X(TotalOwnRoutes, 7)  /* routes this rank sends to its own experts */                               \
     X(TotalStagedSent, 8) /* rows this rank stages on other ranks (a token once a rank) */
 
 #define DS_COMET_DECLARE_CONSTANT(name, value) constexpr int64_t k##name = value;
@@ -191,9 +191,9 @@ struct DispatchTables {
     const int64_t* peer_meta;          // [P] each rank's meta
     int32_t* route_stage;              // [k S] this rank's route_stage
     // The backward's gate gradient, or both null: the forward's expert outputs by recv row ([recv
-    // rows, H], kept by the caller), and this rank's row_dot, which receives each route's dot
-    // product of its token's (unscaled) row with them. A row of outputs is read only before the
-    // row's count on its GEMM1 tile: the backward's GEMM2, queued after GEMM1, writes over them.
+    // rows, H] in the rows' dtype, bf16 for packed FP8 rows; kept by the caller), and this rank's
+    // row_dot, which receives each route's dot product of its token's (unscaled) row with them. A row of outputs is
+    // read only before the row's count on its GEMM1 tile: the backward's GEMM2, queued after GEMM1, writes over them.
     const void* outputs;
     float* row_dot;
 };
@@ -207,14 +207,21 @@ struct DispatchTables {
 // without routes) is each route's gate: it goes with the staged routes, for the combine's sums there.
 // With `scaled` (the backward; the same on every rank of the group) each route's row is also
 // multiplied by it where it is written to recv.
-// A row is row_bytes bytes (a multiple of 16), recv and stage rows too. dtype_code: 0 = bf16, 1 =
-// fp16, kPackedRowsCode = packed FP8 rows (e4m3 values and their tiles' scales, ds_comet/kernels/
-// fp8_rows.py: the forward under "dispatch": "fp8"), moved as bytes: neither scaled nor with outputs.
-constexpr int kPackedRowsCode = 2;
+// A row is row_bytes bytes (a multiple of 16), recv and stage rows too, and holds `hidden` values.
+// dtype_code: 0 = bf16, 1 = fp16, kPackedE4m3Code or kPackedE5m2Code = packed FP8 rows in that
+// format (ds_comet/kernels/fp8_rows.py: `hidden` value bytes, then the fp32 scales of their
+// kFp8TileElements-element tiles, then padding): the forward's under "dispatch": "fp8" (moved as
+// bytes) and the backward's output gradients under "gradient_dispatch": "fp8", where `scaled`
+// multiplies each tile's scale by the gate (exact: the scales are powers of two) and the value bytes
+// go as they are, and the dot products with the (bf16) outputs take each value times its tile's
+// scale, rounded to bf16, as the reference pipeline's emulation holds the row.
+constexpr int kPackedE4m3Code = 2;
+constexpr int kPackedE5m2Code = 3;
+constexpr int kFp8TileElements = 128;
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t row_bytes,
-                            int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
-                            const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
-                            cudaStream_t stream);
+                            int64_t hidden, int top_k, int dtype_code, bool scaled, const float* route_scale,
+                            int32_t* layout, const DispatchTables& tables, int64_t* route_row, int64_t* error_record,
+                            int blocks, cudaStream_t stream);
 
 // The combine (combine_kernels.cu).
 //

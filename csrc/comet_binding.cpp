@@ -164,11 +164,12 @@ void exchange(const GroupShape& shape, const Workspace& workspace, const torch::
         words.words[w] = static_cast<int32_t>(header[w]);
     }
     const c10::cuda::CUDAGuard device_guard(one_device("exchange", {expert_counts, rank_counts, workspace.layout}));
-    check_launch(ds_comet::launch_exchange(shape, words, expert_counts.data_ptr<int64_t>(), rank_counts.data_ptr<int64_t>(),
-                                           workspace.meta.data_ptr<int32_t>(), workspace.peer_meta.data_ptr<int64_t>(),
-                                           workspace.layout.data_ptr<int32_t>(), as_record(workspace.error_record),
-                                           at::cuda::getCurrentCUDAStream()),
-                 "exchange");
+    check_launch(
+        ds_comet::launch_exchange(shape, words, expert_counts.data_ptr<int64_t>(), rank_counts.data_ptr<int64_t>(),
+                                  workspace.meta.data_ptr<int32_t>(), workspace.peer_meta.data_ptr<int64_t>(),
+                                  workspace.layout.data_ptr<int32_t>(), as_record(workspace.error_record),
+                                  at::cuda::getCurrentCUDAStream()),
+        "exchange");
 }
 
 void plan(const torch::Tensor& indices, int64_t num_experts, torch::Tensor& route_order, torch::Tensor& route_position,
@@ -320,28 +321,46 @@ const float* optional_weights(const torch::Tensor& t, const char* name, int64_t 
 }
 
 // The forward's expert outputs the backward's dispatch takes its dot products with: [rows, hidden]
-// in the tokens' dtype, or empty for none; the workspace's row_dot then has a float per row.
-const void* optional_outputs(const torch::Tensor& outputs, const torch::Tensor& row_dot, const torch::Tensor& tokens) {
+// in the rows' dtype (bf16 for packed FP8 rows), or empty for none; the workspace's row_dot then has
+// a float per row.
+const void* optional_outputs(const torch::Tensor& outputs, const torch::Tensor& row_dot, at::ScalarType dtype,
+                             int64_t hidden) {
     if (outputs.numel() == 0) return nullptr;
-    check_cuda(outputs, "outputs", tokens.scalar_type());
-    TORCH_CHECK(outputs.dim() == 2 && outputs.size(1) == tokens.size(1), "outputs must be [rows, hidden]");
+    check_cuda(outputs, "outputs", dtype);
+    TORCH_CHECK(outputs.dim() == 2 && outputs.size(1) == hidden, "outputs must be [rows, hidden]");
     check_aligned(outputs, "outputs");
     TORCH_CHECK(row_dot.numel() >= outputs.size(0), "the workspace's row_dot must have an entry per row of outputs");
     return outputs.data_ptr();
 }
 
+// The values a packed FP8 row of row_bytes bytes holds (ds_comet/kernels/fp8_rows.py's
+// packed_row_bytes: the values, a byte each, then a fp32 scale per 128-value tile, padded to 16 bytes).
+int64_t packed_row_values(int64_t row_bytes) {
+    const int64_t tile = ds_comet::kFp8TileElements;
+    for (int64_t hidden = tile; hidden < row_bytes; hidden += tile) {
+        const int64_t scale_bytes = hidden / tile * static_cast<int64_t>(sizeof(float));
+        if (hidden + (scale_bytes + 15) / 16 * 16 == row_bytes) return hidden;
+    }
+    TORCH_CHECK(false, "packed FP8 rows of ", row_bytes, " bytes hold no whole number of ", tile, "-value tiles");
+}
+
 void dispatch(const GroupShape& shape, const Workspace& workspace, const torch::Tensor& tokens,
               const torch::Tensor& route_order, const torch::Tensor& route_position, const torch::Tensor& rank_tokens,
               const torch::Tensor& rank_counts, const torch::Tensor& route_scale, bool scaled,
-              const torch::Tensor& outputs, int64_t top_k, int64_t blocks) {
+              const torch::Tensor& outputs, const std::string& packed_format, int64_t top_k, int64_t blocks) {
     TORCH_CHECK(tokens.is_cuda() && tokens.is_contiguous() && tokens.dim() == 2,
                 "tokens must be a contiguous 2-D CUDA tensor");
-    // uint8 tokens are packed FP8 rows (ds_comet/kernels/fp8_rows.py), moved as they are.
+    // uint8 tokens are packed FP8 rows (ds_comet/kernels/fp8_rows.py) whose values are in packed_format.
     const bool packed = tokens.scalar_type() == at::kByte;
-    const int dtype_code = packed ? ds_comet::kPackedRowsCode : dtype_code_of(tokens, "tokens");
+    TORCH_CHECK(packed == !packed_format.empty(),
+                "packed_format names the values' format of packed FP8 rows (uint8 tokens), and only theirs");
+    TORCH_CHECK(!packed || packed_format == "e4m3" || packed_format == "e5m2",
+                "packed_format must be \"e4m3\" or \"e5m2\", got \"", packed_format, "\"");
+    const int dtype_code = !packed                   ? dtype_code_of(tokens, "tokens")
+                           : packed_format == "e4m3" ? ds_comet::kPackedE4m3Code
+                                                     : ds_comet::kPackedE5m2Code;
     TORCH_CHECK(tokens.size(1) * tokens.element_size() % 16 == 0, "a token row must be a multiple of 16 bytes");
-    TORCH_CHECK(!packed || (!scaled && outputs.numel() == 0),
-                "packed FP8 rows are moved as they are: neither scaled nor dotted with outputs");
+    const int64_t hidden = packed ? packed_row_values(tokens.size(1)) : tokens.size(1);
     check_aligned(tokens, "tokens");
     check_cuda(route_order, "route_order", at::kLong);
     check_cuda(route_position, "route_position", at::kLong);
@@ -362,7 +381,8 @@ void dispatch(const GroupShape& shape, const Workspace& workspace, const torch::
     // yet unstages its peers' scaled rows.
     const float* scale = optional_weights(route_scale, "route_scale", route_order.numel());
     TORCH_CHECK(!scaled || scale != nullptr || route_order.numel() == 0, "scaled rows need a route_scale");
-    const void* kept_outputs = optional_outputs(outputs, workspace.row_dot, tokens);
+    const void* kept_outputs =
+        optional_outputs(outputs, workspace.row_dot, packed ? at::kBFloat16 : tokens.scalar_type(), hidden);
     const c10::cuda::CUDAGuard device_guard(one_device(
         "dispatch",
         {tokens, route_order, route_position, rank_tokens, rank_counts, route_scale, outputs, workspace.layout}));
@@ -379,12 +399,12 @@ void dispatch(const GroupShape& shape, const Workspace& workspace, const torch::
                                     workspace.route_stage.data_ptr<int32_t>(),
                                     kept_outputs,
                                     kept_outputs == nullptr ? nullptr : workspace.row_dot.data_ptr<float>()};
-    check_launch(
-        ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0), tokens.size(1) * tokens.element_size(),
-                                  static_cast<int>(top_k), dtype_code, scaled, scale, workspace.layout.data_ptr<int32_t>(), tables,
-                                  workspace.route_row.data_ptr<int64_t>(), as_record(workspace.error_record),
-                                  static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
-        "dispatch");
+    check_launch(ds_comet::launch_dispatch(shape, tokens.data_ptr(), tokens.size(0),
+                                           tokens.size(1) * tokens.element_size(), hidden, static_cast<int>(top_k),
+                                           dtype_code, scaled, scale, workspace.layout.data_ptr<int32_t>(), tables,
+                                           workspace.route_row.data_ptr<int64_t>(), as_record(workspace.error_record),
+                                           static_cast<int>(blocks), at::cuda::getCurrentCUDAStream()),
+                 "dispatch");
 }
 
 void combine(const GroupShape& shape, const Workspace& workspace, const torch::Tensor& expert_out,
@@ -550,7 +570,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "token's row crossing to another rank once",
           py::kw_only(), py::arg("shape"), py::arg("workspace"), py::arg("tokens"), py::arg("route_order"),
           py::arg("route_position"), py::arg("rank_tokens"), py::arg("rank_counts"), py::arg("route_scale"),
-          py::arg("scaled"), py::arg("outputs"), py::arg("top_k"), py::arg("blocks"));
+          py::arg("scaled"), py::arg("outputs"), py::arg("packed_format"), py::arg("top_k"), py::arg("blocks"));
     m.def("combine", &combine,
           "Top-k sum of the routes' expert outputs (weighted by the gates when weighted is true), a token's routes "
           "on one rank summed there first, chunk by chunk; optionally each route's gate gradient",

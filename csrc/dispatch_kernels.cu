@@ -1,6 +1,9 @@
 // ds_comet dispatch: every kept route's token row to its destination's recv buffer. See comet.h.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <type_traits>
 
 #include "bounded_wait.cuh"
 #include "comet.h"
@@ -8,6 +11,18 @@
 
 namespace ds_comet {
 namespace {
+
+// The row type of packed FP8 rows whose values are in kFormat (e4m3 or e5m2): `hidden` value bytes,
+// then the fp32 scales of their kFp8TileElements-element tiles, then padding to the row's bytes
+// (ds_comet/kernels/fp8_rows.py). The dispatch's other row types are the element types bf16 and fp16.
+template <__nv_fp8_interpretation_t kFormat>
+struct PackedFp8 {
+    static constexpr __nv_fp8_interpretation_t format = kFormat;
+};
+template <typename T>
+struct IsPackedFp8 : std::false_type {};
+template <__nv_fp8_interpretation_t kFormat>
+struct IsPackedFp8<PackedFp8<kFormat>> : std::true_type {};
 
 template <typename T>
 __device__ __forceinline__ int4 scaled(int4 raw, float scale) {
@@ -25,24 +40,11 @@ __device__ __forceinline__ int4 load_vector(const int4* at) {
     return FRESH ? __ldcg(at) : *at;
 }
 
-// One warp copies a row of `vectors` 16-byte vectors, four loads in flight per lane (one at a time
-// ran the backward's dispatch at a third of the forward's rate). With scale_it, each element is
-// multiplied by `scale` in fp32 and rounded once.
-template <typename T, bool FRESH>
-__device__ __forceinline__ void copy_row(const int4* src, int4* dst, int64_t vectors, int lane, bool scale_it,
-                                         float scale) {
+// One warp copies `vectors` 16-byte vectors as they are, four loads in flight per lane (one at a
+// time ran the backward's dispatch at a third of the forward's rate).
+template <bool FRESH>
+__device__ __forceinline__ void copy_vectors(const int4* src, int4* dst, int64_t vectors, int lane) {
     int64_t v = lane;
-    if (scale_it) {
-        for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
-            int4 raw[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) raw[j] = load_vector<FRESH>(src + v + j * kWarp);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) dst[v + j * kWarp] = scaled<T>(raw[j], scale);
-        }
-        for (; v < vectors; v += kWarp) dst[v] = scaled<T>(load_vector<FRESH>(src + v), scale);
-        return;
-    }
     for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
         int4 raw[4];
 #pragma unroll
@@ -51,6 +53,62 @@ __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int64_t vec
         for (int j = 0; j < 4; ++j) dst[v + j * kWarp] = raw[j];
     }
     for (; v < vectors; v += kWarp) dst[v] = load_vector<FRESH>(src + v);
+}
+
+// One warp copies a row of `vectors` 16-byte vectors of T's elements. With scale_it, each element
+// is multiplied by `scale` in fp32 and rounded once.
+template <typename T, bool FRESH>
+__device__ __forceinline__ void copy_row(const int4* src, int4* dst, int64_t vectors, int lane, bool scale_it,
+                                         float scale) {
+    if (!scale_it) {
+        copy_vectors<FRESH>(src, dst, vectors, lane);
+        return;
+    }
+    int64_t v = lane;
+    for (; v + 3 * kWarp < vectors; v += 4 * kWarp) {
+        int4 raw[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) raw[j] = load_vector<FRESH>(src + v + j * kWarp);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dst[v + j * kWarp] = scaled<T>(raw[j], scale);
+    }
+    for (; v < vectors; v += kWarp) dst[v] = scaled<T>(load_vector<FRESH>(src + v), scale);
+}
+
+// One warp copies a packed FP8 row of `vectors` 16-byte vectors and `hidden` values: the value bytes
+// as they are, each tile's scale times `gate` (exact: the scales are powers of two), so that the row
+// dequantises to the gate times the unscaled row's values (the padding is copied as it is).
+template <bool FRESH>
+__device__ __forceinline__ void copy_packed_row_scaled(const int4* src, int4* dst, int64_t vectors, int64_t hidden,
+                                                       int lane, float gate) {
+    const int64_t value_vectors = hidden / sizeof(int4), tiles = hidden / kFp8TileElements;
+    copy_vectors<FRESH>(src, dst, value_vectors, lane);
+    for (int64_t v = value_vectors + lane; v < vectors; v += kWarp) {
+        int4 raw = load_vector<FRESH>(src + v);
+        float* scales = reinterpret_cast<float*>(&raw);
+        const int64_t first = (v - value_vectors) * static_cast<int64_t>(sizeof(int4) / sizeof(float));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (first + i < tiles) scales[i] *= gate;
+        }
+        dst[v] = raw;
+    }
+}
+
+// One route's row as it goes to recv: copied, and with scale_it multiplied by `scale` (the route's
+// gate): element by element for rows of bf16 or fp16 (T), in each tile's scale for packed FP8 rows.
+template <typename T, bool FRESH>
+__device__ __forceinline__ void copy_route_row(const int4* src, int4* dst, int64_t vectors, int64_t hidden, int lane,
+                                               bool scale_it, float scale) {
+    if constexpr (IsPackedFp8<T>::value) {
+        if (scale_it) {
+            copy_packed_row_scaled<FRESH>(src, dst, vectors, hidden, lane, scale);
+        } else {
+            copy_vectors<FRESH>(src, dst, vectors, lane);
+        }
+    } else {
+        copy_row<T, FRESH>(src, dst, vectors, lane, scale_it, scale);
+    }
 }
 
 // The dot product in fp32 of two rows of `vectors` 16-byte vectors, by one warp; every lane gets it.
@@ -70,12 +128,61 @@ __device__ __forceinline__ float row_dot_product(const int4* a, const int4* b, i
     return sum;
 }
 
+// One FP8 value in kFormat as fp32, exactly (fp16 holds every e4m3 and every e5m2 value).
+template <__nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ float fp8_to_float(uint8_t bits) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits), kFormat)));
+}
+
+// The dot product in fp32 of a packed FP8 row of `hidden` values in kFormat, dequantised as the
+// reference pipeline's emulation holds it (each value times its tile's scale, rounded to bf16:
+// fp8_rows.dequantise_rows), with a bf16 row `b` of `hidden` elements, by one warp; every lane gets
+// it. FRESH as for load_vector, for the packed row.
+template <__nv_fp8_interpretation_t kFormat, bool FRESH>
+__device__ __forceinline__ float packed_row_dot_product(const int4* packed, const int4* b, int64_t hidden, int lane) {
+    constexpr int kValues = sizeof(int4);                        // FP8 values in a vector of them
+    constexpr int kVectorsPerTile = kFp8TileElements / kValues;  // vectors of values a tile's scale covers
+    const float* scales = reinterpret_cast<const float*>(reinterpret_cast<const char*>(packed) + hidden);
+    float sum = 0.f;
+    for (int64_t v = lane; v < hidden / kValues; v += kWarp) {
+        const int4 raw = load_vector<FRESH>(packed + v);
+        const float scale = FRESH ? __ldcg(scales + v / kVectorsPerTile) : scales[v / kVectorsPerTile];
+        const uint8_t* values = reinterpret_cast<const uint8_t*>(&raw);
+        float y[kValues];
+        Vec8<__nv_bfloat16>::to_float(b[2 * v], y);  // two bf16 vectors a vector of FP8 values
+        Vec8<__nv_bfloat16>::to_float(b[2 * v + 1], y + 8);
+#pragma unroll
+        for (int i = 0; i < kValues; ++i) {
+            const float x = __bfloat162float(__float2bfloat16_rn(fp8_to_float<kFormat>(values[i]) * scale));
+            sum += x * y[i];
+        }
+    }
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
+    return sum;
+}
+
+// The backward's gate gradient of one route: the dot product of its token's unscaled row `src` with
+// the route's saved expert output, row `row` of `outputs` (rows of T, or of bf16 for packed FP8 rows).
+template <typename T, bool FRESH>
+__device__ __forceinline__ float route_row_dot(const int4* src, const void* outputs, int64_t row, int64_t row_bytes,
+                                               int64_t hidden, int lane) {
+    const char* output_rows = static_cast<const char*>(outputs);
+    if constexpr (IsPackedFp8<T>::value) {
+        const char* output = output_rows + row * hidden * static_cast<int64_t>(sizeof(__nv_bfloat16));
+        return packed_row_dot_product<T::format, FRESH>(src, reinterpret_cast<const int4*>(output), hidden, lane);
+    } else {
+        const char* output = output_rows + row * row_bytes;
+        return row_dot_product<T, FRESH>(src, reinterpret_cast<const int4*>(output), row_bytes / sizeof(int4), lane);
+    }
+}
+
 // Own rows, route by route. A piece is the part of one own expert's segment that falls in one row
 // tile: copy its rows, then publish them with one release on that tile's counter.
 template <typename T>
 __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const char* tokens, int64_t num_tokens,
-                               int64_t row_bytes, bool scaled, const float* route_scale, const int32_t* layout,
-                               const DispatchTables& tables, int64_t* route_row) {
+                               int64_t row_bytes, int64_t hidden, bool scaled, const float* route_scale,
+                               const int32_t* layout, const DispatchTables& tables, int64_t* route_row) {
     const int E = shape.num_experts, d = shape.rank;
     const int64_t tile_m = shape.tile_m;
     const LayoutOffsets& lo = shape.layout;
@@ -98,12 +205,10 @@ __device__ void copy_own_piece(const GroupShape& shape, int64_t piece, const cha
         const int64_t token = route % num_tokens;
         // The backward: each route carries its gate times the gradient.
         const int4* src = reinterpret_cast<const int4*>(tokens + token * row_bytes);
-        copy_row<T, false>(src, reinterpret_cast<int4*>(recv + (region_row + r) * row_bytes), row_bytes / sizeof(int4),
-                           lane, scaled, scaled ? route_scale[route] : 1.f);
+        copy_route_row<T, false>(src, reinterpret_cast<int4*>(recv + (region_row + r) * row_bytes),
+                                 row_bytes / sizeof(int4), hidden, lane, scaled, scaled ? route_scale[route] : 1.f);
         if (tables.outputs != nullptr) {  // read before the tile count below (see DispatchTables)
-            const char* output = static_cast<const char*>(tables.outputs) + (region_row + r) * row_bytes;
-            const float dot =
-                row_dot_product<T, false>(src, reinterpret_cast<const int4*>(output), row_bytes / sizeof(int4), lane);
+            const float dot = route_row_dot<T, false>(src, tables.outputs, region_row + r, row_bytes, hidden, lane);
             if (lane == 0) tables.row_dot[region_row + r] = dot;
         }
         if (lane == 0) {
@@ -143,8 +248,8 @@ __device__ void send_staged_piece(const GroupShape& shape, int64_t piece_item, c
     for (int64_t slot = first + warp; slot < last; slot += num_warps) {
         const int64_t token = tables.rank_tokens[d * num_tokens + slot];
         const int64_t at = base + slot;
-        copy_row<T, false>(reinterpret_cast<const int4*>(tokens + token * row_bytes),
-                           reinterpret_cast<int4*>(stage + at * row_bytes), row_bytes / sizeof(int4), lane, false, 1.f);
+        copy_vectors<false>(reinterpret_cast<const int4*>(tokens + token * row_bytes),
+                            reinterpret_cast<int4*>(stage + at * row_bytes), row_bytes / sizeof(int4), lane);
         // The token's routes to d, a lane each, listed in top-k order.
         int64_t found = 0;
         for (int j0 = 0; j0 < top_k; j0 += kWarp) {
@@ -180,7 +285,7 @@ __device__ void send_staged_piece(const GroupShape& shape, int64_t piece_item, c
 // route's dot product with the saved outputs (the backward, with tables.outputs) and counts each row
 // on its GEMM1 row tile.
 template <typename T>
-__device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64_t row_bytes, int top_k,
+__device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64_t row_bytes, int64_t hidden, int top_k,
                               bool scale_rows, int32_t* layout, const DispatchTables& tables, int64_t* error_record) {
     const int P = shape.ep_size, L = shape.num_experts / P, rank = shape.rank;
     const int64_t tile_m = shape.tile_m;
@@ -209,12 +314,10 @@ __device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64
             const int64_t entry = __ldcg(stage_routes + at * top_k + j);  // the same in every lane
             if (entry < 0) break;
             const int64_t row = entry >> 32, pos = entry & 0xFFFFFFFF;
-            copy_row<T, true>(src, reinterpret_cast<int4*>(recv + row * row_bytes), row_bytes / sizeof(int4), lane,
-                              scale_rows, scale_rows ? __ldcg(stage_scale + at * top_k + j) : 1.f);
+            copy_route_row<T, true>(src, reinterpret_cast<int4*>(recv + row * row_bytes), row_bytes / sizeof(int4),
+                                    hidden, lane, scale_rows, scale_rows ? __ldcg(stage_scale + at * top_k + j) : 1.f);
             if (tables.outputs != nullptr) {  // read before the tile count below (see DispatchTables)
-                const char* output = static_cast<const char*>(tables.outputs) + row * row_bytes;
-                const float dot = row_dot_product<T, true>(src, reinterpret_cast<const int4*>(output),
-                                                           row_bytes / sizeof(int4), lane);
+                const float dot = route_row_dot<T, true>(src, tables.outputs, row, row_bytes, hidden, lane);
                 if (lane == 0) tables.row_dot[row] = dot;
             }
             if (lane == 0) origin[row] = (static_cast<int64_t>(q) << 32) | pos;
@@ -235,44 +338,66 @@ __device__ void unstage_piece(const GroupShape& shape, int64_t piece_item, int64
 // receives. A block takes its items in increasing order, so every block has sent all it sends
 // before it waits for anything: a rank's dispatch never waits on a peer's that is itself waiting.
 template <typename T>
-__global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes, int top_k,
-                                bool scaled, const float* route_scale, int32_t* layout, DispatchTables tables,
-                                int64_t* route_row, int64_t* error_record) {
+__global__ void dispatch_kernel(GroupShape shape, const char* tokens, int64_t num_tokens, int64_t row_bytes,
+                                int64_t hidden, int top_k, bool scaled, const float* route_scale, int32_t* layout,
+                                DispatchTables tables, int64_t* route_row, int64_t* error_record) {
     const LayoutOffsets& lo = shape.layout;
     const int64_t own_pieces = layout[lo.totals + kTotalPieces];
     const int64_t sent_pieces = layout[lo.stage_send + shape.ep_size - 1];
     const int64_t items = own_pieces + sent_pieces + layout[lo.stage_recv_piece + shape.ep_size];
     for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
         if (item < own_pieces) {
-            copy_own_piece<T>(shape, item, tokens, num_tokens, row_bytes, scaled, route_scale, layout, tables,
+            copy_own_piece<T>(shape, item, tokens, num_tokens, row_bytes, hidden, scaled, route_scale, layout, tables,
                               route_row);
         } else if (item < own_pieces + sent_pieces) {
             send_staged_piece<T>(shape, item - own_pieces, tokens, num_tokens, row_bytes, top_k, route_scale, layout,
                                  tables, route_row);
         } else {
             // `scaled`, not route_scale: a rank without routes has no scales but unstages scaled rows.
-            unstage_piece<T>(shape, item - own_pieces - sent_pieces, row_bytes, top_k, scaled, layout, tables,
+            unstage_piece<T>(shape, item - own_pieces - sent_pieces, row_bytes, hidden, top_k, scaled, layout, tables,
                              error_record);
         }
         __syncthreads();  // every thread is done with this item before the next one's waits and copies
     }
 }
 
+template <typename T>
+void launch_dispatch_kernel(const GroupShape& shape, const char* rows, int64_t num_tokens, int64_t row_bytes,
+                            int64_t hidden, int top_k, bool scaled, const float* route_scale, int32_t* layout,
+                            const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
+                            cudaStream_t stream) {
+    dispatch_kernel<T><<<blocks, 512, 0, stream>>>(shape, rows, num_tokens, row_bytes, hidden, top_k, scaled,
+                                                   route_scale, layout, tables, route_row, error_record);
+}
+
 }  // namespace
 
 cudaError_t launch_dispatch(const GroupShape& shape, const void* tokens, int64_t num_tokens, int64_t row_bytes,
-                            int top_k, int dtype_code, bool scaled, const float* route_scale, int32_t* layout,
-                            const DispatchTables& tables, int64_t* route_row, int64_t* error_record, int blocks,
-                            cudaStream_t stream) {
+                            int64_t hidden, int top_k, int dtype_code, bool scaled, const float* route_scale,
+                            int32_t* layout, const DispatchTables& tables, int64_t* route_row, int64_t* error_record,
+                            int blocks, cudaStream_t stream) {
     const char* rows = static_cast<const char*>(tokens);
-    // Packed rows are bytes: the element type matters only to scaling and dot products, which they
-    // never take (the binding refuses them), so they run the bf16 kernel.
-    if (dtype_code == 0 || dtype_code == kPackedRowsCode) {
-        dispatch_kernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(
-            shape, rows, num_tokens, row_bytes, top_k, scaled, route_scale, layout, tables, route_row, error_record);
-    } else {
-        dispatch_kernel<__half><<<blocks, 512, 0, stream>>>(shape, rows, num_tokens, row_bytes, top_k, scaled,
-                                                            route_scale, layout, tables, route_row, error_record);
+    switch (dtype_code) {
+        case 0:
+            launch_dispatch_kernel<__nv_bfloat16>(shape, rows, num_tokens, row_bytes, hidden, top_k, scaled,
+                                                  route_scale, layout, tables, route_row, error_record, blocks, stream);
+            break;
+        case 1:
+            launch_dispatch_kernel<__half>(shape, rows, num_tokens, row_bytes, hidden, top_k, scaled, route_scale,
+                                           layout, tables, route_row, error_record, blocks, stream);
+            break;
+        case kPackedE4m3Code:
+            launch_dispatch_kernel<PackedFp8<__NV_E4M3>>(shape, rows, num_tokens, row_bytes, hidden, top_k, scaled,
+                                                         route_scale, layout, tables, route_row, error_record, blocks,
+                                                         stream);
+            break;
+        case kPackedE5m2Code:
+            launch_dispatch_kernel<PackedFp8<__NV_E5M2>>(shape, rows, num_tokens, row_bytes, hidden, top_k, scaled,
+                                                         route_scale, layout, tables, route_row, error_record, blocks,
+                                                         stream);
+            break;
+        default:
+            return cudaErrorInvalidValue;
     }
     return cudaGetLastError();
 }

@@ -265,9 +265,12 @@ def bench_routing(moe, x, experts, ep_size, args):
     hidden = x.shape[-1]
     results["sent_mb_per_route"] = route_rows * hidden * x.element_size() / 1e6
     results["sent_mb_once_per_rank"] = once_rows * hidden * x.element_size() / 1e6
-    # The forward's dispatch under "dispatch": "fp8": packed FP8 rows (values and scales), where blockwise tiles fit.
+    # Where blockwise tiles fit: the forward's dispatch under "dispatch": "fp8" sends packed FP8 rows (values and
+    # scales), and so does the backward's under "gradient_dispatch": "fp8" (the output gradients, as many rows and
+    # bytes); a training step with both then sends two such dispatches and two combines in the tokens' dtype.
     if hidden % FP8_BLOCK == 0:
         results["sent_mb_fp8_rows"] = once_rows * packed_row_bytes(hidden) / 1e6
+        results["sent_mb_fp8_step"] = 2 * (results["sent_mb_fp8_rows"] + results["sent_mb_once_per_rank"])
     results["comm_blocks"] = pipeline.params.comm_blocks
     results["combine_blocks"] = pipeline.params.combine_blocks
     for part, launch in fused_phases(pipeline, x[0], plan, gates.float()).items():
@@ -452,7 +455,10 @@ def print_sent_table(all_results):
     lines = []
     for name, r in all_results.items():
         once = max(r["sent_mb_once_per_rank"], 1e-9)
-        fp8 = f"{r['sent_mb_fp8_rows']:14.1f}{r['sent_mb_fp8_rows'] / once:10.3f}" if "sent_mb_fp8_rows" in r else ""
+        fp8 = ""
+        if "sent_mb_fp8_rows" in r:
+            fp8 = f"{r['sent_mb_fp8_rows']:14.1f}{r['sent_mb_fp8_rows'] / once:10.3f}"
+            fp8 += f"{r['sent_mb_fp8_step']:14.1f}{r['sent_mb_fp8_step'] / (4 * once):10.3f}"
         lines.append(
             f"{name.ljust(40)}{r['sent_mb_per_route']:12.1f}{r['sent_mb_once_per_rank']:16.1f}"
             f"{r['sent_mb_per_route'] / once:10.2f}{fp8}"
@@ -461,7 +467,9 @@ def print_sent_table(all_results):
         "MB one rank sends to the others per exchange (max over ranks): route by route, once per (token, rank) "
         "(every exchange of both ds_comet pipelines, dispatch and combine), their ratio; then the forward's "
         'dispatch once per (token, rank) under "dispatch": "fp8" (e4m3 rows with their 1x128 tiles\' fp32 '
-        "scales; shapes with H a multiple of 128) and its ratio to bf16 rows\n" + "\n".join(lines),
+        'scales; shapes with H a multiple of 128; the backward\'s dispatch under "gradient_dispatch": "fp8" sends '
+        "as many bytes) and its ratio to bf16 rows; then a training step's four exchanges with both FP8 "
+        "dispatches and its ratio to the step in bf16\n" + "\n".join(lines),
         flush=True,
     )
 

@@ -3,15 +3,18 @@ their layout, and the passes that make them and read them back.
 
 A packed row of H elements is ``packed_row_bytes(H)`` bytes: its H values in one FP8 format (e4m3 for
 the tokens; e5m2 is the other format the recipe names, ``"gradient_format"``), then the fp32
-scales of its H / 128 tiles (``fp8.quantise_tiles``: powers of two), then zeros to a multiple of 16
-bytes (the dispatch moves rows as 16-byte vectors, and never reads what a row's bytes mean). A
-[R, H] bf16 row is 2H bytes, a packed one H + H / 32 (rounded up to 16): 0.52 of it at H = 7168.
+scales of its H / 128 tiles (``fp8.quantise_tiles``: powers of two), then padding to a multiple of 16
+bytes (the dispatch moves rows as 16-byte vectors; csrc/dispatch_kernels.cu states this layout
+again, where the backward's dispatch scales a row's scales and decodes its values). A [R, H] bf16
+row is 2H bytes, a packed one H + H / 32 (rounded up to 16): 0.52 of it at H = 7168.
 
-``quantise_rows`` packs the tokens before the dispatch, once a token (the dispatch then stages each
-token's packed row once per rank and copies it to each route's row there); the FP8 GEMM1 reads the
-values and scales where they arrive (``packed_parts``); ``dequantise_rows`` gives the rows as the
-reference pipeline's emulation holds them (``q * scale``, rounded to the tokens' dtype) for what
-takes them in high precision (the first layer's weight gradient). H must be a multiple of 128.
+``quantise_rows`` packs the tokens (and, under ``"gradient_dispatch": "fp8"``, the output gradients)
+before the dispatch, once a token (the dispatch then stages each token's packed row once per rank
+and copies it to each route's row there, in the backward with the route's gate multiplying its
+scales); the FP8 GEMM1 reads the values and scales where they arrive (``packed_parts``);
+``dequantise_rows`` gives the rows as the reference pipeline's emulation holds them (``q * scale``,
+rounded to the tokens' dtype) for what takes them in high precision (the weight gradients). H must
+be a multiple of 128.
 """
 
 import torch

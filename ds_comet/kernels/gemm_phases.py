@@ -63,6 +63,10 @@ class Fp8Facts:
     rows_in_fp8: bool = False
     """``"dispatch": "fp8"``: the forward's rows cross the exchange packed in FP8 (``fp8_rows``), and
     the forward's first layer takes them so (only an implementation that runs it in FP8 can)."""
+    gradients_in_fp8: bool = False
+    """``"gradient_dispatch": "fp8"``: the backward's output gradients cross the exchange packed in
+    ``gradient_format``, each route's gate in its row's scales, and the backward's first layer takes
+    them so (only an implementation that runs it in FP8 can)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..fp8 import Fp8Format
 from .constants import TOTAL_COMBINE_CLAIM, TOTAL_RECV_ROWS
+from .fp8_rows import PACKED_DTYPE
 from .fused_experts import POINTER_NAMES, FusedExperts
 from .gemm_phases import Fp8Facts, GemmFacts, GemmImplementation, Phase, Products
 from .gemm_table import choose
@@ -205,19 +207,30 @@ class FusedKernels:
         scale_rows: bool,
         outputs: Tensor | None = None,
         recv: Tensor | None = None,
+        packed_format: Fp8Format | None = None,
     ):
         """Puts rows[route token] (times gates[route] with ``scale_rows``) in the recv row of every kept
         route; a token's row crosses to another rank once, however many of its routes go there, with
         its routes' gates ([k, S] fp32), for the combine's sums there. Every rank of the group passes
         the same ``scale_rows`` (the backward does, the forward does not).
 
+        ``rows`` are [S, H] in the tokens' dtype, or packed FP8 rows ([S, ``fp8_rows.packed_row_bytes(H)``]
+        uint8) whose values are in ``packed_format`` (given for them only): these cross as they are, and
+        ``scale_rows`` multiplies each route's tile scales by its gate (exact: they are powers of two).
+
         ``outputs`` (the backward, on every rank of the group or on none): the forward's expert outputs
-        by recv row ([R, H]); each route's dot product of its token's row with its output is kept for
-        the combine's ``route_grad``.
+        by recv row ([R, H], bf16 for packed rows); each route's dot product of its token's row (packed:
+        its values times their scales, rounded to bf16) with its output is kept for the combine's
+        ``route_grad``.
 
         ``recv`` (alone in the group only): a contiguous [R, H] tensor that takes the recv rows in place
         of the workspace's buffer. With peers the buffer is where they write, so it must be the buffer.
         """
+        if (rows.dtype == PACKED_DTYPE) != (packed_format is not None):
+            raise ValueError(
+                f"packed FP8 rows ({PACKED_DTYPE}) are dispatched with their values' format and other rows "
+                f"without one: got {rows.dtype} rows and packed_format {packed_format}"
+            )
         if self.alone:
             table = None
             if recv is not None:
@@ -233,7 +246,7 @@ class FusedKernels:
                         f"{rows.device}, got {list(recv.shape)} {recv.dtype} on {recv.device}"
                     )
                 table = torch.full((1,), recv.data_ptr(), dtype=torch.int64, device=rows.device)
-            self.send(rows, plan, gates, scale_rows, outputs, self.buffer.num_sms, table)
+            self.send(rows, plan, gates, scale_rows, outputs, self.buffer.num_sms, table, packed_format)
             return
         if recv is not None:
             raise ValueError(
@@ -243,7 +256,7 @@ class FusedKernels:
         main = torch.cuda.current_stream(rows.device)
         self.buffer.comm_stream.wait_stream(main)
         with torch.cuda.stream(self.buffer.comm_stream):
-            self.send(rows, plan, gates, scale_rows, outputs, self.params.comm_blocks)
+            self.send(rows, plan, gates, scale_rows, outputs, self.params.comm_blocks, packed_format=packed_format)
 
     def send(
         self,
@@ -254,9 +267,11 @@ class FusedKernels:
         outputs: Tensor | None,
         blocks: int,
         recv_table: Tensor | None = None,
+        packed_format: Fp8Format | None = None,
     ):
         """One launch of the dispatch kernel, on the current stream, over ``blocks`` thread blocks;
-        ``recv_table`` ([P] int64 on the device) replaces the workspace's table of recv buffers."""
+        ``recv_table`` ([P] int64 on the device) replaces the workspace's table of recv buffers;
+        ``packed_format``: that of packed FP8 ``rows`` (``dispatch``)."""
         b = self.buffer
         workspace = (
             b.kernel_workspace if recv_table is None else b.kernel_workspace.with_peer_recv(peer_recv=recv_table)
@@ -272,6 +287,7 @@ class FusedKernels:
             route_scale=gates,
             scaled=scale_rows,
             outputs=b.none if outputs is None else outputs,
+            packed_format="" if packed_format is None else packed_format.name,
             top_k=b.shape.top_k,
             blocks=blocks,
         )

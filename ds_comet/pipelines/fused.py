@@ -13,7 +13,8 @@ crosses each link at most once each way, however many of its k routes share a ra
 Backward, through the same two primitives: the gradient of the combine is a dispatch (each token's
 output gradient travels once to each rank holding one of its routes and becomes each route's
 gate-scaled row there, where its dot product with the route's saved output, the gate's gradient,
-is taken too), overlapped with the GEMM for the gradient of the activation (dY @ W2, which an
+is taken too; packed in FP8 under ``"gradient_dispatch": "fp8"``, each route's gate then in its
+row's tile scales), overlapped with the GEMM for the gradient of the activation (dY @ W2, which an
 elementwise kernel multiplies by act'); the gradient of the dispatch is a combine (the rows' input
 gradients dA @ W1, stored chunk by chunk on the expert ranks, are summed there per staged token and
 read by the source ranks, which collect the gate gradients as they go). The weight gradients are
@@ -58,6 +59,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor
 
+from ..fp8 import E4M3, FORMATS
 from ..kernels.fp8_rows import dequantise_rows, packed_rows_in, quantise_rows
 from ..kernels.fp8_weights import Fp8WeightCache
 from ..kernels.fused_experts import FusedExperts
@@ -121,6 +123,8 @@ class FusedPipeline(Pipeline):
         self.fp8 = fp8
         self.fp8_weights = None if fp8 is None else Fp8WeightCache(fp8.phases)
         self.rows_in_fp8 = fp8 is not None and fp8.rows_in_fp8
+        # Under "gradient_dispatch": "fp8" the output gradients cross packed in this format (else None).
+        self.gradient_format = FORMATS[fp8.gradient_format] if fp8 is not None and fp8.gradients_in_fp8 else None
         self.layer_name = "MoE layer"  # in the note its peers read if this rank raises (the selection names it)
         # The layer's exchange headers (exchange_header.py), which the selection keeps; None: every call's
         # header is NO_HEADER.
@@ -280,7 +284,10 @@ class FusedPipeline(Pipeline):
             # point may still be read by kernels queued before it.
             out = torch.empty((num_tokens, hidden), dtype=tokens.dtype, device=tokens.device)
 
-        kernels.dispatch(sent, plan, weights, scale_rows=False, recv=recv if own_rows else None)
+        packed_format = E4M3 if self.rows_in_fp8 else None
+        kernels.dispatch(
+            sent, plan, weights, scale_rows=False, recv=recv if own_rows else None, packed_format=packed_format
+        )
         pre = kernels.first_layer(recv, h, keep_pre=saved is not None)
         kernels.gemm2(h, expert_out, backward=False)
         if saved is not None:
@@ -334,11 +341,16 @@ class FusedPipeline(Pipeline):
         # times the token's gradient (rounded like stock's fp32 combine rounds it). Each route's
         # gate gradient, the dot product of the token's gradient with the route's output, is taken
         # where that output is, on every rank (a peer may need it even where this rank does not).
+        # Under "gradient_dispatch": "fp8" the gradients cross packed (fp8_rows), quantised once a
+        # token here, and the gate goes into each route's tile scales instead.
+        fmt = self.gradient_format
+        sent = grad_out if fmt is None else quantise_rows(grad_out, fmt)
+        recv = buffer.recv if fmt is None else packed_rows_in(buffer.recv, rows, grad_out.shape[1])
         outputs = saved.pop("outputs")
-        kernels.dispatch(grad_out, plan, weights, scale_rows=True, outputs=outputs)
+        kernels.dispatch(sent, plan, weights, scale_rows=True, outputs=outputs, packed_format=fmt)
         # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
         # reuses its memory only for work queued after it on this stream, so the peak stays low.
-        kernels.first_layer_backward(buffer.recv, grad_pre, saved.pop("pre"), act=h)
+        kernels.first_layer_backward(recv, grad_pre, saved.pop("pre"), act=h)
         # GEMM2's rows go over the forward's outputs, saving an [R, H] tensor: the dispatch reads each
         # output row before it counts the row on its GEMM1 tile, and GEMM1 waits for every count (alone
         # in the group the dispatch runs before it on this stream), so no read is left once GEMM1 ends.
@@ -347,23 +359,16 @@ class FusedPipeline(Pipeline):
         # Not finished on the main stream: the weight gradients queued there next hide its tail.
         kernels.combine(plan, grad_rows, None, grad_tokens, route_grad, finish_on_main=False)
         if need_params:
-            # While the combine brings the input gradients home: dW2 = dY_l^T h_l, dW1 = dA_l^T x_l.
-            dw2, db2 = kernels.wgrad(buffer.recv, h)
-            del h
-            x = saved.pop("rows")
-            if self.rows_in_fp8:  # the emulation's rows: the received values times their scales, in bf16
-                x = dequantise_rows(x, grad_out.shape[1])
-            # A gated expert's two first-layer gradients are computed apart, so that each is one
-            # contiguous tensor: a slice of a joint [L, 2F, H] result is copied by autograd when it
-            # accumulates into a stacked [L, F, H] parameter.
-            ffn = kernels.ffn
-            dw1, db1 = kernels.wgrad(grad_pre[:, :ffn], x)
-            dw3, db3 = kernels.wgrad(grad_pre[:, ffn:], x) if kernels.gated else (None, None)
-            param_grads = self.experts.gradients(dw1, db1, dw3, db3, dw2, db2)
+            # While the combine brings the input gradients home: dW2 = dY_l^T h_l, then the first layer's.
+            # Packed gradients as the emulation holds them: the values times their gate-scaled scales, in bf16.
+            dy = recv if fmt is None else dequantise_rows(recv, grad_out.shape[1], fmt)
+            dw2, db2 = kernels.wgrad(dy, h)
+            del h, dy
+            param_grads = self.first_layer_gradients(kernels, grad_pre, saved.pop("rows"), dw2, db2)
         del grad_pre
         kernels.join(
             device,
-            grad_out,
+            sent,
             weights,
             plan.route_order,
             plan.route_position,
@@ -377,6 +382,22 @@ class FusedPipeline(Pipeline):
             grad_weights = route_grad
         saved.clear()
         return grad_tokens, grad_weights, param_grads
+
+    def first_layer_gradients(
+        self, kernels: FusedKernels, grad_pre: Tensor, x: Tensor, dw2: Tensor, db2: Tensor | None
+    ) -> list[Tensor]:
+        """``experts.gradients`` with the first layer's: dW1 = dA_l^T x_l (and dW3 from the up
+        projection's half of ``grad_pre``, [R, F] or gated [R, 2F]) on the received rows ``x`` ([R, H],
+        or packed FP8 rows under ``"dispatch": "fp8"``), beside W2's (``dw2``, ``db2``)."""
+        if self.rows_in_fp8:  # the emulation's rows: the received values times their scales, in bf16
+            x = dequantise_rows(x, kernels.hidden)
+        # A gated expert's two first-layer gradients are computed apart, so that each is one
+        # contiguous tensor: a slice of a joint [L, 2F, H] result is copied by autograd when it
+        # accumulates into a stacked [L, F, H] parameter.
+        ffn = kernels.ffn
+        dw1, db1 = kernels.wgrad(grad_pre[:, :ffn], x)
+        dw3, db3 = kernels.wgrad(grad_pre[:, ffn:], x) if kernels.gated else (None, None)
+        return self.experts.gradients(dw1, db1, dw3, db3, dw2, db2)
 
 
 def header_words(header: ExchangeHeader | None) -> list[int]:

@@ -108,8 +108,7 @@ def structure_reason(experts: LocalExperts, hidden: int, top_k: int, scale_befor
 
 def fp8_fused_reason(why: str) -> str:
     """Why a layer under an enabled ``"fp8"`` recipe does not run the fused pipeline, where nothing
-    else stands in its way: ``why`` (``fp8_reason``'s, ``fp8_exchange_reason``'s or the GEMM table's
-    answer), with the fixes."""
+    else stands in its way: ``why`` (``fp8_reason``'s or the GEMM table's answer), with the fixes."""
     return (
         f'the "fp8" recipe is enabled, and {why}: the reference pipeline emulates the recipe ("overlap": "auto" '
         'or "none"); under "overlap": "fused", "fp8": {"fallback": "bf16"} runs the fused kernels in bf16, and '
@@ -129,19 +128,6 @@ def fp8_shape_reason(recipe: Fp8Recipe, hidden: int, ffn: int) -> str | None:
     return None
 
 
-def fp8_exchange_reason(recipe: Fp8Recipe) -> str | None:
-    """Why the fused pipeline cannot run ``recipe``'s exchange, or None. Its forward dispatch sends
-    the rows in FP8 or in bf16 as the recipe says (``"dispatch"``); its backward dispatch moves the
-    output gradients in the tokens' dtype only (``"gradient_dispatch": "fp8"`` is not built)."""
-    if recipe.gradient_dispatch != "fp8":
-        return None
-    return (
-        'it sends the output gradients across the exchange in FP8 ("gradient_dispatch": "fp8"), which the '
-        'fused backward does not: it moves them in bf16 (with "gradient_dispatch": "bf16" the fused pipeline '
-        "runs the recipe)"
-    )
-
-
 def fp8_facts(recipe: Fp8Recipe, hidden: int, ffn: int) -> Fp8Facts:
     """What ``recipe`` asks of the GEMMs of a layer of these sizes (H, F), as the GEMM table reads it."""
     phases = set()
@@ -149,8 +135,15 @@ def fp8_facts(recipe: Fp8Recipe, hidden: int, ffn: int) -> Fp8Facts:
         phases |= {Phase.FIRST_LAYER, Phase.GEMM2}
     if recipe.input_gradients:
         phases |= {Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD}
-    rows_in_fp8 = recipe.dispatch == "fp8"
-    return Fp8Facts(frozenset(phases), recipe.scaling, recipe.gradient_format, hidden, ffn, rows_in_fp8)
+    return Fp8Facts(
+        frozenset(phases),
+        recipe.scaling,
+        recipe.gradient_format,
+        hidden,
+        ffn,
+        rows_in_fp8=recipe.dispatch == "fp8",
+        gradients_in_fp8=recipe.gradient_dispatch == "fp8",
+    )
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:

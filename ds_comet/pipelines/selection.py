@@ -2,9 +2,9 @@
 
 The fused pipeline runs when the CUDA op builds, the expert-parallel group lies inside one node,
 the kernels know the experts' structure, the tokens are bf16/fp16 on the GPU, and an enabled
-``"fp8"`` recipe is one its FP8 GEMMs run (blockwise scaling on sm_90, rows crossing the exchange
-in FP8 or in bf16, output gradients in bf16: the GEMM table's ``fp8_refusal`` and
-``policy.fp8_exchange_reason``; otherwise the reference pipeline emulates the recipe). A group that
+``"fp8"`` recipe is one its FP8 GEMMs run (blockwise scaling on sm_90, rows and output gradients
+crossing the exchange in FP8 or in bf16: the GEMM table's ``fp8_refusal``; otherwise the reference
+pipeline emulates the recipe). A group that
 spans nodes, its ranks filling them in order, two or more each, runs the hybrid pipeline under the
 same conditions (``hybrid.py``: the fused pipeline among each node's ranks, the reference
 pipeline's exchange between nodes) unless ``"internode_hybrid"`` is false. Otherwise the layer runs
@@ -51,7 +51,6 @@ from .interface import Pipeline
 from .parameters import choose_parameters, offsets_overflow
 from .policy import (
     device_capability,
-    fp8_exchange_reason,
     fp8_facts,
     fp8_fused_reason,
     fp8_layer_reason,
@@ -573,7 +572,6 @@ class PipelineSelection:
         recipe, hidden = self.config.fp8, tokens.shape[-1]
         capability = device_capability(tokens.device)
         why = fp8_reason(tokens.device, capability, tokens.dtype, hidden, fused.ffn, recipe)
-        why = why or fp8_exchange_reason(recipe)
         if why is None:
             facts = fp8_facts(recipe, hidden, fused.ffn)
             why = fp8_refusal(gemm_facts(tokens.dtype, fused, capability, self.spec.ep_size == 1, facts))

@@ -67,8 +67,10 @@ def test_the_fp8_table_gives_each_layers_time_over_the_fp8_layers(capsys):
 
 
 def test_the_sent_table_shows_the_fp8_dispatchs_bytes_at_about_half_bf16s(capsys):
-    """A packed FP8 row is H e4m3 bytes and H / 32 bytes of scales (padded to 16): 0.516 of a bf16 row at
-    H = 7168; a shape whose H blockwise scaling cannot tile shows no FP8 columns."""
+    """A packed FP8 row is H FP8 bytes and H / 32 bytes of scales (padded to 16): 0.516 of a bf16 row at
+    H = 7168; a training step with both dispatches in FP8 (forward rows, backward output gradients) and
+    both combines in bf16 sends (0.516 + 1) / 2 of the bf16 step; a shape whose H blockwise scaling
+    cannot tile shows no FP8 columns."""
     assert packed_row_bytes(7168) == 7168 + 224 and packed_row_bytes(128) == 128 + 16
     rows = 1000
     results = {
@@ -76,11 +78,12 @@ def test_the_sent_table_shows_the_fp8_dispatchs_bytes_at_about_half_bf16s(capsys
             sent_mb_per_route=rows * 2 * 7168 * 2 / 1e6,
             sent_mb_once_per_rank=rows * 7168 * 2 / 1e6,
             sent_mb_fp8_rows=rows * packed_row_bytes(7168) / 1e6,
+            sent_mb_fp8_step=2 * rows * (packed_row_bytes(7168) + 7168 * 2) / 1e6,
         ),
         "gpt-oss": dict(sent_mb_per_route=2.0, sent_mb_once_per_rank=1.0),
     }
     print_sent_table(results)
     lines = capsys.readouterr().out.splitlines()
     dsv3 = next(line for line in lines if line.startswith("dsv3")).split()
-    assert dsv3[-2:] == [f"{rows * 7392 / 1e6:.1f}", "0.516"], dsv3
+    assert dsv3[-4:] == [f"{rows * 7392 / 1e6:.1f}", "0.516", f"{2 * rows * (7392 + 14336) / 1e6:.1f}", "0.758"], dsv3
     assert len(next(line for line in lines if line.startswith("gpt-oss")).split()) == 4

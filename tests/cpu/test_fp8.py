@@ -790,34 +790,29 @@ def test_on_cpu_the_reference_pipeline_emulates_the_recipe(monkeypatch):
 def test_where_the_fused_pipeline_cannot_run_an_enabled_recipe_it_does_not_run_it_in_bf16(
     monkeypatch, overlap, fallback, outcome
 ):
-    """Where the fused pipeline could run the call in bf16 but cannot run the recipe (here: output
-    gradients that cross in FP8, which its backward does not send), an enabled recipe does not let it run
-    silently without the recipe: under "auto" the reference pipeline emulates it (a reason logged);
-    under "fused" that reason is the error, unless "fallback": "bf16" runs the fused kernels in bf16
-    with a warning."""
+    """Where the fused pipeline could run the call in bf16 but cannot run the recipe (here: rowwise
+    scaling, which its FP8 GEMMs do not run), an enabled recipe does not let it run silently without
+    the recipe: under "auto" the reference pipeline emulates it (a reason logged); under "fused" that
+    reason is the error, unless "fallback": "bf16" runs the fused kernels in bf16 with a warning."""
     import ds_comet.pipelines.selection as selection
 
     said = []
     monkeypatch.setattr(selection.logger, "warning", said.append)
-    recipe = {"enabled": True, "gradient_dispatch": "fp8", "fallback": fallback}
+    recipe = {"enabled": True, "scaling": "rowwise", "fallback": fallback}
     moe = _layer(128, FeedForward(128, 128), recipe, overlap=overlap)
     fused = moe.pipelines.experts.fused(128)
     tokens = torch.randn(8, 128, dtype=torch.bfloat16)
     monkeypatch.setattr(selection, "fp8_reason", lambda *args: None)  # a GPU that can run FP8 GEMMs
     monkeypatch.setattr(selection, "device_capability", lambda device: (9, 0))
     answer = moe.pipelines._fp8_fused(fused, tokens)
-    exchange = (
-        'it sends the output gradients across the exchange in FP8 ("gradient_dispatch": "fp8"), which the fused '
-        "backward does not"
-    )
+    refusal = "(triton_fp8 runs blockwise FP8 scaling, not rowwise)"
     assert moe.pipelines._fp8_facts is None
     if outcome == "fused":
         assert answer is fused
-        assert len(said) == 1 and f'in bf16, without its "fp8" recipe ("fallback": "bf16"): {exchange}' in said[0]
+        assert len(said) == 1 and 'in bf16, without its "fp8" recipe ("fallback": "bf16"): ' in said[0]
+        assert refusal in said[0]
     else:
-        assert answer.startswith(
-            f'the "fp8" recipe is enabled, and {exchange}: it moves them in bf16 (with "gradient_dispatch"'
-        )
+        assert answer.startswith('the "fp8" recipe is enabled, and ') and refusal in answer
         assert outcome in answer and '"fp8": {"fallback": "bf16"} runs the fused kernels in bf16' in answer
         assert not said
 
@@ -835,7 +830,14 @@ BACKWARD_PHASES = frozenset({Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD})
         ({"forward": False}, (9, 0), BACKWARD_PHASES),
         ({"scaling": "rowwise"}, (9, 0), "(triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
         ({}, (8, 9), "(triton_fp8 runs on sm_90, not sm_89)"),
-        ({"gradient_dispatch": "fp8"}, (9, 0), '("gradient_dispatch": "fp8")'),
+        ({"gradient_dispatch": "fp8"}, (9, 0), FORWARD_PHASES | BACKWARD_PHASES),
+        ({"gradient_dispatch": "fp8", "gradient_format": "e5m2"}, (9, 0), FORWARD_PHASES | BACKWARD_PHASES),
+        ({"gradient_dispatch": "fp8", "forward": False}, (9, 0), BACKWARD_PHASES),
+        (
+            {"gradient_dispatch": "fp8", "scaling": "rowwise"},
+            (9, 0),
+            "(triton_fp8 runs blockwise FP8 scaling, not rowwise)",
+        ),
         ({"dispatch": "fp8"}, (9, 0), FORWARD_PHASES | BACKWARD_PHASES),
         ({"dispatch": "fp8", "input_gradients": False}, (9, 0), FORWARD_PHASES),
         ({"dispatch": "fp8", "scaling": "rowwise"}, (9, 0), "(triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
@@ -848,6 +850,9 @@ BACKWARD_PHASES = frozenset({Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD})
         "rowwise",
         "sm89",
         "gradient-dispatch",
+        "gradient-dispatch-e5m2",
+        "gradient-dispatch-backward",
+        "gradient-dispatch-rowwise",
         "fp8-dispatch",
         "fp8-dispatch-forward",
         "fp8-dispatch-rowwise",
@@ -855,9 +860,9 @@ BACKWARD_PHASES = frozenset({Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD})
 )
 def test_an_enabled_recipe_runs_on_the_fused_fp8_gemms_where_they_run_it(monkeypatch, recipe, capability, outcome):
     """Blockwise scaling on sm_90 runs on the fused pipeline, rows crossing in bf16 or, with
-    ``"dispatch": "fp8"`` (the default), packed in FP8, its FP8 GEMMs taking the phases the recipe
-    puts in FP8; what they do not run keeps the emulation, with the reason naming what stands in the
-    way (output gradients crossing in FP8 among them)."""
+    ``"dispatch": "fp8"`` (the default), packed in FP8, output gradients likewise with
+    ``"gradient_dispatch"``, its FP8 GEMMs taking the phases the recipe puts in FP8; what they do not
+    run keeps the emulation, with the reason naming what stands in the way."""
     import ds_comet.pipelines.selection as selection
 
     monkeypatch.setattr(selection, "fp8_reason", lambda *args: None)
@@ -871,6 +876,7 @@ def test_an_enabled_recipe_runs_on_the_fused_fp8_gemms_where_they_run_it(monkeyp
         assert facts.phases == outcome and (facts.hidden, facts.ffn) == (128, 256)
         assert (facts.scaling, facts.gradient_format) == ("blockwise", recipe.get("gradient_format", "e4m3"))
         assert facts.rows_in_fp8 == (recipe.get("dispatch") == "fp8")
+        assert facts.gradients_in_fp8 == (recipe.get("gradient_dispatch") == "fp8")
     else:
         assert moe.pipelines._fp8_facts is None
         assert answer.startswith('the "fp8" recipe is enabled, and ') and outcome in answer, answer

@@ -46,6 +46,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Rows cross the exchange in bf16 unless a case says otherwise (FP8_ROWS: packed in FP8, the default).
 RECIPE = {"enabled": True, "dispatch": "bf16"}
 FP8_ROWS = {"dispatch": "fp8"}
+# Output gradients crossing packed in FP8, each route's gate in its row's scales.
+FP8_GRADIENTS = {"gradient_dispatch": "fp8"}
 
 
 def _seed():
@@ -124,6 +126,37 @@ LAYER_CASES = [
         tokens_per_rank=(200, 150),
         recipe={**FP8_ROWS, "input_gradients": False},
     ),
+    # "gradient_dispatch": "fp8": the output gradients cross packed, the backward's GEMM1 takes them so,
+    # W2's gradient their dequantised values, each gate's gradient their dot product with its output.
+    dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(333, 190), skew=4.0, recipe=FP8_GRADIENTS),
+    dict(
+        hidden=512,
+        ffn=256,
+        experts_per_rank=4,
+        k=2,
+        tokens_per_rank=(257, 300),
+        expert_kind="gelu",
+        recipe={**FP8_GRADIENTS, "gradient_format": "e5m2"},
+    ),
+    dict(
+        hidden=256,
+        ffn=512,
+        experts_per_rank=4,
+        k=1,
+        tokens_per_rank=(301, 301),
+        drop_tokens=False,
+        skew=50.0,
+        recipe=FP8_GRADIENTS,
+    ),
+    dict(
+        hidden=384,
+        ffn=256,
+        experts_per_rank=8,
+        k=8,
+        tokens_per_rank=(129, 77),
+        drop_tokens=False,
+        recipe={**FP8_ROWS, **FP8_GRADIENTS, "gradient_format": "e5m2"},
+    ),
 ]
 LAYER_IDS = [
     "swiglu-skewed-drops",
@@ -137,6 +170,10 @@ LAYER_IDS = [
     "fp8-rows-empty-experts",
     "fp8-rows-k8-odd-rows",
     "fp8-rows-forward-only",
+    "fp8-gradients-skewed-drops",
+    "fp8-gradients-e5m2-gelu-bias",
+    "fp8-gradients-empty-experts",
+    "fp8-rows-and-e5m2-gradients-k8-odd-rows",
 ]
 
 
@@ -156,8 +193,9 @@ def fp8_layer_case(
     """The comet MoE layer (stock's gate and experts) under the recipe on the fused pipeline, on the
     emulating reference pipeline, without the recipe on the fused pipeline, and in float64 without
     it, same weights, tokens and routes, over ``micro_batches`` training micro-batches (gradients
-    accumulated): each tensor's relative differences (``rel``) of the fused FP8 run from the others,
-    and how often its layer quantised its weights."""
+    accumulated): each tensor's relative differences (``rel``) of the fused FP8 run from the others
+    (the outputs, the input gradients, the experts' and, where the output gradients cross in FP8, the
+    gate's parameter gradients), and how often its layer quantised its weights."""
     rank, ep_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     moe_kwargs = dict(num_experts=experts_per_rank * ep_size, ep_size=ep_size, k=k, drop_tokens=drop_tokens)
@@ -195,10 +233,14 @@ def fp8_layer_case(
     pipelines = layers["fused"].deepspeed_moe.pipelines
     assert pipelines.reason is None and pipelines.fused.fp8 is not None, f"no fused FP8 GEMMs: {pipelines.reason}"
     assert pipelines.fused.rows_in_fp8 == (full_recipe["dispatch"] == "fp8")
+    gradients_in_fp8 = full_recipe.get("gradient_dispatch") == "fp8"
+    assert (pipelines.fused.gradient_format is not None) == gradients_in_fp8
     tensors = {f"output/input gradient {i}": {n: outputs[n][i] for n in layers} for i in range(2 * micro_batches)}
     params = {name: dict(layer.named_parameters()) for name, layer in layers.items()}
     for pname in params["fused"]:
-        if ".experts." in pname:
+        # The gate's weight takes its gradient from the routes' gate gradients, which the backward's
+        # dispatch takes from the packed rows under "gradient_dispatch": "fp8".
+        if ".experts." in pname or (gradients_in_fp8 and ".gate." in pname):
             tensors[pname] = {name: params[name][pname].grad for name in layers}
     differences = {
         what: {other: rel(by["fused"], by[other]) for other in ("emulated", "plain", "exact")}
