@@ -185,6 +185,7 @@ class PipelineSelection:
         self._said = set()
         self._fp8_layers: dict[int, object] = {}  # fp8_layer_reason's answer, by hidden size
         self._fp8_facts: Fp8Facts | None = None  # what the fused pipeline's FP8 GEMMs run, where they run the recipe
+        self._fp8_applies = False  # whether the last agreement applied the layer's "fp8" recipe
         self.headers = LayerHeaders()  # the header of each call's exchanges (exchange_header.py)
         self.reference.headers = self.headers
 
@@ -346,7 +347,7 @@ class PipelineSelection:
         rank can run the fused pipeline, its workspace. Returns why not fused, or None. ``why`` says
         why this rank asks for the agreement, in the error of a wait that times out."""
         self._fp8_facts = None
-        fp8 = self._set_up_fp8(tokens.shape[-1])
+        fp8 = self._fp8_applies = self._set_up_fp8(tokens.shape[-1])
         if self.config.overlap == "none":
             fused = '"overlap" is "none"'
         else:
@@ -534,6 +535,17 @@ class PipelineSelection:
                 self.experts, hidden, self.spec.top_k, self.spec.scale_before, self.config.fp8
             )
         return self._fp8_layers[hidden]
+
+    @property
+    def fp8_runs(self) -> str | None:
+        """Where the layer runs its ``"fp8"`` recipe since its group last agreed: ``"kernels"`` (the
+        fused pipeline's FP8 GEMMs and dispatch), ``"emulated"`` (the reference pipeline, in float),
+        or None (no recipe, or the layer runs without it: ``"fallback": "bf16"``)."""
+        if not self._fp8_applies:
+            return None
+        if self.reason is None:
+            return "kernels" if self._fp8_facts is not None else None
+        return "emulated"
 
     def _set_up_fp8(self, hidden: int) -> bool:
         """Whether the layer runs its ``"fp8"`` recipe: then the reference pipeline emulates it, with

@@ -19,6 +19,7 @@ import ds_comet
 from ds_comet import fp8
 from ds_comet.config import Fp8Recipe, moe_config_from
 from ds_comet.experts import ACTIVATIONS, FeedForward, GatedFeedForward
+from ds_comet.initialize import PipelineSummary
 from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.pipelines import policy
 from ds_comet.pipelines.expert_weights import ModuleExperts, StackedExperts
@@ -593,6 +594,8 @@ def layer_case(seed: int, dtype_name: str) -> dict:
         differences={name: differences(step) for name, step in steps.items() if name != "plain"},
         experts={name: type(p.reference.experts).__name__ for name, p in pipelines.items()},
         reasons={p.reason for p in pipelines.values()},
+        fp8_runs={name: p.fp8_runs for name, p in pipelines.items()},
+        summary=summary_line(pipelines.values()),
         # Rows that cross quantised are what the first GEMM quantises: the same products, and only
         # the first layer's weight gradients (taken from the rows the expert's rank holds) differ.
         rows_same_output=torch.equal(fp8_run["output"], bf16_rows["output"])
@@ -609,6 +612,17 @@ def layer_case(seed: int, dtype_name: str) -> dict:
     )
 
 
+def summary_line(selections) -> str:
+    """The line ``PipelineSummary`` logs once ``selections`` (which have agreed) have told it."""
+    summary = PipelineSummary(torch.nn.Module())
+    for selection in selections:
+        summary.waiting[id(selection)] = selection
+        summary.total += 1
+    for selection in selections:
+        summary.agreed(selection)
+    return summary.line()
+
+
 @pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
 def test_a_comet_layer_runs_the_recipe_emulated(cpu_pool, dtype_name):
     seed = _seed()
@@ -620,6 +634,9 @@ def test_a_comet_layer_runs_the_recipe_emulated(cpu_pool, dtype_name):
             "fp8 gradient dispatch": "Fp8EmulatedExperts",
         }
         assert all(reason.endswith('"overlap" is "none"') for reason in result["reasons"]), result["reasons"]
+        assert result["fp8_runs"] == {name: None if name == "plain" else "emulated" for name in LAYER_RECIPES}
+        # The job's one line says where the recipe runs.
+        assert result["summary"].endswith('their "fp8" recipe: 3 emulated in float on the reference pipeline')
         for recipe, differences in result["differences"].items():
             for name, difference in differences.items():
                 assert difference <= LAYER_BOUND, f"seed {seed}: {recipe}: {name} differs by {difference:.3g}"
