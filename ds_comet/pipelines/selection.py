@@ -589,6 +589,7 @@ class PipelineSelection:
             why = fp8_refusal(gemm_facts(tokens.dtype, fused, capability, self.spec.ep_size == 1, facts))
             if why is None:
                 self._fp8_facts = facts
+                log_dist_once(FP8_KERNELS_SLOWER, ranks=[0], level=logging.WARNING)  # once a job
                 return fused
         if self.config.overlap == "fused" and recipe.fallback == "bf16":
             self._warn_once(
@@ -604,6 +605,15 @@ class PipelineSelection:
         self._said.add(message)
         if not torch_dist.is_initialized() or torch_dist.get_rank() == 0:
             logger.warning(message)
+
+
+# Said once a job where a layer runs its recipe on the FP8 GEMMs: measured, they do not yet pay
+# for themselves (docs/benchmarks.md, "FP8"), and a user who turned FP8 on for speed must know.
+FP8_KERNELS_SLOWER = (
+    'ds_comet: the "fp8" recipe runs on the fused pipeline\'s FP8 GEMMs, which are not yet tuned: on an '
+    "H100 they run at a quarter to a third of the bf16 GEMMs' rate, and the layer is about half as fast as "
+    'in bf16 (docs/benchmarks.md, "FP8"). Its numbers are the recipe\'s; for speed, leave "fp8" off'
+)
 
 
 def _why_agree(agreed_key, key) -> str:
