@@ -165,3 +165,34 @@ def test_the_operands_dequantise_to_the_emulations_bit_for_bit():
     for g in range(2):
         assert torch.equal((b[g].float() * b_scales[g][None, :]).t(), fp8.quantise_rows(weight[g]).dequantise())
     assert callable(rowwise_grouped_mm)
+
+
+@pytest.mark.parametrize(
+    "recipe, outcome",
+    [
+        ({"gemm2": False}, FIRST_LAYERS),
+        ({"gemm2": False, "input_gradients": False}, frozenset({Phase.FIRST_LAYER})),
+        ({}, "forward GEMM2 here (triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
+        ({"gemm2": False, "dispatch": "fp8"}, "library_fp8 takes the rows in bf16, not packed in FP8"),
+    ],
+    ids=["first-layers", "forward", "gemm2", "fp8-dispatch"],
+)
+def test_a_rowwise_recipe_at_ep1_on_sm90_with_stacked_experts_selects_the_fused_pipeline(monkeypatch, recipe, outcome):
+    """Rowwise scaling with ``"gemm2": false`` runs on the fused pipeline (library_fp8's first layer);
+    with GEMM2 in FP8, or rows crossing in FP8, the emulation keeps it, the reason naming the phase."""
+    import ds_comet.pipelines.selection as selection
+    from ds_comet.experts import GatedFeedForward
+    from tests.cpu.test_fp8 import _layer
+
+    monkeypatch.setattr(selection, "fp8_reason", lambda *args: None)  # a GPU that can run FP8 GEMMs
+    monkeypatch.setattr(selection, "device_capability", lambda device: (9, 0))
+    section = {"enabled": True, "scaling": "rowwise", "dispatch": "bf16", **recipe}
+    moe = _layer(256, GatedFeedForward(256, 128), section, overlap="auto")
+    fused = StackedFusedExperts(Stacked(), "silu")  # AutoEP's stacked experts, bf16
+    answer = moe.pipelines._fp8_fused(fused, torch.randn(8, 256, dtype=BF16))
+    if isinstance(outcome, frozenset):
+        assert answer is fused and moe.pipelines._fp8_facts.phases == outcome
+        assert moe.pipelines._fp8_facts.scaling == "rowwise"
+    else:
+        assert moe.pipelines._fp8_facts is None
+        assert answer.startswith('the "fp8" recipe is enabled, and ') and outcome in answer, answer
