@@ -66,6 +66,13 @@ class Fp8Recipe(DeepSpeedConfigModel):
     """The backward's GEMMs for the input gradients (the output gradient by W2, the gradient of the
     first layer's products by W1 and W3) in FP8."""
 
+    gemm2: bool = True
+    """Within ``forward`` and ``input_gradients``, GEMM2 in FP8 too: the activation by W2 (forward)
+    and the gradient of the first layer's products by W1 and W3 (backward), the GEMMs whose rows the
+    combine takes. ``false``: those two run in high precision and only the first layer's GEMMs (the
+    rows by W1 and W3, the output gradient by W2) in FP8. The fused pipeline runs ``"rowwise"``
+    scaling only so (docs/configuration.md, "Where it runs")."""
+
     weight_gradients: bool = False
     """The weight gradients' GEMMs in FP8: not run yet (must be false). They run in high precision
     from the operands as the expert's rank holds them, as torchao's "rowwise_with_gw_hp" does."""

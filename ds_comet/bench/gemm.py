@@ -65,6 +65,7 @@ from ds_comet.bench.power import Sampler
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.experts import FeedForward, GatedFeedForward
 from ds_comet.kernels.gemm_phases import Phase
+from ds_comet.kernels.library_fp8_phases import rowwise_grouped_mm
 
 PHASES = ("gemm1_fwd", "gemm2_fwd", "gemm1_bwd", "gemm2_bwd", "wgrad_w2", "wgrad_w1")
 FP8_PHASES = ("gemm1_fwd", "gemm2_fwd", "gemm1_bwd", "gemm2_bwd")  # the recipe's; the weight gradients stay bf16
@@ -250,37 +251,16 @@ def phase_calls(pipeline, tokens, indices, experts):
     return phases, counts
 
 
-def rowwise_operands(a: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``torch._scaled_grouped_mm``'s operands for ``a @ weight[g]^T`` over groups of rows, with rowwise
-    e4m3 scaling (``fp8.quantise_rows``: one power-of-two scale per row of ``a`` and per output channel
-    of each weight).
-
-    Args:
-        a: [M, K] rows, grouped by their weight.
-        weight: [G, N, K], each group's weight with K contiguous.
-
-    Returns:
-        (a's values [M, K] e4m3 row-major, the weights' values [G, K, N] e4m3 column-major, a's scales
-        [M] fp32, the weights' scales [G, N] fp32): values times scales are the dequantised operands.
-    """
+def rowwise_scaled_grouped_mm(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor):
+    """A call of ``torch._scaled_grouped_mm`` for ``a @ weight[g]^T`` over groups of rows (``a`` [M, K],
+    ``weight`` [G, N, K], ``offsets`` the groups' row ends, int32), bf16 out, with the "library_fp8"
+    implementation's rowwise operands (``kernels.library_fp8_phases``), quantised once, here, and
+    ``use_fast_accum`` (the library's fastest setting, not the implementation's)."""
     rows = fp8.quantise_rows(a)
     groups, n, k = weight.shape
-    weights = fp8.quantise_rows(weight.reshape(groups * n, k))
-    return (
-        rows.values,
-        weights.values.view(groups, n, k).transpose(-2, -1),
-        rows.scales.view(-1),
-        weights.scales.view(groups, n),
-    )
-
-
-def rowwise_scaled_grouped_mm(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor):
-    """A call of ``torch._scaled_grouped_mm`` on ``rowwise_operands(a, weight)`` grouped by ``offsets``
-    (the groups' row ends, int32), bf16 out; the operands are quantised once, here."""
-    values, weights, scales, weight_scales = rowwise_operands(a, weight)
-    return lambda: torch._scaled_grouped_mm(
-        values, weights, scales, weight_scales, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=True
-    )
+    quantised = fp8.quantise_rows(weight.reshape(groups * n, k))
+    weights = fp8.Quantised(quantised.values.view(groups, n, k), quantised.scales.view(groups, n, 1), (1, k))
+    return lambda: rowwise_grouped_mm(rows, weights, offsets, use_fast_accum=True)
 
 
 def fused_pipeline(hidden, ffn, experts, k, tokens, gated, x, fp8_recipe: dict | None = None):

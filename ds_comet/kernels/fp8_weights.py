@@ -24,6 +24,13 @@ addresses: the cache then quantises them at each gather.
 The copies are ``fp8.quantise_blocks``'s (``quantised_by_torch``); the fused pipeline's bf16 weights
 on the GPU are quantised by a Triton kernel in one pass (``quantised_by_triton``), which gives the
 same bits (tests/cpu/test_fp8_weights.py holds it to ``fp8.py`` in Triton's interpreter).
+
+Under the recipe's rowwise scaling (the library's FP8 GEMMs, ``library_fp8_phases``) each copy is
+``fp8.quantise_rows`` of the same ``[N, K]`` orientation instead: one scale per row, the output
+channel of the GEMM that reads it (``quantised_rowwise``). W2^T's rows are W2's columns, so its copy
+is ``fp8.quantise_columns(W2)`` transposed, bit for bit. Only the first layer's GEMMs run rowwise
+(``ROWWISE_PHASES``): the backward GEMM2's weight, ``[W1; W3]`` in the emulation, takes one scale per
+input channel across W1 and W3 together, which copies of W1^T and W3^T apart would not give.
 """
 
 from dataclasses import dataclass
@@ -55,6 +62,8 @@ QUANTISED = {
     Phase.FIRST_LAYER_BACKWARD: (QuantisedWeight("w2t", "w2", True),),
     Phase.GEMM2_BACKWARD: (QuantisedWeight("w1t", "w1", True), QuantisedWeight("w3t", "w3", True)),
 }
+# The phases whose weights rowwise scaling keeps (the module's docstring).
+ROWWISE_PHASES = frozenset({Phase.FIRST_LAYER, Phase.FIRST_LAYER_BACKWARD})
 # quantised_by_torch's experts at once hold at most this many weight elements: fp8.quantise works in
 # fp32 and holds a few copies of its input, so a Mixtral-sized layer's w1 at once would take gigabytes.
 CHUNK_ELEMENTS = 1 << 25
@@ -82,13 +91,22 @@ class Fp8WeightCache:
     Args:
         phases: the GEMM phases the layer's recipe runs in FP8 (``Fp8Facts.phases``): the weights
             they read are kept (``QUANTISED``).
+        scaling: the recipe's ``"blockwise"`` (128x128 blocks) or ``"rowwise"`` (a scale per row of
+            each copy; only ``ROWWISE_PHASES``).
+
+    Raises:
+        ValueError: rowwise scaling with a phase outside ``ROWWISE_PHASES``.
 
     Attributes:
         quantisations: how many times the weights were quantised (a cache miss each).
     """
 
-    def __init__(self, phases: frozenset[Phase]):
+    def __init__(self, phases: frozenset[Phase], scaling: str = "blockwise"):
         global _step_hook
+        if scaling == "rowwise" and not phases <= ROWWISE_PHASES:
+            outside = ", ".join(phase.value for phase in Phase if phase in phases - ROWWISE_PHASES)
+            raise ValueError(f"rowwise FP8 weights are kept only for the first layer's GEMMs, not the {outside}")
+        self.scaling = scaling
         if _step_hook is None:
             _step_hook = register_optimizer_step_post_hook(_count_step)
         self.wanted = [weight for phase in Phase if phase in phases for weight in QUANTISED.get(phase, ())]
@@ -108,8 +126,8 @@ class Fp8WeightCache:
         Returns:
             By quantised weight name (``QUANTISED``: "w1", "w3", "w2", "w2t", "w1t", "w3t", those the
             phases read and the experts have): ``[L]`` int64 pointers to each local expert's e4m3
-            ``[N, K]`` matrix, and under ``name + "_scales"`` to its fp32 ``[N / 128, K / 128]`` block
-            scales, contiguous.
+            ``[N, K]`` matrix, and under ``name + "_scales"`` to its fp32 scales, contiguous: ``[N / 128,
+            K / 128]`` blocks, or rowwise ``[N, 1]``.
         """
         tensors = experts.expert_tensors()
         sources = {weight.source for weight in self.wanted}
@@ -123,7 +141,8 @@ class Fp8WeightCache:
 
     def quantised(self, name: str) -> fp8.Quantised:
         """The quantised weight ``name`` as the last call's tables point at it: values ``[L, N, K]``
-        e4m3, scales ``[L, N / 128, K / 128]`` fp32, block ``(128, 128)``."""
+        e4m3, scales ``[L, N / 128, K / 128]`` fp32 with block ``(128, 128)``, or rowwise ``[L, N, 1]``
+        with block ``(1, K)``."""
         return self._weights[name]
 
     @property
@@ -139,6 +158,9 @@ class Fp8WeightCache:
             if matrices[0] is None:
                 continue  # W3 of an ungated expert
             wanted = [weight for weight in self.wanted if weight.source == source]
+            if self.scaling == "rowwise":
+                self._weights.update(quantised_rowwise(matrices, wanted))
+                continue
             by_triton = matrices[0].is_cuda and matrices[0].dtype == torch.bfloat16  # the fused FP8 path's weights
             self._weights.update((quantised_by_triton if by_triton else quantised_by_torch)(matrices, wanted))
         self._tables = _pointer_tables(self._weights, device)
@@ -189,6 +211,28 @@ def quantised_by_triton(matrices: list[Tensor], wanted: list[QuantisedWeight]) -
         STORE_T=transposed is not None,
         num_warps=8,  # a [128, 128] block and its transpose: 4 warps spilled 760 bytes a thread
     )
+    return out
+
+
+def quantised_rowwise(matrices: list[Tensor], wanted: list[QuantisedWeight]) -> dict[str, fp8.Quantised]:
+    """Each of ``wanted`` (one source) from the local experts' ``matrices`` (``[N, K]`` each):
+    ``fp8.quantise_rows`` of each expert's matrix, transposed first where asked, stacked over the
+    experts (values ``[L, N, K]`` e4m3, scales ``[L, N, 1]`` fp32, block ``(1, K)``). ``fp8.py``
+    itself, a few experts at a time: a row's scale is its own, so experts stacked along N keep theirs."""
+    out = {}
+    num_local, device = len(matrices), matrices[0].device
+    for weight in wanted:
+        rows, columns = matrices[0].shape[::-1] if weight.transposed else matrices[0].shape
+        values = torch.empty((num_local, rows, columns), dtype=fp8.E4M3.dtype, device=device)
+        scales = torch.empty((num_local, rows, 1), dtype=torch.float32, device=device)
+        step = max(1, CHUNK_ELEMENTS // (rows * columns))
+        for first in range(0, num_local, step):
+            last = min(first + step, num_local)
+            part = torch.stack([m.t() if weight.transposed else m for m in matrices[first:last]])
+            quantised = fp8.quantise_rows(part.reshape(-1, columns))
+            values[first:last] = quantised.values.view(last - first, rows, columns)
+            scales[first:last] = quantised.scales.view(last - first, rows, 1)
+        out[weight.name] = fp8.Quantised(values, scales, (1, columns))
     return out
 
 

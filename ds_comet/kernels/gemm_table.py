@@ -7,12 +7,14 @@ place in the order.
 """
 
 from .gemm_phases import GemmFacts, GemmImplementation, Phase
+from .library_fp8_phases import LibraryFp8Gemm
 from .library_phases import LibraryGemm
 from .triton_fp8_phases import TritonFp8Gemm
 from .triton_phases import TritonGemm
 
 IMPLEMENTATIONS: tuple[GemmImplementation, ...] = (
-    TritonFp8Gemm(),  # only the phases a layer's FP8 recipe puts in FP8, which no other one runs
+    TritonFp8Gemm(),  # only the phases a layer's FP8 recipe puts in FP8 (blockwise), which no other one runs
+    LibraryFp8Gemm(),  # the rowwise recipe's first layer where nothing waits (alone in the group)
     LibraryGemm(),  # where it runs at all (bf16, sm_90, nothing waiting), it was the faster
     TritonGemm(),  # every phase, for every call the fused pipeline takes
 )
@@ -62,7 +64,8 @@ def fp8_refusal(facts: GemmFacts) -> str | None:
         None where every phase the recipe puts in FP8 has an implementation (or the facts hold no
         recipe); else, for the first phase that has none, a sentence naming it with each FP8
         implementation's reason ("the fused pipeline has no FP8 GEMM for its forward first layer
-        here (triton_fp8 runs blockwise FP8 scaling, not rowwise)").
+        here (triton_fp8 runs blockwise FP8 scaling, not rowwise; library_fp8 needs a rank alone in
+        its group ...)").
     """
     if facts.fp8 is None:
         return None

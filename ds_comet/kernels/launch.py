@@ -17,6 +17,7 @@ from torch import Tensor
 from ..fp8 import Fp8Format
 from .constants import TOTAL_COMBINE_CLAIM, TOTAL_RECV_ROWS
 from .fp8_rows import PACKED_DTYPE
+from .fp8_weights import Fp8WeightCache
 from .fused_experts import POINTER_NAMES, FusedExperts
 from .gemm_phases import Fp8Facts, GemmFacts, GemmImplementation, Phase, Products
 from .gemm_table import choose
@@ -123,6 +124,8 @@ class FusedKernels:
         fp8: what the layer's FP8 recipe asks of the GEMMs, None without one.
         fp8_tables: with ``fp8``, the quantised weights' device pointer tables
             (``fp8_weights.Fp8WeightCache.tables``).
+        fp8_weights: with ``fp8``, the cache those tables point into (its stacked copies,
+            ``Fp8WeightCache.quantised``, are what a library FP8 GEMM reads).
     """
 
     buffer: CometBuffer
@@ -132,6 +135,7 @@ class FusedKernels:
     hidden: int
     fp8: Fp8Facts | None = None
     fp8_tables: dict[str, Tensor] = field(default_factory=dict)
+    fp8_weights: Fp8WeightCache | None = None
     _implementations: dict[Phase, GemmImplementation] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )

@@ -20,7 +20,8 @@ and Q the recipe's quantisation (e4m3; tiles along each GEMM's reduction dimensi
   expert's rank holds them, not quantised for a GEMM: ``dW2 = dy^T h``, ``dW13 = dpre^T x``, and
   the biases' gradients the columns' sums, in fp32, rounded to the parameters' dtype.
 
-A GEMM the recipe leaves out takes its operands unquantised, in fp32. The exchange: with
+A GEMM the recipe leaves out takes its operands unquantised, in fp32 (with ``"gemm2": false``, the
+products that give ``y`` and ``dx`` above). The exchange: with
 ``"dispatch": "fp8"`` the rows cross as their quantised values (what the first GEMM takes, so it
 changes no product, but ``x`` above is then the quantised rows); with ``"gradient_dispatch":
 "fp8"`` the output gradient crosses quantised and each route's ``dy`` is its gate times that row,
@@ -45,6 +46,7 @@ class RecipeOperands:
     def __init__(self, recipe: Fp8Recipe):
         self.forward = recipe.forward
         self.input_gradients = recipe.input_gradients
+        self.gemm2 = recipe.gemm2
         self.blockwise = recipe.scaling == "blockwise"
         self.gradient_format = FORMATS[recipe.gradient_format]
         # Where the output gradient crossed in FP8 (Fp8Exchange) it arrives quantised, times the gate.
@@ -62,17 +64,18 @@ class RecipeOperands:
         # Rowwise: one scale per channel the GEMM does not reduce over.
         return (quantise_rows(w) if reduced_axis == 1 else quantise_columns(w)).dequantise()
 
-    def forward_product(self, x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-        """``x @ w^T + bias`` (``[M, K]`` by ``[N, K]``) in fp32, in FP8 where the recipe's forward is."""
-        if self.forward:
+    def forward_product(self, x: Tensor, w: Tensor, bias: Tensor | None, gemm2: bool = False) -> Tensor:
+        """``x @ w^T + bias`` (``[M, K]`` by ``[N, K]``) in fp32, in FP8 where the recipe's forward is
+        (``gemm2``: the product is GEMM2's, in FP8 only where the recipe's ``"gemm2"`` is too)."""
+        if self.forward and (self.gemm2 or not gemm2):
             x, w = self.rows(x), self.weight(w, reduced_axis=1)
         out = x.float() @ w.float().t()
         return out if bias is None else out + bias.float()
 
-    def gradient_product(self, grad: Tensor, w: Tensor, quantise_grad: bool = True) -> Tensor:
+    def gradient_product(self, grad: Tensor, w: Tensor, quantise_grad: bool = True, gemm2: bool = False) -> Tensor:
         """``grad @ w`` (``[M, N]`` by ``[N, K]``) in fp32, in FP8 where the recipe's input gradients
-        are (``quantise_grad`` False: ``grad`` is quantised already)."""
-        if self.input_gradients:
+        are (``quantise_grad`` False: ``grad`` is quantised already; ``gemm2``: as ``forward_product``)."""
+        if self.input_gradients and (self.gemm2 or not gemm2):
             if quantise_grad:
                 grad = self.rows(grad, self.gradient_format)
             w = self.weight(w, reduced_axis=0)
@@ -115,7 +118,7 @@ def expert_forward(operands: RecipeOperands, x: Tensor, tensors: tuple, activati
     _, _, _, _, w2, b2 = tensors
     pre = operands.forward_product(x, w13, b13).to(x.dtype)
     h = _activate(pre, activation, w2.shape[1]).to(x.dtype)
-    return operands.forward_product(h, w2, b2).to(x.dtype), pre, h
+    return operands.forward_product(h, w2, b2, gemm2=True).to(x.dtype), pre, h
 
 
 def expert_backward(
@@ -130,7 +133,7 @@ def expert_backward(
     ffn = w2.shape[1]
     grad_h = operands.gradient_product(grad_y, w2, operands.quantise_output_gradient).to(x.dtype)
     grad_pre = _activation_gradient(pre, grad_h, activation, ffn).to(x.dtype)
-    grad_x = operands.gradient_product(grad_pre, w13).to(x.dtype)
+    grad_x = operands.gradient_product(grad_pre, w13, gemm2=True).to(x.dtype)
     # The weight gradients: high precision, from the operands as this rank holds them.
     grad_y, grad_pre = grad_y.float(), grad_pre.float()
     grad_w13 = grad_pre.t() @ x.float()

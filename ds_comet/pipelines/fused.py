@@ -121,7 +121,7 @@ class FusedPipeline(Pipeline):
         self.size_by_received = size_by_received
         self.tables = PointerTables()
         self.fp8 = fp8
-        self.fp8_weights = None if fp8 is None else Fp8WeightCache(fp8.phases)
+        self.fp8_weights = None if fp8 is None else Fp8WeightCache(fp8.phases, fp8.scaling)
         self.rows_in_fp8 = fp8 is not None and fp8.rows_in_fp8
         # Under "gradient_dispatch": "fp8" the output gradients cross packed in this format (else None).
         self.gradient_format = FORMATS[fp8.gradient_format] if fp8 is not None and fp8.gradients_in_fp8 else None
@@ -233,7 +233,14 @@ class FusedPipeline(Pipeline):
         tables = self.tables.get(self.experts, tokens)
         fp8_tables = {} if self.fp8_weights is None else self.fp8_weights.tables(self.experts, tokens.device)
         return FusedKernels(
-            self.workspace, self.experts, self.params, tables, tokens.shape[1], fp8=self.fp8, fp8_tables=fp8_tables
+            self.workspace,
+            self.experts,
+            self.params,
+            tables,
+            tokens.shape[1],
+            fp8=self.fp8,
+            fp8_tables=fp8_tables,
+            fp8_weights=self.fp8_weights,
         )
 
     def run_forward(

@@ -132,9 +132,9 @@ def fp8_facts(recipe: Fp8Recipe, hidden: int, ffn: int) -> Fp8Facts:
     """What ``recipe`` asks of the GEMMs of a layer of these sizes (H, F), as the GEMM table reads it."""
     phases = set()
     if recipe.forward:
-        phases |= {Phase.FIRST_LAYER, Phase.GEMM2}
+        phases |= {Phase.FIRST_LAYER, Phase.GEMM2} if recipe.gemm2 else {Phase.FIRST_LAYER}
     if recipe.input_gradients:
-        phases |= {Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD}
+        phases |= {Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD} if recipe.gemm2 else {Phase.FIRST_LAYER_BACKWARD}
     return Fp8Facts(
         frozenset(phases),
         recipe.scaling,

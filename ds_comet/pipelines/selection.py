@@ -589,7 +589,8 @@ class PipelineSelection:
             why = fp8_refusal(gemm_facts(tokens.dtype, fused, capability, self.spec.ep_size == 1, facts))
             if why is None:
                 self._fp8_facts = facts
-                log_dist_once(FP8_KERNELS_SLOWER, ranks=[0], level=logging.WARNING)  # once a job
+                if recipe.scaling == "blockwise":  # the Triton FP8 GEMMs, measured; library_fp8 is not yet
+                    log_dist_once(FP8_KERNELS_SLOWER, ranks=[0], level=logging.WARNING)  # once a job
                 return fused
         if self.config.overlap == "fused" and recipe.fallback == "bf16":
             self._warn_once(

@@ -1,29 +1,13 @@
-"""The benchmarks' FP8 additions that run without a GPU: the library's rowwise operands
-(``bench.gemm.rowwise_operands``), the FP8 layer's refusal of a shape it cannot scale, the
+"""The benchmarks' FP8 additions that run without a GPU (the library's rowwise operands are
+tests/cpu/test_library_fp8.py's): the FP8 layer's refusal of a shape it cannot scale, the
 FP8 table's ratios and lines, and the bytes the forward's dispatch sends in FP8."""
 
 import torch
 
-from ds_comet import fp8
 from ds_comet.bench.common import comet_layer, expert_template, moe_kwargs
-from ds_comet.bench.gemm import rowwise_operands
 from ds_comet.bench.layer import FP8_RECIPES, add_fp8_ratios, print_fp8_table, print_sent_table
 from ds_comet.config import Fp8Recipe
 from ds_comet.kernels.fp8_rows import packed_row_bytes
-
-
-def test_the_librarys_operands_are_fp8_pys_rowwise_quantisation_in_its_layouts():
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(37, 256, generator=generator).bfloat16()
-    weight = torch.randn(3, 384, 256, generator=generator).bfloat16()
-    values, weights, scales, weight_scales = rowwise_operands(a, weight)
-    assert values.dtype == weights.dtype == torch.float8_e4m3fn and values.is_contiguous()
-    assert weights.shape == (3, 256, 384) and weights.transpose(-2, -1).is_contiguous()  # column-major
-    assert scales.shape == (37,) and weight_scales.shape == (3, 384)
-    assert torch.equal(values.float() * scales[:, None], fp8.quantise_rows(a).dequantise())
-    for g in range(3):
-        dequantised = weights[g].float() * weight_scales[g][None, :]
-        assert torch.equal(dequantised.t(), fp8.quantise_rows(weight[g]).dequantise())
 
 
 def test_a_shape_the_recipe_cannot_scale_is_refused_by_name():

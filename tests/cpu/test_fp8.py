@@ -822,7 +822,7 @@ def test_where_the_fused_pipeline_cannot_run_an_enabled_recipe_it_does_not_run_i
     monkeypatch.setattr(selection, "fp8_reason", lambda *args: None)  # a GPU that can run FP8 GEMMs
     monkeypatch.setattr(selection, "device_capability", lambda device: (9, 0))
     answer = moe.pipelines._fp8_fused(fused, tokens)
-    refusal = "(triton_fp8 runs blockwise FP8 scaling, not rowwise)"
+    refusal = "(triton_fp8 runs blockwise FP8 scaling, not rowwise; library_fp8 "
     assert moe.pipelines._fp8_facts is None
     if outcome == "fused":
         assert answer is fused
@@ -835,6 +835,8 @@ def test_where_the_fused_pipeline_cannot_run_an_enabled_recipe_it_does_not_run_i
 
 
 FORWARD_PHASES = frozenset({Phase.FIRST_LAYER, Phase.GEMM2})
+# Rowwise scaling runs only on library_fp8, which needs stacked experts (these are one module each).
+ROWWISE_ON_MODULES = "(triton_fp8 runs blockwise FP8 scaling, not rowwise; library_fp8 needs stacked expert weights"
 BACKWARD_PHASES = frozenset({Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD})
 
 
@@ -845,19 +847,19 @@ BACKWARD_PHASES = frozenset({Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD})
         ({"gradient_format": "e5m2"}, (9, 0), FORWARD_PHASES | BACKWARD_PHASES),
         ({"input_gradients": False}, (9, 0), FORWARD_PHASES),
         ({"forward": False}, (9, 0), BACKWARD_PHASES),
-        ({"scaling": "rowwise"}, (9, 0), "(triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
-        ({}, (8, 9), "(triton_fp8 runs on sm_90, not sm_89)"),
+        ({"scaling": "rowwise"}, (9, 0), ROWWISE_ON_MODULES),
+        ({}, (8, 9), "(triton_fp8 runs on sm_90, not sm_89; "),
         ({"gradient_dispatch": "fp8"}, (9, 0), FORWARD_PHASES | BACKWARD_PHASES),
         ({"gradient_dispatch": "fp8", "gradient_format": "e5m2"}, (9, 0), FORWARD_PHASES | BACKWARD_PHASES),
         ({"gradient_dispatch": "fp8", "forward": False}, (9, 0), BACKWARD_PHASES),
         (
             {"gradient_dispatch": "fp8", "scaling": "rowwise"},
             (9, 0),
-            "(triton_fp8 runs blockwise FP8 scaling, not rowwise)",
+            ROWWISE_ON_MODULES,
         ),
         ({"dispatch": "fp8"}, (9, 0), FORWARD_PHASES | BACKWARD_PHASES),
         ({"dispatch": "fp8", "input_gradients": False}, (9, 0), FORWARD_PHASES),
-        ({"dispatch": "fp8", "scaling": "rowwise"}, (9, 0), "(triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
+        ({"dispatch": "fp8", "scaling": "rowwise"}, (9, 0), ROWWISE_ON_MODULES),
     ],
     ids=[
         "blockwise",

@@ -79,6 +79,7 @@ def test_an_implementation_that_refuses_the_dtype_is_skipped_with_its_reason():
     reasons = gemm_table.refusals(Phase.WEIGHT_GRADIENTS, call_facts)
     assert reasons == {
         "triton_fp8": "does not run the weight gradients",
+        "library_fp8": "does not run the weight gradients",
         "library": "takes bfloat16 rows with bfloat16 weights, not float16 rows with float16 weights",
         "triton": None,
     }
@@ -133,14 +134,15 @@ def test_the_phases_an_fp8_recipe_puts_in_fp8_run_on_triton_fp8(call_facts, want
 @pytest.mark.parametrize(
     "call_facts, why",
     [
-        (facts(fp8=recipe(scaling="rowwise")), "runs blockwise FP8 scaling, not rowwise"),
+        (facts(alone=False, fp8=recipe(scaling="rowwise")), "runs blockwise FP8 scaling, not rowwise; library_fp8 "
+                                                             "needs a rank alone in its group"),
         (facts(capability=(8, 9), fp8=recipe()), "runs on sm_90, not sm_89"),
         (facts(capability=(10, 0), fp8=recipe()), "runs on sm_90, not sm_100"),
         (facts(dtype=FP16, fp8=recipe()), "takes bfloat16 rows with bfloat16 weights, not float16 rows"),
         (facts(fp8=recipe(hidden=200)), "needs hidden and FFN sizes that are multiples of 128 (blockwise scaling's "
                                         "tiles), not 200 and 384"),
     ],
-    ids=["rowwise", "sm89", "sm100", "fp16", "hidden"],
+    ids=["rowwise-ep2", "sm89", "sm100", "fp16", "hidden"],
 )  # fmt: skip
 def test_an_fp8_phase_no_fp8_gemm_runs_is_refused_with_the_fp8_implementations_reason(call_facts, why):
     """Never silently in bf16: a phase the recipe puts in FP8 has no implementation where triton_fp8
@@ -189,8 +191,9 @@ def test_a_call_no_implementation_admits_raises_with_every_reason():
         gemm_table.choose(Phase.GEMM2, facts(dtype=torch.float32))
     assert str(raised.value) == (
         "ds_comet: no GEMM implementation runs the forward GEMM2 of this call: triton_fp8 runs only phases an FP8 "
-        "recipe puts in FP8; library does not run the forward GEMM2; triton takes bfloat16 rows with bfloat16 "
-        "weights or float16 rows with float16 weights, not float32 rows with float32 weights"
+        "recipe puts in FP8; library_fp8 does not run the forward GEMM2; library does not run the forward GEMM2; "
+        "triton takes bfloat16 rows with bfloat16 weights or float16 rows with float16 weights, not float32 rows "
+        "with float32 weights"
     )
 
 

@@ -1,0 +1,122 @@
+"""The "library_fp8" GEMM implementation: the rowwise recipe's first layer on ``torch._scaled_grouped_mm``.
+
+On sm_90 torch builds ``torch._scaled_grouped_mm`` from CUTLASS's Hopper grouped GEMM for e4m3
+operands with rowwise fp32 scales: the rows ``a`` ([M, K], row-major) with one scale per row, each
+group's weight ``b`` ([G, K, N], column-major: each group's ``[N, K]`` matrix as stored, transposed)
+with one scale per output channel, grouped by ``offs`` (the groups' row ends, int32); bf16 out.
+That is the recipe's ``"scaling": "rowwise"`` (``fp8.quantise_rows``: power-of-two scales), so the
+emulation's dequantised operands are the library's, bit for bit (``rowwise_operands``).
+
+Like the bf16 library (``library_phases.LibraryGemm``) it has no tile that waits for a dispatch or
+counts rows for the combine, so it runs only the first layer both ways, alone in the group, for
+stacked gated experts, each followed by the call's elementwise step: the forward's ``rows @ W1^T``
+and ``rows @ W3^T``, the backward's ``dY @ W2`` (W2^T's copy, quantised per row of W2^T: W2's
+columns, as ``fp8.quantise_columns`` does). GEMM2 both ways stays with the Triton kernels, which
+count its rows; the recipe's ``"gemm2": false`` leaves it in bf16 (``policy.fp8_facts``).
+
+The rows are quantised by ``fp8.quantise_rows`` itself, one torch pass per operation before each
+GEMM; the weights come from the layer's ``Fp8WeightCache`` (rowwise copies, once per weight version).
+"""
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .. import fp8
+from .gemm_phases import GemmFacts, Needs, Phase
+from .library_phases import LibraryGemm
+
+if TYPE_CHECKING:
+    from .launch import FusedKernels
+
+# torch._scaled_grouped_mm reads K and N in 16-byte units (TMA): a multiple of 16 e4m3 values each.
+ALIGNMENT = 16
+# False: CUTLASS's FP8 mainloop promotes the tensor cores' partial sums into fp32 along K, as the
+# Triton FP8 kernel does every 128, so both meet one bound against the emulation (docs/design.md,
+# "FP8 GEMMs"). With True the tensor cores accumulate all of K in their own fewer bits.
+USE_FAST_ACCUM = False
+FIRST_LAYER_NEEDS = Needs(
+    dtypes=((torch.bfloat16, torch.bfloat16),),
+    capabilities=((9, 0),),
+    torch_functions=("_scaled_grouped_mm",),
+    alone=True,
+    gated=True,
+    stacked=True,
+    fp8_scalings=("rowwise",),
+)
+
+
+def rowwise_operands(rows: fp8.Quantised, weights: fp8.Quantised) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``torch._scaled_grouped_mm``'s operands for ``rows @ weights[g]^T`` over groups of rows.
+
+    Args:
+        rows: ``fp8.quantise_rows`` of [M, K] rows: values [M, K] e4m3, scales [M, 1] fp32.
+        weights: each group's [N, K] matrix quantised per row (``Fp8WeightCache.quantised`` under
+            rowwise scaling): values [G, N, K] e4m3, scales [G, N, 1] fp32.
+
+    Returns:
+        (rows' values [M, K] row-major, the weights' values [G, K, N] column-major (a view), rows'
+        scales [M], the weights' scales [G, N]); values times scales are the dequantised operands.
+    """
+    groups, n = weights.scales.shape[:2]
+    return rows.values, weights.values.transpose(-2, -1), rows.scales.view(-1), weights.scales.view(groups, n)
+
+
+def rowwise_grouped_mm(
+    rows: fp8.Quantised, weights: fp8.Quantised, offsets: Tensor, use_fast_accum: bool = USE_FAST_ACCUM
+) -> Tensor:
+    """Per group g, ``rows[group g] @ weights[g]^T`` in FP8 with rowwise e4m3 scaling.
+
+    Args:
+        rows, weights: as ``rowwise_operands`` takes them (``fp8.quantise_rows`` of [M, K] grouped
+            rows; [G, N, K] e4m3 with scales [G, N, 1]).
+        offsets: [G] int32, where each group's rows end; rows past the last end are not computed.
+        use_fast_accum: ``torch._scaled_grouped_mm``'s (``USE_FAST_ACCUM``).
+
+    Returns:
+        [M, N] bf16.
+    """
+    values, b, scales, b_scales = rowwise_operands(rows, weights)
+    return torch._scaled_grouped_mm(
+        values, b, scales, b_scales, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum
+    )
+
+
+class LibraryFp8Gemm(LibraryGemm):
+    """``torch._scaled_grouped_mm`` on sm_90 for the rowwise recipe's first layer both ways (alone in
+    the group, stacked gated experts, bf16 rows crossing the exchange, e4m3 gradients, hidden and
+    FFN sizes that are multiples of 16); the module's docstring."""
+
+    name = "library_fp8"
+    needs = {Phase.FIRST_LAYER: FIRST_LAYER_NEEDS, Phase.FIRST_LAYER_BACKWARD: FIRST_LAYER_NEEDS}
+
+    def refusal(self, phase: Phase, facts: GemmFacts) -> str | None:
+        """``GemmImplementation.refusal``, and what the library's operands need beyond ``Needs``."""
+        reason = super().refusal(phase, facts)
+        if reason is not None:
+            return reason
+        recipe = facts.fp8
+        if recipe.hidden % ALIGNMENT or recipe.ffn % ALIGNMENT:
+            return (
+                f"needs hidden and FFN sizes that are multiples of {ALIGNMENT} (torch._scaled_grouped_mm's), "
+                f"not {recipe.hidden} and {recipe.ffn}"
+            )
+        if phase == Phase.FIRST_LAYER and recipe.rows_in_fp8:
+            return 'takes the rows in bf16, not packed in FP8 (set "dispatch": "bf16")'
+        if phase == Phase.FIRST_LAYER_BACKWARD and recipe.gradients_in_fp8:
+            return 'takes the output gradients in bf16, not packed in FP8 (set "gradient_dispatch": "bf16")'
+        if phase == Phase.FIRST_LAYER_BACKWARD and recipe.gradient_format != "e4m3":
+            return f"takes e4m3 gradients (torch._scaled_grouped_mm), not {recipe.gradient_format}"
+        return None
+
+    @torch.no_grad()  # the fused autograd function differentiates the layer, not autograd's graph of it
+    def products(self, call: "FusedKernels", rows: Tensor, *names: str) -> tuple[Tensor, ...]:
+        """``LibraryGemm.products`` in FP8: per local expert, over its rows, ``rows @ W^T`` for ``w1`` and
+        ``w3`` ([R, F]), ``rows @ W2`` for ``w2`` (W2^T's rowwise copy, "w2t"), bf16; the rows are
+        quantised once for all of them."""
+        copies = {"w1": "w1", "w3": "w3", "w2": "w2t"}
+        quantised = fp8.quantise_rows(rows)
+        return tuple(
+            rowwise_grouped_mm(quantised, call.fp8_weights.quantised(copies[name]), call.expert_ends) for name in names
+        )

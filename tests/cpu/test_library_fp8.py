@@ -1,0 +1,198 @@
+"""The "library_fp8" GEMM implementation without a GPU: where the GEMM table gives it the rowwise
+recipe's phases and why it refuses the others, its weights and operands against ``fp8.py`` and the
+emulation (``torch._scaled_grouped_mm`` emulated on the CPU after its own shape checks on the meta
+device), and the selection of the fused pipeline for a rowwise recipe at EP=1."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ds_comet import fp8
+from ds_comet.config import Fp8Recipe
+from ds_comet.kernels import gemm_table
+from ds_comet.kernels.fp8_weights import Fp8WeightCache
+from ds_comet.kernels.gemm_phases import Fp8Facts, GemmFacts, Phase
+from ds_comet.kernels.library_fp8_phases import LibraryFp8Gemm, rowwise_grouped_mm, rowwise_operands
+from ds_comet.pipelines.expert_weights import StackedFusedExperts
+from ds_comet.pipelines.fp8_emulation import RecipeOperands
+from ds_comet.pipelines.policy import fp8_facts
+from tests.cpu.test_fp8_weights import Stacked
+
+BF16 = torch.bfloat16
+FIRST_LAYERS = frozenset({Phase.FIRST_LAYER, Phase.FIRST_LAYER_BACKWARD})
+ALL = FIRST_LAYERS | {Phase.GEMM2, Phase.GEMM2_BACKWARD}
+SCALED_GROUPED_MM = torch._scaled_grouped_mm  # torch's, whose meta kernel checks the operands
+
+
+def rowwise(phases=FIRST_LAYERS, hidden=256, ffn=384, **more) -> Fp8Facts:
+    return Fp8Facts(phases, "rowwise", more.pop("gradient_format", "e4m3"), hidden, ffn, **more)
+
+
+def facts(fp8_facts=None, capability=(9, 0), alone=True, gated=True, stacked=True) -> GemmFacts:
+    return GemmFacts(BF16, BF16, capability, alone, gated, stacked, rowwise() if fp8_facts is None else fp8_facts)
+
+
+def chosen(call_facts: GemmFacts) -> list[str]:
+    return [gemm_table.choose(phase, call_facts).name for phase in Phase]
+
+
+def test_the_rowwise_recipes_first_layer_runs_on_library_fp8_alone_with_stacked_gated_experts():
+    assert chosen(facts()) == ["library_fp8", "triton", "library_fp8", "triton", "library"]
+    assert gemm_table.fp8_refusal(facts()) is None
+    forward_only = facts(rowwise(frozenset({Phase.FIRST_LAYER})))
+    assert chosen(forward_only) == ["library_fp8", "triton", "library", "triton", "library"]
+
+
+def test_the_recipe_puts_gemm2_in_fp8_only_with_its_gemm2_key():
+    assert fp8_facts(Fp8Recipe(enabled=True, scaling="rowwise", gemm2=False), 256, 384).phases == FIRST_LAYERS
+    assert fp8_facts(Fp8Recipe(enabled=True, scaling="rowwise"), 256, 384).phases == ALL
+    assert fp8_facts(Fp8Recipe(enabled=True, forward=False, dispatch="bf16", gemm2=False), 256, 384).phases == {
+        Phase.FIRST_LAYER_BACKWARD
+    }
+
+
+@pytest.mark.parametrize(
+    "call_facts, phase, why",
+    [
+        (facts(rowwise(ALL)), Phase.GEMM2, "forward GEMM2 here (triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
+        (facts(alone=False), Phase.FIRST_LAYER, "library_fp8 needs a rank alone in its group"),
+        (facts(stacked=False), Phase.FIRST_LAYER, "library_fp8 needs stacked expert weights"),
+        (facts(gated=False), Phase.FIRST_LAYER, "library_fp8 needs gated experts"),
+        (facts(capability=(8, 9)), Phase.FIRST_LAYER, "library_fp8 runs on sm_90, not sm_89"),
+        (facts(rowwise(hidden=200)), Phase.FIRST_LAYER, "library_fp8 needs hidden and FFN sizes that are multiples "
+                                                        "of 16 (torch._scaled_grouped_mm's), not 200 and 384"),
+        (facts(rowwise(rows_in_fp8=True)), Phase.FIRST_LAYER, 'library_fp8 takes the rows in bf16, not packed in '
+                                                              'FP8 (set "dispatch": "bf16")'),
+        (facts(rowwise(gradients_in_fp8=True)), Phase.FIRST_LAYER_BACKWARD, 'library_fp8 takes the output '
+                                                                            'gradients in bf16'),
+        (facts(rowwise(gradient_format="e5m2")), Phase.FIRST_LAYER_BACKWARD, "library_fp8 takes e4m3 gradients "
+                                                                             "(torch._scaled_grouped_mm), not e5m2"),
+    ],
+    ids=["gemm2", "ep2", "modules", "ungated", "sm89", "hidden", "fp8-dispatch", "fp8-gradient-dispatch", "e5m2"],
+)  # fmt: skip
+def test_a_rowwise_phase_library_fp8_cannot_run_is_refused_by_name(call_facts, phase, why):
+    """Never in bf16 instead: the recipe is refused, naming the phase and library_fp8's reason."""
+    refusal = gemm_table.fp8_refusal(call_facts)
+    assert refusal.startswith(f"the fused pipeline has no FP8 GEMM for its {phase.value} here"), refusal
+    assert why in refusal, refusal
+
+
+def test_without_a_rowwise_recipe_library_fp8_runs_nothing():
+    blockwise = Fp8Facts(ALL, "blockwise", "e4m3", 256, 384)
+    implementation = LibraryFp8Gemm()
+    for phase in FIRST_LAYERS:
+        assert implementation.refusal(phase, facts(blockwise)) == "runs rowwise FP8 scaling, not blockwise"
+        plain = GemmFacts(BF16, BF16, (9, 0), True, True, True)
+        assert implementation.refusal(phase, plain) == "runs only phases an FP8 recipe puts in FP8"
+
+
+def test_the_rowwise_weights_are_fp8_pys_rows_of_each_orientation():
+    """W1 and W3 per output channel (``quantise_rows``), W2^T's rows per input channel of W2
+    (``quantise_columns`` of W2, transposed), bit for bit, a few experts at a time."""
+    experts = StackedFusedExperts(Stacked(), "silu")
+    cache = Fp8WeightCache(FIRST_LAYERS, "rowwise")
+    cache.tables(experts, torch.device("cpu"))
+    for e, (w1, _, w3, _, w2, _) in enumerate(experts.expert_tensors()):
+        for name, want in (
+            ("w1", fp8.quantise_rows(w1)),
+            ("w3", fp8.quantise_rows(w3)),
+            ("w2t", fp8.quantise_columns(w2)),
+        ):
+            got = cache.quantised(name)
+            values = want.values.t() if name == "w2t" else want.values
+            scales = want.scales.t() if name == "w2t" else want.scales
+            assert torch.equal(got.values[e].view(torch.uint8), values.contiguous().view(torch.uint8)), (name, e)
+            assert torch.equal(got.scales[e], scales), (name, e)
+    with pytest.raises(ValueError, match="only for the first layer's GEMMs, not the forward GEMM2"):
+        Fp8WeightCache(ALL, "rowwise")
+
+
+def scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
+    """``torch._scaled_grouped_mm`` emulated: its checks on the meta device, then per group the
+    dequantised operands' fp32 product, rounded to bf16 (rows past the last end stay zero)."""
+    meta = [t if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            for t in (a, b, scale_a, scale_b, offs)]  # fmt: skip
+    SCALED_GROUPED_MM(*meta[:4], offs=meta[4], out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype)
+    start = 0
+    for group, end in enumerate(offs.tolist()):
+        rows = a[start:end].float() * scale_a[start:end, None]
+        out[start:end] = (rows @ (b[group].float() * scale_b[group][None, :])).to(out_dtype)
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 17], [0, 0, 9], [16, 32, 0]], ids=["odd", "empty", "whole"])
+def test_the_products_are_the_emulations_on_the_librarys_operands(monkeypatch, counts):
+    """Per expert the library's product of the operands as laid out for it (rows row-major with one
+    scale each, each weight column-major with one per output channel) is the emulation's product,
+    to a bf16 step (the two sum the same exact products in fp32 in other orders); empty experts,
+    odd row counts and rows past the last expert's end included."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_on_cpu)
+    experts = StackedFusedExperts(Stacked(), "silu")
+    cache = Fp8WeightCache(FIRST_LAYERS, "rowwise")
+    cache.tables(experts, torch.device("cpu"))
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = torch.randn(int(ends[-1]) + 3, 256).to(BF16)  # three rows past the last end
+    call = SimpleNamespace(fp8_weights=cache, expert_ends=ends)
+    first, up, grad = LibraryFp8Gemm().products(call, rows, "w1", "w3", "w2")
+    operands = RecipeOperands(Fp8Recipe(enabled=True, scaling="rowwise", gemm2=False))
+    start = 0
+    for (w1, _, w3, _, w2, _), end in zip(experts.expert_tensors(), ends.tolist()):
+        part = rows[start:end]
+        for got, want in (
+            (first, operands.forward_product(part, w1, None)),
+            (up, operands.forward_product(part, w3, None)),
+            (grad, operands.gradient_product(part, w2)),
+        ):
+            torch.testing.assert_close(got[start:end].float(), want.to(BF16).float(), rtol=2**-7, atol=1e-6)
+        start = end
+    assert not first[start:].any()
+
+
+def test_the_operands_dequantise_to_the_emulations_bit_for_bit():
+    rows = fp8.quantise_rows(torch.randn(7, 64).to(BF16))
+    weight = torch.randn(2, 48, 64).to(BF16)
+    weights = fp8.Quantised(
+        fp8.quantise_rows(weight.reshape(96, 64)).values.view(2, 48, 64),
+        fp8.quantise_rows(weight.reshape(96, 64)).scales.view(2, 48, 1),
+        (1, 64),
+    )
+    values, b, scales, b_scales = rowwise_operands(rows, weights)
+    assert b.shape == (2, 64, 48) and b.stride() == (48 * 64, 1, 64)  # column-major [G, K, N]
+    assert torch.equal(values.float() * scales[:, None], rows.dequantise())
+    for g in range(2):
+        assert torch.equal((b[g].float() * b_scales[g][None, :]).t(), fp8.quantise_rows(weight[g]).dequantise())
+    assert callable(rowwise_grouped_mm)
+
+
+@pytest.mark.parametrize(
+    "recipe, outcome",
+    [
+        ({"gemm2": False}, FIRST_LAYERS),
+        ({"gemm2": False, "input_gradients": False}, frozenset({Phase.FIRST_LAYER})),
+        ({}, "forward GEMM2 here (triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
+        ({"gemm2": False, "dispatch": "fp8"}, "library_fp8 takes the rows in bf16, not packed in FP8"),
+    ],
+    ids=["first-layers", "forward", "gemm2", "fp8-dispatch"],
+)
+def test_a_rowwise_recipe_at_ep1_on_sm90_with_stacked_experts_selects_the_fused_pipeline(monkeypatch, recipe, outcome):
+    """Rowwise scaling with ``"gemm2": false`` runs on the fused pipeline (library_fp8's first layer);
+    with GEMM2 in FP8, or rows crossing in FP8, the emulation keeps it, the reason naming the phase."""
+    import ds_comet.pipelines.selection as selection
+    from ds_comet.experts import GatedFeedForward
+    from tests.cpu.test_fp8 import _layer
+
+    monkeypatch.setattr(selection, "fp8_reason", lambda *args: None)  # a GPU that can run FP8 GEMMs
+    monkeypatch.setattr(selection, "device_capability", lambda device: (9, 0))
+    section = {"enabled": True, "scaling": "rowwise", "dispatch": "bf16", **recipe}
+    moe = _layer(256, GatedFeedForward(256, 128), section, overlap="auto")
+    fused = StackedFusedExperts(Stacked(), "silu")  # AutoEP's stacked experts, bf16
+    answer = moe.pipelines._fp8_fused(fused, torch.randn(8, 256, dtype=BF16))
+    if isinstance(outcome, frozenset):
+        assert answer is fused and moe.pipelines._fp8_facts.phases == outcome
+        assert moe.pipelines._fp8_facts.scaling == "rowwise"
+    else:
+        assert moe.pipelines._fp8_facts is None
+        assert answer.startswith('the "fp8" recipe is enabled, and ') and outcome in answer, answer
