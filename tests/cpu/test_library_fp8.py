@@ -172,7 +172,7 @@ def test_the_operands_dequantise_to_the_emulations_bit_for_bit():
     [
         ({"gemm2": False}, FIRST_LAYERS),
         ({"gemm2": False, "input_gradients": False}, frozenset({Phase.FIRST_LAYER})),
-        ({}, "forward GEMM2 here (triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
+        ({}, 'not rowwise); with "gemm2": false (GEMM2 both ways in bf16) the rest of the recipe would run'),
         ({"gemm2": False, "dispatch": "fp8"}, "library_fp8 takes the rows in bf16, not packed in FP8"),
     ],
     ids=["first-layers", "forward", "gemm2", "fp8-dispatch"],
@@ -196,3 +196,5 @@ def test_a_rowwise_recipe_at_ep1_on_sm90_with_stacked_experts_selects_the_fused_
     else:
         assert moe.pipelines._fp8_facts is None
         assert answer.startswith('the "fp8" recipe is enabled, and ') and outcome in answer, answer
+        if "gemm2" in recipe:  # "gemm2": false would not help: the fix is not offered
+            assert '"gemm2": false' not in answer, answer
