@@ -278,6 +278,27 @@ def test_autoep_layers_run_the_recipe_on_the_fused_fp8_gemms(gpu_pool, preset):
             assert d["exact"] <= LAYER_BOUND + d["plain_exact"], f"seed {seed}: {name}: {d}"
 
 
+# Rowwise scaling on the library's grouped GEMM (library_fp8): the first layer both ways, alone in the
+# group, GEMM2 kept in bf16 by the recipe itself.
+ROWWISE_RECIPE = {"enabled": True, "scaling": "rowwise", "gemm2": False, "dispatch": "bf16"}
+
+
+def test_autoep_layers_run_the_rowwise_recipe_on_the_librarys_fp8_gemm(gpu_pool):
+    pytest.importorskip("transformers")
+    if gpu_pool.world_size > 1:
+        pytest.skip("library_fp8 serves a rank alone in its group (EP=1)")
+    seed = _seed()
+    for differences, ran in gpu_pool.run(fp8_fused_case, preset="mixtral", seed=seed, recipe=ROWWISE_RECIPE):
+        assert ran and all(reason is None and fp8_gemms for reason, fp8_gemms in ran), ran
+        experts = {name: d for name, d in differences.items() if ".experts.w" in name}
+        assert experts, sorted(differences)
+        for name, d in experts.items():
+            assert d["emulated"] <= EMULATION_BOUND, f"seed {seed}: {name}: {d}"
+            assert d["plain"] >= LAYER_FLOOR, f"seed {seed}: {name}: the recipe did not run: {d}"
+        for name, d in differences.items():
+            assert d["exact"] <= LAYER_BOUND + d["plain_exact"], f"seed {seed}: {name}: {d}"
+
+
 def test_fused_fp8_training_quantises_after_every_step_and_follows_the_emulation(gpu_pool):
     """DeepSpeed's ZeRO-2 writes the stepped weights through ``.data``: the layers must see every step."""
     pytest.importorskip("transformers")

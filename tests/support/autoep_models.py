@@ -280,19 +280,20 @@ FUSED_FP8_RECIPE = {"enabled": True, "dispatch": "bf16"}
 FP8_SIZES = (128, 128)
 
 
-def fp8_fused_case(preset: str, seed: int):
-    """One forward and backward of AutoEP on ds_comet under ``FUSED_FP8_RECIPE``, in bf16, on the fused
-    pipeline and on the reference pipeline's emulation; and without the recipe, fused, and AutoEP in
-    fp32 (the same weights). Returns, per tensor (the logits and every parameter's gradient), the fused
-    FP8 run's relative difference from each of those, and the plain run's from AutoEP in fp32; and per
-    comet layer, (its reason for not running the fused pipeline, whether its fused pipeline runs FP8 GEMMs)."""
-    bf16 = torch.bfloat16
-    engine, fused, _ = _forward_backward(preset, "comet", seed, bf16, "fused", fp8=FUSED_FP8_RECIPE, sizes=FP8_SIZES)
+def fp8_fused_case(preset: str, seed: int, recipe: dict | None = None):
+    """One forward and backward of AutoEP on ds_comet under ``recipe`` (``FUSED_FP8_RECIPE`` by
+    default), in bf16, on the fused pipeline and on the reference pipeline's emulation; and without the
+    recipe, fused, and AutoEP in fp32 (the same weights). Returns, per tensor (the logits and every
+    parameter's gradient), the fused FP8 run's relative difference from each of those, and the plain
+    run's from AutoEP in fp32; and per comet layer, (its reason for not running the fused pipeline,
+    whether its fused pipeline runs FP8 GEMMs)."""
+    bf16, recipe = torch.bfloat16, recipe or FUSED_FP8_RECIPE
+    engine, fused, _ = _forward_backward(preset, "comet", seed, bf16, "fused", fp8=recipe, sizes=FP8_SIZES)
     ran = [
         (layer.pipelines.reason, layer.pipelines.fused is not None and layer.pipelines.fused.fp8 is not None)
         for layer in comet_layers(engine)
     ]
-    _, emulated, _ = _forward_backward(preset, "comet", seed, bf16, "none", fp8=FUSED_FP8_RECIPE, sizes=FP8_SIZES)
+    _, emulated, _ = _forward_backward(preset, "comet", seed, bf16, "none", fp8=recipe, sizes=FP8_SIZES)
     _, plain, _ = _forward_backward(preset, "comet", seed, bf16, "fused", sizes=FP8_SIZES)
     _, exact, _ = _forward_backward(preset, "deepspeed", seed, torch.float32, "none", sizes=FP8_SIZES)
     differences = {
