@@ -116,7 +116,7 @@ def describe_error_record(record: torch.Tensor) -> str | None:
     if kind == constants.HEADER_MISMATCH:
         source, word = divmod(index, constants.HEADER_WORDS)
         return (
-            f"ds_comet: rank {rank}'s exchange header differs from peer rank {source}'s in its "
+            f"ds_comet: group rank {rank}'s exchange header differs from group rank {source}'s in its "
             f"{HEADER_FIELDS[word]}: {target} here, {observed} there; the ranks of the expert-parallel group are "
             "not in the same exchange (another layer, another call, a backward or an evaluation forward on some "
             "ranks alone, or a setting changed on some ranks alone)"

@@ -15,7 +15,9 @@ node; between nodes the reference pipeline's NCCL all-to-alls carry the rows, in
   and the counts it exchanges for them are zero.
 
 Each kept route is in exactly one part, with its gate, and both parts weight their routes' outputs
-by the gates; the output is the two parts' sum in fp32, rounded once to the node part's dtype. The
+by the gates; the output is the two parts' outputs (each already in the tokens' dtype) summed in
+fp32 and rounded to the node part's dtype: one rounding more than the whole group's reference
+pipeline gives a token with routes on both sides. The
 gate has already applied its capacity and dropped what it drops: neither part drops more (the
 fused part's workspace is sized by a bound on the rows its node can send a rank). Gradients flow
 through both parts' autograd: the tokens' and the gates' are the sums of the parts' (a part gives
@@ -45,11 +47,35 @@ from .interface import Pipeline
 _NODE_GROUPS: dict = {}
 
 
+def node_groups_reason(bound: bool | None = None) -> str | None:
+    """Why the node groups cannot be made by a node's ranks alone, or None. ``bound``: whether the
+    job's default group is an NCCL group bound to a device (None: read from the job's process group).
+
+    ``node_group`` makes a node's group when a layer first runs, with only that node's ranks
+    taking part. On NCCL, once the default group is bound to a device (``deepspeed.init_distributed``
+    binds it on GPUs), torch makes every new group at once by splitting the whole job's communicator,
+    and each split waits for every rank of the job. Ranks outside the node never take part, for
+    example a pipeline stage that waits for its activations, or an expert-parallel group that
+    decided otherwise. The members would then wait in NCCL's setup, where no bound of ours reaches.
+    """
+    if bound is None:
+        bound = torch_dist.is_initialized() and torch_dist.get_backend() == "nccl"
+        bound = bound and getattr(torch_dist.distributed_c10d._get_default_group(), "bound_device_id", None) is not None
+    if not bound:
+        return None
+    return (
+        "the hybrid pipeline makes each node's process group when a layer first runs, which NCCL cannot do "
+        "for a node's ranks alone once the default group is bound to a device (deepspeed.init_distributed "
+        'binds it on GPUs); "internode_hybrid": false says to run the reference pipeline here'
+    )
+
+
 def node_group(ranks: tuple[int, ...]):
     """The process group of one node's ``ranks`` (global ranks, in group order), made the first time
     it is asked for: collectively, by those ranks only (``use_local_synchronization``), so that
-    other nodes and other expert-parallel groups need not join. Every rank of a node asks for the
-    same groups in the same order (the layers' agreements, in model order)."""
+    other nodes and other expert-parallel groups need not join (where ``node_groups_reason`` says
+    they need not). Every rank of a node asks for the same groups in the same order (the layers'
+    agreements, in model order)."""
     key = (torch_dist.group.WORLD, ranks)
     if key not in _NODE_GROUPS:
         _NODE_GROUPS[key] = torch_dist.new_group(list(ranks), use_local_synchronization=True)

@@ -46,7 +46,7 @@ from .exchange_header import GroupDisagreement, LayerHeaders, check_header, sett
 from .expert_weights import LocalExperts
 from .fp8_emulation import Fp8EmulatedExperts, Fp8Exchange
 from .fused import FusedPipeline
-from .hybrid import HybridPipeline, NodeSplit, node_group
+from .hybrid import HybridPipeline, NodeSplit, node_group, node_groups_reason
 from .interface import Pipeline
 from .parameters import choose_parameters, offsets_overflow
 from .policy import (
@@ -442,6 +442,16 @@ class PipelineSelection:
         per_node = hybrid_layout(nodes, self.config.internode_hybrid)
         if isinstance(per_node, str):
             return per_node
+        if self._fp8_applies:
+            # The reference pipeline's part would emulate the recipe in float: one layer with two numerics.
+            return (
+                'the "fp8" recipe has no FP8 exchange between nodes (the reference pipeline emulates it there), '
+                'and the hybrid pipeline would run it two ways in one layer; "fp8": {"enabled": false} runs the '
+                "hybrid pipeline in bf16"
+            )
+        reason = node_groups_reason()
+        if reason is not None:
+            return reason
         starts = range(0, len(nodes), per_node)
         for start in starts:  # every node's ranks, on every rank
             reason = group_reason(gpus[start : start + per_node])

@@ -16,6 +16,7 @@ import torch
 from deepspeed import comm as dist
 
 import ds_comet
+from ds_comet.pipelines import hybrid
 from ds_comet.pipelines.hybrid import HybridPipeline, NodeSplit, node_group
 from ds_comet.pipelines.policy import RANKS_PER_NODE_VAR, hybrid_layout, node_blocks
 from ds_comet.pipelines.reference import ReferencePipeline
@@ -169,11 +170,20 @@ def test_hybrid_equals_the_whole_groups_reference_pipeline(
     )
 
 
-def selection_case(seed, hybrid_on):
+# Why the selection keeps the reference pipeline, by case: the hybrid turned off, an FP8 recipe (which
+# the hybrid would run two ways), node groups that NCCL could not make for a node alone.
+KEPT_REFERENCE = {
+    "opted-out": '"internode_hybrid" is false',
+    "fp8": 'the "fp8" recipe has no FP8 exchange between nodes',
+    "bound": "NCCL cannot do for a node's ranks alone",
+}
+
+
+def selection_case(seed, mode):
     """The selection of a layer across two declared nodes of two ranks, where every rank could run the
     fused pipeline (the reference pipeline on the node's group stands in for it): it builds the
-    hybrid, whose layer (gate included) gives what the layer on the reference pipeline gives; with
-    ``"internode_hybrid"`` false, the reference pipeline and the reason."""
+    hybrid, whose layer (gate included) gives what the layer on the reference pipeline gives; in the
+    cases of ``KEPT_REFERENCE``, the reference pipeline and the reason."""
     from types import SimpleNamespace
 
     import ds_comet.pipelines.selection as selection
@@ -186,7 +196,14 @@ def selection_case(seed, hybrid_on):
     results = {}
     try:
         for overlap in ("auto", "none"):
-            moe = {"backend": "comet", "overlap": overlap, "internode_chunks": 2, "internode_hybrid": hybrid_on}
+            moe = {
+                "backend": "comet",
+                "overlap": overlap,
+                "internode_chunks": 2,
+                "internode_hybrid": mode != "opted-out",
+            }
+            if mode == "fp8":
+                moe["fp8"] = {"enabled": True, "scaling": "rowwise"}
             torch.manual_seed(seed)
             layer = ds_comet.MoE(
                 HIDDEN, make_expert("gelu", HIDDEN, FFN), num_experts=8, ep_size=4, k=2, config={"moe": moe}
@@ -200,23 +217,33 @@ def selection_case(seed, hybrid_on):
                 pipelines.fused = ReferencePipeline(pipelines.experts, on.num_experts, on.ep_size, group=on.group)
 
             pipelines._build_fused = stand_in
+            pipelines._fp8_fused = lambda fused, tokens: fused  # a GPU whose FP8 GEMMs run the recipe
+            if mode == "bound":
+                selection.node_groups_reason = lambda: hybrid.node_groups_reason(bound=True)
             generator = torch.Generator().manual_seed(seed + rank)
             tokens = torch.randn(1, 20 + 5 * rank, HIDDEN, generator=generator, requires_grad=True)
             out, l_aux, _ = layer(tokens)
             torch.autograd.backward([out, l_aux], [torch.ones_like(out), torch.tensor(0.01)])
             chosen = pipelines.hybrid if overlap == "auto" else pipelines.reference
             results[overlap] = [out.detach(), tokens.grad] + [p.grad for p in layer.parameters()]
-            if overlap == "auto" and not hybrid_on:
-                assert pipelines.hybrid is None and '"internode_hybrid" is false' in pipelines.reason
+            if overlap == "auto" and mode in KEPT_REFERENCE:
+                assert pipelines.hybrid is None and KEPT_REFERENCE[mode] in pipelines.reason, pipelines.reason
             elif overlap == "auto":
                 assert chosen is not None and pipelines.reason is None and chosen.split.node == rank // PER_NODE
     finally:
         selection.local_reason, torch.cuda.get_device_properties = saved
+        selection.node_groups_reason = hybrid.node_groups_reason
         os.environ.pop(RANKS_PER_NODE_VAR, None)
     for got, want in zip(results["auto"], results["none"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("hybrid_on", [True, False], ids=["hybrid", "opted-out"])
-def test_selection_builds_the_hybrid_across_nodes_of_two_ranks(pool_of_four, hybrid_on):
-    pool_of_four.run(selection_case, seed=torch.randint(1, 10**6, ()).item(), hybrid_on=hybrid_on)
+@pytest.mark.parametrize("mode", ["hybrid", *KEPT_REFERENCE])
+def test_selection_builds_the_hybrid_across_nodes_of_two_ranks(pool_of_four, mode):
+    pool_of_four.run(selection_case, seed=torch.randint(1, 10**6, ()).item(), mode=mode)
+
+
+def test_node_groups_are_made_by_a_nodes_ranks_alone_only_where_nccl_does_not_split_at_once():
+    assert hybrid.node_groups_reason(bound=False) is None
+    assert "bound to a device" in hybrid.node_groups_reason(bound=True)
+    assert hybrid.node_groups_reason() is None  # no process group in this process

@@ -98,7 +98,7 @@ def test_ranks_in_different_exchanges_stop_with_the_field_named(gpu_pool, case, 
     finally:
         gpu_pool.stop()  # every rank's CUDA context is dead
     for message in messages:
-        assert "exchange header differs from peer rank" in message, message
+        assert "exchange header differs from group rank" in message, message
         assert "not in the same exchange" in message and "this rank's last call" in message, message
     # The field that differs first in the header's order: the layer, then the call, then the direction.
     assert any(f"in its {field}:" in message for message in messages), messages
