@@ -117,9 +117,9 @@ def runs(starts: Tensor, lengths: Tensor) -> Tensor:
 
 
 def remote_rows(indices: Tensor, num_experts: int, ep_size: int, rank: int) -> tuple[int, int]:
-    """Rows this rank's tokens send to other ranks of the group: one per kept route (what the fused
-    pipeline's combine brings back), and one per (token, destination rank) with a kept route there
-    (what both pipelines' dispatches send, and the reference pipeline's combine brings back).
+    """Rows this rank's tokens send to other ranks of the group: one per kept route (what an exchange
+    route by route sends, as DeepSpeed's stock layer and AutoEP's do), and one per (token, destination
+    rank) with a kept route there (what both pipelines' dispatches send and their combines bring back).
     ``indices`` as for ``plan_routes``. Reads the counts back to the host: for benchmarks and
     reports, not for the layer's call."""
     plan = plan_rank_rows(indices, num_experts, ep_size)
