@@ -263,32 +263,19 @@ def test_the_fused_fp8_layer_gives_the_emulations_numbers(gpu_pool, case):
                 assert d["plain"] >= LAYER_FLOOR, f"seed {seed}: {what}: the recipe did not run: {d}"
 
 
-@pytest.mark.parametrize("preset", FUSED_PRESETS)
-def test_autoep_layers_run_the_recipe_on_the_fused_fp8_gemms(gpu_pool, preset):
-    pytest.importorskip("transformers")
-    seed = _seed()
-    for differences, ran in gpu_pool.run(fp8_fused_case, preset=preset, seed=seed):
-        assert ran and all(reason is None and fp8_gemms for reason, fp8_gemms in ran), ran
-        experts = {name: d for name, d in differences.items() if ".experts.w" in name}
-        assert experts, sorted(differences)
-        for name, d in experts.items():
-            assert d["emulated"] <= EMULATION_BOUND, f"seed {seed}: {name}: {d}"
-            assert d["plain"] >= LAYER_FLOOR, f"seed {seed}: {name}: the recipe did not run: {d}"
-        for name, d in differences.items():
-            assert d["exact"] <= LAYER_BOUND + d["plain_exact"], f"seed {seed}: {name}: {d}"
-
-
 # Rowwise scaling on the library's grouped GEMM (library_fp8): the first layer both ways, alone in the
 # group, GEMM2 kept in bf16 by the recipe itself.
 ROWWISE_RECIPE = {"enabled": True, "scaling": "rowwise", "gemm2": False, "dispatch": "bf16"}
+AUTOEP_FP8_CASES = [(preset, None) for preset in FUSED_PRESETS] + [("mixtral", ROWWISE_RECIPE)]
 
 
-def test_autoep_layers_run_the_rowwise_recipe_on_the_librarys_fp8_gemm(gpu_pool):
+@pytest.mark.parametrize("preset, recipe", AUTOEP_FP8_CASES, ids=[*FUSED_PRESETS, "mixtral-rowwise-library"])
+def test_autoep_layers_run_the_recipe_on_the_fused_fp8_gemms(gpu_pool, preset, recipe):
     pytest.importorskip("transformers")
-    if gpu_pool.world_size > 1:
+    if recipe is ROWWISE_RECIPE and gpu_pool.world_size > 1:
         pytest.skip("library_fp8 serves a rank alone in its group (EP=1)")
     seed = _seed()
-    for differences, ran in gpu_pool.run(fp8_fused_case, preset="mixtral", seed=seed, recipe=ROWWISE_RECIPE):
+    for differences, ran in gpu_pool.run(fp8_fused_case, preset=preset, seed=seed, recipe=recipe):
         assert ran and all(reason is None and fp8_gemms for reason, fp8_gemms in ran), ran
         experts = {name: d for name, d in differences.items() if ".experts.w" in name}
         assert experts, sorted(differences)
