@@ -53,15 +53,13 @@ from ds_comet.bench.common import (
     timed,
     train_step,
 )
+from ds_comet.bench.sent_bytes import exchange_mb
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
-from ds_comet.fp8 import BLOCK as FP8_BLOCK
 from ds_comet.integrations.legacy.gate import gate_routes
-from ds_comet.kernels.fp8_rows import packed_row_bytes
 from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.kernels.routing_plan import RoutingPlan, plan_routes_cuda
 from ds_comet.pipelines.exchange_header import NO_HEADER
 from ds_comet.pipelines.fused import FusedPipeline
-from ds_comet.pipelines.routing import remote_rows
 
 PIPELINES = ("stock", "reference", "fused")
 AUTOEP_PIPELINES = ("autoep", "autoep_comet", "autoep_comet_fp8")
@@ -261,15 +259,13 @@ def bench_routing(moe, x, experts, ep_size, args):
     results["plan"] = timed(lambda: plan_routes_cuda(op, indices, experts, ep_size), args.iters, args.warmup)
     plan = plan_routes_cuda(op, indices, experts, ep_size)
     # What crosses the links in each of the four exchanges of a training step, from this rank.
-    route_rows, once_rows = remote_rows(indices, experts, ep_size, dist.get_rank())
-    hidden = x.shape[-1]
-    results["sent_mb_per_route"] = route_rows * hidden * x.element_size() / 1e6
-    results["sent_mb_once_per_rank"] = once_rows * hidden * x.element_size() / 1e6
+    sent = exchange_mb(indices, experts, ep_size, dist.get_rank(), x.shape[-1], x.element_size())
+    results["sent_mb_per_route"], results["sent_mb_once_per_rank"] = sent["route"], sent["once"]
     # Where blockwise tiles fit: the forward's dispatch under "dispatch": "fp8" sends packed FP8 rows (values and
     # scales), and so does the backward's under "gradient_dispatch": "fp8" (the output gradients, as many rows and
     # bytes); a training step with both then sends two such dispatches and two combines in the tokens' dtype.
-    if hidden % FP8_BLOCK == 0:
-        results["sent_mb_fp8_rows"] = once_rows * packed_row_bytes(hidden) / 1e6
+    if "fp8" in sent:
+        results["sent_mb_fp8_rows"] = sent["fp8"]
         results["sent_mb_fp8_step"] = 2 * (results["sent_mb_fp8_rows"] + results["sent_mb_once_per_rank"])
     results["comm_blocks"] = pipeline.params.comm_blocks
     results["combine_blocks"] = pipeline.params.combine_blocks

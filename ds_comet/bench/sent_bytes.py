@@ -27,16 +27,25 @@ from .shapes import SHAPES
 BF16_BYTES = 2
 
 
-def sent_mb(hidden: int, num_experts: int, top_k: int, tokens: int, ep_size: int, seed: int) -> dict[str, float]:
-    """MB rank 0 sends per exchange under a balanced router: ``route``, ``once`` (bf16), and ``fp8``
-    (packed rows, where ``hidden`` is a multiple of 128)."""
-    generator = torch.Generator().manual_seed(seed)
-    indices = torch.randn(tokens, num_experts, generator=generator).topk(top_k, dim=1).indices
-    route_rows, once_rows = remote_rows(indices.t().contiguous(), num_experts, ep_size, 0)
-    sent = {"route": route_rows * hidden * BF16_BYTES / 1e6, "once": once_rows * hidden * BF16_BYTES / 1e6}
+def exchange_mb(
+    indices: torch.Tensor, num_experts: int, ep_size: int, rank: int, hidden: int, element_size: int
+) -> dict[str, float]:
+    """MB ``rank`` sends per exchange for the gate's ``indices`` ([k, S], as ``routing.remote_rows``
+    takes them), rows of ``hidden`` elements of ``element_size`` bytes: ``route`` (route by route),
+    ``once`` (once per (token, rank)), and ``fp8`` (those rows packed in FP8, where ``hidden`` is a
+    multiple of 128)."""
+    route_rows, once_rows = remote_rows(indices, num_experts, ep_size, rank)
+    sent = {"route": route_rows * hidden * element_size / 1e6, "once": once_rows * hidden * element_size / 1e6}
     if hidden % FP8_BLOCK == 0:
         sent["fp8"] = once_rows * packed_row_bytes(hidden) / 1e6
     return sent
+
+
+def sent_mb(hidden: int, num_experts: int, top_k: int, tokens: int, ep_size: int, seed: int) -> dict[str, float]:
+    """``exchange_mb`` of rank 0 under a balanced router (a top-k over random logits), bf16 rows."""
+    generator = torch.Generator().manual_seed(seed)
+    indices = torch.randn(tokens, num_experts, generator=generator).topk(top_k, dim=1).indices
+    return exchange_mb(indices.t().contiguous(), num_experts, ep_size, 0, hidden, BF16_BYTES)
 
 
 def table(names: list[str], ep_sizes: list[int], seed: int) -> str:
