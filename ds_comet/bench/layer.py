@@ -19,7 +19,9 @@ With --fp8 the comet layer also runs the blockwise ``"fp8"`` recipe on the fused
 GEMM phases in FP8 and the same weights, twice: as a user gets it by default, the forward's rows
 crossing the exchange as packed FP8 rows ("fused_fp8"), and with ``"dispatch": "bf16"``
 ("fused_fp8_bf16_dispatch"); on the SwiGLU shapes AutoEP's block on ds_comet runs the default
-recipe ("autoep_comet_fp8"). Each is timed against the bf16 comet layer and against AutoEP (bf16).
+recipe ("autoep_comet_fp8") and, alone in the group, the rowwise recipe whose first layer runs on
+``torch._scaled_grouped_mm`` ("autoep_comet_fp8_rowwise": GEMM2 in bf16, rows crossing in bf16).
+Each is timed against the bf16 comet layer and against AutoEP (bf16).
 A shape the recipe cannot scale (gpt-oss's H2880 is no multiple of 128) gets no FP8 rows; rank 0
 prints the recipe's refusal instead.
 
@@ -32,6 +34,7 @@ Rank 0 prints the tables of times and ratios and writes bench.json and bench.png
 """
 
 import argparse
+import functools
 import json
 import os
 
@@ -62,10 +65,14 @@ from ds_comet.pipelines.exchange_header import NO_HEADER
 from ds_comet.pipelines.fused import FusedPipeline
 
 PIPELINES = ("stock", "reference", "fused")
-AUTOEP_PIPELINES = ("autoep", "autoep_comet", "autoep_comet_fp8")
+AUTOEP_PIPELINES = ("autoep", "autoep_comet", "autoep_comet_fp8", "autoep_comet_fp8_rowwise")
 # The blockwise recipes the fused FP8 layers are timed under: the default (the forward's rows cross the
 # exchange as packed FP8 rows), and the same GEMMs with the rows crossing in bf16.
 FP8_RECIPES = {"fused_fp8": {"enabled": True}, "fused_fp8_bf16_dispatch": {"enabled": True, "dispatch": "bf16"}}
+# Every FP8 layer the bench builds (fp8_layers).
+FP8_PIPELINES = {*FP8_RECIPES, "autoep_comet_fp8", "autoep_comet_fp8_rowwise"}
+# The rowwise recipe that the "library_fp8" GEMMs run (the first layer both ways, alone in the group).
+ROWWISE_LIBRARY_RECIPE = {"enabled": True, "scaling": "rowwise", "gemm2": False, "dispatch": "bf16"}
 
 
 def parse_args():
@@ -222,24 +229,43 @@ def build_layers(name, hidden, ffn, experts, k, ep_size, device, args):
 def fp8_layers(name, hidden, ffn, experts, k, ep_size, gated, layers, device, args):
     """With --fp8: the fused comet layer under each of ``FP8_RECIPES`` with the stock layer's weights
     ("fused_fp8", "fused_fp8_bf16_dispatch") and, where ``layers`` has AutoEP's block, that block on
-    ds_comet under the default recipe ("autoep_comet_fp8"); none where the recipe refuses the shape
-    (rank 0 prints its reason)."""
+    ds_comet under the default recipe ("autoep_comet_fp8") and, alone in the group, under
+    ``ROWWISE_LIBRARY_RECIPE`` ("autoep_comet_fp8_rowwise"); each left out where its recipe refuses
+    the shape (rank 0 prints the reason)."""
     kwargs = moe_kwargs(experts, ep_size, k, args.capacity_factor)
+
+    def section(recipe):
+        return {"backend": "comet", "overlap": "fused", "fp8": recipe, **layer_overrides(args)}
+
+    builders = {
+        pipeline: functools.partial(
+            comet_layer, hidden, expert_template(hidden, ffn, gated), kwargs, section(recipe), layers["stock"]
+        )
+        for pipeline, recipe in FP8_RECIPES.items()
+    }
+    if "autoep" in layers:
+        block = functools.partial(
+            autoep.autoep_layer,
+            SWIGLU.get(name, "mixtral"),
+            hidden,
+            ffn,
+            experts,
+            k,
+            ep_size,
+            device,
+            torch.bfloat16,
+            0,
+        )
+        builders["autoep_comet_fp8"] = functools.partial(block, section(FP8_RECIPES["fused_fp8"]))
+        if ep_size == 1:
+            builders["autoep_comet_fp8_rowwise"] = functools.partial(block, section(ROWWISE_LIBRARY_RECIPE))
     built = {}
-    try:
-        for pipeline, recipe in FP8_RECIPES.items():
-            section = {"backend": "comet", "overlap": "fused", "fp8": recipe, **layer_overrides(args)}
-            built[pipeline] = comet_layer(hidden, expert_template(hidden, ffn, gated), kwargs, section, layers["stock"])
-        if "autoep" in layers:
-            family = SWIGLU.get(name, "mixtral")
-            section = {"backend": "comet", "overlap": "fused", "fp8": FP8_RECIPES["fused_fp8"], **layer_overrides(args)}
-            built["autoep_comet_fp8"] = autoep.autoep_layer(
-                family, hidden, ffn, experts, k, ep_size, device, torch.bfloat16, 0, section
-            )
-    except ValueError as refusal:  # "fallback": "error": the recipe names why it cannot run the shape
-        if dist.get_rank() == 0:
-            print(f"{name}: no FP8 rows: {refusal}", flush=True)
-        return {}
+    for pipeline, build_layer in builders.items():
+        try:
+            built[pipeline] = build_layer()
+        except ValueError as refusal:  # "fallback": "error": the recipe names why it cannot run the shape
+            if dist.get_rank() == 0:
+                print(f"{name}: no {pipeline} row: {refusal}", flush=True)
     return built
 
 
@@ -329,7 +355,7 @@ def add_ratios(results, backward):
             fused_over_bound_fwd_bwd=results["fused_fwd_bwd"] / results["bound_fwd_bwd"],
             reference_over_fused_fwd_bwd=results["reference_fwd_bwd"] / results["fused_fwd_bwd"],
         )
-    if "fused_fp8" in results:
+    if FP8_PIPELINES & results.keys():
         add_fp8_ratios(results, backward)
     if "autoep" in results:
         results.update(
@@ -345,20 +371,23 @@ def add_ratios(results, backward):
 
 def add_fp8_ratios(results, backward):
     """The FP8 layers' speedups: the bf16 comet layer's time and AutoEP's over each fused FP8 layer's, and
-    over the AutoEP block's on ds_comet under the recipe."""
+    AutoEP's and the AutoEP block's on ds_comet (bf16) over that block's under each FP8 recipe."""
     suffixes = ("", "_fwd_bwd") if backward else ("",)
     for suffix in suffixes:
         for pipeline in FP8_RECIPES:
+            if pipeline not in results:
+                continue
             results[f"fused_over_{pipeline}{suffix}"] = results[f"fused{suffix}"] / results[f"{pipeline}{suffix}"]
             if "autoep" in results:
                 results[f"autoep_over_{pipeline}{suffix}"] = results[f"autoep{suffix}"] / results[f"{pipeline}{suffix}"]
-        if "autoep_comet_fp8" in results:
-            results[f"autoep_over_comet_fp8{suffix}"] = (
-                results[f"autoep{suffix}"] / results[f"autoep_comet_fp8{suffix}"]
-            )
-            results[f"autoep_comet_over_comet_fp8{suffix}"] = (
-                results[f"autoep_comet{suffix}"] / results[f"autoep_comet_fp8{suffix}"]
-            )
+        for variant in ("comet_fp8", "comet_fp8_rowwise"):
+            if f"autoep_{variant}" in results:
+                results[f"autoep_over_{variant}{suffix}"] = (
+                    results[f"autoep{suffix}"] / results[f"autoep_{variant}{suffix}"]
+                )
+                results[f"autoep_comet_over_{variant}{suffix}"] = (
+                    results[f"autoep_comet{suffix}"] / results[f"autoep_{variant}{suffix}"]
+                )
 
 
 def bench_shape(name, hidden, ffn, experts, k, tokens, args):
@@ -502,10 +531,14 @@ def print_autoep_table(all_results):
 
 def print_fp8_table(all_results):
     """The FP8 rows, where any shape has them: each FP8 layer's ms and its speedups (ratios above 1:
-    the FP8 layer is faster)."""
-    fp8_rows = {name: results for name, results in all_results.items() if "fused_fp8" in results}
+    the FP8 layer is faster); "-" where a recipe refused the shape."""
+    fp8_rows = {name: results for name, results in all_results.items() if FP8_PIPELINES & results.keys()}
     if not fp8_rows:
         return
+
+    def cell(results, key, width):
+        return f"{results[key]:{width}.3f}" if key in results else "-".rjust(width)
+
     columns = (
         ("comet", "fused"),
         ("comet FP8", "fused_fp8"),
@@ -513,11 +546,11 @@ def print_fp8_table(all_results):
         ("comet/FP8", "fused_over_fused_fp8"),
         ("comet/FP8 bd", "fused_over_fused_fp8_bf16_dispatch"),
     )
-    if all("fused_fp8_fwd_bwd" in results for results in fp8_rows.values()):
+    if any("fused_fwd_bwd" in results for results in fp8_rows.values()):
         columns += tuple((f"{h} fb", f"{key}_fwd_bwd") for h, key in columns)
     lines = ["shape".ljust(40) + "".join(h.rjust(16) for h, _ in columns)]
     for name, results in fp8_rows.items():
-        lines.append(name.ljust(40) + "".join(f"{results[key]:16.3f}" for _, key in columns))
+        lines.append(name.ljust(40) + "".join(cell(results, key, 16) for _, key in columns))
     autoep_columns = (
         ("AutoEP", "autoep"),
         ("AutoEP+comet FP8", "autoep_comet_fp8"),
@@ -525,18 +558,22 @@ def print_fp8_table(all_results):
         ("AutoEP/comet FP8", "autoep_over_fused_fp8"),
         ("AutoEP/comet FP8 bd", "autoep_over_fused_fp8_bf16_dispatch"),
         ("AutoEP+comet/FP8", "autoep_comet_over_comet_fp8"),
+        ("AutoEP+comet FP8 rw", "autoep_comet_fp8_rowwise"),
+        ("AutoEP/FP8 rw", "autoep_over_comet_fp8_rowwise"),
+        ("AutoEP+comet/FP8 rw", "autoep_comet_over_comet_fp8_rowwise"),
     )
     autoep_columns += tuple((f"{h} fb", f"{key}_fwd_bwd") for h, key in autoep_columns)
-    with_autoep = {name: results for name, results in fp8_rows.items() if "autoep_comet_fp8" in results}
+    with_autoep = {name: results for name, results in fp8_rows.items() if "autoep" in results}
     if with_autoep:
-        keys = [(h, key) for h, key in autoep_columns if all(key in r for r in with_autoep.values())]
+        keys = [(h, key) for h, key in autoep_columns if any(key in r for r in with_autoep.values())]
         lines.append("shape".ljust(40) + "".join(h.rjust(24) for h, _ in keys))
         for name, results in with_autoep.items():
-            lines.append(name.ljust(40) + "".join(f"{results[key]:24.3f}" for _, key in keys))
+            lines.append(name.ljust(40) + "".join(cell(results, key, 24) for _, key in keys))
     print(
         'the blockwise "fp8" recipe on the fused pipeline against the bf16 comet layer and AutoEP (bf16): FP8, '
         'the default (the forward\'s rows cross as packed FP8 rows), and FP8 bd, "dispatch": "bf16" (rows cross '
-        "in bf16); AutoEP's block on ds_comet runs the default. ms (fb: forward+backward), ratios of their times "
+        "in bf16); AutoEP's block on ds_comet runs the default, and FP8 rw the rowwise recipe on the library's "
+        "GEMMs (first layer in FP8, GEMM2 in bf16). ms (fb: forward+backward), ratios of their times "
         "over the FP8 layer's\n" + "\n".join(lines),
         flush=True,
     )

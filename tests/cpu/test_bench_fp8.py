@@ -43,9 +43,22 @@ def test_the_fp8_table_gives_each_layers_time_over_the_fp8_layers(capsys):
     assert results["autoep_over_comet_fp8"] == 2.0 and results["autoep_over_fused_fp8_fwd_bwd"] == 2.25
     assert results["autoep_over_fused_fp8_bf16_dispatch_fwd_bwd"] == 1.8
     assert results["autoep_comet_over_comet_fp8_fwd_bwd"] == 1.4
-    print_fp8_table({"mixtral-like": results, "gpt-oss-like": {"fused": 1.0}})
+    # gpt-oss-like: blockwise refuses H2880, the rowwise library recipe runs it.
+    rowwise = dict(fused=1.0, autoep=3.0, autoep_comet=2.0, autoep_comet_fp8_rowwise=1.6)
+    rowwise.update(
+        fused_fwd_bwd=3.0, autoep_fwd_bwd=8.0, autoep_comet_fwd_bwd=6.0, autoep_comet_fp8_rowwise_fwd_bwd=4.0
+    )
+    add_fp8_ratios(rowwise, backward=True)
+    assert (
+        rowwise["autoep_over_comet_fp8_rowwise_fwd_bwd"] == 2.0
+        and rowwise["autoep_comet_over_comet_fp8_rowwise"] == 1.25
+    )
+    assert "fused_over_fused_fp8" not in rowwise
+    print_fp8_table({"mixtral-like": results, "gpt-oss-like": rowwise, "qwen3-like": {"fused": 1.0}})
     out = capsys.readouterr().out
-    assert "mixtral-like" in out and "gpt-oss-like" not in out and "2.250" in out and "1.800" in out, out
+    assert "mixtral-like" in out and "qwen3-like" not in out and "2.250" in out and "1.800" in out, out
+    gpt_oss = [line for line in out.splitlines() if line.startswith("gpt-oss-like")]
+    assert len(gpt_oss) == 2 and "-" in gpt_oss[0].split() and "2.000" in gpt_oss[1], gpt_oss
     header = next(line for line in out.splitlines() if line.startswith("shape"))
     assert "comet FP8 bd" in header and "comet/FP8 bd fb" in header, header
 
