@@ -28,9 +28,9 @@ same bits (tests/cpu/test_fp8_weights.py holds it to ``fp8.py`` in Triton's inte
 Under the recipe's rowwise scaling (the library's FP8 GEMMs, ``library_fp8_phases``) each copy is
 ``fp8.quantise_rows`` of the same ``[N, K]`` orientation instead: one scale per row, the output
 channel of the GEMM that reads it (``quantised_rowwise``). W2^T's rows are W2's columns, so its copy
-is ``fp8.quantise_columns(W2)`` transposed, bit for bit. Only the first layer's GEMMs run rowwise
-(``ROWWISE_PHASES``): the backward GEMM2's weight, ``[W1; W3]`` in the emulation, takes one scale per
-input channel across W1 and W3 together, which copies of W1^T and W3^T apart would not give.
+is ``fp8.quantise_columns(W2)`` transposed, bit for bit. The backward GEMM2 is there one GEMM over
+``[W1; W3]`` (K = 2F), as in the emulation, whose copy ``[W1; W3]^T`` takes one scale per input
+channel across W1 and W3 together (``ROWWISE_QUANTISED``).
 """
 
 from dataclasses import dataclass
@@ -47,23 +47,24 @@ from .host_copies import host_to_device
 
 @dataclass(frozen=True)
 class QuantisedWeight:
-    """One weight as an FP8 GEMM reads it: ``name`` in the cache's tables, the expert weight it
-    quantises (``source``, one of ``POINTER_NAMES``) and whether it is that weight transposed."""
+    """One weight as an FP8 GEMM reads it: ``name`` in the cache's tables, the expert weights it
+    quantises (``sources``, of ``POINTER_NAMES``: one, or several stacked along N, those an expert
+    has) and whether it is their stack transposed."""
 
     name: str
-    source: str
+    sources: tuple[str, ...]
     transposed: bool
 
 
 # The weights each phase's FP8 GEMM reads, [N, K] each (W3's only for gated experts).
 QUANTISED = {
-    Phase.FIRST_LAYER: (QuantisedWeight("w1", "w1", False), QuantisedWeight("w3", "w3", False)),
-    Phase.GEMM2: (QuantisedWeight("w2", "w2", False),),
-    Phase.FIRST_LAYER_BACKWARD: (QuantisedWeight("w2t", "w2", True),),
-    Phase.GEMM2_BACKWARD: (QuantisedWeight("w1t", "w1", True), QuantisedWeight("w3t", "w3", True)),
+    Phase.FIRST_LAYER: (QuantisedWeight("w1", ("w1",), False), QuantisedWeight("w3", ("w3",), False)),
+    Phase.GEMM2: (QuantisedWeight("w2", ("w2",), False),),
+    Phase.FIRST_LAYER_BACKWARD: (QuantisedWeight("w2t", ("w2",), True),),
+    Phase.GEMM2_BACKWARD: (QuantisedWeight("w1t", ("w1",), True), QuantisedWeight("w3t", ("w3",), True)),
 }
-# The phases whose weights rowwise scaling keeps (the module's docstring).
-ROWWISE_PHASES = frozenset({Phase.FIRST_LAYER, Phase.FIRST_LAYER_BACKWARD})
+# Under rowwise scaling (the module's docstring): the backward GEMM2 reads [W1; W3]^T, [H, 2F].
+ROWWISE_QUANTISED = {**QUANTISED, Phase.GEMM2_BACKWARD: (QuantisedWeight("w13t", ("w1", "w3"), True),)}
 # quantised_by_torch's experts at once hold at most this many weight elements: fp8.quantise works in
 # fp32 and holds a few copies of its input, so a Mixtral-sized layer's w1 at once would take gigabytes.
 CHUNK_ELEMENTS = 1 << 25
@@ -92,10 +93,7 @@ class Fp8WeightCache:
         phases: the GEMM phases the layer's recipe runs in FP8 (``Fp8Facts.phases``): the weights
             they read are kept (``QUANTISED``).
         scaling: the recipe's ``"blockwise"`` (128x128 blocks) or ``"rowwise"`` (a scale per row of
-            each copy; only ``ROWWISE_PHASES``).
-
-    Raises:
-        ValueError: rowwise scaling with a phase outside ``ROWWISE_PHASES``.
+            each copy, ``ROWWISE_QUANTISED``).
 
     Attributes:
         quantisations: how many times the weights were quantised (a cache miss each).
@@ -103,13 +101,11 @@ class Fp8WeightCache:
 
     def __init__(self, phases: frozenset[Phase], scaling: str = "blockwise"):
         global _step_hook
-        if scaling == "rowwise" and not phases <= ROWWISE_PHASES:
-            outside = ", ".join(phase.value for phase in Phase if phase in phases - ROWWISE_PHASES)
-            raise ValueError(f"rowwise FP8 weights are kept only for the first layer's GEMMs, not the {outside}")
         self.scaling = scaling
         if _step_hook is None:
             _step_hook = register_optimizer_step_post_hook(_count_step)
-        self.wanted = [weight for phase in Phase if phase in phases for weight in QUANTISED.get(phase, ())]
+        copies = ROWWISE_QUANTISED if scaling == "rowwise" else QUANTISED
+        self.wanted = [weight for phase in Phase if phase in phases for weight in copies.get(phase, ())]
         self.quantisations = 0
         self._key = None
         self._weights: dict[str, fp8.Quantised] = {}
@@ -124,13 +120,14 @@ class Fp8WeightCache:
             device: where the kernels run.
 
         Returns:
-            By quantised weight name (``QUANTISED``: "w1", "w3", "w2", "w2t", "w1t", "w3t", those the
-            phases read and the experts have): ``[L]`` int64 pointers to each local expert's e4m3
-            ``[N, K]`` matrix, and under ``name + "_scales"`` to its fp32 scales, contiguous: ``[N / 128,
-            K / 128]`` blocks, or rowwise ``[N, 1]``.
+            By quantised weight name (``QUANTISED``: "w1", "w3", "w2", "w2t", "w1t", "w3t", or
+            rowwise "w13t" for the last two, those the phases read and the experts have): ``[L]``
+            int64 pointers to each local expert's e4m3 ``[N, K]`` matrix, and under ``name +
+            "_scales"`` to its fp32 scales, contiguous: ``[N / 128, K / 128]`` blocks, or rowwise
+            ``[N, 1]``.
         """
         tensors = experts.expert_tensors()
-        sources = {weight.source for weight in self.wanted}
+        sources = {source for weight in self.wanted for source in weight.sources}
         columns = [POINTER_NAMES.index(source) for source in sorted(sources)]
         weights = [row[column] for row in tensors for column in columns if row[column] is not None]
         key = (_optimizer_steps, tuple((w.data_ptr(), w._version) for w in weights))
@@ -153,18 +150,31 @@ class Fp8WeightCache:
     @torch.no_grad()
     def _quantise(self, tensors: list[tuple[Tensor | None, ...]], device: torch.device) -> None:
         self._weights = {}
-        for source in dict.fromkeys(weight.source for weight in self.wanted):
-            matrices = [row[POINTER_NAMES.index(source)] for row in tensors]
-            if matrices[0] is None:
-                continue  # W3 of an ungated expert
-            wanted = [weight for weight in self.wanted if weight.source == source]
-            if self.scaling == "rowwise":
-                self._weights.update(quantised_rowwise(matrices, wanted))
-                continue
-            by_triton = matrices[0].is_cuda and matrices[0].dtype == torch.bfloat16  # the fused FP8 path's weights
-            self._weights.update((quantised_by_triton if by_triton else quantised_by_torch)(matrices, wanted))
+        if self.scaling == "rowwise":
+            for weight in self.wanted:
+                matrices = [stacked_sources(row, weight.sources) for row in tensors]
+                if matrices[0] is not None:
+                    self._weights[weight.name] = quantised_rowwise(matrices, weight.transposed)
+        else:
+            for (source,) in dict.fromkeys(weight.sources for weight in self.wanted):
+                matrices = [row[POINTER_NAMES.index(source)] for row in tensors]
+                if matrices[0] is None:
+                    continue  # W3 of an ungated expert
+                wanted = [weight for weight in self.wanted if weight.sources == (source,)]
+                by_triton = matrices[0].is_cuda and matrices[0].dtype == torch.bfloat16  # the fused FP8 path's
+                self._weights.update((quantised_by_triton if by_triton else quantised_by_torch)(matrices, wanted))
         self._tables = _pointer_tables(self._weights, device)
         self.quantisations += 1
+
+
+def stacked_sources(row: tuple[Tensor | None, ...], sources: tuple[str, ...]) -> Tensor | None:
+    """One expert's weights ``sources`` (``FusedExperts.expert_tensors()``'s ``row``), those it has,
+    stacked along N ([N, K], or [2F, H] for W1 and W3); None where it has none of them."""
+    present = [row[POINTER_NAMES.index(source)] for source in sources]
+    present = [matrix for matrix in present if matrix is not None]
+    if not present:
+        return None
+    return present[0] if len(present) == 1 else torch.cat(present)
 
 
 def quantised_by_torch(matrices: list[Tensor], wanted: list[QuantisedWeight]) -> dict[str, fp8.Quantised]:
@@ -214,26 +224,25 @@ def quantised_by_triton(matrices: list[Tensor], wanted: list[QuantisedWeight]) -
     return out
 
 
-def quantised_rowwise(matrices: list[Tensor], wanted: list[QuantisedWeight]) -> dict[str, fp8.Quantised]:
-    """Each of ``wanted`` (one source) from the local experts' ``matrices`` (``[N, K]`` each):
-    ``fp8.quantise_rows`` of each expert's matrix, transposed first where asked, stacked over the
-    experts (values ``[L, N, K]`` e4m3, scales ``[L, N, 1]`` fp32, block ``(1, K)``). ``fp8.py``
-    itself, a few experts at a time: a row's scale is its own, so experts stacked along N keep theirs."""
-    out = {}
+def quantised_rowwise(matrices: list[Tensor], transposed: bool) -> fp8.Quantised:
+    """``fp8.quantise_rows`` of each of the local experts' ``matrices`` (``[N, K]`` each), transposed
+    first where asked, stacked over the experts: values ``[L, N, K]`` e4m3, scales ``[L, N, 1]`` fp32,
+    block ``(1, K)``. A few experts at a time: a row's scale is its own, so experts stacked along N
+    keep theirs; by ``library_fp8_phases.quantised_rows`` (one Triton pass on a GPU)."""
+    from .library_fp8_phases import quantised_rows
+
     num_local, device = len(matrices), matrices[0].device
-    for weight in wanted:
-        rows, columns = matrices[0].shape[::-1] if weight.transposed else matrices[0].shape
-        values = torch.empty((num_local, rows, columns), dtype=fp8.E4M3.dtype, device=device)
-        scales = torch.empty((num_local, rows, 1), dtype=torch.float32, device=device)
-        step = max(1, CHUNK_ELEMENTS // (rows * columns))
-        for first in range(0, num_local, step):
-            last = min(first + step, num_local)
-            part = torch.stack([m.t() if weight.transposed else m for m in matrices[first:last]])
-            quantised = fp8.quantise_rows(part.reshape(-1, columns))
-            values[first:last] = quantised.values.view(last - first, rows, columns)
-            scales[first:last] = quantised.scales.view(last - first, rows, 1)
-        out[weight.name] = fp8.Quantised(values, scales, (1, columns))
-    return out
+    rows, columns = matrices[0].shape[::-1] if transposed else matrices[0].shape
+    values = torch.empty((num_local, rows, columns), dtype=fp8.E4M3.dtype, device=device)
+    scales = torch.empty((num_local, rows, 1), dtype=torch.float32, device=device)
+    step = max(1, CHUNK_ELEMENTS // (rows * columns))
+    for first in range(0, num_local, step):
+        last = min(first + step, num_local)
+        part = torch.stack([m.t() if transposed else m for m in matrices[first:last]])
+        quantised = quantised_rows(part.view(-1, columns))
+        values[first:last] = quantised.values.view(last - first, rows, columns)
+        scales[first:last] = quantised.scales.view(last - first, rows, 1)
+    return fp8.Quantised(values, scales, (1, columns))
 
 
 def _empty_copies(matrices: list[Tensor], wanted: list[QuantisedWeight]) -> dict[str, fp8.Quantised]:

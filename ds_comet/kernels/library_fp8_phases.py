@@ -1,4 +1,4 @@
-"""The "library_fp8" GEMM implementation: the rowwise recipe's first layer on ``torch._scaled_grouped_mm``.
+"""The "library_fp8" GEMM implementation: the rowwise recipe's GEMMs on ``torch._scaled_grouped_mm``.
 
 On sm_90 torch builds ``torch._scaled_grouped_mm`` from CUTLASS's Hopper grouped GEMM for e4m3
 operands with rowwise fp32 scales: the rows ``a`` ([M, K], row-major) with one scale per row, each
@@ -7,15 +7,22 @@ with one scale per output channel, grouped by ``offs`` (the groups' row ends, in
 That is the recipe's ``"scaling": "rowwise"`` (``fp8.quantise_rows``: power-of-two scales), so the
 emulation's dequantised operands are the library's, bit for bit (``rowwise_operands``).
 
-Like the bf16 library (``library_phases.LibraryGemm``) it has no tile that waits for a dispatch or
-counts rows for the combine, so it runs only the first layer both ways, alone in the group, for
-stacked gated experts, each followed by the call's elementwise step: the forward's ``rows @ W1^T``
-and ``rows @ W3^T``, the backward's ``dY @ W2`` (W2^T's copy, quantised per row of W2^T: W2's
-columns, as ``fp8.quantise_columns`` does). GEMM2 both ways stays with the Triton kernels, which
-count its rows; the recipe's ``"gemm2": false`` leaves it in bf16 (``policy.fp8_facts``).
+Like the bf16 library (``library_phases.LibraryGemm``) it has no tile that waits for a dispatch, so
+it runs alone in the group, for stacked gated experts, the four phases the recipe puts in FP8:
 
-The rows are quantised by ``fp8.quantise_rows`` itself, one torch pass per operation before each
-GEMM; the weights come from the layer's ``Fp8WeightCache`` (rowwise copies, once per weight version).
+- the forward's first layer, ``rows @ W1^T`` and ``rows @ W3^T``, then the elementwise step;
+- the forward's GEMM2, ``h @ W2^T``;
+- the backward's first layer, ``dY @ W2`` (W2^T's copy, quantised per row of W2^T: W2's columns,
+  as ``fp8.quantise_columns`` does), then the elementwise step;
+- the backward's GEMM2, ``[dA, dA_up] @ [W1; W3]``, one GEMM over K = 2F as the emulation's.
+
+A GEMM2 here counts no rows as it finishes them: after it, on the same stream, one small kernel
+(``triton_gemm.count_received_rows_kernel``) adds every received row to the combine's chunk
+counters at once, and the combine, queued after it, finds them complete.
+
+The rows are quantised by ``quantised_rows`` (one Triton pass over each row, ``fp8.quantise_rows``
+bit for bit) before each GEMM; the weights come from the layer's ``Fp8WeightCache`` (rowwise
+copies, once per weight version). The weight gradients stay in the rows' dtype (the recipe's).
 """
 
 from typing import TYPE_CHECKING
@@ -24,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import fp8
+from .constants import TOTAL_RECV_ROWS
 from .gemm_phases import GemmFacts, Needs, Phase
 from .library_phases import LibraryGemm
 
@@ -36,7 +44,9 @@ ALIGNMENT = 16
 # Triton FP8 kernel does every 128, so both meet one bound against the emulation (docs/design.md,
 # "FP8 GEMMs"). With True the tensor cores accumulate all of K in their own fewer bits.
 USE_FAST_ACCUM = False
-FIRST_LAYER_NEEDS = Needs(
+# quantise_rowwise_kernel's columns per pass over a row: 8 for each thread of its 4 warps.
+QUANTISE_COLUMNS = 1024
+NEEDS = Needs(
     dtypes=((torch.bfloat16, torch.bfloat16),),
     capabilities=((9, 0),),
     torch_functions=("_scaled_grouped_mm",),
@@ -45,6 +55,31 @@ FIRST_LAYER_NEEDS = Needs(
     stacked=True,
     fp8_scalings=("rowwise",),
 )
+
+
+def quantised_rows(x: Tensor, fmt: fp8.Fp8Format = fp8.E4M3) -> fp8.Quantised:
+    """``fp8.quantise_rows(x, fmt)`` bit for bit: values ``[M, K]`` of the format, scales ``[M, 1]`` fp32;
+    by ``quantised_rows_by_triton`` where ``x`` ([M, K]) is bf16 on a GPU with unit column stride,
+    else by ``fp8.py`` itself."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1:
+        return quantised_rows_by_triton(x, fmt)
+    return fp8.quantise_rows(x, fmt)
+
+
+def quantised_rows_by_triton(x: Tensor, fmt: fp8.Fp8Format = fp8.E4M3) -> fp8.Quantised:
+    """``fp8.quantise_rows(x, fmt)`` of bf16 ``x`` ([M, K], unit column stride) by one Triton program a
+    row (``triton_fp8_quantise.quantise_rowwise_kernel``): two reads of the row and one write of its
+    values, where ``fp8.py``'s torch operations make several passes in fp32."""
+    from .triton_fp8_quantise import quantise_rowwise_kernel  # triton is an extra
+
+    rows, columns = x.shape
+    values = torch.empty((rows, columns), dtype=fmt.dtype, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        quantise_rowwise_kernel[(rows,)](
+            x, x.stride(0), values, scales, columns, E5M2=fmt is fp8.E5M2, BK=QUANTISE_COLUMNS, num_warps=4
+        )
+    return fp8.Quantised(values, scales, (1, max(columns, 1)))
 
 
 def rowwise_operands(rows: fp8.Quantised, weights: fp8.Quantised) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -84,12 +119,14 @@ def rowwise_grouped_mm(
 
 
 class LibraryFp8Gemm(LibraryGemm):
-    """``torch._scaled_grouped_mm`` on sm_90 for the rowwise recipe's first layer both ways (alone in
-    the group, stacked gated experts, bf16 rows crossing the exchange, e4m3 gradients, hidden and
-    FFN sizes that are multiples of 16); the module's docstring."""
+    """``torch._scaled_grouped_mm`` on sm_90 for the rowwise recipe's four FP8 phases (alone in the
+    group, stacked gated experts, bf16 rows crossing the exchange, e4m3 gradients, hidden and FFN
+    sizes that are multiples of 16); the module's docstring."""
 
     name = "library_fp8"
-    needs = {Phase.FIRST_LAYER: FIRST_LAYER_NEEDS, Phase.FIRST_LAYER_BACKWARD: FIRST_LAYER_NEEDS}
+    needs = {
+        phase: NEEDS for phase in (Phase.FIRST_LAYER, Phase.GEMM2, Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD)
+    }
 
     def refusal(self, phase: Phase, facts: GemmFacts) -> str | None:
         """``GemmImplementation.refusal``, and what the library's operands need beyond ``Needs``."""
@@ -106,9 +143,23 @@ class LibraryFp8Gemm(LibraryGemm):
             return 'takes the rows in bf16, not packed in FP8 (set "dispatch": "bf16")'
         if phase == Phase.FIRST_LAYER_BACKWARD and recipe.gradients_in_fp8:
             return 'takes the output gradients in bf16, not packed in FP8 (set "gradient_dispatch": "bf16")'
-        if phase == Phase.FIRST_LAYER_BACKWARD and recipe.gradient_format != "e4m3":
+        backward = phase in (Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD)
+        if backward and recipe.gradient_format != "e4m3":
             return f"takes e4m3 gradients (torch._scaled_grouped_mm), not {recipe.gradient_format}"
         return None
+
+    @torch.no_grad()
+    def gemm2(self, call: "FusedKernels", rows: Tensor, out: Tensor):
+        """``h @ W2^T`` (W2's rowwise copy, per output channel) into ``out``, then every row counted."""
+        out.copy_(rowwise_grouped_mm(quantised_rows(rows), call.fp8_weights.quantised("w2"), call.expert_ends))
+        count_received_rows(call)
+
+    @torch.no_grad()
+    def gemm2_backward(self, call: "FusedKernels", rows: Tensor, out: Tensor):
+        """``rows @ [W1; W3]`` (``[dA, dA_up]``, [R, 2F]; [W1; W3]^T's rowwise copy "w13t") into ``out``,
+        then every row counted."""
+        out.copy_(rowwise_grouped_mm(quantised_rows(rows), call.fp8_weights.quantised("w13t"), call.expert_ends))
+        count_received_rows(call)
 
     @torch.no_grad()  # the fused autograd function differentiates the layer, not autograd's graph of it
     def products(self, call: "FusedKernels", rows: Tensor, *names: str) -> tuple[Tensor, ...]:
@@ -116,7 +167,24 @@ class LibraryFp8Gemm(LibraryGemm):
         ``w3`` ([R, F]), ``rows @ W2`` for ``w2`` (W2^T's rowwise copy, "w2t"), bf16; the rows are
         quantised once for all of them."""
         copies = {"w1": "w1", "w3": "w3", "w2": "w2t"}
-        quantised = fp8.quantise_rows(rows)
+        quantised = quantised_rows(rows)
         return tuple(
             rowwise_grouped_mm(quantised, call.fp8_weights.quantised(copies[name]), call.expert_ends) for name in names
         )
+
+
+def count_received_rows(call: "FusedKernels") -> None:
+    """Every received row counted finished in each column chunk, for the combine queued after a GEMM2
+    that counted none (the module's docstring)."""
+    from .triton_gemm import count_received_rows_kernel  # triton is an extra
+
+    buffer, tile_n = call.buffer, call.params.tile_n
+    chunk_tiles, num_chunks = call.chunking
+    count_received_rows_kernel[(num_chunks,)](
+        buffer.gemm2_counters,
+        buffer.layout,
+        buffer.layout_offsets.totals + TOTAL_RECV_ROWS,
+        call.hidden,
+        CHUNK_COLS=chunk_tiles * tile_n,
+        BN=tile_n,
+    )

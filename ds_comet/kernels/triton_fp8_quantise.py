@@ -4,7 +4,9 @@
 FP8 GEMMs (``triton_fp8_gemm``) load them; ``quantise_blocks_kernel`` quantises the experts' weights
 in 128x128 blocks (``fp8.quantise_blocks``) into the layer's FP8 copies (``fp8_weights``), in either
 orientation or both, in one pass over them; ``quantise_rows_kernel`` packs rows in 1x128 tiles for the
-FP8 dispatch (``fp8_rows``), and ``dequantise_rows_kernel`` turns packed rows back into bf16.
+FP8 dispatch (``fp8_rows``), and ``dequantise_rows_kernel`` turns packed rows back into bf16;
+``quantise_rowwise_kernel`` quantises whole rows with one scale each (``fp8.quantise_rows``), the
+rowwise recipe's operands of the library's FP8 GEMMs (``library_fp8_phases``).
 
 Both follow ``fp8.block_scales`` from bits rather than through float arithmetic that could round
 otherwise: a block's largest magnitude is an integer maximum over the magnitudes' fp32 bits (which
@@ -215,3 +217,36 @@ def _round_to_bf16(x):
     upper = (magnitudes + 0x7FFF + ((magnitudes >> 16) & 1)) >> 16
     upper = tl.where(magnitudes < INFINITY_BITS, upper, magnitudes >> 16)  # an infinity or a NaN as it is
     return (upper | ((bits >> 16) & 0x8000)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def quantise_rowwise_kernel(x, stride, values, scales, K, E5M2: tl.constexpr, BK: tl.constexpr):
+    """``fp8.quantise_rows`` of ``x`` ([M, K] bf16, row stride ``stride``), one row a program (grid: M):
+    the values (e5m2 with E5M2, else e4m3) into ``values`` ([M, K], contiguous) and each row's fp32 scale
+    into ``scales`` ([M]). Two reads of the row, BK columns at a time: its largest magnitude, then its
+    values divided by the scale."""
+    row = tl.program_id(0).to(tl.int64)
+    source, target = x + row * stride, values + row * K
+    largest = tl.zeros((BK,), dtype=tl.int32)
+    for first in range(0, K, BK):
+        columns = first + tl.arange(0, BK)
+        chunk = _as_fp32(tl.load(source + columns, mask=columns < K, other=0.0))
+        largest = tl.maximum(largest, chunk.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    amax = tl.max(largest, axis=0)
+    if E5M2:
+        scale, inverse = _scale_of(amax, E5M2_MAX_EXPONENT, E5M2_MAX_MANTISSA)
+    else:
+        scale, inverse = _scale_of(amax, E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA)
+    for first in range(0, K, BK):
+        columns = first + tl.arange(0, BK)
+        scaled = _as_fp32(tl.load(source + columns, mask=columns < K, other=0.0)) * inverse
+        if E5M2:
+            rounded = _round_to_format(
+                scaled, E5M2_DROPPED, E5M2_BIAS, E5M2_KEEP, E5M2_SMALLEST_NORMAL, E5M2_ROUNDER
+            ).to(tl.float8e5)
+        else:
+            rounded = _round_to_format(
+                scaled, E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER
+            ).to(tl.float8e4nv)
+        tl.store(target + columns, rounded, mask=columns < K)
+    tl.store(scales + row, scale)

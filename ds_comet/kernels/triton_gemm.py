@@ -636,6 +636,22 @@ def _count_finished_rows(origin, offs_m, m_mask, chunk_counter_table, chunk, EP_
 
 
 @triton.jit
+def count_received_rows_kernel(
+    chunk_counter_table, layout, off_recv_rows, N, CHUNK_COLS: tl.constexpr, BN: tl.constexpr
+):
+    """After a GEMM2 whose kernel counts no rows (a library's, alone in the group, on the same stream):
+    adds every received row once per BN-column tile of column chunk ``program_id(0)`` (CHUNK_COLS
+    columns) to this rank's counter of that chunk (``chunk_counter_table[0]``), the sum that
+    ``gemm2_kernel``'s tiles add there one by one."""
+    chunk = tl.program_id(0)
+    rows = tl.load(layout + off_recv_rows)
+    first = chunk * CHUNK_COLS
+    tiles = tl.cdiv(tl.minimum(N, first + CHUNK_COLS) - first, BN)
+    counter = tl.load(chunk_counter_table).to(tl.pointer_type(tl.int32))
+    tl.atomic_add(counter + chunk, rows * tiles, sem="release", scope="sys")
+
+
+@triton.jit
 def wgrad_kernel(
     a,
     lda,

@@ -52,6 +52,13 @@ def test_the_kernels_quantise_rows_as_fp8_py_does_bit_for_bit():
     assert "tiles " in out
 
 
+def test_the_rowwise_quantisation_kernel_is_fp8_pys_quantise_rows_bit_for_bit():
+    """The rowwise recipe's rows for the library's FP8 GEMMs, one scale a row, in both formats: over
+    several passes of the kernel along a row, a strided input, and the definition's corner cases."""
+    out = interpret("print('rows', cases.rowwise_quantisation_case(cpu, seed=6))")
+    assert "rows " in out
+
+
 def test_the_dispatched_fp8_rows_are_fp8_pys_and_dequantise_to_the_emulations_bit_for_bit():
     """The packed rows the exchange sends in either format (e4m3 tokens, e5m2 gradients): values and
     scales as ``fp8.quantise_tiles``'s, and dequantised as the emulation's exchange holds them, on the

@@ -37,7 +37,9 @@ def chosen(call_facts: GemmFacts) -> list[str]:
     return [gemm_table.choose(phase, call_facts).name for phase in Phase]
 
 
-def test_the_rowwise_recipes_first_layer_runs_on_library_fp8_alone_with_stacked_gated_experts():
+def test_the_rowwise_recipes_gemms_run_on_library_fp8_alone_with_stacked_gated_experts():
+    assert chosen(facts(rowwise(ALL))) == ["library_fp8"] * 4 + ["library"]
+    assert gemm_table.fp8_refusal(facts(rowwise(ALL))) is None
     assert chosen(facts()) == ["library_fp8", "triton", "library_fp8", "triton", "library"]
     assert gemm_table.fp8_refusal(facts()) is None
     forward_only = facts(rowwise(frozenset({Phase.FIRST_LAYER})))
@@ -55,7 +57,8 @@ def test_the_recipe_puts_gemm2_in_fp8_only_with_its_gemm2_key():
 @pytest.mark.parametrize(
     "call_facts, phase, why",
     [
-        (facts(rowwise(ALL)), Phase.GEMM2, "forward GEMM2 here (triton_fp8 runs blockwise FP8 scaling, not rowwise)"),
+        (facts(rowwise(frozenset({Phase.GEMM2})), alone=False), Phase.GEMM2, "forward GEMM2 here (triton_fp8 runs "
+                                                                           "blockwise FP8 scaling, not rowwise"),
         (facts(alone=False), Phase.FIRST_LAYER, "library_fp8 needs a rank alone in its group"),
         (facts(stacked=False), Phase.FIRST_LAYER, "library_fp8 needs stacked expert weights"),
         (facts(gated=False), Phase.FIRST_LAYER, "library_fp8 needs gated experts"),
@@ -68,8 +71,11 @@ def test_the_recipe_puts_gemm2_in_fp8_only_with_its_gemm2_key():
                                                                             'gradients in bf16'),
         (facts(rowwise(gradient_format="e5m2")), Phase.FIRST_LAYER_BACKWARD, "library_fp8 takes e4m3 gradients "
                                                                              "(torch._scaled_grouped_mm), not e5m2"),
+        (facts(rowwise(frozenset({Phase.GEMM2_BACKWARD}), gradient_format="e5m2")), Phase.GEMM2_BACKWARD,
+         "library_fp8 takes e4m3 gradients (torch._scaled_grouped_mm), not e5m2"),
     ],
-    ids=["gemm2", "ep2", "modules", "ungated", "sm89", "hidden", "fp8-dispatch", "fp8-gradient-dispatch", "e5m2"],
+    ids=["gemm2", "ep2", "modules", "ungated", "sm89", "hidden", "fp8-dispatch", "fp8-gradient-dispatch", "e5m2",
+         "e5m2-gemm2"],
 )  # fmt: skip
 def test_a_rowwise_phase_library_fp8_cannot_run_is_refused_by_name(call_facts, phase, why):
     """Never in bf16 instead: the recipe is refused, naming the phase and library_fp8's reason."""
@@ -88,24 +94,26 @@ def test_without_a_rowwise_recipe_library_fp8_runs_nothing():
 
 
 def test_the_rowwise_weights_are_fp8_pys_rows_of_each_orientation():
-    """W1 and W3 per output channel (``quantise_rows``), W2^T's rows per input channel of W2
-    (``quantise_columns`` of W2, transposed), bit for bit, a few experts at a time."""
+    """W1, W3 and W2 per output channel (``quantise_rows``); W2^T's rows per input channel of W2
+    (``quantise_columns`` of W2, transposed) and [W1; W3]^T's per input channel of W1 and W3 together,
+    as the emulation's one backward GEMM2 takes them; bit for bit, a few experts at a time."""
     experts = StackedFusedExperts(Stacked(), "silu")
-    cache = Fp8WeightCache(FIRST_LAYERS, "rowwise")
+    cache = Fp8WeightCache(ALL, "rowwise")
     cache.tables(experts, torch.device("cpu"))
+    assert sorted(cache._weights) == ["w1", "w13t", "w2", "w2t", "w3"]
     for e, (w1, _, w3, _, w2, _) in enumerate(experts.expert_tensors()):
-        for name, want in (
-            ("w1", fp8.quantise_rows(w1)),
-            ("w3", fp8.quantise_rows(w3)),
-            ("w2t", fp8.quantise_columns(w2)),
+        for name, want, transposed in (
+            ("w1", fp8.quantise_rows(w1), False),
+            ("w3", fp8.quantise_rows(w3), False),
+            ("w2", fp8.quantise_rows(w2), False),
+            ("w2t", fp8.quantise_columns(w2), True),
+            ("w13t", fp8.quantise_columns(torch.cat([w1, w3])), True),
         ):
             got = cache.quantised(name)
-            values = want.values.t() if name == "w2t" else want.values
-            scales = want.scales.t() if name == "w2t" else want.scales
+            values = want.values.t() if transposed else want.values
+            scales = want.scales.t() if transposed else want.scales
             assert torch.equal(got.values[e].view(torch.uint8), values.contiguous().view(torch.uint8)), (name, e)
             assert torch.equal(got.scales[e], scales), (name, e)
-    with pytest.raises(ValueError, match="only for the first layer's GEMMs, not the forward GEMM2"):
-        Fp8WeightCache(ALL, "rowwise")
 
 
 def scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
@@ -151,6 +159,39 @@ def test_the_products_are_the_emulations_on_the_librarys_operands(monkeypatch, c
     assert not first[start:].any()
 
 
+@pytest.mark.parametrize("counts", [[5, 0, 17], [0, 0, 9]], ids=["odd", "empty"])
+def test_both_gemm2s_are_the_emulations_on_the_librarys_operands_and_count_every_row(monkeypatch, counts):
+    """GEMM2 forward (``h @ W2^T``) and backward (``[dA, dA_up] @ [W1; W3]``, one GEMM over 2F) write
+    the emulation's products into the combine's rows, to a bf16 step, and then count the rows once
+    for the combine."""
+    import ds_comet.kernels.library_fp8_phases as library_fp8
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_on_cpu)
+    counted = []
+    monkeypatch.setattr(library_fp8, "count_received_rows", counted.append)
+    experts = StackedFusedExperts(Stacked(), "silu")
+    cache = Fp8WeightCache(ALL, "rowwise")
+    cache.tables(experts, torch.device("cpu"))
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = int(ends[-1]) + 3  # three rows past the last end
+    ffn = experts.expert_tensors()[0][0].shape[0]
+    h, grad_pre = torch.randn(rows, ffn).to(BF16), (torch.randn(rows, 2 * ffn) * 1e-3).to(BF16)
+    call = SimpleNamespace(fp8_weights=cache, expert_ends=ends)
+    forward, backward = torch.full((rows, 256), 7.0, dtype=BF16), torch.full((rows, 256), 7.0, dtype=BF16)
+    LibraryFp8Gemm().gemm2(call, h, forward)
+    LibraryFp8Gemm().gemm2_backward(call, grad_pre, backward)
+    assert counted == [call, call]
+    operands = RecipeOperands(Fp8Recipe(enabled=True, scaling="rowwise"))
+    start = 0
+    for (w1, _, w3, _, w2, _), end in zip(experts.expert_tensors(), ends.tolist()):
+        for got, want in (
+            (forward, operands.forward_product(h[start:end], w2, None, gemm2=True)),
+            (backward, operands.gradient_product(grad_pre[start:end], torch.cat([w1, w3]), gemm2=True)),
+        ):
+            torch.testing.assert_close(got[start:end].float(), want.to(BF16).float(), rtol=2**-7, atol=1e-9)
+        start = end
+
+
 def test_the_operands_dequantise_to_the_emulations_bit_for_bit():
     rows = fp8.quantise_rows(torch.randn(7, 64).to(BF16))
     weight = torch.randn(2, 48, 64).to(BF16)
@@ -172,14 +213,14 @@ def test_the_operands_dequantise_to_the_emulations_bit_for_bit():
     [
         ({"gemm2": False}, FIRST_LAYERS),
         ({"gemm2": False, "input_gradients": False}, frozenset({Phase.FIRST_LAYER})),
-        ({}, 'not rowwise); with "gemm2": false (GEMM2 both ways in bf16) the rest of the recipe would run'),
+        ({}, ALL),
         ({"gemm2": False, "dispatch": "fp8"}, "library_fp8 takes the rows in bf16, not packed in FP8"),
     ],
-    ids=["first-layers", "forward", "gemm2", "fp8-dispatch"],
+    ids=["first-layers", "forward", "all", "fp8-dispatch"],
 )
 def test_a_rowwise_recipe_at_ep1_on_sm90_with_stacked_experts_selects_the_fused_pipeline(monkeypatch, recipe, outcome):
-    """Rowwise scaling with ``"gemm2": false`` runs on the fused pipeline (library_fp8's first layer);
-    with GEMM2 in FP8, or rows crossing in FP8, the emulation keeps it, the reason naming the phase."""
+    """Rowwise scaling runs on the fused pipeline (library_fp8's GEMMs, GEMM2 with ``"gemm2"``); with
+    rows crossing in FP8 the emulation keeps it, the reason naming the phase."""
     import ds_comet.pipelines.selection as selection
     from ds_comet.experts import GatedFeedForward
     from tests.cpu.test_fp8 import _layer

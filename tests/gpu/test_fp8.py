@@ -82,6 +82,12 @@ def test_the_weights_are_quantised_as_fp8_py_does_on_the_gpu():
     assert "blocks" in _on_the_gpu("print(cases.weight_quantisation_case(torch.device('cuda')))")
 
 
+def test_the_rowwise_quantisation_kernel_is_fp8_pys_on_the_gpu():
+    assert "rows " in _on_the_gpu(
+        f"print('rows', cases.rowwise_quantisation_case(torch.device('cuda'), seed={_seed()}))"
+    )
+
+
 @pytest.mark.parametrize(
     "gated, gradient_format, tiles",
     [(True, "e4m3", (128, 64, 256, 64)), (False, "e5m2", (128, 128, 256, 64)), (True, "e5m2", (64, 64, 128, 64))],
@@ -263,16 +269,22 @@ def test_the_fused_fp8_layer_gives_the_emulations_numbers(gpu_pool, case):
                 assert d["plain"] >= LAYER_FLOOR, f"seed {seed}: {what}: the recipe did not run: {d}"
 
 
-# Rowwise scaling on the library's grouped GEMM (library_fp8): the first layer both ways, alone in the
-# group, GEMM2 kept in bf16 by the recipe itself.
-ROWWISE_RECIPE = {"enabled": True, "scaling": "rowwise", "gemm2": False, "dispatch": "bf16"}
-AUTOEP_FP8_CASES = [(preset, None) for preset in FUSED_PRESETS] + [("mixtral", ROWWISE_RECIPE)]
+# Rowwise scaling on the library's grouped GEMMs (library_fp8), alone in the group: all four FP8 phases,
+# and the first layer alone with GEMM2 kept in bf16 by the recipe.
+ROWWISE_RECIPE = {"enabled": True, "scaling": "rowwise", "dispatch": "bf16"}
+ROWWISE_FIRST_LAYER_RECIPE = {**ROWWISE_RECIPE, "gemm2": False}
+AUTOEP_FP8_CASES = [(preset, None) for preset in FUSED_PRESETS] + [
+    ("mixtral", ROWWISE_RECIPE),
+    ("mixtral", ROWWISE_FIRST_LAYER_RECIPE),
+]
 
 
-@pytest.mark.parametrize("preset, recipe", AUTOEP_FP8_CASES, ids=[*FUSED_PRESETS, "mixtral-rowwise-library"])
+@pytest.mark.parametrize(
+    "preset, recipe", AUTOEP_FP8_CASES, ids=[*FUSED_PRESETS, "mixtral-rowwise-library", "mixtral-rowwise-first-layer"]
+)
 def test_autoep_layers_run_the_recipe_on_the_fused_fp8_gemms(gpu_pool, preset, recipe):
     pytest.importorskip("transformers")
-    if recipe is ROWWISE_RECIPE and gpu_pool.world_size > 1:
+    if recipe is not None and gpu_pool.world_size > 1:
         pytest.skip("library_fp8 serves a rank alone in its group (EP=1)")
     seed = _seed()
     for differences, ran in gpu_pool.run(fp8_fused_case, preset=preset, seed=seed, recipe=recipe):

@@ -6,7 +6,8 @@ on CPU (tests/cpu/test_fp8_gemm.py) or a GPU (tests/gpu/test_fp8.py).
 computes, bit for bit against ``fp8.quantise_tiles``; ``packed_rows_case``: the rows ``"dispatch":
 "fp8"`` sends (``kernels/fp8_rows.py``), quantised and dequantised, against ``fp8.py`` and the
 emulation's exchange; ``weight_quantisation_case``: the weights' quantisation kernel against
-``fp8.quantise_blocks``.
+``fp8.quantise_blocks``; ``rowwise_quantisation_case``: the rowwise recipe's row quantisation kernel
+(``library_fp8_phases.quantised_rows_by_triton``) against ``fp8.quantise_rows``.
 
 ``GemmCase``: one rank's rows laid out as the exchange lays them out (tests/support/layout_reference.py,
 every row tile marked as arrived), experts with skewed row counts (one with none, odd ones), weights
@@ -37,6 +38,7 @@ from ds_comet.kernels import layout as L
 from ds_comet.kernels.fp8_weights import Fp8WeightCache, QuantisedWeight, quantised_by_torch, quantised_by_triton
 from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.kernels.launch import PointerTables
+from ds_comet.kernels.library_fp8_phases import QUANTISE_COLUMNS, quantised_rows_by_triton
 from ds_comet.kernels.triton_fp8_gemm import gemm1_fp8_kernel, gemm2_fp8_kernel
 from ds_comet.kernels.triton_fp8_quantise import _quantise_tile
 from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
@@ -111,6 +113,35 @@ def quantisation_case(device: torch.device, seed: int) -> int:
         if device.type == "cuda":
             assert torch.equal(got_values.float().isnan(), ~finite), f"{fmt.name}: NaN tiles' values"
         checked += want.scales.numel()
+    return checked
+
+
+def rowwise_quantisation_case(device: torch.device, seed: int) -> int:
+    """``quantised_rows_by_triton`` against ``fp8.quantise_rows`` bit for bit, in both formats: rows
+    wider than the kernel's pass and not a multiple of it, whose magnitudes span 2**±40, read through
+    a row stride wider than the row (a column slice), and ``special_rows`` padded with zeros (one
+    scale a row here). Rows whose scale is NaN (an infinity or a NaN in the row) must have NaN scales
+    only. Returns the number of rows checked."""
+    generator = torch.Generator().manual_seed(seed)
+    columns = QUANTISE_COLUMNS + 272  # two passes, the second partial; a multiple of 16
+    checked = 0
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        magnitude = 2.0 ** (torch.rand(37, 1, generator=generator) * 80 - 40)
+        wide = (torch.randn(37, columns + 48, generator=generator) * magnitude).to(torch.bfloat16)
+        special = torch.zeros(16, columns + 48, dtype=torch.bfloat16)
+        special[:, :256] = special_rows(fmt)
+        x = torch.cat([wide, special]).to(device)[:, 48:]  # row stride columns + 48
+        got = quantised_rows_by_triton(x, fmt)
+        want = fp8.quantise_rows(x.cpu(), fmt)
+        got_scales, got_values = got.scales.cpu(), got.values.cpu()
+        assert got.values.shape == x.shape and got_scales.shape == (x.shape[0], 1)
+        nan_rows = want.scales.isnan()
+        assert torch.equal(got_scales.isnan(), nan_rows), f"{fmt.name}: NaN scales differ"
+        assert torch.equal(got_scales[~nan_rows], want.scales[~nan_rows]), f"{fmt.name}: scales differ"
+        finite = ~nan_rows.expand_as(x.cpu())
+        wrong = (got_values.view(torch.uint8) != want.values.view(torch.uint8)) & finite
+        assert not wrong.any(), f"{fmt.name}: {int(wrong.sum())} values differ, first at {wrong.nonzero()[0].tolist()}"
+        checked += x.shape[0]
     return checked
 
 
@@ -204,9 +235,9 @@ def weight_quantisation_case(device: torch.device) -> str:
     matrices = [m.to(device) for m in matrices]
     compared = 0
     for wanted in (
-        [QuantisedWeight("w1", "w1", False), QuantisedWeight("w1t", "w1", True)],
-        [QuantisedWeight("w1t", "w1", True)],
-        [QuantisedWeight("w1", "w1", False)],
+        [QuantisedWeight("w1", ("w1",), False), QuantisedWeight("w1t", ("w1",), True)],
+        [QuantisedWeight("w1t", ("w1",), True)],
+        [QuantisedWeight("w1", ("w1",), False)],
     ):
         got, want = quantised_by_triton(matrices, wanted), quantised_by_torch(matrices, wanted)
         for weight in wanted:
