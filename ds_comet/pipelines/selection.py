@@ -623,12 +623,14 @@ class PipelineSelection:
             logger.warning(message)
 
 
-# Said once a job where a layer runs its recipe on the FP8 GEMMs: measured, they do not yet pay
+# Said once a job where a layer runs its recipe on the Triton FP8 GEMMs: measured, they do not yet pay
 # for themselves (docs/benchmarks.md, "FP8"), and a user who turned FP8 on for speed must know.
 FP8_KERNELS_SLOWER = (
     'ds_comet: the "fp8" recipe runs on the fused pipeline\'s FP8 GEMMs, which are not yet tuned: on an '
     "H100 they run at a quarter to a third of the bf16 GEMMs' rate, and the layer is about half as fast as "
-    'in bf16 (docs/benchmarks.md, "FP8"). Its numbers are the recipe\'s; for speed, leave "fp8" off'
+    'in bf16 (docs/benchmarks.md, "FP8"). Its numbers are the recipe\'s. For speed, leave "fp8" off or, alone in '
+    'the group (EP=1) with AutoEP\'s experts, set "scaling": "rowwise" and "dispatch": "bf16", which runs on '
+    "the library's FP8 GEMMs"
 )
 
 

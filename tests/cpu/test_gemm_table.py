@@ -191,9 +191,9 @@ def test_a_call_no_implementation_admits_raises_with_every_reason():
         gemm_table.choose(Phase.GEMM2, facts(dtype=torch.float32))
     assert str(raised.value) == (
         "ds_comet: no GEMM implementation runs the forward GEMM2 of this call: triton_fp8 runs only phases an FP8 "
-        "recipe puts in FP8; library_fp8 does not run the forward GEMM2; library does not run the forward GEMM2; "
-        "triton takes bfloat16 rows with bfloat16 weights or float16 rows with float16 weights, not float32 rows "
-        "with float32 weights"
+        "recipe puts in FP8; library_fp8 runs only phases an FP8 recipe puts in FP8; library does not run the forward "
+        "GEMM2; triton takes bfloat16 rows with bfloat16 weights or float16 rows with float16 weights, not float32 "
+        "rows with float32 weights"
     )
 
 
