@@ -135,6 +135,10 @@ def main(argv=None):
     callbacks = [LossFile(args.losses)] if args.losses else []
     trainer = transformers.Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
     trainer.train()
+    if torch.distributed.is_initialized():
+        # Ended here, before the interpreter's exit: a gloo group left to the exit's destructors
+        # sometimes aborted the process ("terminate called without an active exception").
+        torch.distributed.destroy_process_group()
     return 0
 
 
