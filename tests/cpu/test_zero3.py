@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.support.autoep_models import ds_config, tiny_model
-from tests.support.zero3_cases import checkpoint_case, training_case
+from tests.support.zero3_cases import block_steps_case, checkpoint_case, training_case
 
 pytest.importorskip("transformers")
 
@@ -45,6 +45,15 @@ def test_zero3_experts_without_tokens_match_autoep(cpu_pool, autoep_size):
 @pytest.mark.parametrize("first,second", [("deepspeed", "comet"), ("comet", "deepspeed")])
 def test_zero3_checkpoints_resume_across_backends(cpu_pool, tmp_path, first, second):
     cpu_pool.run(checkpoint_case, seed=_seed(), save_dir=str(tmp_path / "ckpt"), first=first, second=second)
+
+
+def test_the_zero3_benchs_block_step_repeats_on_both_backends(cpu_pool):
+    """``python -m ds_comet.bench.zero3`` times the MoE block's step again and again outside
+    ``engine.backward``: each step must leave ZeRO-3's reduction bucket empty, or the next one fails in
+    DeepSpeed's hook. The same input gives the same input gradient each step, on both backends alike."""
+    for norms in cpu_pool.run(block_steps_case, seed=_seed()):
+        assert norms["comet"] == pytest.approx(norms["deepspeed"], rel=1e-5), norms
+        assert norms["deepspeed"] == pytest.approx([norms["deepspeed"][0]] * 3, rel=1e-6), norms
 
 
 def refused_case(zero: dict, message: str):

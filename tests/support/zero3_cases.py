@@ -121,3 +121,21 @@ def checkpoint_case(seed: int, save_dir: str, first: str, second: str):
             assert torch.equal(got_state[name], value), name
     got = train(other, seed, steps=1, first=2)[0]
     assert got == pytest.approx(want, rel=1e-6), (got, want)
+
+
+def block_steps_case(seed: int, steps: int = 3) -> dict[str, list[float]]:
+    """``bench.zero3``'s timed step, ``block_training_step``, run ``steps`` times on each backend's ZeRO-3
+    engine (the tiny Mixtral, fp32): each step's input gradient norm, by backend."""
+    from ds_comet.bench.zero3 import block_training_step
+
+    norms = {}
+    for backend in ("deepspeed", "comet"):
+        engine = zero3_engine("mixtral", backend, seed)
+        block = engine.module.model.layers[0].mlp
+        x = torch.randn(2, 8, engine.module.config.hidden_size, requires_grad=True)
+        step = block_training_step(engine, block, x, torch.randn_like(x))
+        norms[backend] = []
+        for _ in range(steps):
+            step()
+            norms[backend].append(float(x.grad.norm()))
+    return norms
