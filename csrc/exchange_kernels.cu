@@ -82,6 +82,10 @@ __global__ void exchange_kernel(GroupShape shape, ExchangeHeader header, const i
             atomicExch_system(reinterpret_cast<int32_t*>(peer_meta[p]) + mo.exchange_flag + rank, generation);
         }
     }
+    // Every peer has this rank's flag before any thread may stop the kernel on a peer's header below:
+    // a peer then finds the mismatch in this rank's header itself, instead of waiting out its bound
+    // for a flag that a stopped kernel never raised.
+    __syncthreads();
     if (tid < P) {
         wait_at_least(meta + mo.exchange_flag + tid, generation, shape, kWaitExchangeFlag, tid, layout, error_record);
         // Read after the flag's acquire, as the counts are: a source in another exchange (another
