@@ -56,7 +56,8 @@ def predicated(kernel, path):
 SCRIPT = (
     PRELUDE
     + r"""
-from ds_comet.kernels.triton_gemm import expert_column_sums_kernel, gemm1_kernel, gemm2_kernel, wgrad_kernel
+from ds_comet.kernels.triton_gemm import (count_received_rows_kernel, expert_column_sums_kernel, gemm1_kernel,
+                                         gemm2_kernel, wgrad_kernel)
 path = sys.argv[1]
 found = {}
 # The fp16 cases compile the same source with the other element type (the fused path takes both).
@@ -84,6 +85,9 @@ k = wgrad_kernel.warmup(bf, 4096, bf, 14336, bf, i32, 0, 4096, 14336, 4, BM=128,
 found[("wgrad", )] = predicated(k, path)
 k = expert_column_sums_kernel.warmup(bf, 28672, bf, i32, 0, 14336, BR=128, BM=64, grid=(1, ), num_warps=4)
 found[("column_sums", )] = predicated(k, path)
+# After library_fp8's GEMM2, as count_received_rows launches it (tile_n 256, 4 tiles a chunk).
+k = count_received_rows_kernel.warmup(i64, i32, 0, 7168, CHUNK_COLS=1024, BN=256, grid=(1, ))
+found[("count_received_rows", )] = predicated(k, path)
 bad = {key: ins for key, ins in found.items() if ins}
 print("checked", len(found), "kernels; predicated collectives or large stacks:", bad)
 sys.exit(1 if bad else 0)
@@ -96,7 +100,9 @@ FP8_SCRIPT = (
     + r"""
 from ds_comet.kernels.triton_fp8_gemm import gemm1_fp8_kernel, gemm2_fp8_kernel
 from ds_comet.kernels.fp8_rows import packed_row_bytes
-from ds_comet.kernels.triton_fp8_quantise import dequantise_rows_kernel, quantise_blocks_kernel, quantise_rows_kernel
+from ds_comet.kernels.library_fp8_phases import QUANTISE_COLUMNS
+from ds_comet.kernels.triton_fp8_quantise import (dequantise_rows_kernel, quantise_blocks_kernel, quantise_rows_kernel,
+                                                  quantise_rowwise_kernel)
 from ds_comet.kernels.triton_fp8_phases import ACCUMULATOR_ELEMENTS, GATED_GEMM1_TILE_N, GEMM1_TILE_N
 MMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.(e4m3|e5m2)\.(e4m3|e5m2)")
 path = sys.argv[1]
@@ -161,6 +167,10 @@ for values in (u8, MockTensor(torch.float8_e5m2)):
     k = dequantise_rows_kernel.warmup(values, f32, bf, 4000, 7168, packed_row_bytes(7168), BM=32, grid=(1, ),
                                       num_warps=4)
     check(f"dequantise_rows e5m2={e5m2}", k, None)
+    # The rowwise recipe's rows for the library's FP8 GEMMs, as library_fp8_phases.quantised_rows launches it.
+    k = quantise_rowwise_kernel.warmup(bf, 14336, values, f32, 14336, E5M2=e5m2, BK=QUANTISE_COLUMNS, grid=(1, ),
+                                       num_warps=4)
+    check(f"quantise_rowwise e5m2={e5m2}", k, None)
 bad = {key: ins for key, ins in found.items() if ins}
 print("checked", len(found), "kernels; predicated collectives, large stacks or other MMAs:", bad)
 sys.exit(1 if bad else 0)
@@ -188,15 +198,16 @@ def compile_for_sm90(tmp_path, script: str) -> str:
 
 
 def test_no_predicated_collective_and_little_spilling(tmp_path):
-    assert "checked 17 kernels" in compile_for_sm90(tmp_path, SCRIPT)
+    assert "checked 18 kernels" in compile_for_sm90(tmp_path, SCRIPT)
 
 
 def test_the_fp8_gemms_run_on_the_fp8_tensor_cores_without_predicated_collectives_or_spilling(tmp_path):
     """The FP8 GEMMs as ``TritonFp8Gemm`` launches them: their products are Hopper's FP8 wgmma (e4m3 rows,
     or e5m2 gradients, by e4m3 weights), with the bf16 GEMMs' rules on collectives and stacks, GEMM1's
     forward and backward also on packed FP8 rows; the weights' quantisation kernel as ``Fp8WeightCache`` launches it,
-    and the dispatched rows' quantise and dequantise passes as ``fp8_rows`` launches them. Each kernel's
+    the dispatched rows' quantise and dequantise passes as ``fp8_rows`` launches them, and the rowwise
+    recipe's row quantisation as ``library_fp8_phases`` launches it. Each kernel's
     registers, stack, local-memory accesses and shared memory are printed (pytest -s)."""
     out = compile_for_sm90(tmp_path, FP8_SCRIPT)
     print(out)
-    assert "checked 29 kernels" in out
+    assert "checked 31 kernels" in out
