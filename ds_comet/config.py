@@ -70,8 +70,7 @@ class Fp8Recipe(DeepSpeedConfigModel):
     """Within ``forward`` and ``input_gradients``, GEMM2 in FP8 too: the activation by W2 (forward)
     and the gradient of the first layer's products by W1 and W3 (backward), the GEMMs whose rows the
     combine takes. ``false``: those two run in high precision and only the first layer's GEMMs (the
-    rows by W1 and W3, the output gradient by W2) in FP8. The fused pipeline runs ``"rowwise"``
-    scaling only so (docs/configuration.md, "Where it runs")."""
+    rows by W1 and W3, the output gradient by W2) in FP8."""
 
     weight_gradients: bool = False
     """The weight gradients' GEMMs in FP8: not run yet (must be false). They run in high precision
