@@ -81,6 +81,7 @@ __global__ void exchange_kernel(GroupShape shape, ExchangeHeader header, const i
         for (int p = 0; p < P; ++p) {
             atomicExch_system(reinterpret_cast<int32_t*>(peer_meta[p]) + mo.exchange_flag + rank, generation);
         }
+        __threadfence_system();  // the flags written, not only issued, before a thread may stop below
     }
     // Every peer has this rank's flag before any thread may stop the kernel on a peer's header below:
     // a peer then finds the mismatch in this rank's header itself, instead of waiting out its bound

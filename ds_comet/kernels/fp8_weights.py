@@ -43,6 +43,7 @@ from .. import fp8
 from .fused_experts import POINTER_NAMES, FusedExperts
 from .gemm_phases import Phase
 from .host_copies import host_to_device
+from .library_fp8_phases import quantised_rows
 
 
 @dataclass(frozen=True)
@@ -152,10 +153,12 @@ class Fp8WeightCache:
         self._weights = {}
         if self.scaling == "rowwise":
             for weight in self.wanted:
-                matrices = [stacked_sources(row, weight.sources) for row in tensors]
-                if matrices[0] is not None:
-                    self._weights[weight.name] = quantised_rowwise(matrices, weight.transposed)
+                quantised = quantised_rowwise(tensors, weight)
+                if quantised is not None:
+                    self._weights[weight.name] = quantised
         else:
+            # Blockwise copies have one source each (QUANTISED); the Triton pass writes a source's
+            # plain and transposed copies at once.
             for (source,) in dict.fromkeys(weight.sources for weight in self.wanted):
                 matrices = [row[POINTER_NAMES.index(source)] for row in tensors]
                 if matrices[0] is None:
@@ -165,16 +168,6 @@ class Fp8WeightCache:
                 self._weights.update((quantised_by_triton if by_triton else quantised_by_torch)(matrices, wanted))
         self._tables = _pointer_tables(self._weights, device)
         self.quantisations += 1
-
-
-def stacked_sources(row: tuple[Tensor | None, ...], sources: tuple[str, ...]) -> Tensor | None:
-    """One expert's weights ``sources`` (``FusedExperts.expert_tensors()``'s ``row``), those it has,
-    stacked along N ([N, K], or [2F, H] for W1 and W3); None where it has none of them."""
-    present = [row[POINTER_NAMES.index(source)] for source in sources]
-    present = [matrix for matrix in present if matrix is not None]
-    if not present:
-        return None
-    return present[0] if len(present) == 1 else torch.cat(present)
 
 
 def quantised_by_torch(matrices: list[Tensor], wanted: list[QuantisedWeight]) -> dict[str, fp8.Quantised]:
@@ -224,21 +217,37 @@ def quantised_by_triton(matrices: list[Tensor], wanted: list[QuantisedWeight]) -
     return out
 
 
-def quantised_rowwise(matrices: list[Tensor], transposed: bool) -> fp8.Quantised:
-    """``fp8.quantise_rows`` of each of the local experts' ``matrices`` (``[N, K]`` each), transposed
-    first where asked, stacked over the experts: values ``[L, N, K]`` e4m3, scales ``[L, N, 1]`` fp32,
-    block ``(1, K)``. A few experts at a time: a row's scale is its own, so experts stacked along N
-    keep theirs; by ``library_fp8_phases.quantised_rows`` (one Triton pass on a GPU)."""
-    from .library_fp8_phases import quantised_rows
-
-    num_local, device = len(matrices), matrices[0].device
-    rows, columns = matrices[0].shape[::-1] if transposed else matrices[0].shape
+def quantised_rowwise(tensors: list[tuple[Tensor | None, ...]], weight: QuantisedWeight) -> fp8.Quantised | None:
+    """``fp8.quantise_rows`` of each local expert's ``weight`` (its sources that the experts have,
+    stacked along N; transposed first where asked), stacked over the experts: values
+    ``[L, N, K]`` e4m3, scales ``[L, N, 1]`` fp32, block ``(1, K)``; None where the experts have none
+    of its sources. ``tensors``: ``FusedExperts.expert_tensors()``. A few experts at a time, copied
+    once into a buffer of the chunk's (a row's scale is its own, so experts stacked along N keep
+    theirs), then by ``library_fp8_phases.quantised_rows`` (one Triton pass on a GPU)."""
+    present = [POINTER_NAMES.index(source) for source in weight.sources]
+    present = [column for column in present if tensors[0][column] is not None]
+    if not present:
+        return None
+    first_matrix = tensors[0][present[0]]
+    parts = [tensors[0][column].shape[0] for column in present]  # each source's N
+    rows, columns = sum(parts), first_matrix.shape[1]
+    if weight.transposed:
+        rows, columns = columns, rows
+    num_local, device = len(tensors), first_matrix.device
     values = torch.empty((num_local, rows, columns), dtype=fp8.E4M3.dtype, device=device)
     scales = torch.empty((num_local, rows, 1), dtype=torch.float32, device=device)
     step = max(1, CHUNK_ELEMENTS // (rows * columns))
     for first in range(0, num_local, step):
         last = min(first + step, num_local)
-        part = torch.stack([m.t() if transposed else m for m in matrices[first:last]])
+        part = torch.empty((last - first, rows, columns), dtype=first_matrix.dtype, device=device)
+        for expert, row in enumerate(tensors[first:last]):
+            start = 0
+            for column, size in zip(present, parts):
+                if weight.transposed:
+                    part[expert, :, start : start + size].copy_(row[column].t())
+                else:
+                    part[expert, start : start + size].copy_(row[column])
+                start += size
         quantised = quantised_rows(part.view(-1, columns))
         values[first:last] = quantised.values.view(last - first, rows, columns)
         scales[first:last] = quantised.scales.view(last - first, rows, 1)

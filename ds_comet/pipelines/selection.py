@@ -598,13 +598,9 @@ class PipelineSelection:
             facts = fp8_facts(recipe, hidden, fused.ffn)
             alone = self.spec.ep_size == 1
             why = fp8_refusal(gemm_facts(tokens.dtype, fused, capability, alone, facts))
-            if why is not None and recipe.gemm2:
-                without_gemm2 = fp8_facts(recipe.model_copy(update={"gemm2": False}), hidden, fused.ffn)
-                if fp8_refusal(gemm_facts(tokens.dtype, fused, capability, alone, without_gemm2)) is None:
-                    why += '; with "gemm2": false (GEMM2 both ways in bf16) the rest of the recipe would run'
             if why is None:
                 self._fp8_facts = facts
-                if recipe.scaling == "blockwise":  # the Triton FP8 GEMMs, measured; library_fp8 is not yet
+                if recipe.scaling == "blockwise":  # the Triton FP8 GEMMs, measured slower than bf16
                     log_dist_once(FP8_KERNELS_SLOWER, ranks=[0], level=logging.WARNING)  # once a job
                 return fused
         if self.config.overlap == "fused" and recipe.fallback == "bf16":

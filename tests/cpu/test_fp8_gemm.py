@@ -59,6 +59,13 @@ def test_the_rowwise_quantisation_kernel_is_fp8_pys_quantise_rows_bit_for_bit():
     assert "rows " in out
 
 
+def test_the_row_count_after_a_library_gemm2_is_what_the_combine_waits_for():
+    """library_fp8's GEMM2 counts no rows; one kernel after it must give each column chunk's counter
+    the received rows times the chunk's column tiles, as the Triton GEMM2's tiles would add them."""
+    out = interpret("print('chunks', cases.row_count_case(cpu))")
+    assert "chunks " in out
+
+
 def test_the_dispatched_fp8_rows_are_fp8_pys_and_dequantise_to_the_emulations_bit_for_bit():
     """The packed rows the exchange sends in either format (e4m3 tokens, e5m2 gradients): values and
     scales as ``fp8.quantise_tiles``'s, and dequantised as the emulation's exchange holds them, on the

@@ -7,7 +7,8 @@ computes, bit for bit against ``fp8.quantise_tiles``; ``packed_rows_case``: the 
 "fp8"`` sends (``kernels/fp8_rows.py``), quantised and dequantised, against ``fp8.py`` and the
 emulation's exchange; ``weight_quantisation_case``: the weights' quantisation kernel against
 ``fp8.quantise_blocks``; ``rowwise_quantisation_case``: the rowwise recipe's row quantisation kernel
-(``library_fp8_phases.quantised_rows_by_triton``) against ``fp8.quantise_rows``.
+(``library_fp8_phases.quantised_rows_by_triton``) against ``fp8.quantise_rows``; ``row_count_case``:
+the row count after library_fp8's GEMM2 against what the combine waits for.
 
 ``GemmCase``: one rank's rows laid out as the exchange lays them out (tests/support/layout_reference.py,
 every row tile marked as arrived), experts with skewed row counts (one with none, odd ones), weights
@@ -41,7 +42,7 @@ from ds_comet.kernels.launch import PointerTables
 from ds_comet.kernels.library_fp8_phases import QUANTISE_COLUMNS, quantised_rows_by_triton
 from ds_comet.kernels.triton_fp8_gemm import gemm1_fp8_kernel, gemm2_fp8_kernel
 from ds_comet.kernels.triton_fp8_quantise import _quantise_tile
-from ds_comet.kernels.triton_gemm import ACTIVATION_CODES
+from ds_comet.kernels.triton_gemm import ACTIVATION_CODES, count_received_rows_kernel
 from ds_comet.kernels.triton_phases import next_power_of_2, with_descriptor_scratch
 from ds_comet.pipelines.expert_weights import ModuleFusedExperts
 from ds_comet.pipelines.fp8_emulation import Fp8Exchange, RecipeOperands, _activate, _first_layer
@@ -142,6 +143,38 @@ def rowwise_quantisation_case(device: torch.device, seed: int) -> int:
         wrong = (got_values.view(torch.uint8) != want.values.view(torch.uint8)) & finite
         assert not wrong.any(), f"{fmt.name}: {int(wrong.sum())} values differ, first at {wrong.nonzero()[0].tolist()}"
         checked += x.shape[0]
+    return checked
+
+
+def row_count_case(device: torch.device) -> int:
+    """``count_received_rows_kernel`` as ``library_fp8_phases.count_received_rows`` launches it, over
+    hidden sizes that column tiles and chunks divide and do not: each column chunk's counter gains the
+    received rows (the layout's total) times the chunk's column tiles, which is what the combine waits
+    for alone in the group (``combine_kernels.cu``: own routes x tiles); counters past the last chunk
+    and the layout are left as they were. Returns the number of chunks checked."""
+    offset, rows = 5, 1234
+    checked = 0
+    for hidden in (128, 200, 2880, 4096, 7168):
+        for tile_n in (64, 128, 256):
+            for n_chunks in (1, 3, 8, 64):
+                column_tiles = -(-hidden // tile_n)
+                chunk_tiles = -(-column_tiles // n_chunks)
+                num_chunks = -(-column_tiles // chunk_tiles)  # FusedKernels.chunking
+                layout = torch.zeros(16, dtype=torch.int32, device=device)
+                layout[offset] = rows
+                counters = torch.full((num_chunks + 2,), 7, dtype=torch.int32, device=device)
+                table = torch.tensor([counters.data_ptr()], dtype=torch.int64, device=device)
+                count_received_rows_kernel[(num_chunks,)](
+                    table, layout, offset, hidden, CHUNK_COLS=chunk_tiles * tile_n, BN=tile_n
+                )
+                chunk_cols = chunk_tiles * tile_n
+                want = [
+                    7 + rows * -(-(min(hidden, (c + 1) * chunk_cols) - c * chunk_cols) // tile_n)
+                    for c in range(num_chunks)
+                ]
+                assert counters.tolist() == want + [7, 7], (hidden, tile_n, n_chunks, counters.tolist(), want)
+                assert layout[offset] == rows and int(layout.sum()) == rows
+                checked += num_chunks
     return checked
 
 
