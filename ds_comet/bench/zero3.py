@@ -54,7 +54,8 @@ def block_step(family: str, hidden: int, ffn: int, experts: int, k: int, tokens:
 def block_training_step(engine, block, x, dy):
     """One training step of ``block`` (a module of ``engine``'s model under ZeRO-3) on ``x`` ([B, T, H])
     against the output gradient ``dy``, as a function of no arguments: its gradients set to None,
-    forward, backward through the engine's hooks, then what ``engine.backward`` runs after autograd."""
+    forward, backward through the engine's hooks, then the reduction of the gradients left in
+    ZeRO-3's bucket, as ``engine.backward`` ends with."""
 
     def step():
         autoep_step(block, x, dy)
