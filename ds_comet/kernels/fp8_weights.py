@@ -43,7 +43,7 @@ from .. import fp8
 from .fused_experts import POINTER_NAMES, FusedExperts
 from .gemm_phases import Phase
 from .host_copies import host_to_device
-from .library_fp8_phases import quantised_rows
+from .library_fp8_phases import QUANTISE_COLUMNS, quantised_rows
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,9 @@ ROWWISE_QUANTISED = {**QUANTISED, Phase.GEMM2_BACKWARD: (QuantisedWeight("w13t",
 # quantised_by_torch's experts at once hold at most this many weight elements: fp8.quantise works in
 # fp32 and holds a few copies of its input, so a Mixtral-sized layer's w1 at once would take gigabytes.
 CHUNK_ELEMENTS = 1 << 25
+# quantise_weight_columns_kernel's tile of a weight: rows per pass, columns per program (4,096
+# elements over its 4 warps, 32 a thread).
+WEIGHT_TILE = (64, 64)
 
 _optimizer_steps = 0
 _step_hook = None
@@ -236,6 +239,15 @@ def quantised_rowwise(tensors: list[tuple[Tensor | None, ...]], weight: Quantise
     num_local, device = len(tensors), first_matrix.device
     values = torch.empty((num_local, rows, columns), dtype=fp8.E4M3.dtype, device=device)
     scales = torch.empty((num_local, rows, 1), dtype=torch.float32, device=device)
+    matrices = [[row[column] for row in tensors] for column in present]
+    by_triton = first_matrix.is_cuda and first_matrix.dtype == torch.bfloat16  # the fused FP8 path's
+    if by_triton and all(m.is_contiguous() for source in matrices for m in source):
+        if weight.transposed:
+            rowwise_transposed_copy_by_triton(matrices, values, scales)
+            return fp8.Quantised(values, scales, (1, columns))
+        if len(present) == 1:
+            rowwise_copy_by_triton(matrices[0], values, scales)
+            return fp8.Quantised(values, scales, (1, columns))
     step = max(1, CHUNK_ELEMENTS // (rows * columns))
     for first in range(0, num_local, step):
         last = min(first + step, num_local)
@@ -252,6 +264,47 @@ def quantised_rowwise(tensors: list[tuple[Tensor | None, ...]], weight: Quantise
         values[first:last] = quantised.values.view(last - first, rows, columns)
         scales[first:last] = quantised.scales.view(last - first, rows, 1)
     return fp8.Quantised(values, scales, (1, columns))
+
+
+def rowwise_copy_by_triton(matrices: list[Tensor], values: Tensor, scales: Tensor) -> None:
+    """``quantised_rowwise``'s untransposed copy of one source's bf16 ``matrices`` (``[N, K]`` each,
+    contiguous) into ``values`` ([L, N, K] e4m3) and ``scales`` ([L, N, 1]), read where they lie: one
+    Triton program a row (``triton_fp8_quantise.quantise_weight_rows_kernel``), bit for bit
+    ``fp8.quantise_rows``, with no bf16 copy first."""
+    from .triton_fp8_quantise import quantise_weight_rows_kernel  # triton is an extra
+
+    rows, columns = matrices[0].shape
+    table = host_to_device(torch.tensor([m.data_ptr() for m in matrices], dtype=torch.int64), values.device)
+    quantise_weight_rows_kernel[(rows, len(matrices))](
+        table, values, scales, rows, columns, BK=QUANTISE_COLUMNS, num_warps=4
+    )
+
+
+def rowwise_transposed_copy_by_triton(sources: list[list[Tensor]], values: Tensor, scales: Tensor) -> None:
+    """``quantised_rowwise``'s transposed copy of one or two sources' bf16 matrices (``sources[s][e]``:
+    expert e's ``[N, K]``, contiguous; two: W1 and W3, stacked along N) into ``values`` ([L, K, N or
+    2N] e4m3) and ``scales`` ([L, K, 1]), read where they lie: ``WEIGHT_COLUMNS`` columns a Triton
+    program (``triton_fp8_quantise.quantise_weight_columns_kernel``), bit for bit
+    ``fp8.quantise_columns`` transposed, with no bf16 copy first."""
+    from .triton_fp8_quantise import quantise_weight_columns_kernel  # triton is an extra
+
+    rows, columns = sources[0][0].shape
+    tables = host_to_device(
+        torch.tensor([[m.data_ptr() for m in source] for source in sources], dtype=torch.int64), values.device
+    )
+    block_rows, block_columns = WEIGHT_TILE
+    quantise_weight_columns_kernel[(-(-columns // block_columns), len(sources[0]))](
+        tables[0],
+        tables[-1],
+        values,
+        scales,
+        rows,
+        columns,
+        TWO=len(sources) == 2,
+        BN=block_rows,
+        BC=block_columns,
+        num_warps=4,
+    )
 
 
 def _empty_copies(matrices: list[Tensor], wanted: list[QuantisedWeight]) -> dict[str, fp8.Quantised]:

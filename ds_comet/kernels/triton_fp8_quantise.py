@@ -6,7 +6,9 @@ in 128x128 blocks (``fp8.quantise_blocks``) into the layer's FP8 copies (``fp8_w
 orientation or both, in one pass over them; ``quantise_rows_kernel`` packs rows in 1x128 tiles for the
 FP8 dispatch (``fp8_rows``), and ``dequantise_rows_kernel`` turns packed rows back into bf16;
 ``quantise_rowwise_kernel`` quantises whole rows with one scale each (``fp8.quantise_rows``), the
-rowwise recipe's operands of the library's FP8 GEMMs (``library_fp8_phases``).
+rowwise recipe's operands of the library's FP8 GEMMs (``library_fp8_phases``), and
+``quantise_weight_rows_kernel`` and ``quantise_weight_columns_kernel`` the experts' weights into the
+rowwise copies those GEMMs read (``fp8_weights``), per row or per column written transposed.
 
 Both follow ``fp8.block_scales`` from bits rather than through float arithmetic that could round
 otherwise: a block's largest magnitude is an integer maximum over the magnitudes' fp32 bits (which
@@ -223,10 +225,27 @@ def _round_to_bf16(x):
 def quantise_rowwise_kernel(x, stride, values, scales, K, E5M2: tl.constexpr, BK: tl.constexpr):
     """``fp8.quantise_rows`` of ``x`` ([M, K] bf16, row stride ``stride``), one row a program (grid: M):
     the values (e5m2 with E5M2, else e4m3) into ``values`` ([M, K], contiguous) and each row's fp32 scale
-    into ``scales`` ([M]). Two reads of the row, BK columns at a time: its largest magnitude, then its
-    values divided by the scale."""
+    into ``scales`` ([M])."""
     row = tl.program_id(0).to(tl.int64)
-    source, target = x + row * stride, values + row * K
+    tl.store(scales + row, _quantise_row(x + row * stride, values + row * K, K, E5M2, BK))
+
+
+@triton.jit
+def quantise_weight_rows_kernel(source_table, values, scales, N, K, BK: tl.constexpr):
+    """``fp8.quantise_rows`` of each local expert's bf16 ``[N, K]`` weight (``source_table``: [L] int64
+    pointers, each matrix contiguous), read where it lies, one row a program (grid: N, L): e4m3 values
+    into ``values`` ([L, N, K]) and scales into ``scales`` ([L, N])."""
+    row, expert = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    weight = tl.load(source_table + expert).to(tl.pointer_type(tl.bfloat16))
+    first = (expert * N + row) * K
+    tl.store(scales + expert * N + row, _quantise_row(weight + row * K, values + first, K, False, BK))
+
+
+@triton.jit
+def _quantise_row(source, target, K, E5M2: tl.constexpr, BK: tl.constexpr):
+    """One row of K bf16 values at ``source`` quantised with one scale into ``target`` (K values, e5m2
+    with E5M2, else e4m3); returns the scale. Two reads of the row, BK columns at a time: its largest
+    magnitude, then its values divided by the scale."""
     largest = tl.zeros((BK,), dtype=tl.int32)
     for first in range(0, K, BK):
         columns = first + tl.arange(0, BK)
@@ -249,4 +268,45 @@ def quantise_rowwise_kernel(x, stride, values, scales, K, E5M2: tl.constexpr, BK
                 scaled, E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER
             ).to(tl.float8e4nv)
         tl.store(target + columns, rounded, mask=columns < K)
-    tl.store(scales + row, scale)
+    return scale
+
+
+@triton.jit
+def quantise_weight_columns_kernel(
+    first_table, second_table, values_t, scales_t, N, K, TWO: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr
+):
+    """``fp8.quantise_columns`` of each local expert's bf16 ``[N, K]`` weight, or with TWO of the two
+    weights ``[first; second]`` ``[2N, K]`` stacked along N (W1 and W3: one scale per column across
+    both), read where they lie (``first_table``, ``second_table``: [L] int64 pointers, each matrix
+    contiguous) and written transposed: e4m3 values into ``values_t`` ([L, K, N or 2N]) and each
+    column's scale into ``scales_t`` ([L, K]). BC columns a program (grid: ceil(K / BC), L), two reads
+    of them, BN rows at a time: their largest magnitudes, then their values divided by the scales."""
+    block, expert = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    columns = block * BC + tl.arange(0, BC)
+    in_range = columns < K
+    first = tl.load(first_table + expert).to(tl.pointer_type(tl.bfloat16))
+    second = tl.load(second_table + expert).to(tl.pointer_type(tl.bfloat16))
+    rows_out = 2 * N if TWO else N
+    largest = tl.zeros((BC,), dtype=tl.int32)
+    for part in tl.static_range(2 if TWO else 1):
+        weight = first if part == 0 else second
+        for row0 in range(0, N, BN):
+            rows = row0 + tl.arange(0, BN)
+            mask = (rows < N)[:, None] & in_range[None, :]
+            tile = _as_fp32(tl.load(weight + rows.to(tl.int64)[:, None] * K + columns[None, :], mask=mask, other=0.0))
+            largest = tl.maximum(largest, tl.max(tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+    scale, inverse = _scale_of(largest, E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA)
+    target = values_t + expert * K * rows_out
+    for part in tl.static_range(2 if TWO else 1):
+        weight = first if part == 0 else second
+        for row0 in range(0, N, BN):
+            rows = row0 + tl.arange(0, BN)
+            mask = (rows < N)[:, None] & in_range[None, :]
+            tile = _as_fp32(tl.load(weight + rows.to(tl.int64)[:, None] * K + columns[None, :], mask=mask, other=0.0))
+            rounded = _round_to_format(
+                tile * inverse[None, :], E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER
+            ).to(tl.float8e4nv)
+            out_rows = part * N + rows  # stored transposed, consecutive rows of the weight side by side
+            addresses = target + columns.to(tl.int64)[:, None] * rows_out + out_rows[None, :]
+            tl.store(addresses, tl.trans(rounded), mask=tl.trans(mask))
+    tl.store(scales_t + expert * K + columns, scale, mask=in_range)

@@ -59,6 +59,13 @@ def test_the_rowwise_quantisation_kernel_is_fp8_pys_quantise_rows_bit_for_bit():
     assert "rows " in out
 
 
+def test_the_rowwise_weight_copies_are_fp8_pys_bit_for_bit():
+    """The rowwise copies of the experts' weights as the fused path makes them on a GPU (read where they
+    lie, per row or per column written transposed, W1 and W3 together), against ``fp8.py``."""
+    out = interpret("print('scales', cases.rowwise_weights_case(cpu))")
+    assert "scales " in out
+
+
 def test_the_row_count_after_a_library_gemm2_is_what_the_combine_waits_for():
     """library_fp8's GEMM2 counts no rows; one kernel after it must give each column chunk's counter
     the received rows times the chunk's column tiles, as the Triton GEMM2's tiles would add them."""

@@ -86,6 +86,10 @@ def test_the_row_count_after_a_library_gemm2_is_what_the_combine_waits_for_on_th
     assert "chunks " in _on_the_gpu("print('chunks', cases.row_count_case(torch.device('cuda')))")
 
 
+def test_the_rowwise_weight_copies_are_fp8_pys_on_the_gpu():
+    assert "scales " in _on_the_gpu("print('scales', cases.rowwise_weights_case(torch.device('cuda')))")
+
+
 def test_the_rowwise_quantisation_kernel_is_fp8_pys_on_the_gpu():
     assert "rows " in _on_the_gpu(
         f"print('rows', cases.rowwise_quantisation_case(torch.device('cuda'), seed={_seed()}))"

@@ -7,7 +7,9 @@ computes, bit for bit against ``fp8.quantise_tiles``; ``packed_rows_case``: the 
 "fp8"`` sends (``kernels/fp8_rows.py``), quantised and dequantised, against ``fp8.py`` and the
 emulation's exchange; ``weight_quantisation_case``: the weights' quantisation kernel against
 ``fp8.quantise_blocks``; ``rowwise_quantisation_case``: the rowwise recipe's row quantisation kernel
-(``library_fp8_phases.quantised_rows_by_triton``) against ``fp8.quantise_rows``; ``row_count_case``:
+(``library_fp8_phases.quantised_rows_by_triton``) against ``fp8.quantise_rows``, and
+``rowwise_weights_case`` the rowwise weight copies' kernels against ``fp8.quantise_rows`` and
+``fp8.quantise_columns``; ``row_count_case``:
 the row count after library_fp8's GEMM2 against what the combine waits for.
 
 ``GemmCase``: one rank's rows laid out as the exchange lays them out (tests/support/layout_reference.py,
@@ -36,7 +38,14 @@ from ds_comet.experts import FeedForward, GatedFeedForward, fused_expert
 from ds_comet.kernels import constants as C
 from ds_comet.kernels import fp8_rows
 from ds_comet.kernels import layout as L
-from ds_comet.kernels.fp8_weights import Fp8WeightCache, QuantisedWeight, quantised_by_torch, quantised_by_triton
+from ds_comet.kernels.fp8_weights import (
+    Fp8WeightCache,
+    QuantisedWeight,
+    quantised_by_torch,
+    quantised_by_triton,
+    rowwise_copy_by_triton,
+    rowwise_transposed_copy_by_triton,
+)
 from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.kernels.launch import PointerTables
 from ds_comet.kernels.library_fp8_phases import QUANTISE_COLUMNS, quantised_rows_by_triton
@@ -143,6 +152,54 @@ def rowwise_quantisation_case(device: torch.device, seed: int) -> int:
         wrong = (got_values.view(torch.uint8) != want.values.view(torch.uint8)) & finite
         assert not wrong.any(), f"{fmt.name}: {int(wrong.sum())} values differ, first at {wrong.nonzero()[0].tolist()}"
         checked += x.shape[0]
+    return checked
+
+
+def rowwise_weights_case(device: torch.device) -> int:
+    """The rowwise recipe's weight copies as ``Fp8WeightCache`` makes them on a GPU, read where the
+    weights lie, bit for bit against ``fp8.py``: each expert's [N, K] per row (W1, W3, W2), per column
+    written transposed (W2^T), and W1 and W3 stacked along N per column, one scale across both
+    ([W1; W3]^T). Sizes that the kernels' passes and tiles do not divide; rows and columns at a
+    scale's limit, ties, bf16 subnormals, zeros, an infinity and a NaN (whose row's or column's scale
+    is NaN: only the scale is compared there). Returns the number of scales checked."""
+    generator = torch.Generator().manual_seed(11)
+    num_local, rows, columns = 3, 200, 1100
+    magnitude = 2.0 ** (torch.rand(num_local, rows, 1, generator=generator) * 60 - 30)
+    weights = (torch.randn(num_local, rows, columns, generator=generator) * magnitude).to(torch.bfloat16)
+    weights[0, 3, :] = 0.0
+    weights[0, 4, :8] = torch.tensor([448.0, -448.0, 1.0625, 1.1875, 2.0**-130, -(2.0**-131), 0.0, -0.0])
+    weights[1, 7, 9] = float("inf")
+    weights[2, 150, 1000] = float("nan")
+    weights[1, :, 20] = 2.0**-128  # a column of bf16 subnormals
+    second = (torch.randn(num_local, rows, columns, generator=generator) * 3.0).to(torch.bfloat16)
+    first_list = [w.to(device) for w in weights]
+    second_list = [w.to(device) for w in second]
+    checked = 0
+
+    def compare(name, values, scales, want):
+        nonlocal checked
+        got_scales, got_values = scales.cpu().view(want.scales.shape), values.cpu()
+        nan = want.scales.isnan()
+        assert torch.equal(got_scales.isnan(), nan), f"{name}: NaN scales differ"
+        assert torch.equal(got_scales[~nan], want.scales[~nan]), f"{name}: scales differ"
+        finite = ~nan.expand_as(want.values)
+        wrong = (got_values.view(torch.uint8) != want.values.view(torch.uint8)) & finite
+        assert not wrong.any(), f"{name}: {int(wrong.sum())} values differ, first at {wrong.nonzero()[0].tolist()}"
+        checked += want.scales.numel()
+
+    values = torch.empty(num_local, rows, columns, dtype=fp8.E4M3.dtype, device=device)
+    scales = torch.empty(num_local, rows, 1, device=device)
+    rowwise_copy_by_triton(first_list, values, scales)
+    for e in range(num_local):
+        compare(f"rows of expert {e}", values[e], scales[e], fp8.quantise_rows(weights[e]))
+    for sources, stacked in (([first_list], weights), ([first_list, second_list], torch.cat([weights, second], 1))):
+        values = torch.empty(num_local, columns, stacked.shape[1], dtype=fp8.E4M3.dtype, device=device)
+        scales = torch.empty(num_local, columns, 1, device=device)
+        rowwise_transposed_copy_by_triton(sources, values, scales)
+        for e in range(num_local):
+            want = fp8.quantise_columns(stacked[e])
+            want = fp8.Quantised(want.values.t(), want.scales.t(), (1, want.values.shape[0]))
+            compare(f"{len(sources)} source(s), columns of expert {e}", values[e], scales[e], want)
     return checked
 
 
