@@ -30,7 +30,9 @@ Under the recipe's rowwise scaling (the library's FP8 GEMMs, ``library_fp8_phase
 channel of the GEMM that reads it (``quantised_rowwise``). W2^T's rows are W2's columns, so its copy
 is ``fp8.quantise_columns(W2)`` transposed, bit for bit. The backward GEMM2 is there one GEMM over
 ``[W1; W3]`` (K = 2F), as in the emulation, whose copy ``[W1; W3]^T`` takes one scale per input
-channel across W1 and W3 together (``ROWWISE_QUANTISED``).
+channel across W1 and W3 together (``ROWWISE_QUANTISED``). On the GPU each rowwise copy is one
+Triton pass over the weights where they lie (``rowwise_copy_by_triton``,
+``rowwise_transposed_copy_by_triton``).
 """
 
 from dataclasses import dataclass
