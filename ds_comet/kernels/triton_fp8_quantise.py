@@ -291,9 +291,7 @@ def quantise_weight_columns_kernel(
     for part in tl.static_range(2 if TWO else 1):
         weight = first if part == 0 else second
         for row0 in range(0, N, BN):
-            rows = row0 + tl.arange(0, BN)
-            mask = (rows < N)[:, None] & in_range[None, :]
-            tile = _as_fp32(tl.load(weight + rows.to(tl.int64)[:, None] * K + columns[None, :], mask=mask, other=0.0))
+            tile, _ = _column_tile(weight, row0 + tl.arange(0, BN), columns, in_range, N, K)
             largest = tl.maximum(largest, tl.max(tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
     scale, inverse = _scale_of(largest, E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA)
     target = values_t + expert * K * rows_out
@@ -301,8 +299,7 @@ def quantise_weight_columns_kernel(
         weight = first if part == 0 else second
         for row0 in range(0, N, BN):
             rows = row0 + tl.arange(0, BN)
-            mask = (rows < N)[:, None] & in_range[None, :]
-            tile = _as_fp32(tl.load(weight + rows.to(tl.int64)[:, None] * K + columns[None, :], mask=mask, other=0.0))
+            tile, mask = _column_tile(weight, rows, columns, in_range, N, K)
             rounded = _round_to_format(
                 tile * inverse[None, :], E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER
             ).to(tl.float8e4nv)
@@ -310,3 +307,12 @@ def quantise_weight_columns_kernel(
             addresses = target + columns.to(tl.int64)[:, None] * rows_out + out_rows[None, :]
             tl.store(addresses, tl.trans(rounded), mask=tl.trans(mask))
     tl.store(scales_t + expert * K + columns, scale, mask=in_range)
+
+
+@triton.jit
+def _column_tile(weight, rows, columns, in_range, N, K):
+    """The ``rows`` x ``columns`` tile of a bf16 ``[N, K]`` weight in fp32 (0 outside it; ``in_range``:
+    the columns below K), and the mask of its elements inside the weight."""
+    mask = (rows < N)[:, None] & in_range[None, :]
+    tile = tl.load(weight + rows.to(tl.int64)[:, None] * K + columns[None, :], mask=mask, other=0.0)
+    return _as_fp32(tile), mask
