@@ -150,7 +150,9 @@ class LibraryFp8Gemm(LibraryGemm):
 
     @torch.no_grad()
     def gemm2(self, call: "FusedKernels", rows: Tensor, out: Tensor):
-        """``h @ W2^T`` (W2's rowwise copy, per output channel) into ``out``, then every row counted."""
+        """``h @ W2^T`` (W2's rowwise copy, per output channel) into ``out``, then every row counted. Rows
+        past the last expert's end are copied as the library left them (not computed); the combine
+        reads only received rows."""
         out.copy_(rowwise_grouped_mm(quantised_rows(rows), call.fp8_weights.quantised("w2"), call.expert_ends))
         count_received_rows(call)
 
