@@ -107,20 +107,21 @@ class Fp8Recipe(DeepSpeedConfigModel):
                 '"weight_gradients": true is not supported yet; set it to false: the weight gradients then run '
                 'in high precision, as torchao\'s "rowwise_with_gw_hp" does'
             )
-        if self.dispatch == "fp8" and not self.forward:
+        if self.enabled and not (self.forward or self.input_gradients):
             raise ValueError(
-                '"dispatch": "fp8" sends the rows as the forward\'s FP8 GEMM takes them, and "forward" is false: '
-                'set "dispatch": "bf16", or "forward": true'
+                'the recipe is enabled with no GEMM in FP8: set "forward" or "input_gradients" to true, or '
+                '"enabled": false'
+            )
+        if self.dispatch == "fp8" and not self.forward:
+            default = "" if "dispatch" in self.model_fields_set else " (the default)"
+            raise ValueError(
+                f'"dispatch": "fp8"{default} sends the rows as the forward\'s FP8 GEMM takes them, and "forward" is '
+                'false: set "dispatch": "bf16", or "forward": true'
             )
         if self.gradient_dispatch == "fp8" and not self.input_gradients:
             raise ValueError(
                 '"gradient_dispatch": "fp8" sends the output gradient as the backward\'s FP8 GEMM takes it, and '
                 '"input_gradients" is false: set "gradient_dispatch": "bf16", or "input_gradients": true'
-            )
-        if self.enabled and not (self.forward or self.input_gradients):
-            raise ValueError(
-                'the recipe is enabled with no GEMM in FP8: set "forward" or "input_gradients" to true, or '
-                '"enabled": false'
             )
         return self
 

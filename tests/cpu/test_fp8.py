@@ -636,7 +636,9 @@ def test_a_comet_layer_runs_the_recipe_emulated(cpu_pool, dtype_name):
         assert all(reason.endswith('"overlap" is "none"') for reason in result["reasons"]), result["reasons"]
         assert result["fp8_runs"] == {name: None if name == "plain" else "emulated" for name in LAYER_RECIPES}
         # The job's one line says where the recipe runs.
-        assert result["summary"].endswith('their "fp8" recipe: 3 emulated in float on the reference pipeline')
+        assert result["summary"].endswith(
+            'their "fp8" recipe: 3 emulated in float on the reference pipeline (blockwise)'
+        )
         for recipe, differences in result["differences"].items():
             for name, difference in differences.items():
                 assert difference <= LAYER_BOUND, f"seed {seed}: {recipe}: {name} differs by {difference:.3g}"
@@ -694,13 +696,17 @@ def test_ranks_that_differ_in_their_recipe_are_refused(cpu_pool):
             {"weight_gradients": True},
             ['"weight_gradients": true is not supported yet; set it to false', "rowwise_with_gw_hp"],
         ),
-        ({"forward": False}, ['"dispatch": "fp8" sends the rows', 'set "dispatch": "bf16", or "forward": true']),
+        (
+            {"forward": False},
+            ['"dispatch": "fp8" (the default) sends the rows', 'set "dispatch": "bf16", or "forward"'],
+        ),
+        ({"forward": False, "dispatch": "fp8"}, ['"dispatch": "fp8" sends the rows', 'set "dispatch": "bf16", or']),
         (
             {"input_gradients": False, "gradient_dispatch": "fp8"},
             ['"gradient_dispatch": "fp8"', 'set "gradient_dispatch": "bf16", or "input_gradients": true'],
         ),
         (
-            {"enabled": True, "forward": False, "input_gradients": False, "dispatch": "bf16"},
+            {"enabled": True, "forward": False, "input_gradients": False},  # said before the dispatch's rule
             ["enabled with no GEMM in FP8", 'set "forward" or "input_gradients" to true, or "enabled": false'],
         ),
         ({"scaling": "tensorwise"}, ["'moe.fp8.scaling' is 'tensorwise'; allowed values: 'blockwise', 'rowwise'"]),
