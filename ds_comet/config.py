@@ -275,7 +275,10 @@ def _explain(error: ValidationError, section: Mapping[str, Any]) -> str:
             owner = _owner(path)
             allowed_keys = ", ".join(owner.model_fields) if owner is not None else ""
             where = "the section" if len(path) == 1 else f"'{key.rpartition('.')[0]}'"
-            lines.append(f"unknown key '{key}'; {where} takes: {allowed_keys}")
+            known = list(owner.model_fields) if owner is not None else []
+            close = difflib.get_close_matches(str(path[-1]), known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"unknown key '{key}'{hint}; {where} takes: {allowed_keys}")
             continue
         if item["type"] == "value_error":  # a section's own check: its message names the fix
             lines.append(f"'{key}': {item['ctx']['error']}")

@@ -92,7 +92,10 @@ def test_deepspeed_accepts_the_section():
         ({"backend": "auto"}, ["moe.backend", "'deepspeed', 'comet'"]),
         ({"backend": "Comet"}, ["moe.backend", "'deepspeed', 'comet'"]),
         ({"overlap": "always"}, ["moe.overlap", "'auto', 'fused', 'none'"]),
-        ({"backend": "comet", "overlapp": "none"}, ["unknown key 'moe.overlapp'", "backend, overlap"]),
+        (
+            {"backend": "comet", "overlapp": "none"},
+            ["unknown key 'moe.overlapp'; did you mean 'overlap'?", "backend, overlap"],
+        ),
         ([1, 2], ["'moe' must be a JSON object"]),
         # JSON values of the wrong type are errors, not converted.
         ({"backend": "comet", "comm_blocks": True}, ["'moe.comm_blocks' is True"]),

@@ -713,7 +713,11 @@ def test_ranks_that_differ_in_their_recipe_are_refused(cpu_pool):
         ({"gradient_format": "e4m3fn"}, ["'moe.fp8.gradient_format' is 'e4m3fn'; allowed values: 'e4m3', 'e5m2'"]),
         ({"fallback": "auto"}, ["'moe.fp8.fallback' is 'auto'; allowed values: 'error', 'bf16'"]),
         ({"enabled": "true"}, ["'moe.fp8.enabled' is 'true'"]),
-        ({"enable": True}, ["unknown key 'moe.fp8.enable'; 'moe.fp8' takes: enabled, scaling, forward,"]),
+        (
+            {"enable": True},
+            ["unknown key 'moe.fp8.enable'; did you mean 'enabled'?; 'moe.fp8' takes: enabled, scaling,"],
+        ),
+        ({"colour": "red"}, ["unknown key 'moe.fp8.colour'; 'moe.fp8' takes: enabled,"]),  # no close key: no guess
         ([True], ["'moe.fp8' must be a JSON object"]),
     ],
 )
