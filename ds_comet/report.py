@@ -1,11 +1,13 @@
 """python -m ds_comet report: what DeepSpeed's ds_report cannot show about ds_comet.
 
 The op's build status, the GPUs and the peer access between them, and which pipeline a Comet
-layer with a given ds_config would run here, and why.
+layer with a given ds_config would run here, and why; under an enabled ``"fp8"`` recipe, where it
+would run.
 """
 
 import argparse
 import importlib
+import sys
 
 import torch
 
@@ -37,6 +39,41 @@ def pipeline_verdict(config) -> str:
     if section.overlap == "fused":
         return f'error: "overlap": "fused" was asked for, but {reason}'
     return f"reference pipeline: {reason}"
+
+
+def fp8_verdict(config) -> str | None:
+    """Where an enabled ``"fp8"`` recipe would run here, from the config and this machine alone (each
+    layer decides from its experts, sizes and group when it first runs, and logs it); None without one."""
+    from ds_comet.config import moe_config_from
+
+    section = moe_config_from(config)
+    recipe = section.fp8
+    if section.backend == "deepspeed" or not recipe.enabled:
+        return None
+    what = (
+        f"{recipe.scaling} scaling, rows crossing in {recipe.dispatch}, output gradients in {recipe.gradient_dispatch}"
+    )
+    emulated = "emulated in float on the reference pipeline"
+    if section.overlap == "none":
+        return f'{what}: {emulated} ("overlap": "none")'
+    if not torch.cuda.is_available():
+        return f"{what}: {emulated} (no CUDA device is visible)"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"{what}: {emulated} (the fused FP8 GEMMs run on sm_90, this GPU is not)"
+    if recipe.scaling == "rowwise":
+        if "fp8" in (recipe.dispatch, recipe.gradient_dispatch):
+            return (
+                f"{what}: {emulated} (rowwise scaling runs fused with rows and output gradients crossing in bf16: "
+                '"dispatch": "bf16", "gradient_dispatch": "bf16")'
+            )
+        return (
+            f"{what}: fused, on the library's FP8 GEMMs, for layers alone in their group (EP=1) with AutoEP's "
+            "stacked gated experts; emulated elsewhere (each layer logs which)"
+        )
+    return (
+        f"{what}: fused, on the Triton FP8 GEMMs, for layers whose hidden and FFN sizes are multiples of 128; "
+        "emulated elsewhere (each layer logs which)"
+    )
 
 
 def report(config=None) -> str:
@@ -74,6 +111,9 @@ def report(config=None) -> str:
             )
             lines.append(f"  [{i}] {row}")
     lines.append(f"pipeline: {pipeline_verdict(config)}")
+    fp8 = fp8_verdict(config)
+    if fp8 is not None:
+        lines.append(f"fp8: {fp8}")
     return "\n".join(lines)
 
 
@@ -81,4 +121,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ds_comet report", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help='a ds_config JSON (default: {"moe": {"backend": "comet"}})')
     args = parser.parse_args(argv)
-    print(report(args.config or {"moe": {"backend": "comet"}}))
+    try:
+        print(report(args.config or {"moe": {"backend": "comet"}}))
+    except ValueError as invalid:  # the config's own error names the key and the fix
+        sys.exit(f"ds_comet report: {invalid}")

@@ -281,6 +281,43 @@ def test_report_runs_and_names_the_pipeline():
         assert "reference pipeline" in text
 
 
+@pytest.mark.parametrize(
+    "recipe, capability, words",
+    [
+        (None, None, None),
+        ({"enabled": True}, None, "blockwise scaling, rows crossing in fp8, output gradients in bf16: emulated"),
+        ({"enabled": True}, (8, 0), "(the fused FP8 GEMMs run on sm_90, this GPU is not)"),
+        ({"enabled": True}, (9, 0), "fused, on the Triton FP8 GEMMs, for layers whose hidden and FFN sizes are"),
+        ({"enabled": True, "scaling": "rowwise"}, (9, 0), 'crossing in bf16: "dispatch": "bf16", "gradient_dispatch"'),
+        ({"enabled": True, "scaling": "rowwise", "dispatch": "bf16"}, (9, 0), "fused, on the library's FP8 GEMMs"),
+    ],
+    ids=["off", "cpu", "sm80", "blockwise", "rowwise-fp8-rows", "rowwise"],
+)
+def test_report_says_where_an_fp8_recipe_would_run(monkeypatch, recipe, capability, words):
+    """Without a recipe no line; on CPU (or another GPU) emulated, with why; on sm_90 fused where the
+    layers meet each path's needs, naming a rowwise config that could never run fused."""
+    import ds_comet.report as report_module
+
+    if capability is not None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = {"moe": {"backend": "comet", **({"fp8": recipe} if recipe else {})}}
+    verdict = report_module.fp8_verdict(config)
+    assert verdict is None if words is None else words in verdict, verdict
+
+
+def test_report_names_a_config_error_in_one_line(tmp_path, capsys):
+    import ds_comet.report as report_module
+
+    path = tmp_path / "bad.json"
+    path.write_text('{"moe": {"backend": "comet", "fp8": {"scalling": "rowwise"}}}')
+    with pytest.raises(SystemExit) as raised:
+        report_module.main(["--config", str(path)])
+    assert "did you mean 'scaling'?" in str(raised.value) and "\n" not in str(raised.value).strip(), raised.value
+
+
 def test_report_verdict_where_the_fused_pipeline_can_run(monkeypatch):
     """The verdict on a machine where everything is there (faked here): the fused pipeline, which
     runs training steps too since its backward landed, and an error only under "fused"."""
