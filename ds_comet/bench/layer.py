@@ -1,7 +1,7 @@
 """Benchmark one MoE layer, forward and forward+backward: stock DeepSpeed, the reference and the fused pipeline.
 
     torchrun --nproc_per_node 2 -m ds_comet.bench [--shape NAME ...] [--custom H,F,E,K,T ...] [--out DIR]
-                                                  [--no-backward] [--cuda-graph-gate] [--fp8]
+                                                  [--no-backward] [--cuda-graph-gate] [--fp8 [--fp8-requantise]]
 
 Every number comes from one run on the same GPUs and inputs: the three layers (same weights), the
 gate alone (stock's call and the comet layer's ``gate_routes``), the routing plan, the fused
@@ -23,7 +23,9 @@ recipe ("autoep_comet_fp8") and, alone in the group, the rowwise recipe whose GE
 ``torch._scaled_grouped_mm`` ("autoep_comet_fp8_rowwise": rows crossing in bf16).
 Each is timed against the bf16 comet layer and against AutoEP (bf16).
 A shape a recipe cannot scale (blockwise: gpt-oss's H2880 is no multiple of 128) gets none of its rows; rank 0
-prints the recipe's refusal instead.
+prints the recipe's refusal instead. The FP8 layers' weights are quantised once and cached, as
+between two optimizer steps; with --fp8-requantise each of their training steps quantises them
+again first, as a step of one micro-batch after an optimizer step does.
 
 Unless --no-backward, each pipeline also runs training steps (forward, then backward of the output
 against a fixed random gradient plus the aux loss; grads set to None at the start of each step),
@@ -59,6 +61,7 @@ from ds_comet.bench.common import (
 from ds_comet.bench.sent_bytes import exchange_mb
 from ds_comet.bench.shapes import SHAPES, SWIGLU, selected_shapes
 from ds_comet.integrations.legacy.gate import gate_routes
+from ds_comet.kernels.fp8_weights import weights_changed
 from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.kernels.routing_plan import RoutingPlan, plan_routes_cuda
 from ds_comet.pipelines.exchange_header import NO_HEADER
@@ -109,6 +112,12 @@ def parse_args():
         action="store_true",
         help='also the comet layers under the blockwise "fp8" recipe, against the bf16 comet layer and AutoEP',
     )
+    parser.add_argument(
+        "--fp8-requantise",
+        action="store_true",
+        help="with --fp8, each FP8 layer's training step quantises its weights again first, as after an "
+        "optimizer step (one micro-batch a step); without it the weights' FP8 copies stay cached",
+    )
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     return parser.parse_args()
@@ -157,8 +166,11 @@ def bench_fwd_bwd(layers, x, modules, inputs, args):
     for pipeline in layers:
         layer = layers[pipeline].train()
         step_of = autoep_step if pipeline in AUTOEP_PIPELINES else train_step
+        requantise = args.fp8_requantise and pipeline in FP8_PIPELINES
 
         def step():
+            if requantise:
+                weights_changed()  # as an optimizer step would: the next call quantises the weights again
             return step_of(layer, x, dy)
 
         results[f"{pipeline}_fwd_bwd"] = timed(step, args.iters, args.warmup)
