@@ -19,6 +19,7 @@ FILE`` writes each logged loss as a JSON line.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -130,14 +131,18 @@ def main(argv=None):
         dataloader_drop_last=True,
         disable_tqdm=True,
     )
-    if args.losses and os.path.exists(args.losses):
-        os.remove(args.losses)
+    if args.losses:
+        with contextlib.suppress(FileNotFoundError):  # every rank removes it; one of them first
+            os.remove(args.losses)
     callbacks = [LossFile(args.losses)] if args.losses else []
     trainer = transformers.Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
     trainer.train()
     if torch.distributed.is_initialized():
-        # Ended here, before the interpreter's exit: a gloo group left to the exit's destructors
-        # sometimes aborted the process ("terminate called without an active exception").
+        # The ranks end their process groups together, before the interpreter's teardown. A CPU run's
+        # rank has been seen to abort at exit after training ("terminate called without an active
+        # exception"); this narrows the window in which one rank's teardown meets a peer still using
+        # the group, but the cause is not known.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return 0
 
