@@ -226,46 +226,54 @@ def quantised_rowwise(tensors: list[tuple[Tensor | None, ...]], weight: Quantise
     """``fp8.quantise_rows`` of each local expert's ``weight`` (its sources that the experts have,
     stacked along N; transposed first where asked), stacked over the experts: values
     ``[L, N, K]`` e4m3, scales ``[L, N, 1]`` fp32, block ``(1, K)``; None where the experts have none
-    of its sources. ``tensors``: ``FusedExperts.expert_tensors()``. A few experts at a time, copied
-    once into a buffer of the chunk's (a row's scale is its own, so experts stacked along N keep
-    theirs), then by ``library_fp8_phases.quantised_rows`` (one Triton pass on a GPU)."""
+    of its sources. ``tensors``: ``FusedExperts.expert_tensors()``. The fused FP8 path's bf16 weights
+    on a GPU are read where they lie by a Triton pass (``rowwise_copy_by_triton``,
+    ``rowwise_transposed_copy_by_triton``); any others go through ``rowwise_copy_by_torch``."""
     present = [POINTER_NAMES.index(source) for source in weight.sources]
     present = [column for column in present if tensors[0][column] is not None]
     if not present:
         return None
-    first_matrix = tensors[0][present[0]]
-    parts = [tensors[0][column].shape[0] for column in present]  # each source's N
-    rows, columns = sum(parts), first_matrix.shape[1]
+    sources = [[row[column] for row in tensors] for column in present]
+    first = sources[0][0]
+    rows, columns = sum(source[0].shape[0] for source in sources), first.shape[1]
     if weight.transposed:
         rows, columns = columns, rows
-    num_local, device = len(tensors), first_matrix.device
-    values = torch.empty((num_local, rows, columns), dtype=fp8.E4M3.dtype, device=device)
-    scales = torch.empty((num_local, rows, 1), dtype=torch.float32, device=device)
-    matrices = [[row[column] for row in tensors] for column in present]
-    by_triton = first_matrix.is_cuda and first_matrix.dtype == torch.bfloat16  # the fused FP8 path's
-    if by_triton and all(m.is_contiguous() for source in matrices for m in source):
+    values = torch.empty((len(tensors), rows, columns), dtype=fp8.E4M3.dtype, device=first.device)
+    scales = torch.empty((len(tensors), rows, 1), dtype=torch.float32, device=first.device)
+    by_triton = first.is_cuda and first.dtype == torch.bfloat16  # the fused FP8 path's weights
+    if by_triton and all(m.is_contiguous() for source in sources for m in source):
         if weight.transposed:
-            rowwise_transposed_copy_by_triton(matrices, values, scales)
+            rowwise_transposed_copy_by_triton(sources, values, scales)
             return fp8.Quantised(values, scales, (1, columns))
-        if len(present) == 1:
-            rowwise_copy_by_triton(matrices[0], values, scales)
+        if len(sources) == 1:
+            rowwise_copy_by_triton(sources[0], values, scales)
             return fp8.Quantised(values, scales, (1, columns))
+    rowwise_copy_by_torch(sources, weight.transposed, values, scales)
+    return fp8.Quantised(values, scales, (1, columns))
+
+
+def rowwise_copy_by_torch(sources: list[list[Tensor]], transposed: bool, values: Tensor, scales: Tensor) -> None:
+    """``quantised_rowwise``'s copy of the sources' matrices (``sources[s][e]``: expert e's ``[N_s, K]``,
+    stacked along N; transposed first where asked) into ``values`` and ``scales``: a few experts at a
+    time, copied once into a buffer of the chunk's (a row's scale is its own, so experts stacked along
+    N keep theirs), then quantised by ``library_fp8_phases.quantised_rows``."""
+    num_local, rows, columns = values.shape
     step = max(1, CHUNK_ELEMENTS // (rows * columns))
     for first in range(0, num_local, step):
         last = min(first + step, num_local)
-        part = torch.empty((last - first, rows, columns), dtype=first_matrix.dtype, device=device)
-        for expert, row in enumerate(tensors[first:last]):
+        part = torch.empty((last - first, rows, columns), dtype=sources[0][0].dtype, device=values.device)
+        for expert in range(first, last):
             start = 0
-            for column, size in zip(present, parts):
-                if weight.transposed:
-                    part[expert, :, start : start + size].copy_(row[column].t())
+            for source in sources:
+                matrix, size = source[expert], source[expert].shape[0]
+                if transposed:
+                    part[expert - first, :, start : start + size].copy_(matrix.t())
                 else:
-                    part[expert, start : start + size].copy_(row[column])
+                    part[expert - first, start : start + size].copy_(matrix)
                 start += size
         quantised = quantised_rows(part.view(-1, columns))
         values[first:last] = quantised.values.view(last - first, rows, columns)
         scales[first:last] = quantised.scales.view(last - first, rows, 1)
-    return fp8.Quantised(values, scales, (1, columns))
 
 
 def rowwise_copy_by_triton(matrices: list[Tensor], values: Tensor, scales: Tensor) -> None:
@@ -285,7 +293,7 @@ def rowwise_copy_by_triton(matrices: list[Tensor], values: Tensor, scales: Tenso
 def rowwise_transposed_copy_by_triton(sources: list[list[Tensor]], values: Tensor, scales: Tensor) -> None:
     """``quantised_rowwise``'s transposed copy of one or two sources' bf16 matrices (``sources[s][e]``:
     expert e's ``[N, K]``, contiguous; two: W1 and W3, stacked along N) into ``values`` ([L, K, N or
-    2N] e4m3) and ``scales`` ([L, K, 1]), read where they lie: ``WEIGHT_COLUMNS`` columns a Triton
+    2N] e4m3) and ``scales`` ([L, K, 1]), read where they lie: ``WEIGHT_TILE``'s columns a Triton
     program (``triton_fp8_quantise.quantise_weight_columns_kernel``), bit for bit
     ``fp8.quantise_columns`` transposed, with no bf16 copy first."""
     from .triton_fp8_quantise import quantise_weight_columns_kernel  # triton is an extra
