@@ -186,6 +186,7 @@ def host_split(layer, x, dy, steps=20):
         (expert_weights.ModuleFusedExperts, "parameters", "forward: the experts' parameters"),
         (fused.FusedMoEFunction, "backward", "backward: the fused Function's backward"),
         (fused.FusedPipeline, "run_backward", "backward: the fused kernels' launches"),
+        (fused.ProjectionGradients, "backward", "backward: the first layer's weight gradients"),
         (gate_graph.ReplayRoutes, "backward", "backward: graphed gate"),
     ]
     for _ in range(3):

@@ -10,6 +10,15 @@ import torch
 from torch import Tensor
 
 POINTER_NAMES = ("w1", "b1", "w3", "b3", "w2", "b2")  # each expert's row of the pointer tables
+# The projections, each a weight and its bias in POINTER_NAMES: the first ("w1"), the gated experts'
+# up projection ("w3") and the second layer ("w2").
+PROJECTIONS = ("w1", "w3", "w2")
+
+
+def projection_slots(projection: str) -> tuple[int, int]:
+    """The positions of ``projection``'s weight and bias in ``POINTER_NAMES``."""
+    weight = POINTER_NAMES.index(projection)
+    return weight, weight + 1
 
 
 class FusedExperts:
@@ -63,4 +72,15 @@ class FusedExperts:
     def gradients(
         self, dw1: Tensor, db1: Tensor | None, dw3: Tensor | None, db3: Tensor | None, dw2: Tensor, db2: Tensor | None
     ) -> list[Tensor]:
+        raise NotImplementedError
+
+    def projection_parameters(self, projection: str) -> list[Tensor]:
+        """The parameters of one of ``PROJECTIONS`` (its weights and biases; empty for ``"w3"`` unless
+        gated), in the order ``projection_gradients`` gives their gradients."""
+        raise NotImplementedError
+
+    def projection_gradients(self, projection: str, dw: Tensor, db: Tensor | None) -> list[Tensor]:
+        """The gradients of ``projection_parameters(projection)`` from the projection's grouped weight
+        gradient ``dw`` (``[L, F, H]``, or ``[L, H, F]`` for ``"w2"``) and bias gradient ``db``
+        (``[L, F]`` or ``[L, H]``; None without biases)."""
         raise NotImplementedError

@@ -359,15 +359,29 @@ class FusedKernels:
         claim = self.buffer.layout_offsets.totals + TOTAL_COMBINE_CLAIM
         self.buffer.layout[claim : claim + 1].zero_()
 
+    def record_comm_use(self, *used_on_comm: Tensor):
+        """Keeps the memory of ``used_on_comm`` (tensors the communication stream's work of this call
+        reads or writes) from reuse until that work has ended, whenever they are freed."""
+        if self.alone or torch.cuda.is_current_stream_capturing():  # a graph's private pool outlives its streams
+            return
+        for tensor in used_on_comm:
+            tensor.record_stream(self.buffer.comm_stream)
+
     def join(self, device, *used_on_comm: Tensor):
-        """Orders the caller's stream after the communication stream's work of this call."""
+        """Orders the caller's stream after the communication stream's work of this call (and
+        ``record_comm_use(*used_on_comm)``)."""
         if self.alone:  # nothing ran there (and a captured graph may not wait on uncaptured work)
             return
-        main = torch.cuda.current_stream(device)
-        if not torch.cuda.is_current_stream_capturing():  # a graph's private pool outlives its streams anyway
-            for tensor in used_on_comm:
-                tensor.record_stream(self.buffer.comm_stream)
-        main.wait_stream(self.buffer.comm_stream)
+        self.record_comm_use(*used_on_comm)
+        torch.cuda.current_stream(device).wait_stream(self.buffer.comm_stream)
+        self.buffer.comm_unjoined = False
+
+    def join_left_work(self, device):
+        """Joins a previous call's communication-stream work that its backward left unjoined (a backward
+        restricted to some inputs skips the node that joins it): the group's reuse of the workspace
+        across calls assumes every call joined its combine before the next exchange (fused.py)."""
+        if self.buffer.comm_unjoined and not torch.cuda.is_current_stream_capturing():
+            self.join(device)
 
     @functools.cached_property
     def facts(self) -> GemmFacts:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..experts import FusedExpert, expert_tensors_reason, forward_mismatch, fused_expert, tensor_reason
-from ..kernels.fused_experts import FusedExperts
+from ..kernels.fused_experts import FusedExperts, projection_slots
 from ..kernels.host_copies import host_to_device
 
 
@@ -82,6 +82,20 @@ class ModuleFusedExperts(FusedExperts):
             grads += [grad for param, grad in zip(spec.tensors(), candidates) if param is not None]
         return grads
 
+    def projection_parameters(self, projection):
+        slots = projection_slots(projection)
+        return [tensor for spec in self.specs for tensor in (spec.tensors()[i] for i in slots) if tensor is not None]
+
+    def projection_gradients(self, projection, dw, db):
+        weight_slot, bias_slot = projection_slots(projection)
+        biases = [None] * self.num_local if db is None else db.unbind(0)
+        grads = []
+        for spec, weight_grad, bias_grad in zip(self.specs, dw.unbind(0), biases):
+            tensors = spec.tensors()
+            grads += [weight_grad] if tensors[weight_slot] is not None else []
+            grads += [bias_grad] if tensors[bias_slot] is not None else []
+        return grads
+
 
 class StackedFusedExperts(FusedExperts):
     """AutoEP's stacked weights: ``w1``, ``w3`` ``[L, F, H]`` and ``w2`` ``[L, H, F]``, no biases."""
@@ -140,6 +154,12 @@ class StackedFusedExperts(FusedExperts):
 
     def gradients(self, dw1, db1, dw3, db3, dw2, db2) -> list[Tensor]:
         return [dw1, dw3, dw2]
+
+    def projection_parameters(self, projection):
+        return [self.grouped._parameters[projection]]
+
+    def projection_gradients(self, projection, dw, db):
+        return [dw]
 
 
 class LocalExperts:

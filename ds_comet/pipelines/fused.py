@@ -18,7 +18,9 @@ row's tile scales), overlapped with the GEMM for the gradient of the activation 
 elementwise kernel multiplies by act'); the gradient of the dispatch is a combine (the rows' input
 gradients dA @ W1, stored chunk by chunk on the expert ranks, are summed there per staged token and
 read by the source ranks, which collect the gate gradients as they go). The weight gradients are
-grouped GEMMs that run while the combine moves data. Each GEMM phase runs on the implementation
+grouped GEMMs that run while the combine moves data, one projection at a time, each in an autograd
+node of its own, so that its gradient reaches its parameter (and ZeRO's hook, which frees it) before
+the next is computed (``fused_call_under_autograd``). Each GEMM phase runs on the implementation
 the GEMM table (``kernels/gemm_table.py``) gives the call: alone in the group, where no row waits
 for a link, stacked bf16 experts on sm_90 take the library's grouped GEMM for GEMM1, both ways; under
 an ``"fp8"`` recipe that the pipeline runs (``fp8``), the phases it puts in FP8 take the FP8 GEMMs,
@@ -62,7 +64,7 @@ from torch import Tensor
 from ..fp8 import E4M3, FORMATS
 from ..kernels.fp8_rows import dequantise_rows, packed_rows_in, quantise_rows
 from ..kernels.fp8_weights import Fp8WeightCache
-from ..kernels.fused_experts import FusedExperts
+from ..kernels.fused_experts import PROJECTIONS, FusedExperts
 from ..kernels.gemm_phases import Fp8Facts, Phase
 from ..kernels.launch import FusedKernels, FusedParameters, PointerTables
 from ..kernels.ops import CometWaitTimeout
@@ -183,7 +185,7 @@ class FusedPipeline(Pipeline):
                 if out is None and torch.is_grad_enabled():
                     params = self.experts.parameters()
                     if tokens.requires_grad or weights.requires_grad or any(p.requires_grad for p in params):
-                        return FusedMoEFunction.apply(self, plan, max_rows, header, tokens, weights, *params)
+                        return fused_call_under_autograd(self, plan, max_rows, header, tokens, weights)
                 return self.run_forward(tokens, plan, weights, max_rows, header_words(header), out=out)
 
             return self.experts.with_whole_weights(call, tokens, weights)
@@ -269,6 +271,7 @@ class FusedPipeline(Pipeline):
         kernels = self.kernels(tokens)
         tokens, weights = rows_for_kernels(tokens), weights.contiguous()
         rows = min(max_rows, buffer.shape.max_recv_rows)
+        kernels.join_left_work(tokens.device)
         kernels.exchange(plan, rows, header)
         if self.size_by_received and not torch.cuda.is_current_stream_capturing():
             rows = max(kernels.received_rows(), 1)  # one row at least: the kernels take no null pointers
@@ -316,20 +319,22 @@ class FusedPipeline(Pipeline):
         weights: Tensor,
         saved: dict,
         header: list[int],
-        need_tokens: bool,
+        need_second: bool,
         need_weights: bool,
-        need_params: bool,
-    ) -> tuple[Tensor | None, Tensor | None, list[Tensor] | None]:
-        """Gradients of ``run_forward``'s output with respect to the tokens, the route weights ([k, S],
-        fp32) and ``experts.parameters()``, from the output gradient ``grad_out`` ([S, H]); ``header``:
-        the exchange header words of the call's backward."""
+    ) -> tuple[list[Tensor], "PendingBackward"]:
+        """The backward's collective part and the second layer's weight gradients, from the output gradient
+        ``grad_out`` ([S, H]) of ``run_forward``'s call that filled ``saved``; ``header``: the exchange
+        header words of the call's backward. Returns the gradients of the experts'
+        ``projection_parameters("w2")`` (empty unless ``need_second``) and the rest of the backward,
+        queued later (``PendingBackward``: the first layer's weight gradients, then the tokens' and,
+        if ``need_weights``, the route weights' ([k, S], fp32) gradients)."""
         buffer = self.workspace
         self.raise_if_failed()
         grad_out = rows_for_kernels(grad_out)
         kernels = self.kernels(grad_out)
         device = grad_out.device
         dtype = kernels.stored_dtype(Phase.FIRST_LAYER_BACKWARD)  # of the first layer's gradients and activations
-        grad_tokens = grad_weights = param_grads = None
+        kernels.join_left_work(device)
 
         # The collective part runs whatever this rank needs, so that every rank of the group launches the
         # same kernels (a rank whose tokens need no gradient must still return its peers' rows).
@@ -337,7 +342,7 @@ class FusedPipeline(Pipeline):
         width = kernels.ffn * (2 if kernels.gated else 1)
         rows = saved["rows"].shape[0]
         grad_pre = torch.empty((rows, width), dtype=dtype, device=device)
-        h = torch.empty((rows, kernels.ffn), dtype=dtype, device=device) if need_params else None
+        h = torch.empty((rows, kernels.ffn), dtype=dtype, device=device) if need_second else None
         # Allocated before the dispatch, which orders the communication stream after everything queued
         # so far: the combine writes them there, and a block freed later (``pre``) may still be read by
         # GEMM1 when the combine runs.
@@ -363,48 +368,71 @@ class FusedPipeline(Pipeline):
         # in the group the dispatch runs before it on this stream), so no read is left once GEMM1 ends.
         grad_rows = outputs
         kernels.gemm2(grad_pre, grad_rows, backward=True)
-        # Not finished on the main stream: the weight gradients queued there next hide its tail.
+        # Not joined here: the weight gradients queued on the main stream next hide the combine's tail.
         kernels.combine(plan, grad_rows, None, grad_tokens, route_grad, finish_on_main=False)
-        if need_params:
-            # While the combine brings the input gradients home: dW2 = dY_l^T h_l, then the first layer's.
+        used_on_comm = [sent, weights, plan.route_order, plan.route_position, grad_rows, grad_tokens]
+        kernels.record_comm_use(*used_on_comm, *([] if route_grad is None else [route_grad]))
+        buffer.comm_unjoined = not kernels.alone
+        second = []
+        if need_second:
+            # While the combine brings the input gradients home: dW2 = dY_l^T h_l.
             # Packed gradients as the emulation holds them: the values times their gate-scaled scales, in bf16.
             dy = recv if fmt is None else dequantise_rows(recv, grad_out.shape[1], fmt)
-            dw2, db2 = kernels.wgrad(dy, h)
-            del h, dy
-            param_grads = self.first_layer_gradients(kernels, grad_pre, saved.pop("rows"), dw2, db2)
-        del grad_pre
-        kernels.join(
-            device,
-            sent,
-            weights,
-            plan.route_order,
-            plan.route_position,
-            grad_rows,
-            grad_tokens,
-            *([] if route_grad is None else [route_grad]),
-        )
-        if not need_tokens:
-            grad_tokens = None
-        if need_weights:
-            grad_weights = route_grad
+            second = self.experts.projection_gradients("w2", *kernels.wgrad(dy, h))
+        pending = PendingBackward(kernels, grad_pre, saved.pop("rows"), self.rows_in_fp8, grad_tokens, route_grad)
         saved.clear()
-        return grad_tokens, grad_weights, param_grads
+        return second, pending
 
-    def first_layer_gradients(
-        self, kernels: FusedKernels, grad_pre: Tensor, x: Tensor, dw2: Tensor, db2: Tensor | None
-    ) -> list[Tensor]:
-        """``experts.gradients`` with the first layer's: dW1 = dA_l^T x_l (and dW3 from the up
-        projection's half of ``grad_pre``, [R, F] or gated [R, 2F]) on the received rows ``x`` ([R, H],
-        or packed FP8 rows under ``"dispatch": "fp8"``), beside W2's (``dw2``, ``db2``)."""
+
+class PendingBackward:
+    """What is left of one fused call's backward once ``FusedPipeline.run_backward`` has queued its
+    collective part and the second layer's weight gradients, while the combine brings the input
+    gradients home: the first layer's weight gradients, a projection at a time (``projection_gradients``),
+    then the join with the communication stream (``finish``), which gives the tokens' and the route
+    weights' gradients.
+
+    Args:
+        kernels: the call's kernel launches.
+        grad_pre: the gradients before the activation, [R, F] (gated: [R, 2F], the up projection's
+            half last), in the first layer's stored dtype.
+        rows: the received rows ([R, H], or packed FP8 rows under ``"dispatch": "fp8"``).
+        rows_in_fp8: whether ``rows`` are packed.
+        grad_tokens: the tokens' gradients the combine writes, [S, H].
+        route_grad: the route weights' gradients it writes, [k, S] fp32 (None: not wanted).
+    """
+
+    def __init__(
+        self,
+        kernels: FusedKernels,
+        grad_pre: Tensor,
+        rows: Tensor,
+        rows_in_fp8: bool,
+        grad_tokens: Tensor,
+        route_grad: Tensor | None,
+    ):
+        self.kernels, self.grad_pre, self.rows, self.rows_in_fp8 = kernels, grad_pre, rows, rows_in_fp8
+        self.grad_tokens, self.route_grad = grad_tokens, route_grad
+
+    def projection_gradients(self, projection: str) -> list[Tensor]:
+        """The gradients of the experts' ``projection_parameters(projection)`` for ``"w1"`` or ``"w3"``:
+        dW = dA_l^T x_l over each local expert's received rows, from the projection's half of
+        ``grad_pre``."""
+        kernels = self.kernels
         if self.rows_in_fp8:  # the emulation's rows: the received values times their scales, in bf16
-            x = dequantise_rows(x, kernels.hidden)
-        # A gated expert's two first-layer gradients are computed apart, so that each is one
-        # contiguous tensor: a slice of a joint [L, 2F, H] result is copied by autograd when it
-        # accumulates into a stacked [L, F, H] parameter.
-        ffn = kernels.ffn
-        dw1, db1 = kernels.wgrad(grad_pre[:, :ffn], x)
-        dw3, db3 = kernels.wgrad(grad_pre[:, ffn:], x) if kernels.gated else (None, None)
-        return self.experts.gradients(dw1, db1, dw3, db3, dw2, db2)
+            self.rows, self.rows_in_fp8 = dequantise_rows(self.rows, kernels.hidden), False
+        # Each projection's gradient is computed apart, so that each is one contiguous tensor: a slice
+        # of a joint [L, 2F, H] result is copied by autograd when it accumulates into a stacked
+        # [L, F, H] parameter.
+        columns = slice(kernels.ffn, None) if projection == "w3" else slice(None, kernels.ffn)
+        return kernels.experts.projection_gradients(projection, *kernels.wgrad(self.grad_pre[:, columns], self.rows))
+
+    def finish(self) -> tuple[Tensor, Tensor | None]:
+        """The tokens' gradients ([S, H]) and the route weights' ([k, S], fp32, or None), the caller's stream
+        ordered after the combine that writes them; drops everything else."""
+        self.kernels.join(self.grad_tokens.device)
+        grads = self.grad_tokens, self.route_grad
+        self.grad_pre = self.rows = self.grad_tokens = self.route_grad = None
+        return grads
 
 
 def header_words(header: ExchangeHeader | None) -> list[int]:
@@ -420,13 +448,70 @@ def rows_for_kernels(rows: Tensor) -> Tensor:
     return rows if rows.data_ptr() % 16 == 0 else rows.clone()
 
 
-class FusedMoEFunction(torch.autograd.Function):
-    """The fused forward with the fused backward:
-    (pipeline, plan, max_rows, header, tokens, weights, *expert parameters) -> output, where ``header``
-    is the call's ``ExchangeHeader`` (or None), whose backward's words the backward exchange carries.
+class StagedBackward:
+    """One fused call's backward as autograd runs it: several nodes, one after the other
+    (``fused_call_under_autograd``), which share this.
 
-    The expert parameters are inputs so that autograd accumulates their gradients into the experts'
-    own ``.grad`` and DeepSpeed's hooks see them as they would with stock.
+    Args:
+        needs: by each of ``PROJECTIONS``, whether its parameters need gradients.
+        need_tokens, need_weights: whether the tokens and the route weights need them.
+        last: the projection whose node runs last (the first in the forward that autograd recorded),
+            which joins the call's communication.
+    """
+
+    def __init__(self, needs: dict[str, bool], need_tokens: bool, need_weights: bool, last: str):
+        self.needs, self.need_tokens, self.need_weights, self.last = needs, need_tokens, need_weights, last
+        self.pending: PendingBackward | None = None  # between the first node's backward and the last's
+
+
+def fused_call_under_autograd(
+    pipeline: FusedPipeline,
+    plan: RoutingPlan,
+    max_rows: int,
+    header: ExchangeHeader | None,
+    tokens: Tensor,
+    weights: Tensor,
+) -> Tensor:
+    """The fused call ([S, H] tokens, [k, S] route weights -> [S, H] output) with its backward as a
+    chain of autograd nodes: the fused one (``FusedMoEFunction``: the collective backward and the
+    second layer's weight gradients), then the up projection's weight gradients (gated experts), then
+    the first projection's, with the tokens' and the route weights' gradients (``ProjectionGradients``).
+
+    Why a chain: autograd hands a node's gradients to their parameters' accumulators before it runs the
+    next node (an accumulator outranks every other node in autograd's ready queue), and ZeRO's hooks
+    there copy each gradient into their reduction bucket and free it; so under ZeRO a layer's weight
+    gradients are never all held at once, as they are not with AutoEP's own chain of grouped GEMMs.
+    """
+    experts = pipeline.experts
+    params = {projection: experts.projection_parameters(projection) for projection in PROJECTIONS}
+    needs = {projection: any(p.requires_grad for p in group) for projection, group in params.items()}
+    first_recorded = tokens.requires_grad or weights.requires_grad or needs["w1"]
+    up_recorded = experts.gated and (first_recorded or needs["w3"])
+    last = "w1" if first_recorded else "w3" if up_recorded else "w2"
+    staged = StagedBackward(needs, tokens.requires_grad, weights.requires_grad, last)
+    anchor = ProjectionGradients.apply(staged, "w1", tokens, weights, *params["w1"])
+    if experts.gated:
+        anchor = ProjectionGradients.apply(staged, "w3", anchor, *params["w3"])
+    return FusedMoEFunction.apply(pipeline, plan, max_rows, header, staged, anchor, tokens, weights, *params["w2"])
+
+
+FUSED_BACKWARD_ONCE = (
+    "the fused MoE backward runs once per forward: its saved activations are freed as it goes "
+    '(retain_graph=True needs "moe": {"overlap": "none"})'
+)
+
+
+class FusedMoEFunction(torch.autograd.Function):
+    """The fused forward with the first part of the fused backward:
+    (pipeline, plan, max_rows, header, staged, anchor, tokens, weights, *second layer parameters) ->
+    output, where ``header`` is the call's ``ExchangeHeader`` (or None), whose backward's words the
+    backward exchange carries, and ``staged`` and ``anchor`` tie it to the call's other backward nodes
+    (``fused_call_under_autograd``).
+
+    Its backward runs ``FusedPipeline.run_backward`` and returns the second layer's weight gradients;
+    the tokens' and route weights' come from the first projection's node. The expert parameters are
+    inputs so that autograd accumulates their gradients into the experts' own ``.grad`` and
+    DeepSpeed's hooks see them as they would with stock.
     """
 
     @staticmethod
@@ -436,13 +521,15 @@ class FusedMoEFunction(torch.autograd.Function):
         plan: RoutingPlan,
         max_rows: int,
         header: ExchangeHeader | None,
+        staged: StagedBackward,
+        anchor: Tensor,
         tokens: Tensor,
         weights: Tensor,
-        *expert_params: Tensor,
+        *second_params: Tensor,
     ) -> Tensor:
         saved = {}
         out = pipeline.run_forward(tokens, plan, weights, max_rows, header_words(header), saved=saved)
-        ctx.pipeline, ctx.plan, ctx.saved = pipeline, plan, saved
+        ctx.pipeline, ctx.plan, ctx.saved, ctx.staged = pipeline, plan, saved, staged
         ctx.header = header_words(None if header is None else header.backward())
         ctx.save_for_backward(weights)
         return out
@@ -450,29 +537,59 @@ class FusedMoEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         if ctx.saved is None:
-            raise RuntimeError(
-                "the fused MoE backward runs once per forward: its saved activations are freed as "
-                'it goes (retain_graph=True needs "moe": {"overlap": "none"})'
-            )
+            raise RuntimeError(FUSED_BACKWARD_ONCE)
         (weights,) = ctx.saved_tensors
-        need = ctx.needs_input_grad
+        staged = ctx.staged
         rows = ctx.saved["rows"].shape[0]  # before the backward pops it
         try:
-            grad_tokens, grad_weights, param_grads = ctx.pipeline.run_backward(
+            second, staged.pending = ctx.pipeline.run_backward(
                 grad_out,
                 ctx.plan,
                 weights,
                 ctx.saved,
                 ctx.header,
-                need_tokens=need[4],
-                need_weights=need[5],
-                need_params=any(need[6:]),
+                need_second=staged.needs["w2"],
+                need_weights=staged.need_weights,
             )
         except Exception as error:
             ctx.pipeline.note_error(error)
             ctx.pipeline.raise_with_sizing_hint(error, rows)
             raise
         ctx.saved = None
-        if param_grads is None:
-            param_grads = [None] * (len(need) - 6)
-        return (None, None, None, None, grad_tokens, grad_weights, *param_grads)
+        if staged.last == "w2":  # no earlier node of the call is in the graph
+            staged.pending.finish()
+            staged.pending = None
+        second = second or [None] * (len(ctx.needs_input_grad) - 8)
+        # The anchor's gradient (empty) lets the projections' nodes run next.
+        return (None, None, None, None, None, grad_out.new_empty(0), None, None, *second)
+
+
+class ProjectionGradients(torch.autograd.Function):
+    """A first-layer projection's weight gradients as an autograd node of their own, which runs after
+    the call's nodes that follow it in the forward (``fused_call_under_autograd``):
+    (staged, projection, *inputs, *the projection's parameters) -> anchor (empty), where ``inputs`` are
+    the up projection's node's anchor (``"w3"``) or the tokens and route weights (``"w1"``, whose node
+    returns their gradients too).
+    """
+
+    @staticmethod
+    def forward(ctx, staged: StagedBackward, projection: str, *inputs: Tensor) -> Tensor:
+        ctx.staged, ctx.projection = staged, projection
+        ctx.leading = 1 if projection == "w3" else 2
+        return inputs[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad_anchor: Tensor):
+        staged, projection = ctx.staged, ctx.projection
+        pending = staged.pending
+        if pending is None:
+            raise RuntimeError(FUSED_BACKWARD_ONCE)
+        count = len(ctx.needs_input_grad) - 2 - ctx.leading
+        params = pending.projection_gradients(projection) if staged.needs[projection] else [None] * count
+        leading = (grad_anchor,) if projection == "w3" else (None, None)
+        if staged.last == projection:
+            grad_tokens, grad_weights = pending.finish()
+            staged.pending = None
+            if projection == "w1":
+                leading = (grad_tokens if staged.need_tokens else None, grad_weights if staged.need_weights else None)
+        return (None, None, *leading, *params)
