@@ -453,15 +453,31 @@ class StagedBackward:
     (``fused_call_under_autograd``), which share this.
 
     Args:
+        pipeline: the pipeline of the call.
+        rows: the most rows the call could receive (for ``raise_with_sizing_hint``).
         needs: by each of ``PROJECTIONS``, whether its parameters need gradients.
         need_tokens, need_weights: whether the tokens and the route weights need them.
         last: the projection whose node runs last (the first in the forward that autograd recorded),
             which joins the call's communication.
     """
 
-    def __init__(self, needs: dict[str, bool], need_tokens: bool, need_weights: bool, last: str):
+    def __init__(
+        self,
+        pipeline: FusedPipeline,
+        rows: int,
+        needs: dict[str, bool],
+        need_tokens: bool,
+        need_weights: bool,
+        last: str,
+    ):
+        self.pipeline, self.rows = pipeline, rows
         self.needs, self.need_tokens, self.need_weights, self.last = needs, need_tokens, need_weights, last
         self.pending: PendingBackward | None = None  # between the first node's backward and the last's
+
+    def note_error(self, error: Exception) -> None:
+        """Tells what a backward node's ``error`` means, as the forward's call does, then returns."""
+        self.pipeline.note_error(error)
+        self.pipeline.raise_with_sizing_hint(error, self.rows)
 
 
 def fused_call_under_autograd(
@@ -488,7 +504,7 @@ def fused_call_under_autograd(
     first_recorded = tokens.requires_grad or weights.requires_grad or needs["w1"]
     up_recorded = experts.gated and (first_recorded or needs["w3"])
     last = "w1" if first_recorded else "w3" if up_recorded else "w2"
-    staged = StagedBackward(needs, tokens.requires_grad, weights.requires_grad, last)
+    staged = StagedBackward(pipeline, max_rows, needs, tokens.requires_grad, weights.requires_grad, last)
     anchor = ProjectionGradients.apply(staged, "w1", tokens, weights, *params["w1"])
     if experts.gated:
         anchor = ProjectionGradients.apply(staged, "w3", anchor, *params["w3"])
@@ -540,7 +556,6 @@ class FusedMoEFunction(torch.autograd.Function):
             raise RuntimeError(FUSED_BACKWARD_ONCE)
         (weights,) = ctx.saved_tensors
         staged = ctx.staged
-        rows = ctx.saved["rows"].shape[0]  # before the backward pops it
         try:
             second, staged.pending = ctx.pipeline.run_backward(
                 grad_out,
@@ -552,8 +567,7 @@ class FusedMoEFunction(torch.autograd.Function):
                 need_weights=staged.need_weights,
             )
         except Exception as error:
-            ctx.pipeline.note_error(error)
-            ctx.pipeline.raise_with_sizing_hint(error, rows)
+            staged.note_error(error)
             raise
         ctx.saved = None
         if staged.last == "w2":  # no earlier node of the call is in the graph
@@ -585,11 +599,18 @@ class ProjectionGradients(torch.autograd.Function):
         if pending is None:
             raise RuntimeError(FUSED_BACKWARD_ONCE)
         count = len(ctx.needs_input_grad) - 2 - ctx.leading
-        params = pending.projection_gradients(projection) if staged.needs[projection] else [None] * count
         leading = (grad_anchor,) if projection == "w3" else (None, None)
-        if staged.last == projection:
-            grad_tokens, grad_weights = pending.finish()
-            staged.pending = None
-            if projection == "w1":
-                leading = (grad_tokens if staged.need_tokens else None, grad_weights if staged.need_weights else None)
+        try:
+            params = pending.projection_gradients(projection) if staged.needs[projection] else [None] * count
+            if staged.last == projection:
+                grad_tokens, grad_weights = pending.finish()
+                staged.pending = None
+                if projection == "w1":
+                    leading = (
+                        grad_tokens if staged.need_tokens else None,
+                        grad_weights if staged.need_weights else None,
+                    )
+        except Exception as error:
+            staged.note_error(error)
+            raise
         return (None, None, *leading, *params)
