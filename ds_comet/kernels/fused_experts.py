@@ -74,8 +74,8 @@ class FusedExperts:
     ) -> list[Tensor]:
         raise NotImplementedError
 
-    def projection_parameters(self, projection: str) -> list[Tensor]:
-        """The parameters of one of ``PROJECTIONS`` (its weights and biases; empty for ``"w3"`` unless
+    def projection_parameters(self) -> dict[str, list[Tensor]]:
+        """By each of ``PROJECTIONS``, its parameters (weights and biases; none for ``"w3"`` unless
         gated), in the order ``projection_gradients`` gives their gradients."""
         raise NotImplementedError
 

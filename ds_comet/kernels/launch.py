@@ -188,6 +188,7 @@ class FusedKernels:
         and so does a peer whose ``header`` (``layout.HEADER_FIELDS``, host ints in [0, 2**31))
         differs from this rank's."""
         b = self.buffer
+        b.exchanges += 1
         b.kernel_shape.max_recv_rows = row_limit  # what the exchange checks; the other kernels ignore it
         b.op.exchange(
             shape=b.kernel_shape,
@@ -374,14 +375,6 @@ class FusedKernels:
             return
         self.record_comm_use(*used_on_comm)
         torch.cuda.current_stream(device).wait_stream(self.buffer.comm_stream)
-        self.buffer.comm_unjoined = False
-
-    def join_left_work(self, device):
-        """Joins a previous call's communication-stream work that its backward left unjoined (a backward
-        restricted to some inputs skips the node that joins it): the group's reuse of the workspace
-        across calls assumes every call joined its combine before the next exchange (fused.py)."""
-        if self.buffer.comm_unjoined and not torch.cuda.is_current_stream_capturing():
-            self.join(device)
 
     @functools.cached_property
     def facts(self) -> GemmFacts:

@@ -171,10 +171,9 @@ class CometBuffer:
         self.kernel_shape = self._kernel_shape(timeout_s)
         self.kernel_workspace = self._kernel_workspace(peer_tables)
         self.comm_stream = torch.cuda.Stream(self.device, priority=-1)
-        # Whether a call's communication-stream work may still be unjoined: the fused backward leaves
-        # its combine to the call's last autograd node, which a backward restricted to some inputs
-        # never runs (FusedKernels.join_left_work).
-        self.comm_unjoined = False
+        # Exchanges launched on this workspace so far: each rewrites the layout, which a call's backward
+        # reads again in its later autograd nodes (pipelines.fused.PendingBackward checks it).
+        self.exchanges = 0
         properties = torch.cuda.get_device_properties(self.device)
         self.num_sms = properties.multi_processor_count
         self.capability = (properties.major, properties.minor)

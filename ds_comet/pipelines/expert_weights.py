@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..experts import FusedExpert, expert_tensors_reason, forward_mismatch, fused_expert, tensor_reason
-from ..kernels.fused_experts import FusedExperts, projection_slots
+from ..kernels.fused_experts import PROJECTIONS, FusedExperts, projection_slots
 from ..kernels.host_copies import host_to_device
 
 
@@ -82,9 +82,14 @@ class ModuleFusedExperts(FusedExperts):
             grads += [grad for param, grad in zip(spec.tensors(), candidates) if param is not None]
         return grads
 
-    def projection_parameters(self, projection):
-        slots = projection_slots(projection)
-        return [tensor for spec in self.specs for tensor in (spec.tensors()[i] for i in slots) if tensor is not None]
+    def projection_parameters(self):
+        groups = {projection: [] for projection in PROJECTIONS}
+        slots = {projection: projection_slots(projection) for projection in PROJECTIONS}
+        for spec in self.specs:  # one read of each expert's tensors (a per-expert read costs microseconds)
+            tensors = spec.tensors()
+            for projection, group in groups.items():
+                group += [tensors[i] for i in slots[projection] if tensors[i] is not None]
+        return groups
 
     def projection_gradients(self, projection, dw, db):
         weight_slot, bias_slot = projection_slots(projection)
@@ -155,8 +160,8 @@ class StackedFusedExperts(FusedExperts):
     def gradients(self, dw1, db1, dw3, db3, dw2, db2) -> list[Tensor]:
         return [dw1, dw3, dw2]
 
-    def projection_parameters(self, projection):
-        return [self.grouped._parameters[projection]]
+    def projection_parameters(self):
+        return {projection: [self.grouped._parameters[projection]] for projection in PROJECTIONS}
 
     def projection_gradients(self, projection, dw, db):
         return [dw]

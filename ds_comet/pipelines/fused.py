@@ -29,7 +29,8 @@ which read the weights the pipeline keeps quantised (``fp8_weights``).
 Reuse across calls: a rank's next call writes ``recv``, ``reduced`` and ``row_dot`` (and peers stage
 into its ``stage``) only after its next exchange, which waits until every rank has published that
 call's counts, which each rank does only after its previous call joined its combine; so no rank
-overwrites what a peer still reads.
+overwrites what a peer still reads. A backward joins in the last of its call's autograd nodes, which
+autograd runs back to back, before any other call's exchange (``PendingBackward`` refuses otherwise).
 
 Streams: the exchange and the GEMMs run on the caller's stream; the dispatch and then the combine
 run on the buffer's communication stream, the dispatch on ``comm_blocks`` thread blocks beside GEMM1
@@ -55,6 +56,7 @@ other combine, which cannot start before the dispatch ends, stay for the dispatc
 only by a running block, so no unit waits on a block that is not scheduled.
 """
 
+import weakref
 from types import ModuleType
 
 import torch
@@ -271,7 +273,6 @@ class FusedPipeline(Pipeline):
         kernels = self.kernels(tokens)
         tokens, weights = rows_for_kernels(tokens), weights.contiguous()
         rows = min(max_rows, buffer.shape.max_recv_rows)
-        kernels.join_left_work(tokens.device)
         kernels.exchange(plan, rows, header)
         if self.size_by_received and not torch.cuda.is_current_stream_capturing():
             rows = max(kernels.received_rows(), 1)  # one row at least: the kernels take no null pointers
@@ -334,7 +335,6 @@ class FusedPipeline(Pipeline):
         kernels = self.kernels(grad_out)
         device = grad_out.device
         dtype = kernels.stored_dtype(Phase.FIRST_LAYER_BACKWARD)  # of the first layer's gradients and activations
-        kernels.join_left_work(device)
 
         # The collective part runs whatever this rank needs, so that every rank of the group launches the
         # same kernels (a rank whose tokens need no gradient must still return its peers' rows).
@@ -372,7 +372,6 @@ class FusedPipeline(Pipeline):
         kernels.combine(plan, grad_rows, None, grad_tokens, route_grad, finish_on_main=False)
         used_on_comm = [sent, weights, plan.route_order, plan.route_position, grad_rows, grad_tokens]
         kernels.record_comm_use(*used_on_comm, *([] if route_grad is None else [route_grad]))
-        buffer.comm_unjoined = not kernels.alone
         second = []
         if need_second:
             # While the combine brings the input gradients home: dW2 = dY_l^T h_l.
@@ -412,12 +411,21 @@ class PendingBackward:
     ):
         self.kernels, self.grad_pre, self.rows, self.rows_in_fp8 = kernels, grad_pre, rows, rows_in_fp8
         self.grad_tokens, self.route_grad = grad_tokens, route_grad
+        self.exchange = kernels.buffer.exchanges  # this call's: the layout the weight gradients read is its
 
     def projection_gradients(self, projection: str) -> list[Tensor]:
         """The gradients of the experts' ``projection_parameters(projection)`` for ``"w1"`` or ``"w3"``:
         dW = dA_l^T x_l over each local expert's received rows, from the projection's half of
         ``grad_pre``."""
         kernels = self.kernels
+        if kernels.buffer.exchanges != self.exchange:
+            # Autograd runs one call's nodes back to back (later-made nodes first), so only an unusual
+            # graph gets here; the layout is now another call's, and the gradients would be wrong.
+            raise RuntimeError(
+                "ds_comet: another MoE call on this layer's workspace exchanged between the nodes of one "
+                "call's fused backward, so its weight gradients cannot be computed; run the layers whose "
+                'backwards interleave with "moe": {"overlap": "none"}'
+            )
         if self.rows_in_fp8:  # the emulation's rows: the received values times their scales, in bf16
             self.rows, self.rows_in_fp8 = dequantise_rows(self.rows, kernels.hidden), False
         # Each projection's gradient is computed apart, so that each is one contiguous tensor: a slice
@@ -457,22 +465,37 @@ class StagedBackward:
         rows: the most rows the call could receive (for ``raise_with_sizing_hint``).
         needs: by each of ``PROJECTIONS``, whether its parameters need gradients.
         need_tokens, need_weights: whether the tokens and the route weights need them.
-        last: the projection whose node runs last (the first in the forward that autograd recorded),
-            which joins the call's communication.
     """
 
     def __init__(
-        self,
-        pipeline: FusedPipeline,
-        rows: int,
-        needs: dict[str, bool],
-        need_tokens: bool,
-        need_weights: bool,
-        last: str,
+        self, pipeline: FusedPipeline, rows: int, needs: dict[str, bool], need_tokens: bool, need_weights: bool
     ):
         self.pipeline, self.rows = pipeline, rows
-        self.needs, self.need_tokens, self.need_weights, self.last = needs, need_tokens, need_weights, last
+        self.needs, self.need_tokens, self.need_weights = needs, need_tokens, need_weights
         self.pending: PendingBackward | None = None  # between the first node's backward and the last's
+        # The projections' nodes that autograd recorded, weakly (they hold this).
+        self.nodes: dict[str, weakref.ref] = {}
+
+    def record(self, projection: str, anchor: Tensor) -> Tensor:
+        """Notes the node behind ``anchor`` (``projection``'s, if autograd recorded it); returns ``anchor``."""
+        if anchor.grad_fn is not None:
+            self.nodes[projection] = weakref.ref(anchor.grad_fn)
+        return anchor
+
+    def runs_after(self, projection: str) -> bool:
+        """Whether this backward runs a projection's node after ``projection``'s (``"w2"``: the fused
+        node's); a backward restricted to some inputs (``torch.autograd.grad``) may run none."""
+        later = PROJECTIONS[: PROJECTIONS.index(projection)]  # the nodes run in the reverse of PROJECTIONS
+        nodes = [self.nodes[name]() for name in later if name in self.nodes]
+        return any(node is not None and torch._C._will_engine_execute_node(node) for node in nodes)
+
+    def finish_unless_later(self, projection: str) -> tuple[Tensor, Tensor | None] | None:
+        """The call's ``PendingBackward.finish()`` if no node runs after ``projection``'s (which then runs
+        last), else None."""
+        if self.runs_after(projection):
+            return None
+        grads, self.pending = self.pending.finish(), None
+        return grads
 
     def note_error(self, error: Exception) -> None:
         """Tells what a backward node's ``error`` means, as the forward's call does, then returns."""
@@ -494,20 +517,17 @@ def fused_call_under_autograd(
     the first projection's, with the tokens' and the route weights' gradients (``ProjectionGradients``).
 
     Why a chain: autograd hands a node's gradients to their parameters' accumulators before it runs the
-    next node (an accumulator outranks every other node in autograd's ready queue), and ZeRO's hooks
-    there copy each gradient into their reduction bucket and free it; so under ZeRO a layer's weight
-    gradients are never all held at once, as they are not with AutoEP's own chain of grouped GEMMs.
+    next node (an accumulator outranks every other node in autograd's ready queue), and ZeRO-3's hook
+    there copies each gradient into its reduction bucket and frees it; so under ZeRO-3 a layer's three
+    weight gradients are not all allocated at once, as with AutoEP's own chain of grouped GEMMs.
     """
     experts = pipeline.experts
-    params = {projection: experts.projection_parameters(projection) for projection in PROJECTIONS}
+    params = experts.projection_parameters()
     needs = {projection: any(p.requires_grad for p in group) for projection, group in params.items()}
-    first_recorded = tokens.requires_grad or weights.requires_grad or needs["w1"]
-    up_recorded = experts.gated and (first_recorded or needs["w3"])
-    last = "w1" if first_recorded else "w3" if up_recorded else "w2"
-    staged = StagedBackward(pipeline, max_rows, needs, tokens.requires_grad, weights.requires_grad, last)
-    anchor = ProjectionGradients.apply(staged, "w1", tokens, weights, *params["w1"])
+    staged = StagedBackward(pipeline, max_rows, needs, tokens.requires_grad, weights.requires_grad)
+    anchor = staged.record("w1", ProjectionGradients.apply(staged, "w1", tokens, weights, *params["w1"]))
     if experts.gated:
-        anchor = ProjectionGradients.apply(staged, "w3", anchor, *params["w3"])
+        anchor = staged.record("w3", ProjectionGradients.apply(staged, "w3", anchor, *params["w3"]))
     return FusedMoEFunction.apply(pipeline, plan, max_rows, header, staged, anchor, tokens, weights, *params["w2"])
 
 
@@ -525,9 +545,9 @@ class FusedMoEFunction(torch.autograd.Function):
     (``fused_call_under_autograd``).
 
     Its backward runs ``FusedPipeline.run_backward`` and returns the second layer's weight gradients;
-    the tokens' and route weights' come from the first projection's node. The expert parameters are
-    inputs so that autograd accumulates their gradients into the experts' own ``.grad`` and
-    DeepSpeed's hooks see them as they would with stock.
+    the tokens' and route weights' come from the first projection's node. The parameters are inputs
+    of the nodes that return their gradients, so that autograd accumulates them into the experts'
+    own ``.grad`` and DeepSpeed's hooks see them as they would with stock.
     """
 
     @staticmethod
@@ -570,9 +590,7 @@ class FusedMoEFunction(torch.autograd.Function):
             staged.note_error(error)
             raise
         ctx.saved = None
-        if staged.last == "w2":  # no earlier node of the call is in the graph
-            staged.pending.finish()
-            staged.pending = None
+        staged.finish_unless_later("w2")
         second = second or [None] * (len(ctx.needs_input_grad) - 8)
         # The anchor's gradient (empty) lets the projections' nodes run next.
         return (None, None, None, None, None, grad_out.new_empty(0), None, None, *second)
@@ -602,14 +620,10 @@ class ProjectionGradients(torch.autograd.Function):
         leading = (grad_anchor,) if projection == "w3" else (None, None)
         try:
             params = pending.projection_gradients(projection) if staged.needs[projection] else [None] * count
-            if staged.last == projection:
-                grad_tokens, grad_weights = pending.finish()
-                staged.pending = None
-                if projection == "w1":
-                    leading = (
-                        grad_tokens if staged.need_tokens else None,
-                        grad_weights if staged.need_weights else None,
-                    )
+            finished = staged.finish_unless_later(projection)
+            if finished is not None and projection == "w1":
+                grad_tokens, grad_weights = finished
+                leading = (grad_tokens if staged.need_tokens else None, grad_weights if staged.need_weights else None)
         except Exception as error:
             staged.note_error(error)
             raise
