@@ -8,7 +8,8 @@ AutoEP alone and once with ``"moe": {"backend": "comet"}``; then the MoE block's
 (forward and backward through the engine's ZeRO-3 hooks, which gather the expert weights for each
 and release them after, and reduce the gradients as they come, then the reduction of what is left
 in the bucket, as engine.backward ends) is timed and its peak memory above
-what was allocated before it is read. Each line prints both, and comet's speed-up and memory ratio.
+what was allocated before it is read. Each line prints both, and comet's speed-up and memory ratio;
+the JSON rows also give what one step asked of the caching allocator (``allocator_activity``).
 """
 
 import argparse
@@ -48,7 +49,26 @@ def block_step(family: str, hidden: int, ffn: int, experts: int, k: int, tokens:
     block = engine.module.model.layers[0].mlp
     x = torch.randn(1, tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     step = block_training_step(engine, block, x, torch.randn_like(x))
-    return timed(step, args.iters, args.warmup), peak_mib(step)
+    return timed(step, args.iters, args.warmup), peak_mib(step), allocator_activity(step)
+
+
+def allocator_activity(step) -> dict:
+    """What one call of ``step`` asks of torch's CUDA caching allocator: its reserved memory's peak above
+    what was reserved before (MiB), the segments it had to ask the driver for (``cudaMalloc``), and
+    the times the driver refused one and it released its cache to retry (each synchronises the device).
+    Keys a torch build does not count read 0."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    return {
+        "peak_reserved_mib": (after.get("reserved_bytes.all.peak", 0) - before.get("reserved_bytes.all.current", 0))
+        / 2**20,
+        "device_allocs": after.get("num_device_alloc", 0) - before.get("num_device_alloc", 0),
+        "alloc_retries": after.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0),
+    }
 
 
 def block_training_step(engine, block, x, dy):
@@ -70,11 +90,12 @@ def block_training_step(engine, block, x, dy):
 def bench_block(name, family, hidden, ffn, experts, k, tokens, device, args):
     results = {}
     for backend in ("deepspeed", "comet"):
-        ms, mib = block_step(family, hidden, ffn, experts, k, tokens, backend, args)
+        ms, mib, allocator = block_step(family, hidden, ffn, experts, k, tokens, backend, args)
         gc.collect()  # the engine of one backend is gone before the other's is built
         torch.cuda.empty_cache()
         label = "autoep" if backend == "deepspeed" else "comet"
         results[f"{label}_zero3_fwd_bwd"], results[f"{label}_zero3_peak_mib"] = ms, mib
+        results.update({f"{label}_zero3_{key}": value for key, value in allocator.items()})
     results["speedup"] = results["autoep_zero3_fwd_bwd"] / results["comet_zero3_fwd_bwd"]
     results["memory_ratio"] = results["comet_zero3_peak_mib"] / results["autoep_zero3_peak_mib"]
     return results
