@@ -65,6 +65,7 @@ def recording_kernels(ep_size: int = SHAPE.ep_size) -> tuple[FusedKernels, Recor
         kernel_workspace=workspace._kernel_workspace(peer_tables),
         none=torch.empty(0),
         num_sms=4,
+        exchanges=0,
     )
     params = SimpleNamespace(tile_n=8, n_chunks=2)
     return FusedKernels(buffer=buffer, experts=None, params=params, tables={}, hidden=shape.hidden), op
