@@ -92,14 +92,12 @@ class ModuleFusedExperts(FusedExperts):
         return groups
 
     def projection_gradients(self, projection, dw, db):
+        # The experts are alike (the kernels read them so), so the first says which tensors each has.
         weight_slot, bias_slot = projection_slots(projection)
+        first = self.specs[0].tensors()
+        kept = (first[weight_slot] is not None, first[bias_slot] is not None)
         biases = [None] * self.num_local if db is None else db.unbind(0)
-        grads = []
-        for spec, weight_grad, bias_grad in zip(self.specs, dw.unbind(0), biases):
-            tensors = spec.tensors()
-            grads += [weight_grad] if tensors[weight_slot] is not None else []
-            grads += [bias_grad] if tensors[bias_slot] is not None else []
-        return grads
+        return [grad for pair in zip(dw.unbind(0), biases) for grad, keep in zip(pair, kept) if keep]
 
 
 class StackedFusedExperts(FusedExperts):

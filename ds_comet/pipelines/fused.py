@@ -185,9 +185,10 @@ class FusedPipeline(Pipeline):
 
             def call(tokens: Tensor, weights: Tensor) -> Tensor:
                 if out is None and torch.is_grad_enabled():
-                    params = self.experts.parameters()
-                    if tokens.requires_grad or weights.requires_grad or any(p.requires_grad for p in params):
-                        return fused_call_under_autograd(self, plan, max_rows, header, tokens, weights)
+                    params = self.experts.projection_parameters()
+                    needs = {projection: any(p.requires_grad for p in group) for projection, group in params.items()}
+                    if tokens.requires_grad or weights.requires_grad or any(needs.values()):
+                        return fused_call_under_autograd(self, plan, max_rows, header, tokens, weights, params, needs)
                 return self.run_forward(tokens, plan, weights, max_rows, header_words(header), out=out)
 
             return self.experts.with_whole_weights(call, tokens, weights)
@@ -510,6 +511,8 @@ def fused_call_under_autograd(
     header: ExchangeHeader | None,
     tokens: Tensor,
     weights: Tensor,
+    params: dict[str, list[Tensor]],
+    needs: dict[str, bool],
 ) -> Tensor:
     """The fused call ([S, H] tokens, [k, S] route weights -> [S, H] output) with its backward as a
     chain of autograd nodes: the fused one (``FusedMoEFunction``: the collective backward and the
@@ -520,10 +523,10 @@ def fused_call_under_autograd(
     next node (an accumulator outranks every other node in autograd's ready queue), and ZeRO-3's hook
     there copies each gradient into its reduction bucket and frees it; so under ZeRO-3 a layer's three
     weight gradients are not all allocated at once, as with AutoEP's own chain of grouped GEMMs.
+    ``params``: the experts' ``projection_parameters()``; ``needs``: whether each projection's need
+    gradients.
     """
     experts = pipeline.experts
-    params = experts.projection_parameters()
-    needs = {projection: any(p.requires_grad for p in group) for projection, group in params.items()}
     staged = StagedBackward(pipeline, max_rows, needs, tokens.requires_grad, weights.requires_grad)
     anchor = staged.record("w1", ProjectionGradients.apply(staged, "w1", tokens, weights, *params["w1"]))
     if experts.gated:

@@ -122,7 +122,9 @@ def call(kind="stacked", frozen=()):
                 param.register_post_accumulate_grad_hook(lambda p, name=projection: log.append(f"accumulated {name}"))
     routes = torch.randint(0, EXPERTS, (TOKENS,))
     pipeline = DensePipeline(experts, routes, log)
-    out = fused_call_under_autograd(pipeline, None, TOKENS, None, tokens, weights)
+    params = experts.projection_parameters()
+    needs = {projection: any(p.requires_grad for p in group) for projection, group in params.items()}
+    out = fused_call_under_autograd(pipeline, None, TOKENS, None, tokens, weights, params, needs)
     # The twin: the same layer on copies, differentiated by autograd alone.
     inputs = [tokens, weights, *experts.parameters()]
     copies = {id(t): t.detach().clone().requires_grad_() for t in inputs}
