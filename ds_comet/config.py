@@ -73,8 +73,11 @@ class Fp8Recipe(DeepSpeedConfigModel):
     rows by W1 and W3, the output gradient by W2) in FP8."""
 
     weight_gradients: bool = False
-    """The weight gradients' GEMMs in FP8: not run yet (must be false). They run in high precision
-    from the operands as the expert's rank holds them, as torchao's "rowwise_with_gw_hp" does."""
+    """The weight gradients' GEMMs (``dW = dA^T x`` over each expert's rows) in FP8, under rowwise
+    scaling only: both operands scaled per column over each expert's rows (the channels the product
+    does not reduce over), the gradient in ``gradient_format``, as torchao's rowwise MoE recipe
+    scales them per group. ``false``: they run in high precision from the operands as the expert's
+    rank holds them, as torchao's "rowwise_with_gw_hp" does."""
 
     gradient_format: Literal["e4m3", "e5m2"] = "e4m3"
     """The format of the gradients' rows in FP8 GEMMs: ``"e4m3"`` (DeepSeek-V3), or ``"e5m2"``
@@ -102,15 +105,16 @@ class Fp8Recipe(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _refuse_what_cannot_run(self) -> "Fp8Recipe":
-        if self.weight_gradients:
+        if self.weight_gradients and self.scaling != "rowwise":
             raise ValueError(
-                '"weight_gradients": true is not supported yet; set it to false: the weight gradients then run '
-                'in high precision, as torchao\'s "rowwise_with_gw_hp" does'
+                '"weight_gradients": true runs under "scaling": "rowwise" only (on torch._scaled_grouped_mm; the '
+                'blockwise recipe\'s kernels have no FP8 weight-gradient GEMM): set "scaling": "rowwise", or '
+                '"weight_gradients": false to keep them in high precision'
             )
-        if self.enabled and not (self.forward or self.input_gradients):
+        if self.enabled and not (self.forward or self.input_gradients or self.weight_gradients):
             raise ValueError(
-                'the recipe is enabled with no GEMM in FP8: set "forward" or "input_gradients" to true, or '
-                '"enabled": false'
+                'the recipe is enabled with no GEMM in FP8: set "forward", "input_gradients" or "weight_gradients" '
+                'to true, or "enabled": false'
             )
         if self.dispatch == "fp8" and not self.forward:
             default = "" if "dispatch" in self.model_fields_set else " (the default)"

@@ -20,7 +20,8 @@ GEMM phases in FP8 and the same weights, twice: as a user gets it by default, th
 crossing the exchange as packed FP8 rows ("fused_fp8"), and with ``"dispatch": "bf16"``
 ("fused_fp8_bf16_dispatch"); on the SwiGLU shapes AutoEP's block on ds_comet runs the default
 recipe ("autoep_comet_fp8") and, alone in the group, the rowwise recipe whose GEMMs run on
-``torch._scaled_grouped_mm`` ("autoep_comet_fp8_rowwise": rows crossing in bf16).
+``torch._scaled_grouped_mm`` ("autoep_comet_fp8_rowwise": rows crossing in bf16), also with its
+weight gradients in FP8 ("autoep_comet_fp8_rowwise_wgrad": ``"weight_gradients": true``).
 Each is timed against the bf16 comet layer and against AutoEP (bf16).
 A shape a recipe cannot scale (blockwise: gpt-oss's H2880 is no multiple of 128) gets none of its rows; rank 0
 prints the recipe's refusal instead. The FP8 layers' weights are quantised once and cached, as
@@ -68,14 +69,22 @@ from ds_comet.pipelines.exchange_header import NO_HEADER
 from ds_comet.pipelines.fused import FusedPipeline
 
 PIPELINES = ("stock", "reference", "fused")
-AUTOEP_PIPELINES = ("autoep", "autoep_comet", "autoep_comet_fp8", "autoep_comet_fp8_rowwise")
+AUTOEP_PIPELINES = (
+    "autoep",
+    "autoep_comet",
+    "autoep_comet_fp8",
+    "autoep_comet_fp8_rowwise",
+    "autoep_comet_fp8_rowwise_wgrad",
+)
 # The blockwise recipes the fused FP8 layers are timed under: the default (the forward's rows cross the
 # exchange as packed FP8 rows), and the same GEMMs with the rows crossing in bf16.
 FP8_RECIPES = {"fused_fp8": {"enabled": True}, "fused_fp8_bf16_dispatch": {"enabled": True, "dispatch": "bf16"}}
 # Every FP8 layer the bench builds (fp8_layers).
-FP8_PIPELINES = {*FP8_RECIPES, "autoep_comet_fp8", "autoep_comet_fp8_rowwise"}
-# The rowwise recipe that the "library_fp8" GEMMs run (all four FP8 phases, alone in the group).
+FP8_PIPELINES = {*FP8_RECIPES, "autoep_comet_fp8", "autoep_comet_fp8_rowwise", "autoep_comet_fp8_rowwise_wgrad"}
+# The rowwise recipes that the "library_fp8" GEMMs run (all four FP8 phases, alone in the group), with the
+# weight gradients in high precision and in FP8.
 ROWWISE_LIBRARY_RECIPE = {"enabled": True, "scaling": "rowwise", "dispatch": "bf16"}
+ROWWISE_WGRAD_RECIPE = {**ROWWISE_LIBRARY_RECIPE, "weight_gradients": True}
 
 
 def parse_args():
@@ -242,7 +251,8 @@ def fp8_layers(name, hidden, ffn, experts, k, ep_size, gated, layers, device, ar
     """With --fp8: the fused comet layer under each of ``FP8_RECIPES`` with the stock layer's weights
     ("fused_fp8", "fused_fp8_bf16_dispatch") and, where ``layers`` has AutoEP's block, that block on
     ds_comet under the default recipe ("autoep_comet_fp8") and, alone in the group, under
-    ``ROWWISE_LIBRARY_RECIPE`` ("autoep_comet_fp8_rowwise"); each left out where its recipe refuses
+    ``ROWWISE_LIBRARY_RECIPE`` ("autoep_comet_fp8_rowwise") and ``ROWWISE_WGRAD_RECIPE``
+    ("autoep_comet_fp8_rowwise_wgrad"); each left out where its recipe refuses
     the shape (rank 0 prints the reason)."""
     kwargs = moe_kwargs(experts, ep_size, k, args.capacity_factor)
 
@@ -271,6 +281,7 @@ def fp8_layers(name, hidden, ffn, experts, k, ep_size, gated, layers, device, ar
         builders["autoep_comet_fp8"] = functools.partial(block, section(FP8_RECIPES["fused_fp8"]))
         if ep_size == 1:
             builders["autoep_comet_fp8_rowwise"] = functools.partial(block, section(ROWWISE_LIBRARY_RECIPE))
+            builders["autoep_comet_fp8_rowwise_wgrad"] = functools.partial(block, section(ROWWISE_WGRAD_RECIPE))
     built = {}
     for pipeline, build_layer in builders.items():
         try:
@@ -392,7 +403,7 @@ def add_fp8_ratios(results, backward):
             results[f"fused_over_{pipeline}{suffix}"] = results[f"fused{suffix}"] / results[f"{pipeline}{suffix}"]
             if "autoep" in results:
                 results[f"autoep_over_{pipeline}{suffix}"] = results[f"autoep{suffix}"] / results[f"{pipeline}{suffix}"]
-        for variant in ("comet_fp8", "comet_fp8_rowwise"):
+        for variant in ("comet_fp8", "comet_fp8_rowwise", "comet_fp8_rowwise_wgrad"):
             if f"autoep_{variant}" in results:
                 results[f"autoep_over_{variant}{suffix}"] = (
                     results[f"autoep{suffix}"] / results[f"autoep_{variant}{suffix}"]
@@ -573,6 +584,9 @@ def print_fp8_table(all_results):
         ("AutoEP+comet FP8 rw", "autoep_comet_fp8_rowwise"),
         ("AutoEP/FP8 rw", "autoep_over_comet_fp8_rowwise"),
         ("AutoEP+comet/FP8 rw", "autoep_comet_over_comet_fp8_rowwise"),
+        ("AutoEP+comet FP8 rwg", "autoep_comet_fp8_rowwise_wgrad"),
+        ("AutoEP/FP8 rwg", "autoep_over_comet_fp8_rowwise_wgrad"),
+        ("AutoEP+comet/FP8 rwg", "autoep_comet_over_comet_fp8_rowwise_wgrad"),
     )
     autoep_columns += tuple((f"{h} fb", f"{key}_fwd_bwd") for h, key in autoep_columns)
     with_autoep = {name: results for name, results in fp8_rows.items() if "autoep" in results}
@@ -585,7 +599,8 @@ def print_fp8_table(all_results):
         'the blockwise "fp8" recipe on the fused pipeline against the bf16 comet layer and AutoEP (bf16): FP8, '
         'the default (the forward\'s rows cross as packed FP8 rows), and FP8 bd, "dispatch": "bf16" (rows cross '
         "in bf16); AutoEP's block on ds_comet runs the default, and FP8 rw the rowwise recipe on the library's "
-        "GEMMs (rows crossing in bf16). ms (fb: forward+backward), ratios of their times "
+        "GEMMs (rows crossing in bf16), FP8 rwg that recipe with its weight gradients in FP8. ms (fb: "
+        "forward+backward), ratios of their times "
         "over the FP8 layer's\n" + "\n".join(lines),
         flush=True,
     )

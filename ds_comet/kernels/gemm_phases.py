@@ -52,8 +52,8 @@ class Fp8Facts:
 
     phases: frozenset[Phase]
     """The phases it runs in FP8: the forward's two GEMMs with ``"forward"``, the backward's two
-    input-gradient GEMMs with ``"input_gradients"``, each pass's GEMM2 only with ``"gemm2"`` (the
-    weight gradients stay in the rows' dtype)."""
+    input-gradient GEMMs with ``"input_gradients"``, each pass's GEMM2 only with ``"gemm2"``, the
+    weight gradients with ``"weight_gradients"``."""
     scaling: str
     """``"blockwise"`` (1x128 tiles of rows, 128x128 blocks of weights) or ``"rowwise"``."""
     gradient_format: str

@@ -14,7 +14,11 @@ it runs alone in the group, for stacked gated experts, the four phases the recip
 - the forward's GEMM2, ``h @ W2^T``;
 - the backward's first layer, ``dY @ W2`` (W2^T's copy, quantised per row of W2^T: W2's columns,
   as ``fp8.quantise_columns`` does), then the elementwise step;
-- the backward's GEMM2, ``[dA, dA_up] @ [W1; W3]``, one GEMM over K = 2F as the emulation's.
+- the backward's GEMM2, ``[dA, dA_up] @ [W1; W3]``, one GEMM over K = 2F as the emulation's;
+- with ``"weight_gradients"``, the weight gradients ``dA_l^T x_l`` (any experts, any group: nothing
+  waits in that phase), a 2-D by 2-D product that reduces over each expert's rows: both operands
+  quantised per column over those rows and written transposed (``quantised_expert_columns``, with
+  each expert's rows padded to whole 16s, which the library's grouped K needs).
 
 A GEMM2 here counts no rows as it finishes them: after it, on the same stream, one small kernel
 (``triton_gemm.count_received_rows_kernel``) adds every received row to the combine's chunk
@@ -22,7 +26,7 @@ counters at once, and the combine, queued after it, finds them complete.
 
 The rows are quantised by ``quantised_rows`` (one Triton pass over each row, ``fp8.quantise_rows``
 bit for bit) before each GEMM; the weights come from the layer's ``Fp8WeightCache`` (rowwise
-copies, once per weight version). The weight gradients stay in the rows' dtype (the recipe's).
+copies, once per weight version).
 """
 
 from typing import TYPE_CHECKING
@@ -46,6 +50,8 @@ ALIGNMENT = 16
 USE_FAST_ACCUM = False
 # quantise_rowwise_kernel's columns per pass over a row: 8 for each thread of its 4 warps.
 QUANTISE_COLUMNS = 1024
+# quantise_expert_columns_kernel's tile: rows a pass, columns a program.
+EXPERT_COLUMNS_TILE = (64, 128)
 NEEDS = Needs(
     dtypes=((torch.bfloat16, torch.bfloat16),),
     capabilities=((9, 0),),
@@ -54,6 +60,13 @@ NEEDS = Needs(
     gated=True,
     stacked=True,
     fp8_scalings=("rowwise",),
+)
+# The weight gradients wait for nothing and take each expert's gradient apart: any group, any experts.
+WEIGHT_GRADIENT_NEEDS = Needs(
+    dtypes=NEEDS.dtypes,
+    capabilities=NEEDS.capabilities,
+    torch_functions=NEEDS.torch_functions,
+    fp8_scalings=NEEDS.fp8_scalings,
 )
 
 
@@ -80,6 +93,76 @@ def quantised_rows_by_triton(x: Tensor, fmt: fp8.Fp8Format = fp8.E4M3) -> fp8.Qu
             x, x.stride(0), values, scales, columns, E5M2=fmt is fp8.E5M2, BK=QUANTISE_COLUMNS, num_warps=4
         )
     return fp8.Quantised(values, scales, (1, max(columns, 1)))
+
+
+def padded_expert_ends(layout: Tensor, expert_start: int, num_local: int) -> Tensor:
+    """[L] int32 on ``layout``'s device: where each local expert's rows end once every expert's rows
+    (the layout's words from ``expert_start``: L + 1 row offsets) are padded to whole ``ALIGNMENT``s."""
+    words = layout[expert_start : expert_start + num_local + 1]
+    counts = words[1:] - words[:-1]
+    return torch.cumsum((counts + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT, 0, dtype=torch.int32)
+
+
+def quantised_expert_columns(
+    x: Tensor, layout: Tensor, expert_start: int, padded_ends: Tensor, fmt: fp8.Fp8Format = fp8.E4M3
+) -> tuple[Tensor, Tensor]:
+    """``fp8.quantise_columns`` of each local expert's rows of ``x``, transposed, as
+    ``torch._scaled_grouped_mm`` takes a 2-D operand that it reduces over rows grouped by expert.
+
+    Args:
+        x: [R, K] rows grouped by local expert, any float dtype; bf16 on a GPU with unit column
+            stride goes to ``quantised_expert_columns_by_triton``, anything else to ``fp8.py`` (a loop
+            over the experts on the host).
+        layout, expert_start: the experts' row offsets, ``layout[expert_start:][: L + 1]`` (int32).
+        padded_ends: ``padded_expert_ends`` of them ([L] int32).
+        fmt: the values' format.
+
+    Returns:
+        (values [K, P] of ``fmt``, P a multiple of ``ALIGNMENT``: expert l's rows at columns
+        ``padded_ends[l - 1]`` (0 for the first) up to ``padded_ends[l]``, zeros past its own rows;
+        scales [L, K] fp32).
+    """
+    if x.is_cuda and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+        return quantised_expert_columns_by_triton(x, layout, expert_start, padded_ends, fmt)
+    values_t, scales = _expert_columns_out(x, padded_ends, fmt)
+    values_t.zero_()  # the padding
+    starts = layout[expert_start : expert_start + padded_ends.shape[0] + 1].tolist()
+    padded_starts = [0] + padded_ends.tolist()
+    for expert in range(padded_ends.shape[0]):
+        quantised = fp8.quantise_columns(x[starts[expert] : starts[expert + 1]], fmt)
+        scales[expert] = quantised.scales[0] if quantised.values.shape[0] else 1.0  # no rows: a block of zeros
+        first = padded_starts[expert]
+        values_t[:, first : first + quantised.values.shape[0]] = quantised.values.t()
+    return values_t, scales
+
+
+def quantised_expert_columns_by_triton(
+    x: Tensor, layout: Tensor, expert_start: int, padded_ends: Tensor, fmt: fp8.Fp8Format = fp8.E4M3
+) -> tuple[Tensor, Tensor]:
+    """``quantised_expert_columns`` of bf16 ``x`` (unit column stride) by one Triton kernel
+    (``triton_fp8_quantise.quantise_expert_columns_kernel``): two reads of the rows, one write of
+    their values, transposed; no host sync (the experts' rows are read from the layout on the device)."""
+    from .triton_fp8_quantise import quantise_expert_columns_kernel  # triton is an extra
+
+    values_t, scales = _expert_columns_out(x, padded_ends, fmt)  # the kernel writes the padding's zeros
+    num_local, columns = scales.shape
+    block_r, block_c = EXPERT_COLUMNS_TILE
+    if num_local and columns:
+        quantise_expert_columns_kernel[(-(-columns // block_c), num_local)](
+            x, x.stride(0), values_t, values_t.shape[1], scales, layout, expert_start, padded_ends, columns,
+            E5M2=fmt is fp8.E5M2, BR=block_r, BC=block_c, num_warps=4,
+        )  # fmt: skip
+    return values_t, scales
+
+
+def _expert_columns_out(x: Tensor, padded_ends: Tensor, fmt: fp8.Fp8Format) -> tuple[Tensor, Tensor]:
+    """``quantised_expert_columns``'s outputs, not set: room for every row of ``x`` and ``ALIGNMENT - 1``
+    more an expert, the most the padding adds."""
+    rows, columns = x.shape
+    num_local = padded_ends.shape[0]
+    width = -(-(rows + (ALIGNMENT - 1) * num_local) // ALIGNMENT) * ALIGNMENT
+    values_t = torch.empty((columns, width), dtype=fmt.dtype, device=x.device)
+    return values_t, torch.empty((num_local, columns), dtype=torch.float32, device=x.device)
 
 
 def rowwise_operands(rows: fp8.Quantised, weights: fp8.Quantised) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -125,7 +208,10 @@ class LibraryFp8Gemm(LibraryGemm):
 
     name = "library_fp8"
     needs = {
-        phase: NEEDS for phase in (Phase.FIRST_LAYER, Phase.GEMM2, Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD)
+        **{
+            phase: NEEDS for phase in (Phase.FIRST_LAYER, Phase.GEMM2, Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD)
+        },
+        Phase.WEIGHT_GRADIENTS: WEIGHT_GRADIENT_NEEDS,
     }
 
     def refusal(self, phase: Phase, facts: GemmFacts) -> str | None:
@@ -143,7 +229,7 @@ class LibraryFp8Gemm(LibraryGemm):
             return 'takes the rows in bf16, not packed in FP8 (set "dispatch": "bf16")'
         if phase == Phase.FIRST_LAYER_BACKWARD and recipe.gradients_in_fp8:
             return 'takes the output gradients in bf16, not packed in FP8 (set "gradient_dispatch": "bf16")'
-        backward = phase in (Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD)
+        backward = phase in (Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD, Phase.WEIGHT_GRADIENTS)
         if backward and recipe.gradient_format != "e4m3":
             return f"takes e4m3 gradients (torch._scaled_grouped_mm), not {recipe.gradient_format}"
         return None
@@ -162,6 +248,26 @@ class LibraryFp8Gemm(LibraryGemm):
         then every row counted."""
         out.copy_(rowwise_grouped_mm(quantised_rows(rows), call.fp8_weights.quantised("w13t"), call.expert_ends))
         count_received_rows(call)
+
+    @torch.no_grad()
+    def weight_gradients(self, call: "FusedKernels", a: Tensor, b: Tensor) -> Tensor:
+        """``GemmImplementation.weight_gradients`` in FP8: per local expert l, ``a[rows of l]^T @ b[rows of
+        l]`` ([L, M, N] bf16) from both quantised per column over l's rows in e4m3 (``a`` the
+        gradients, ``b`` the activations), one 2-D by 2-D ``torch._scaled_grouped_mm``."""
+        rows = min(a.shape[0], b.shape[0])  # rows past the last expert's end are not read
+        start = call.buffer.layout_offsets.expert_start
+        ends = padded_expert_ends(call.buffer.layout, start, call.num_local)
+        a_t, a_scales = quantised_expert_columns(a[:rows], call.buffer.layout, start, ends)
+        b_t, b_scales = quantised_expert_columns(b[:rows], call.buffer.layout, start, ends)
+        return torch._scaled_grouped_mm(
+            a_t,
+            b_t.t(),
+            a_scales.view(-1),
+            b_scales.view(-1),
+            offs=ends,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=USE_FAST_ACCUM,
+        )
 
     @torch.no_grad()  # the fused autograd function differentiates the layer, not autograd's graph of it
     def products(self, call: "FusedKernels", rows: Tensor, *names: str) -> tuple[Tensor, ...]:

@@ -8,7 +8,9 @@ FP8 dispatch (``fp8_rows``), and ``dequantise_rows_kernel`` turns packed rows ba
 ``quantise_rowwise_kernel`` quantises whole rows with one scale each (``fp8.quantise_rows``), the
 rowwise recipe's operands of the library's FP8 GEMMs (``library_fp8_phases``), and
 ``quantise_weight_rows_kernel`` and ``quantise_weight_columns_kernel`` the experts' weights into the
-rowwise copies those GEMMs read (``fp8_weights``), per row or per column written transposed.
+rowwise copies those GEMMs read (``fp8_weights``), per row or per column written transposed, and
+``quantise_expert_columns_kernel`` the weight gradients' operands, per column over each expert's
+rows, written transposed (``fp8.quantise_columns`` of each expert's rows).
 
 Both follow ``fp8.block_scales`` from bits rather than through float arithmetic that could round
 otherwise: a block's largest magnitude is an integer maximum over the magnitudes' fp32 bits (which
@@ -37,7 +39,7 @@ NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 def format_constants(fmt: fp8.Fp8Format) -> dict[str, int | float]:
-    """What ``_quantise_in_format`` needs to know of ``fmt``, derived from ``fp8.py``'s definition of it.
+    """What ``_scale_of`` and ``_round_to_format`` need to know of ``fmt``, derived from ``fp8.py``'s definition of it.
 
     Returns:
         ``dropped``: the fp32 mantissa bits the format lacks; ``rounding_bias`` and ``keep``: what
@@ -130,6 +132,29 @@ def _scale_of(amax, MAX_EXPONENT: tl.constexpr, MAX_MANTISSA: tl.constexpr):
     scale = tl.where(amax == 0, 1.0, tl.where(amax < INFINITY_BITS, scale, nan))
     inverse = tl.where(amax == 0, 1.0, tl.where(amax < INFINITY_BITS, inverse, nan))
     return scale, inverse
+
+
+@triton.jit
+def _scale_in_format(amax, E5M2: tl.constexpr):
+    """``_scale_of`` in e5m2 with E5M2, else in e4m3."""
+    if E5M2:
+        return _scale_of(amax, E5M2_MAX_EXPONENT, E5M2_MAX_MANTISSA)
+    else:
+        return _scale_of(amax, E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA)
+
+
+@triton.jit
+def _in_format(scaled, E5M2: tl.constexpr):
+    """``scaled`` (fp32, within the format's range, or NaN) rounded (``_round_to_format``) and cast to
+    e5m2 with E5M2, else to e4m3."""
+    if E5M2:
+        return _round_to_format(scaled, E5M2_DROPPED, E5M2_BIAS, E5M2_KEEP, E5M2_SMALLEST_NORMAL, E5M2_ROUNDER).to(
+            tl.float8e5
+        )
+    else:
+        return _round_to_format(scaled, E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER).to(
+            tl.float8e4nv
+        )
 
 
 @triton.jit
@@ -252,21 +277,11 @@ def _quantise_row(source, target, K, E5M2: tl.constexpr, BK: tl.constexpr):
         chunk = _as_fp32(tl.load(source + columns, mask=columns < K, other=0.0))
         largest = tl.maximum(largest, chunk.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     amax = tl.max(largest, axis=0)
-    if E5M2:
-        scale, inverse = _scale_of(amax, E5M2_MAX_EXPONENT, E5M2_MAX_MANTISSA)
-    else:
-        scale, inverse = _scale_of(amax, E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA)
+    scale, inverse = _scale_in_format(amax, E5M2)
     for first in range(0, K, BK):
         columns = first + tl.arange(0, BK)
         scaled = _as_fp32(tl.load(source + columns, mask=columns < K, other=0.0)) * inverse
-        if E5M2:
-            rounded = _round_to_format(
-                scaled, E5M2_DROPPED, E5M2_BIAS, E5M2_KEEP, E5M2_SMALLEST_NORMAL, E5M2_ROUNDER
-            ).to(tl.float8e5)
-        else:
-            rounded = _round_to_format(
-                scaled, E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER
-            ).to(tl.float8e4nv)
+        rounded = _in_format(scaled, E5M2)
         tl.store(target + columns, rounded, mask=columns < K)
     return scale
 
@@ -316,3 +331,55 @@ def _column_tile(weight, rows, columns, in_range, N, K):
     mask = (rows < N)[:, None] & in_range[None, :]
     tile = tl.load(weight + rows.to(tl.int64)[:, None] * K + columns[None, :], mask=mask, other=0.0)
     return _as_fp32(tile), mask
+
+
+@triton.jit
+def quantise_expert_columns_kernel(
+    x,
+    stride,
+    values_t,
+    row_stride_t,
+    scales,
+    layout,
+    off_expert_start,
+    padded_ends,
+    K,
+    E5M2: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """``fp8.quantise_columns`` of each local expert's rows of ``x`` ([R, K] bf16, row stride ``stride``;
+    expert l's rows are ``layout[off_expert_start + l]`` up to the next word), written transposed with
+    each expert's rows padded to its ``padded_ends`` ([L] int32, the ends of groups of whole 16s of rows):
+    the values (e5m2 with E5M2, else e4m3) into ``values_t`` ([K, row_stride_t]; expert l's at columns
+    ``padded_ends[l - 1]`` up to ``padded_ends[l]``, zero past its rows) and each column's scale into
+    ``scales`` ([L, K] fp32). BC columns of one expert a program (grid: ceil(K / BC), L), two reads of
+    them, BR rows at a time: their largest magnitudes, then their values divided by the scales."""
+    block, expert = tl.program_id(0), tl.program_id(1)
+    columns = block * BC + tl.arange(0, BC)
+    in_range = columns < K
+    first = tl.load(layout + off_expert_start + expert)
+    end = tl.load(layout + off_expert_start + expert + 1)
+    padded_end = tl.load(padded_ends + expert)
+    padded_first = padded_end - (end - first + 15) // 16 * 16
+    largest = tl.zeros((BC,), dtype=tl.int32)
+    for row0 in range(first, end, BR):
+        tile = _expert_tile(x, stride, row0 + tl.arange(0, BR), end, columns, in_range)
+        largest = tl.maximum(largest, tl.max(tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+    scale, inverse = _scale_in_format(largest, E5M2)
+    for offset in range(0, padded_end - padded_first, BR):
+        rows = offset + tl.arange(0, BR)
+        scaled = _expert_tile(x, stride, first + rows, end, columns, in_range) * inverse[None, :]
+        rounded = _in_format(scaled, E5M2)
+        out_rows = padded_first + rows
+        addresses = values_t + columns.to(tl.int64)[:, None] * row_stride_t + out_rows[None, :]
+        tl.store(addresses, tl.trans(rounded), mask=in_range[:, None] & (out_rows < padded_end)[None, :])
+    tl.store(scales + expert.to(tl.int64) * K + columns, scale, mask=in_range)
+
+
+@triton.jit
+def _expert_tile(x, stride, rows, end, columns, in_range):
+    """The ``rows`` x ``columns`` tile of bf16 rows ``x`` (row stride ``stride``) in fp32, 0 at rows from
+    ``end`` on and at columns outside ``in_range``."""
+    mask = (rows < end)[:, None] & in_range[None, :]
+    return _as_fp32(tl.load(x + rows.to(tl.int64)[:, None] * stride + columns[None, :], mask=mask, other=0.0))

@@ -16,9 +16,11 @@ and Q the recipe's quantisation (e4m3; tiles along each GEMM's reduction dimensi
   ``g = round_D(Qg(dy) @ Q'(W2))``; ``dpre = round_D(the activation's gradient from g and pre)``;
   ``dx = round_D(Qg(dpre) @ Q'(W13))``, where Qg quantises in ``"gradient_format"`` and Q' is Q
   along the weight's other axis under rowwise scaling (the same blocks under blockwise);
-- weight gradients in high precision (torchao's "rowwise_with_gw_hp"), from the operands as the
-  expert's rank holds them, not quantised for a GEMM: ``dW2 = dy^T h``, ``dW13 = dpre^T x``, and
-  the biases' gradients the columns' sums, in fp32, rounded to the parameters' dtype.
+- weight gradients from the operands as the expert's rank holds them: ``dW2 = Qc_g(dy)^T Qc(h)``,
+  ``dW13 = Qc_g(dpre)^T Qc(x)`` with ``"weight_gradients"`` (rowwise scaling only), where Qc
+  quantises per column over the expert's rows (``Qc_g`` in ``"gradient_format"``), else in high
+  precision (torchao's "rowwise_with_gw_hp"): ``dW2 = dy^T h``, ``dW13 = dpre^T x``; the biases'
+  gradients the columns' sums; in fp32, rounded to the parameters' dtype.
 
 A GEMM the recipe leaves out takes its operands unquantised, in fp32 (with ``"gemm2": false``, the
 products that give ``y`` and ``dx`` above). The exchange: with
@@ -47,6 +49,7 @@ class RecipeOperands:
         self.forward = recipe.forward
         self.input_gradients = recipe.input_gradients
         self.gemm2 = recipe.gemm2
+        self.weight_gradients = recipe.weight_gradients
         self.blockwise = recipe.scaling == "blockwise"
         self.gradient_format = FORMATS[recipe.gradient_format]
         # Where the output gradient crossed in FP8 (Fp8Exchange) it arrives quantised, times the gate.
@@ -80,6 +83,14 @@ class RecipeOperands:
                 grad = self.rows(grad, self.gradient_format)
             w = self.weight(w, reduced_axis=0)
         return grad.float() @ w.float()
+
+    def weight_gradient_product(self, grad: Tensor, x: Tensor) -> Tensor:
+        """``grad^T @ x`` (``[n, M]`` by ``[n, N]``, one expert's rows) in fp32, in FP8 where the
+        recipe's weight gradients are: each operand quantised per column over the n rows (``grad``
+        in the gradient format), the channels the product does not reduce over."""
+        if self.weight_gradients and grad.shape[0]:
+            grad, x = quantise_columns(grad, self.gradient_format).dequantise(), quantise_columns(x).dequantise()
+        return grad.float().t() @ x.float()
 
 
 def _first_layer(tensors: tuple) -> tuple[Tensor, Tensor | None]:
@@ -134,14 +145,14 @@ def expert_backward(
     grad_h = operands.gradient_product(grad_y, w2, operands.quantise_output_gradient).to(x.dtype)
     grad_pre = _activation_gradient(pre, grad_h, activation, ffn).to(x.dtype)
     grad_x = operands.gradient_product(grad_pre, w13, gemm2=True).to(x.dtype)
-    # The weight gradients: high precision, from the operands as this rank holds them.
+    # The weight gradients, from the operands as this rank holds them.
+    grad_w13 = operands.weight_gradient_product(grad_pre, x)
     grad_y, grad_pre = grad_y.float(), grad_pre.float()
-    grad_w13 = grad_pre.t() @ x.float()
     grad_b13 = grad_pre.sum(dim=0) if b13 is not None else None
     grads = [grad_w13[:ffn], None if b1 is None else grad_b13[:ffn], None, None]
     if w3 is not None:
         grads[2:] = [grad_w13[ffn:], None if b1 is None else grad_b13[ffn:]]
-    grads += [grad_y.t() @ h.float(), grad_y.sum(dim=0) if b2 is not None else None]
+    grads += [operands.weight_gradient_product(grad_y, h), grad_y.sum(dim=0) if b2 is not None else None]
     return grad_x, grads
 
 

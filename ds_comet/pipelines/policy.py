@@ -135,6 +135,8 @@ def fp8_facts(recipe: Fp8Recipe, hidden: int, ffn: int) -> Fp8Facts:
         phases |= {Phase.FIRST_LAYER, Phase.GEMM2} if recipe.gemm2 else {Phase.FIRST_LAYER}
     if recipe.input_gradients:
         phases |= {Phase.FIRST_LAYER_BACKWARD, Phase.GEMM2_BACKWARD} if recipe.gemm2 else {Phase.FIRST_LAYER_BACKWARD}
+    if recipe.weight_gradients:
+        phases.add(Phase.WEIGHT_GRADIENTS)
     return Fp8Facts(
         frozenset(phases),
         recipe.scaling,

@@ -293,6 +293,15 @@ RECIPES = {
     "forward only": {"input_gradients": False},
     "input gradients only": {"forward": False, "dispatch": "bf16"},
     "gradient dispatch": {"gradient_dispatch": "fp8"},
+    "weight gradients": {"scaling": "rowwise", "weight_gradients": True},
+    "weight gradients only": {
+        "scaling": "rowwise",
+        "forward": False,
+        "input_gradients": False,
+        "dispatch": "bf16",
+        "weight_gradients": True,
+    },
+    "e5m2 weight gradients": {"scaling": "rowwise", "weight_gradients": True, "gradient_format": "e5m2"},
 }
 
 
@@ -329,6 +338,9 @@ def independent_expert(x, tensors, activation, dy, recipe: Fp8Recipe):
         out = a @ w.t()
         return out if bias is None else out + bias.float()
 
+    def columns(t, name="e4m3"):  # a weight gradient's operand: per column over the expert's rows
+        return independent_qdq(t, (t.shape[0], 1), name) if recipe.weight_gradients and t.shape[0] else t.float()
+
     w1, b1, w3, b3, w2, b2 = tensors
     w13 = w1 if w3 is None else torch.cat([w1, w3])
     b13 = b1 if w3 is None or b1 is None else torch.cat([b1, b3])
@@ -353,8 +365,9 @@ def independent_expert(x, tensors, activation, dy, recipe: Fp8Recipe):
     pre_operand = rows(grad_pre, recipe.gradient_format) if bwd else grad_pre.float()
     dx = (pre_operand @ (weight(w13, 0) if bwd else w13.float())).to(dtype)
 
-    dw13, db13 = grad_pre.float().t() @ x.float(), grad_pre.float().sum(0)
-    dw2, db2 = dy.float().t() @ h.float(), dy.float().sum(0)
+    fmt = recipe.gradient_format
+    dw13, db13 = columns(grad_pre, fmt).t() @ columns(x), grad_pre.float().sum(0)
+    dw2, db2 = columns(dy, fmt).t() @ columns(h), dy.float().sum(0)
     grads = [dw13[:ffn], db13[:ffn], dw13[ffn:], db13[ffn:], dw2, db2]
     present = [w1, b1, w3, b3, w2, b2]
     return y, dx, [None if p is None else g.to(p.dtype) for g, p in zip(grads, present)]
@@ -422,6 +435,10 @@ def error_variances(x, dy, tensors, activation, recipe: Fp8Recipe, u_out: float)
     u_w = fp8.E4M3.unit_roundoff if recipe.input_gradients else 0.0  # the backward GEMMs' weights
     u_g = fp8.FORMATS[recipe.gradient_format].unit_roundoff if recipe.input_gradients else 0.0
     u_dy = u_g if recipe.gradient_dispatch == "bf16" else 0.0  # "fp8": dy arrives quantised
+    # The weight gradients' operands, per column: the gradient's format and e4m3, squared and summed.
+    u_wg2 = (
+        fp8.FORMATS[recipe.gradient_format].unit_roundoff ** 2 + fp8.E4M3.unit_roundoff**2
+    ) * recipe.weight_gradients
 
     def product(a, v_a, u_a, w, u_b, transpose):
         """The variance of a @ w (or a @ w^T) from a's own variance, a's and w's quantisation."""
@@ -457,12 +474,16 @@ def error_variances(x, dy, tensors, activation, recipe: Fp8Recipe, u_out: float)
         var_dx = product(dz, var_dz, u_g, w1, u_w, False)
     var_dx = var_dx + u_out**2 * sq(dx)
 
-    grads = [var_dz.t() @ sq(x) + u_out**2 * sq(dz.t() @ x), var_dz.sum(0) + u_out**2 * sq(dz.sum(0))]
+    def weight_gradient(a, v_a, b, v_b):
+        """The variance of a^T b from a's and b's own variances and, with FP8 weight gradients, their quantisation."""
+        return v_a.t() @ sq(b) + sq(a).t() @ v_b + u_wg2 * (sq(a).t() @ sq(b)) + u_out**2 * sq(a.t() @ b)
+
+    grads = [weight_gradient(dz, var_dz, x, zero), var_dz.sum(0) + u_out**2 * sq(dz.sum(0))]
     if w3 is not None:
-        grads += [var_dup.t() @ sq(x) + u_out**2 * sq(dup.t() @ x), var_dup.sum(0) + u_out**2 * sq(dup.sum(0))]
+        grads += [weight_gradient(dup, var_dup, x, zero), var_dup.sum(0) + u_out**2 * sq(dup.sum(0))]
     else:
         grads += [None, None]
-    grads += [sq(dy).t() @ var_h + u_out**2 * sq(dy.t() @ h), u_out**2 * sq(dy.sum(0))]
+    grads += [weight_gradient(dy, torch.zeros_like(dy), h, var_h), u_out**2 * sq(dy.sum(0))]
     present = [w1, b1, w3, b3, w2, tensors[5]]
     return dict(y=var_y, dx=var_dx, grads=[None if p is None else v for v, p in zip(grads, present)])
 
@@ -478,8 +499,8 @@ def float64_truth(kind, owner, x, dy):
 
 BOUND_CASES = (
     [("swiglu", torch.bfloat16, recipe) for recipe in RECIPES]
-    + [("gelu", torch.bfloat16, recipe) for recipe in ("blockwise", "rowwise", "e5m2 gradients")]
-    + [("stacked", torch.bfloat16, "blockwise")]
+    + [("gelu", torch.bfloat16, recipe) for recipe in ("blockwise", "rowwise", "e5m2 gradients", "weight gradients")]
+    + [("stacked", torch.bfloat16, recipe) for recipe in ("blockwise", "weight gradients")]
     + [(kind, torch.float32, recipe) for kind in ("gelu", "swiglu") for recipe in ("blockwise", "input gradients only")]
 )
 
@@ -532,7 +553,8 @@ def test_emulation_is_within_the_formats_bound_of_float64(kind, dtype, recipe):
     check("output", step["y"], y64, torch.cat(ys), full.forward)
     check("input gradient", step["dx"], dx64, torch.cat(dxs), full.input_gradients)
     for index, (got, want, variance) in enumerate(zip(step["grads"], grads64, _grouped(per_expert, step["weights"]))):
-        check(f"gradient of parameter {index}", got, want, variance, False)
+        weight = got.dim() >= 2  # a weight's gradient (a stacked one: 3-D), not a bias's
+        check(f"gradient of parameter {index}", got, want, variance, full.weight_gradients and weight)
 
 
 # --- comet layers under the recipe, on the gloo ranks -------------------------------------------
@@ -693,8 +715,8 @@ def test_ranks_that_differ_in_their_recipe_are_refused(cpu_pool):
     "recipe,words",
     [
         (
-            {"weight_gradients": True},
-            ['"weight_gradients": true is not supported yet; set it to false', "rowwise_with_gw_hp"],
+            {"weight_gradients": True},  # blockwise, the default scaling
+            ['"weight_gradients": true runs under "scaling": "rowwise" only', 'or "weight_gradients": false'],
         ),
         (
             {"forward": False},
@@ -707,7 +729,7 @@ def test_ranks_that_differ_in_their_recipe_are_refused(cpu_pool):
         ),
         (
             {"enabled": True, "forward": False, "input_gradients": False},  # said before the dispatch's rule
-            ["enabled with no GEMM in FP8", 'set "forward" or "input_gradients" to true, or "enabled": false'],
+            ["enabled with no GEMM in FP8", 'set "forward", "input_gradients" or "weight_gradients" to true, or'],
         ),
         ({"scaling": "tensorwise"}, ["'moe.fp8.scaling' is 'tensorwise'; allowed values: 'blockwise', 'rowwise'"]),
         ({"gradient_format": "e4m3fn"}, ["'moe.fp8.gradient_format' is 'e4m3fn'; allowed values: 'e4m3', 'e5m2'"]),
@@ -735,6 +757,9 @@ def test_the_recipe_is_off_by_default_and_read_as_one_object():
     assert (recipe.weight_gradients, recipe.gradient_format, recipe.dispatch) == (False, "e4m3", "fp8")
     assert (recipe.gradient_dispatch, recipe.fallback) == ("bf16", "error")
     assert not Fp8Recipe().enabled
+    alone = {"enabled": True, "scaling": "rowwise", "forward": False, "input_gradients": False, "dispatch": "bf16"}
+    recipe = moe_config_from({"moe": {"backend": "comet", "fp8": {**alone, "weight_gradients": True}}}).fp8
+    assert recipe.weight_gradients and not (recipe.forward or recipe.input_gradients)
 
 
 def test_the_recipe_under_the_deepspeed_backend_is_reported_as_ignored(monkeypatch):

@@ -66,6 +66,13 @@ def test_the_rowwise_weight_copies_are_fp8_pys_bit_for_bit():
     assert "scales " in out
 
 
+def test_the_weight_gradients_operands_are_fp8_pys_columns_of_each_expert_bit_for_bit():
+    """FP8 weight gradients' operands, per column over each expert's rows, transposed and padded to
+    whole 16s of rows for the library's grouped product, against ``fp8.quantise_columns``."""
+    out = interpret("print('scales', cases.expert_columns_case(cpu, seed=8))")
+    assert "scales " in out
+
+
 def test_the_row_count_after_a_library_gemm2_is_what_the_combine_waits_for():
     """library_fp8's GEMM2 counts no rows; one kernel after it must give each column chunk's counter
     the received rows times the chunk's column tiles, as the Triton GEMM2's tiles would add them."""

@@ -79,7 +79,7 @@ def test_an_implementation_that_refuses_the_dtype_is_skipped_with_its_reason():
     reasons = gemm_table.refusals(Phase.WEIGHT_GRADIENTS, call_facts)
     assert reasons == {
         "triton_fp8": "does not run the weight gradients",
-        "library_fp8": "does not run the weight gradients",
+        "library_fp8": "runs only phases an FP8 recipe puts in FP8",
         "library": "takes bfloat16 rows with bfloat16 weights, not float16 rows with float16 weights",
         "triton": None,
     }

@@ -39,6 +39,13 @@ def chosen(call_facts: GemmFacts) -> list[str]:
 
 def test_the_rowwise_recipes_gemms_run_on_library_fp8_alone_with_stacked_gated_experts():
     assert chosen(facts(rowwise(ALL))) == ["library_fp8"] * 4 + ["library"]
+    with_weight_gradients = ALL | {Phase.WEIGHT_GRADIENTS}
+    assert chosen(facts(rowwise(with_weight_gradients))) == ["library_fp8"] * 5
+    # The weight gradients wait for nothing: at EP > 1 and for experts as modules too.
+    weight_gradients_only = rowwise(frozenset({Phase.WEIGHT_GRADIENTS}))
+    for call_facts in (facts(weight_gradients_only, alone=False), facts(weight_gradients_only, stacked=False)):
+        assert chosen(call_facts) == ["triton"] * 4 + ["library_fp8"]
+        assert gemm_table.fp8_refusal(call_facts) is None
     assert gemm_table.fp8_refusal(facts(rowwise(ALL))) is None
     assert chosen(facts()) == ["library_fp8", "triton", "library_fp8", "triton", "library"]
     assert gemm_table.fp8_refusal(facts()) is None
@@ -49,6 +56,8 @@ def test_the_rowwise_recipes_gemms_run_on_library_fp8_alone_with_stacked_gated_e
 def test_the_recipe_puts_gemm2_in_fp8_only_with_its_gemm2_key():
     assert fp8_facts(Fp8Recipe(enabled=True, scaling="rowwise", gemm2=False), 256, 384).phases == FIRST_LAYERS
     assert fp8_facts(Fp8Recipe(enabled=True, scaling="rowwise"), 256, 384).phases == ALL
+    recipe = Fp8Recipe(enabled=True, scaling="rowwise", weight_gradients=True)
+    assert fp8_facts(recipe, 256, 384).phases == ALL | {Phase.WEIGHT_GRADIENTS}
     assert fp8_facts(Fp8Recipe(enabled=True, forward=False, dispatch="bf16", gemm2=False), 256, 384).phases == {
         Phase.FIRST_LAYER_BACKWARD
     }
@@ -73,9 +82,13 @@ def test_the_recipe_puts_gemm2_in_fp8_only_with_its_gemm2_key():
                                                                              "(torch._scaled_grouped_mm), not e5m2"),
         (facts(rowwise(frozenset({Phase.GEMM2_BACKWARD}), gradient_format="e5m2")), Phase.GEMM2_BACKWARD,
          "library_fp8 takes e4m3 gradients (torch._scaled_grouped_mm), not e5m2"),
+        (facts(rowwise(frozenset({Phase.WEIGHT_GRADIENTS}), gradient_format="e5m2")), Phase.WEIGHT_GRADIENTS,
+         "library_fp8 takes e4m3 gradients (torch._scaled_grouped_mm), not e5m2"),
+        (facts(rowwise(frozenset({Phase.WEIGHT_GRADIENTS})), capability=(8, 9)), Phase.WEIGHT_GRADIENTS,
+         "library_fp8 runs on sm_90, not sm_89"),
     ],
     ids=["gemm2", "ep2", "modules", "ungated", "sm89", "hidden", "fp8-dispatch", "fp8-gradient-dispatch", "e5m2",
-         "e5m2-gemm2"],
+         "e5m2-gemm2", "e5m2-weight-gradients", "sm89-weight-gradients"],
 )  # fmt: skip
 def test_a_rowwise_phase_library_fp8_cannot_run_is_refused_by_name(call_facts, phase, why):
     """Never in bf16 instead: the recipe is refused, naming the phase and library_fp8's reason."""
@@ -118,10 +131,20 @@ def test_the_rowwise_weights_are_fp8_pys_rows_of_each_orientation():
 
 def scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
     """``torch._scaled_grouped_mm`` emulated: its checks on the meta device, then per group the
-    dequantised operands' fp32 product, rounded to bf16 (rows past the last end stay zero)."""
+    dequantised operands' fp32 product, rounded to bf16: a 2-D by 3-D product over groups of rows
+    (rows past the last end stay zero), or a 2-D by 2-D one over groups of K ([G, M, N]; a group
+    with no K gives zeros)."""
     meta = [t if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             for t in (a, b, scale_a, scale_b, offs)]  # fmt: skip
     SCALED_GROUPED_MM(*meta[:4], offs=meta[4], out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    if b.dim() == 2:
+        m, n = a.shape[0], b.shape[1]
+        out, start = torch.empty(len(offs), m, n, dtype=out_dtype), 0
+        for group, end in enumerate(offs.tolist()):
+            a_g = a[:, start:end].float() * scale_a[group * m : (group + 1) * m, None]
+            b_g = b[start:end].float() * scale_b[group * n : (group + 1) * n][None, :]
+            out[group], start = (a_g @ b_g).to(out_dtype), end
+        return out
     out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype)
     start = 0
     for group, end in enumerate(offs.tolist()):
@@ -190,6 +213,34 @@ def test_both_gemm2s_are_the_emulations_on_the_librarys_operands_and_count_every
         ):
             torch.testing.assert_close(got[start:end].float(), want.to(BF16).float(), rtol=2**-7, atol=1e-9)
         start = end
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 17], [0, 0, 9], [16, 1, 40]], ids=["odd", "empty", "whole"])
+def test_the_weight_gradients_are_the_emulations_on_the_librarys_operands(monkeypatch, counts):
+    """With ``"weight_gradients"``, per expert the library's 2-D by 2-D product of the operands as
+    laid out for it (each quantised per column over the expert's rows, transposed, padded to whole
+    16s of rows) is the emulation's ``weight_gradient_product``, to a bf16 step; an expert with no
+    rows gets zeros; rows past the last expert's end are not read."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_on_cpu)
+    start_word = 2
+    starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    layout = torch.zeros(start_word + len(starts) + 1, dtype=torch.int32)
+    layout[start_word : start_word + len(starts)] = torch.tensor(starts, dtype=torch.int32)
+    buffer = SimpleNamespace(layout=layout, layout_offsets=SimpleNamespace(expert_start=start_word))
+    call = SimpleNamespace(buffer=buffer, num_local=len(counts))
+    rows = starts[-1] + 3
+    grads, x = (torch.randn(rows, 96) * 1e-3).to(BF16), torch.randn(rows, 64).to(BF16)
+    grads[starts[-1] :], x[starts[-1] :] = float("nan"), float("nan")  # past the last end: never read
+    got = LibraryFp8Gemm().weight_gradients(call, grads, x)
+    assert got.shape == (len(counts), 96, 64) and got.dtype == BF16
+    operands = RecipeOperands(Fp8Recipe(enabled=True, scaling="rowwise", weight_gradients=True))
+    for expert, (first, end) in enumerate(zip(starts, starts[1:])):
+        want = operands.weight_gradient_product(grads[first:end], x[first:end]).to(BF16)
+        torch.testing.assert_close(got[expert].float(), want.float(), rtol=2**-7, atol=1e-9)
+        assert end > first or not got[expert].any()
+    unquantised = RecipeOperands(Fp8Recipe(enabled=True, scaling="rowwise"))
+    first, end = starts[-2], starts[-1]  # the product must differ from high precision's: FP8 ran
+    assert not torch.equal(got[-1], unquantised.weight_gradient_product(grads[first:end], x[first:end]).to(BF16))
 
 
 def test_the_operands_dequantise_to_the_emulations_bit_for_bit():

@@ -48,6 +48,8 @@ RECIPE = {"enabled": True, "dispatch": "bf16"}
 FP8_ROWS = {"dispatch": "fp8"}
 # Output gradients crossing packed in FP8, each route's gate in its row's scales.
 FP8_GRADIENTS = {"gradient_dispatch": "fp8"}
+# The weight gradients alone in FP8 (rowwise scaling, on torch._scaled_grouped_mm), the other GEMMs in bf16.
+WEIGHT_GRADIENTS_ONLY = {"scaling": "rowwise", "forward": False, "input_gradients": False, "weight_gradients": True}
 
 
 def _seed():
@@ -88,6 +90,10 @@ def test_the_row_count_after_a_library_gemm2_is_what_the_combine_waits_for_on_th
 
 def test_the_rowwise_weight_copies_are_fp8_pys_on_the_gpu():
     assert "scales " in _on_the_gpu("print('scales', cases.rowwise_weights_case(torch.device('cuda')))")
+
+
+def test_the_weight_gradients_operands_are_fp8_pys_on_the_gpu():
+    assert "scales " in _on_the_gpu(f"print('scales', cases.expert_columns_case(torch.device('cuda'), seed={_seed()}))")
 
 
 def test_the_rowwise_quantisation_kernel_is_fp8_pys_on_the_gpu():
@@ -171,6 +177,28 @@ LAYER_CASES = [
         drop_tokens=False,
         recipe={**FP8_ROWS, **FP8_GRADIENTS, "gradient_format": "e5m2"},
     ),
+    # "weight_gradients" alone (rowwise): the other GEMMs in bf16, on any EP size; biases, skewed routing,
+    # empty experts.
+    dict(
+        hidden=512,
+        ffn=256,
+        experts_per_rank=4,
+        k=2,
+        tokens_per_rank=(257, 300),
+        expert_kind="gelu",
+        skew=4.0,
+        recipe=WEIGHT_GRADIENTS_ONLY,
+    ),
+    dict(
+        hidden=256,
+        ffn=512,
+        experts_per_rank=4,
+        k=1,
+        tokens_per_rank=(301, 301),
+        drop_tokens=False,
+        skew=50.0,
+        recipe=WEIGHT_GRADIENTS_ONLY,
+    ),
 ]
 LAYER_IDS = [
     "swiglu-skewed-drops",
@@ -188,6 +216,8 @@ LAYER_IDS = [
     "fp8-gradients-e5m2-gelu-bias",
     "fp8-gradients-empty-experts",
     "fp8-rows-and-e5m2-gradients-k8-odd-rows",
+    "weight-gradients-only-gelu-bias-skewed",
+    "weight-gradients-only-empty-experts",
 ]
 
 
@@ -284,12 +314,17 @@ ROWWISE_FIRST_LAYER_RECIPE = {**ROWWISE_RECIPE, "gemm2": False}
 AUTOEP_FP8_CASES = [(preset, None) for preset in FUSED_PRESETS] + [
     ("mixtral", ROWWISE_RECIPE),
     ("mixtral", ROWWISE_FIRST_LAYER_RECIPE),
+    ("mixtral", {**ROWWISE_RECIPE, "weight_gradients": True}),
+]
+AUTOEP_FP8_IDS = [
+    *FUSED_PRESETS,
+    "mixtral-rowwise-library",
+    "mixtral-rowwise-first-layer",
+    "mixtral-rowwise-weight-gradients",
 ]
 
 
-@pytest.mark.parametrize(
-    "preset, recipe", AUTOEP_FP8_CASES, ids=[*FUSED_PRESETS, "mixtral-rowwise-library", "mixtral-rowwise-first-layer"]
-)
+@pytest.mark.parametrize("preset, recipe", AUTOEP_FP8_CASES, ids=AUTOEP_FP8_IDS)
 def test_autoep_layers_run_the_recipe_on_the_fused_fp8_gemms(gpu_pool, preset, recipe):
     pytest.importorskip("transformers")
     if recipe is not None and gpu_pool.world_size > 1:

@@ -9,7 +9,9 @@ emulation's exchange; ``weight_quantisation_case``: the weights' quantisation ke
 ``fp8.quantise_blocks``; ``rowwise_quantisation_case``: the rowwise recipe's row quantisation kernel
 (``library_fp8_phases.quantised_rows_by_triton``) against ``fp8.quantise_rows``, and
 ``rowwise_weights_case`` the rowwise weight copies' kernels against ``fp8.quantise_rows`` and
-``fp8.quantise_columns``; ``row_count_case``:
+``fp8.quantise_columns``; ``expert_columns_case``: the weight gradients' operands
+(``library_fp8_phases.quantised_expert_columns_by_triton``) against ``fp8.quantise_columns`` of each
+expert's rows; ``row_count_case``:
 the row count after library_fp8's GEMM2 against what the combine waits for.
 
 ``GemmCase``: one rank's rows laid out as the exchange lays them out (tests/support/layout_reference.py,
@@ -48,7 +50,13 @@ from ds_comet.kernels.fp8_weights import (
 )
 from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.kernels.launch import PointerTables
-from ds_comet.kernels.library_fp8_phases import QUANTISE_COLUMNS, quantised_rows_by_triton
+from ds_comet.kernels.library_fp8_phases import (
+    QUANTISE_COLUMNS,
+    padded_expert_ends,
+    quantised_expert_columns,
+    quantised_expert_columns_by_triton,
+    quantised_rows_by_triton,
+)
 from ds_comet.kernels.triton_fp8_gemm import gemm1_fp8_kernel, gemm2_fp8_kernel
 from ds_comet.kernels.triton_fp8_quantise import _quantise_tile
 from ds_comet.kernels.triton_gemm import ACTIVATION_CODES, count_received_rows_kernel
@@ -200,6 +208,57 @@ def rowwise_weights_case(device: torch.device) -> int:
             want = fp8.quantise_columns(stacked[e])
             want = fp8.Quantised(want.values.t(), want.scales.t(), (1, want.values.shape[0]))
             compare(f"{len(sources)} source(s), columns of expert {e}", values[e], scales[e], want)
+    return checked
+
+
+def expert_columns_case(device: torch.device, seed: int) -> int:
+    """The weight gradients' operands as library_fp8 quantises them (``quantised_expert_columns_by_triton``,
+    and ``quantised_expert_columns`` off the GPU), bit for bit against ``fp8.quantise_columns`` of each
+    expert's rows (scale 1 for one with none), transposed, each padded with zeros to whole 16s: in both formats;
+    experts with no rows, one row, a whole 16 and odd counts, the first starting past row 0 and rows
+    past the last expert's end (not read); columns whose magnitudes span 2**±40, more of them than one
+    program's and not a multiple of it, read through a row stride wider than the row; and
+    ``special_rows`` inside one expert (ties, zeros, subnormals; columns holding an infinity or a NaN,
+    whose scale is NaN: only the scale is compared there). Returns the number of scales checked."""
+    generator = torch.Generator().manual_seed(seed)
+    counts, first_row, expert_start = [5, 0, 70, 16, 1, 33], 2, 3
+    columns = 300
+    starts = [first_row]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    checked = 0
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        magnitude = 2.0 ** (torch.rand(1, columns + 40, generator=generator) * 80 - 40)
+        wide = torch.randn(starts[-1] + 9, columns + 40, generator=generator) * magnitude
+        wide[starts[2] + 20 : starts[2] + 36, 40 : 40 + 256] = special_rows(fmt).float()  # inside expert 2
+        x_cpu = wide.to(torch.bfloat16)[:, 40:]  # row stride columns + 40
+        layout = torch.zeros(expert_start + len(counts) + 4, dtype=torch.int32)
+        layout[expert_start : expert_start + len(counts) + 1] = torch.tensor(starts, dtype=torch.int32)
+        layout = layout.to(device)
+        ends = padded_expert_ends(layout, expert_start, len(counts))
+        want_ends = torch.tensor([-(-c // 16) * 16 for c in counts]).cumsum(0)
+        assert ends.dtype == torch.int32 and ends.cpu().tolist() == want_ends.tolist(), ends
+        x = x_cpu.to(device)
+        by_kernel = quantised_expert_columns_by_triton(x, layout, expert_start, ends, fmt)
+        by_torch = quantised_expert_columns(x_cpu, layout.cpu(), expert_start, ends.cpu(), fmt)
+        for name, (values_t, scales) in (("kernel", by_kernel), ("fp8.py", by_torch)):
+            values_t, scales = values_t.cpu(), scales.cpu()
+            assert values_t.shape[1] % 16 == 0 and values_t.shape[1] >= int(want_ends[-1]), values_t.shape
+            padded_first = 0
+            for expert, count in enumerate(counts):
+                want = fp8.quantise_columns(x_cpu[starts[expert] : starts[expert + 1]], fmt)
+                want_scales = want.scales[0] if count else torch.ones(columns)  # no rows: zeros' scale
+                where = f"{fmt.name}, {name}, expert {expert}"
+                nan = want_scales.isnan()
+                assert torch.equal(scales[expert].isnan(), nan), f"{where}: NaN scales differ"
+                assert torch.equal(scales[expert][~nan], want_scales[~nan]), f"{where}: scales differ"
+                got = values_t[:, padded_first : padded_first + count].view(torch.uint8)
+                wrong = (got != want.values.t().view(torch.uint8)) & ~nan[:, None]
+                assert not wrong.any(), f"{where}: {int(wrong.sum())} values differ, first at {wrong.nonzero()[0]}"
+                padding = values_t[:, padded_first + count : int(want_ends[expert])].view(torch.uint8)
+                assert not padding[~nan].any(), f"{where}: the padding is not zero"
+                padded_first = int(want_ends[expert])
+                checked += columns
     return checked
 
 
