@@ -1,7 +1,8 @@
 """Benchmark one MoE layer, forward and forward+backward: stock DeepSpeed, the reference and the fused pipeline.
 
     torchrun --nproc_per_node 2 -m ds_comet.bench [--shape NAME ...] [--custom H,F,E,K,T ...] [--out DIR]
-                                                  [--no-backward] [--cuda-graph-gate] [--fp8 [--fp8-requantise]]
+                                                  [--no-backward] [--cuda-graph-gate]
+                                                  [--fp8 [rowwise] [--fp8-requantise]]
 
 Every number comes from one run on the same GPUs and inputs: the three layers (same weights), the
 gate alone (stock's call and the comet layer's ``gate_routes``), the routing plan, the fused
@@ -118,8 +119,11 @@ def parse_args():
     )
     parser.add_argument(
         "--fp8",
-        action="store_true",
-        help='also the comet layers under the blockwise "fp8" recipe, against the bf16 comet layer and AutoEP',
+        nargs="?",
+        const="all",
+        choices=("all", "rowwise"),
+        help='also the comet layers under the "fp8" recipes, against the bf16 comet layer and AutoEP; '
+        '"rowwise": only AutoEP\'s block under the rowwise recipes',
     )
     parser.add_argument(
         "--fp8-requantise",
@@ -252,19 +256,19 @@ def fp8_layers(name, hidden, ffn, experts, k, ep_size, gated, layers, device, ar
     ("fused_fp8", "fused_fp8_bf16_dispatch") and, where ``layers`` has AutoEP's block, that block on
     ds_comet under the default recipe ("autoep_comet_fp8") and, alone in the group, under
     ``ROWWISE_LIBRARY_RECIPE`` ("autoep_comet_fp8_rowwise") and ``ROWWISE_WGRAD_RECIPE``
-    ("autoep_comet_fp8_rowwise_wgrad"); each left out where its recipe refuses
-    the shape (rank 0 prints the reason)."""
+    ("autoep_comet_fp8_rowwise_wgrad"); with ``--fp8 rowwise`` only the last two. Each is left out where
+    its recipe refuses the shape (rank 0 prints the reason)."""
     kwargs = moe_kwargs(experts, ep_size, k, args.capacity_factor)
 
     def section(recipe):
         return {"backend": "comet", "overlap": "fused", "fp8": recipe, **layer_overrides(args)}
 
-    builders = {
-        pipeline: functools.partial(
-            comet_layer, hidden, expert_template(hidden, ffn, gated), kwargs, section(recipe), layers["stock"]
-        )
-        for pipeline, recipe in FP8_RECIPES.items()
-    }
+    builders = {}
+    if args.fp8 == "all":
+        for pipeline, recipe in FP8_RECIPES.items():
+            builders[pipeline] = functools.partial(
+                comet_layer, hidden, expert_template(hidden, ffn, gated), kwargs, section(recipe), layers["stock"]
+            )
     if "autoep" in layers:
         block = functools.partial(
             autoep.autoep_layer,
@@ -278,7 +282,8 @@ def fp8_layers(name, hidden, ffn, experts, k, ep_size, gated, layers, device, ar
             torch.bfloat16,
             0,
         )
-        builders["autoep_comet_fp8"] = functools.partial(block, section(FP8_RECIPES["fused_fp8"]))
+        if args.fp8 == "all":
+            builders["autoep_comet_fp8"] = functools.partial(block, section(FP8_RECIPES["fused_fp8"]))
         if ep_size == 1:
             builders["autoep_comet_fp8_rowwise"] = functools.partial(block, section(ROWWISE_LIBRARY_RECIPE))
             builders["autoep_comet_fp8_rowwise_wgrad"] = functools.partial(block, section(ROWWISE_WGRAD_RECIPE))

@@ -54,6 +54,10 @@ def test_the_fp8_table_gives_each_layers_time_over_the_fp8_layers(capsys):
         and rowwise["autoep_comet_over_comet_fp8_rowwise"] == 1.25
     )
     assert "fused_over_fused_fp8" not in rowwise
+    rowwise.update(autoep_comet_fp8_rowwise_wgrad=1.0, autoep_comet_fp8_rowwise_wgrad_fwd_bwd=3.2)
+    add_fp8_ratios(rowwise, backward=True)
+    assert rowwise["autoep_over_comet_fp8_rowwise_wgrad_fwd_bwd"] == 2.5
+    assert rowwise["autoep_comet_over_comet_fp8_rowwise_wgrad_fwd_bwd"] == 1.875
     print_fp8_table({"mixtral-like": results, "gpt-oss-like": rowwise, "qwen3-like": {"fused": 1.0}})
     out = capsys.readouterr().out
     assert "mixtral-like" in out and "qwen3-like" not in out and "2.250" in out and "1.800" in out, out
