@@ -68,7 +68,7 @@ from ds_comet.kernels.gemm_phases import Phase
 from ds_comet.kernels.library_fp8_phases import rowwise_grouped_mm
 
 PHASES = ("gemm1_fwd", "gemm2_fwd", "gemm1_bwd", "gemm2_bwd", "wgrad_w2", "wgrad_w1")
-FP8_PHASES = ("gemm1_fwd", "gemm2_fwd", "gemm1_bwd", "gemm2_bwd")  # the recipe's; the weight gradients stay bf16
+FP8_PHASES = ("gemm1_fwd", "gemm2_fwd", "gemm1_bwd", "gemm2_bwd")  # the blockwise recipe's (its weight gradients: bf16)
 IMPLEMENTATIONS = ("ours", "grouped_mm", "composed", "scaled_grouped_mm", "bf16")
 # The blockwise recipe as the fused pipeline runs it: rows cross the exchange in bf16.
 FP8_RECIPE = {"enabled": True, "dispatch": "bf16"}

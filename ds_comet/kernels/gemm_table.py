@@ -14,7 +14,7 @@ from .triton_phases import TritonGemm
 
 IMPLEMENTATIONS: tuple[GemmImplementation, ...] = (
     TritonFp8Gemm(),  # only the phases a layer's FP8 recipe puts in FP8 (blockwise), which no other one runs
-    LibraryFp8Gemm(),  # the rowwise recipe's four FP8 phases where nothing waits (alone in the group)
+    LibraryFp8Gemm(),  # the rowwise recipe's FP8 phases where nothing waits (alone in the group; weight gradients: any)
     LibraryGemm(),  # where it runs at all (bf16, sm_90, nothing waiting), it was the faster
     TritonGemm(),  # every phase, for every call the fused pipeline takes
 )

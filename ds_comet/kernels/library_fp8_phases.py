@@ -8,17 +8,21 @@ That is the recipe's ``"scaling": "rowwise"`` (``fp8.quantise_rows``: power-of-t
 emulation's dequantised operands are the library's, bit for bit (``rowwise_operands``).
 
 Like the bf16 library (``library_phases.LibraryGemm``) it has no tile that waits for a dispatch, so
-it runs alone in the group, for stacked gated experts, the four phases the recipe puts in FP8:
+it runs the four GEMM phases around the exchange only alone in the group, for stacked gated experts,
+where the recipe puts them in FP8:
 
 - the forward's first layer, ``rows @ W1^T`` and ``rows @ W3^T``, then the elementwise step;
 - the forward's GEMM2, ``h @ W2^T``;
 - the backward's first layer, ``dY @ W2`` (W2^T's copy, quantised per row of W2^T: W2's columns,
   as ``fp8.quantise_columns`` does), then the elementwise step;
-- the backward's GEMM2, ``[dA, dA_up] @ [W1; W3]``, one GEMM over K = 2F as the emulation's;
-- with ``"weight_gradients"``, the weight gradients ``dA_l^T x_l`` (any experts, any group: nothing
-  waits in that phase), a 2-D by 2-D product that reduces over each expert's rows: both operands
-  quantised per column over those rows and written transposed (``quantised_expert_columns``, with
-  each expert's rows padded to whole 16s, which the library's grouped K needs).
+- the backward's GEMM2, ``[dA, dA_up] @ [W1; W3]``, one GEMM over K = 2F as the emulation's.
+
+With ``"weight_gradients"`` it runs the weight gradients too, ``dA_l^T x_l`` (any experts, any group: nothing
+waits in that phase), a 2-D by 2-D product that reduces over each expert's rows (``offs``: the
+groups' K ends): both operands quantised per column over those rows and written transposed
+(``quantised_expert_columns``), each expert's rows padded with zeros to whole 16s (the library reads
+each group's K from a 16-byte-aligned start) and to at least 16: the library leaves a group with no
+K unwritten, where 16 rows of zeros make it zeros.
 
 A GEMM2 here counts no rows as it finishes them: after it, on the same stream, one small kernel
 (``triton_gemm.count_received_rows_kernel``) adds every received row to the combine's chunk
@@ -97,10 +101,12 @@ def quantised_rows_by_triton(x: Tensor, fmt: fp8.Fp8Format = fp8.E4M3) -> fp8.Qu
 
 def padded_expert_ends(layout: Tensor, expert_start: int, num_local: int) -> Tensor:
     """[L] int32 on ``layout``'s device: where each local expert's rows end once every expert's rows
-    (the layout's words from ``expert_start``: L + 1 row offsets) are padded to whole ``ALIGNMENT``s."""
+    (the layout's words from ``expert_start``: L + 1 row offsets) are padded to whole ``ALIGNMENT``s,
+    and at least one (the module's docstring: an expert without rows gets ``ALIGNMENT`` rows of zeros)."""
     words = layout[expert_start : expert_start + num_local + 1]
     counts = words[1:] - words[:-1]
-    return torch.cumsum((counts + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT, 0, dtype=torch.int32)
+    padded = ((counts + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT).clamp_(min=ALIGNMENT)
+    return torch.cumsum(padded, 0, dtype=torch.int32)
 
 
 def quantised_expert_columns(
@@ -120,7 +126,7 @@ def quantised_expert_columns(
     Returns:
         (values [K, P] of ``fmt``, P a multiple of ``ALIGNMENT``: expert l's rows at columns
         ``padded_ends[l - 1]`` (0 for the first) up to ``padded_ends[l]``, zeros past its own rows;
-        scales [L, K] fp32).
+        scales [L, K] fp32, 1 for an expert without rows).
     """
     if x.is_cuda and x.dtype == torch.bfloat16 and x.stride(1) == 1:
         return quantised_expert_columns_by_triton(x, layout, expert_start, padded_ends, fmt)
@@ -156,11 +162,11 @@ def quantised_expert_columns_by_triton(
 
 
 def _expert_columns_out(x: Tensor, padded_ends: Tensor, fmt: fp8.Fp8Format) -> tuple[Tensor, Tensor]:
-    """``quantised_expert_columns``'s outputs, not set: room for every row of ``x`` and ``ALIGNMENT - 1``
-    more an expert, the most the padding adds."""
+    """``quantised_expert_columns``'s outputs, not set: room for every row of ``x`` and ``ALIGNMENT`` more
+    an expert, more than the padding adds."""
     rows, columns = x.shape
     num_local = padded_ends.shape[0]
-    width = -(-(rows + (ALIGNMENT - 1) * num_local) // ALIGNMENT) * ALIGNMENT
+    width = -(-(rows + ALIGNMENT * num_local) // ALIGNMENT) * ALIGNMENT
     values_t = torch.empty((columns, width), dtype=fmt.dtype, device=x.device)
     return values_t, torch.empty((num_local, columns), dtype=torch.float32, device=x.device)
 
@@ -202,9 +208,10 @@ def rowwise_grouped_mm(
 
 
 class LibraryFp8Gemm(LibraryGemm):
-    """``torch._scaled_grouped_mm`` on sm_90 for the rowwise recipe's four FP8 phases (alone in the
-    group, stacked gated experts, bf16 rows crossing the exchange, e4m3 gradients, hidden and FFN
-    sizes that are multiples of 16); the module's docstring."""
+    """``torch._scaled_grouped_mm`` on sm_90 for the rowwise recipe's four FP8 phases around the exchange
+    (alone in the group, stacked gated experts, bf16 rows crossing the exchange) and its FP8 weight
+    gradients (any group, any experts); e4m3 gradients, hidden and FFN sizes that are multiples of 16;
+    the module's docstring."""
 
     name = "library_fp8"
     needs = {

@@ -350,9 +350,9 @@ def quantise_expert_columns_kernel(
 ):
     """``fp8.quantise_columns`` of each local expert's rows of ``x`` ([R, K] bf16, row stride ``stride``;
     expert l's rows are ``layout[off_expert_start + l]`` up to the next word), written transposed with
-    each expert's rows padded to its ``padded_ends`` ([L] int32, the ends of groups of whole 16s of rows):
+    each expert's rows padded to its ``padded_ends`` ([L] int32, ``library_fp8_phases.padded_expert_ends``):
     the values (e5m2 with E5M2, else e4m3) into ``values_t`` ([K, row_stride_t]; expert l's at columns
-    ``padded_ends[l - 1]`` up to ``padded_ends[l]``, zero past its rows) and each column's scale into
+    ``padded_ends[l - 1]`` (0 for the first) up to ``padded_ends[l]``, zero past its rows) and each column's scale into
     ``scales`` ([L, K] fp32). BC columns of one expert a program (grid: ceil(K / BC), L), two reads of
     them, BR rows at a time: their largest magnitudes, then their values divided by the scales."""
     block, expert = tl.program_id(0), tl.program_id(1)
@@ -361,7 +361,7 @@ def quantise_expert_columns_kernel(
     first = tl.load(layout + off_expert_start + expert)
     end = tl.load(layout + off_expert_start + expert + 1)
     padded_end = tl.load(padded_ends + expert)
-    padded_first = padded_end - (end - first + 15) // 16 * 16
+    padded_first = tl.load(padded_ends + expert - 1, mask=expert > 0, other=0)
     largest = tl.zeros((BC,), dtype=tl.int32)
     for row0 in range(first, end, BR):
         tile = _expert_tile(x, stride, row0 + tl.arange(0, BR), end, columns, in_range)

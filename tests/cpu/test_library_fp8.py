@@ -133,7 +133,7 @@ def scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs, out_dtype, use_fast_a
     """``torch._scaled_grouped_mm`` emulated: its checks on the meta device, then per group the
     dequantised operands' fp32 product, rounded to bf16: a 2-D by 3-D product over groups of rows
     (rows past the last end stay zero), or a 2-D by 2-D one over groups of K ([G, M, N]; a group
-    with no K gives zeros)."""
+    with no K is left unwritten, as the library on the GPU may leave it: NaN here)."""
     meta = [t if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             for t in (a, b, scale_a, scale_b, offs)]  # fmt: skip
     SCALED_GROUPED_MM(*meta[:4], offs=meta[4], out_dtype=out_dtype, use_fast_accum=use_fast_accum)
@@ -143,7 +143,7 @@ def scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs, out_dtype, use_fast_a
         for group, end in enumerate(offs.tolist()):
             a_g = a[:, start:end].float() * scale_a[group * m : (group + 1) * m, None]
             b_g = b[start:end].float() * scale_b[group * n : (group + 1) * n][None, :]
-            out[group], start = (a_g @ b_g).to(out_dtype), end
+            out[group], start = (a_g @ b_g).to(out_dtype) if end > start else float("nan"), end
         return out
     out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype)
     start = 0
@@ -219,8 +219,9 @@ def test_both_gemm2s_are_the_emulations_on_the_librarys_operands_and_count_every
 def test_the_weight_gradients_are_the_emulations_on_the_librarys_operands(monkeypatch, counts):
     """With ``"weight_gradients"``, per expert the library's 2-D by 2-D product of the operands as
     laid out for it (each quantised per column over the expert's rows, transposed, padded to whole
-    16s of rows) is the emulation's ``weight_gradient_product``, to a bf16 step; an expert with no
-    rows gets zeros; rows past the last expert's end are not read."""
+    16s of rows, and to at least 16: the library leaves a group with no K unwritten) is the emulation's
+    ``weight_gradient_product``, to a bf16 step; an expert with no rows gets zeros; rows past the last
+    expert's end are not read."""
     monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_on_cpu)
     start_word = 2
     starts = [0, *torch.tensor(counts).cumsum(0).tolist()]

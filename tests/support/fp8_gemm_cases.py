@@ -214,7 +214,8 @@ def rowwise_weights_case(device: torch.device) -> int:
 def expert_columns_case(device: torch.device, seed: int) -> int:
     """The weight gradients' operands as library_fp8 quantises them (``quantised_expert_columns_by_triton``,
     and ``quantised_expert_columns`` off the GPU), bit for bit against ``fp8.quantise_columns`` of each
-    expert's rows (scale 1 for one with none), transposed, each padded with zeros to whole 16s: in both formats;
+    expert's rows (scale 1 for one with none), transposed, each padded with zeros to whole 16s (at least
+    one): in both formats;
     experts with no rows, one row, a whole 16 and odd counts, the first starting past row 0 and rows
     past the last expert's end (not read); columns whose magnitudes span 2**±40, more of them than one
     program's and not a multiple of it, read through a row stride wider than the row; and
@@ -236,7 +237,7 @@ def expert_columns_case(device: torch.device, seed: int) -> int:
         layout[expert_start : expert_start + len(counts) + 1] = torch.tensor(starts, dtype=torch.int32)
         layout = layout.to(device)
         ends = padded_expert_ends(layout, expert_start, len(counts))
-        want_ends = torch.tensor([-(-c // 16) * 16 for c in counts]).cumsum(0)
+        want_ends = torch.tensor([max(-(-c // 16) * 16, 16) for c in counts]).cumsum(0)  # none: 16 of zeros
         assert ends.dtype == torch.int32 and ends.cpu().tolist() == want_ends.tolist(), ends
         x = x_cpu.to(device)
         by_kernel = quantised_expert_columns_by_triton(x, layout, expert_start, ends, fmt)
