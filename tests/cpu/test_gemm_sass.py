@@ -175,7 +175,6 @@ for values in (u8, MockTensor(torch.float8_e5m2)):
     check(f"quantise_rowwise e5m2={e5m2}", k, None)
     # The FP8 weight gradients' operands, as library_fp8_phases.quantised_expert_columns_by_triton launches it
     # (a column slice of the first layer's [R, 2F] gradients).
-    i32 = MockTensor(torch.int32)
     k = quantise_expert_columns_kernel.warmup(bf, 28672, values, 16512, f32, i32, 5, i32, 14336, E5M2=e5m2,
                                               BR=EXPERT_COLUMNS_TILE[0], BC=EXPERT_COLUMNS_TILE[1], grid=(1, ),
                                               num_warps=4)
