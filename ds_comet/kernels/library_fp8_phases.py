@@ -21,8 +21,8 @@ With ``"weight_gradients"`` it runs the weight gradients too, ``dA_l^T x_l`` (an
 waits in that phase), a 2-D by 2-D product that reduces over each expert's rows (``offs``: the
 groups' K ends): both operands quantised per column over those rows and written transposed
 (``quantised_expert_columns``), each expert's rows padded with zeros to whole 16s (the library reads
-each group's K from a 16-byte-aligned start) and to at least 16: the library leaves a group with no
-K unwritten, where 16 rows of zeros make it zeros.
+each group's K from a 16-byte-aligned start) and to at least 16: on CUDA nothing zeroes the output of a
+group with no K (torch does only on ROCm), where 16 rows of zeros make it zeros.
 
 A GEMM2 here counts no rows as it finishes them: after it, on the same stream, one small kernel
 (``triton_gemm.count_received_rows_kernel``) adds every received row to the combine's chunk

@@ -219,7 +219,7 @@ def test_both_gemm2s_are_the_emulations_on_the_librarys_operands_and_count_every
 def test_the_weight_gradients_are_the_emulations_on_the_librarys_operands(monkeypatch, counts):
     """With ``"weight_gradients"``, per expert the library's 2-D by 2-D product of the operands as
     laid out for it (each quantised per column over the expert's rows, transposed, padded to whole
-    16s of rows, and to at least 16: the library leaves a group with no K unwritten) is the emulation's
+    16s of rows, and to at least 16: nothing zeroes a group with no K on CUDA) is the emulation's
     ``weight_gradient_product``, to a bf16 step; an expert with no rows gets zeros; rows past the last
     expert's end are not read."""
     monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_on_cpu)
