@@ -103,6 +103,15 @@ class Fp8Recipe(DeepSpeedConfigModel):
     def __init__(self, **data):
         super().__init__(strict=True, **data)  # as CometMoEConfig: no value spelled "auto" is dropped
 
+    def described(self) -> str:
+        """The recipe in a few words, for the job's log line: its scaling and the GEMMs it puts in FP8
+        (``"rowwise: forward, input gradients, weight gradients"``; ``", GEMM2 in high precision"``
+        with ``"gemm2": false``)."""
+        gemms = (("forward", self.forward), ("input gradients", self.input_gradients))
+        named = [name for name, on in (*gemms, ("weight gradients", self.weight_gradients)) if on]
+        gemm2 = "" if self.gemm2 or not (self.forward or self.input_gradients) else ", GEMM2 in high precision"
+        return f"{self.scaling}: {', '.join(named)}{gemm2}"
+
     @model_validator(mode="after")
     def _refuse_what_cannot_run(self) -> "Fp8Recipe":
         if self.weight_gradients and self.scaling != "rowwise":
@@ -398,6 +407,19 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
         logger.warning(
             f'ds_config \'{MOE_SECTION}\' keys {", ".join(ignored)} only apply to "backend": "comet"; '
             "this job runs stock DeepSpeed's MoE and ignores them"
+        )
+    recipe_keys = tuple(sorted(config.fp8.model_fields_set))
+    if (
+        config.backend == "comet"
+        and recipe_keys
+        and "enabled" not in recipe_keys
+        and recipe_keys not in _warned_ignored
+    ):
+        _warned_ignored.add(recipe_keys)  # a section written without "enabled" most likely meant to run
+        logger.warning(
+            f"ds_config '{MOE_SECTION}.fp8' sets {', '.join(recipe_keys)} but not \"enabled\", which is false by "
+            'default: the recipe does not run; set "enabled": true to run it (or "enabled": false to keep it off '
+            "without this warning)"
         )
     return config
 

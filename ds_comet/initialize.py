@@ -160,7 +160,7 @@ class PipelineSummary:
         self.total = len(self.waiting)
         self.outcomes: list[str | None] = []  # each layer's reason; None: the fused kernels run it
         self.hybrid = 0  # of those, layers whose group spans nodes (the hybrid pipeline)
-        # Layers running their "fp8" recipe, by where (PipelineSelection.fp8_runs) and the recipe's scaling.
+        # Layers running their "fp8" recipe, by where (PipelineSelection.fp8_runs) and the recipe (described).
         self.fp8: dict[tuple[str, str], int] = {}
 
     def agreed(self, selection) -> None:
@@ -172,7 +172,7 @@ class PipelineSummary:
         self.outcomes.append(selection.reason)
         self.hybrid += selection.reason is None and selection.hybrid is not None
         if selection.fp8_runs is not None:
-            key = (selection.fp8_runs, selection.config.fp8.scaling)
+            key = (selection.fp8_runs, selection.config.fp8.described())
             self.fp8[key] = self.fp8.get(key, 0) + 1
         if not self.waiting and (not torch_dist.is_initialized() or torch_dist.get_rank() == 0):
             logger.warning(self.line())
@@ -191,6 +191,6 @@ class PipelineSummary:
             )
         parts += [f"{count} on the reference pipeline ({reason})" for reason, count in reasons.items()]
         fp8 = {"kernels": "in the FP8 kernels", "emulated": "emulated in float on the reference pipeline"}
-        in_fp8 = [f"{count} {fp8[where]} ({scaling})" for (where, scaling), count in sorted(self.fp8.items())]
+        in_fp8 = [f"{count} {fp8[where]} ({recipe})" for (where, recipe), count in sorted(self.fp8.items())]
         under = f'; their "fp8" recipe: {", ".join(in_fp8)}' if in_fp8 else ""
         return f"ds_comet: {self.total} MoE layer(s) run the comet backend: " + "; ".join(parts) + under

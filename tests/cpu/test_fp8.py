@@ -659,7 +659,7 @@ def test_a_comet_layer_runs_the_recipe_emulated(cpu_pool, dtype_name):
         assert result["fp8_runs"] == {name: None if name == "plain" else "emulated" for name in LAYER_RECIPES}
         # The job's one line says where the recipe runs.
         assert result["summary"].endswith(
-            'their "fp8" recipe: 3 emulated in float on the reference pipeline (blockwise)'
+            'their "fp8" recipe: 3 emulated in float on the reference pipeline (blockwise: forward, input gradients)'
         )
         for recipe, differences in result["differences"].items():
             for name, difference in differences.items():
@@ -770,6 +770,39 @@ def test_the_recipe_under_the_deepspeed_backend_is_reported_as_ignored(monkeypat
     monkeypatch.setattr(config, "_warned_ignored", set())
     assert moe_config_from({"moe": {"fp8": {"enabled": True}}}).backend == "deepspeed"
     assert len(said) == 1 and "keys fp8 only apply to" in said[0], said
+
+
+def test_a_recipe_written_without_enabled_is_reported_as_not_running(monkeypatch):
+    """A section that sets keys but leaves "enabled" at its default (false) most likely meant to run: one
+    warning naming the keys and the fix; an explicit "enabled": false says nothing."""
+    import ds_comet.config as config
+
+    said = []
+    monkeypatch.setattr(config.logger, "warning", said.append)
+    monkeypatch.setattr(config, "_warned_ignored", set())
+    section = {"scaling": "rowwise", "weight_gradients": True}
+    for _ in range(2):  # once a job, not once a layer
+        assert not moe_config_from({"moe": {"backend": "comet", "fp8": section}}).fp8.enabled
+    assert len(said) == 1, said
+    assert "'moe.fp8' sets scaling, weight_gradients but not \"enabled\"" in said[0], said
+    assert 'set "enabled": true to run it' in said[0], said
+    moe_config_from({"moe": {"backend": "comet", "fp8": {**section, "enabled": False}}})
+    moe_config_from({"moe": {"backend": "comet", "fp8": {"enabled": True, "scaling": "rowwise"}}})
+    assert len(said) == 1, said
+
+
+def test_the_job_line_names_the_recipes_scaling_and_its_gemms_in_fp8():
+    assert Fp8Recipe(enabled=True).described() == "blockwise: forward, input gradients"
+    recipe = Fp8Recipe(enabled=True, scaling="rowwise", dispatch="bf16", weight_gradients=True)
+    assert recipe.described() == "rowwise: forward, input gradients, weight gradients"
+    alone = Fp8Recipe(
+        enabled=True, scaling="rowwise", forward=False, input_gradients=False, dispatch="bf16", weight_gradients=True
+    )
+    assert alone.described() == "rowwise: weight gradients"
+    assert (
+        Fp8Recipe(enabled=True, gemm2=False).described()
+        == "blockwise: forward, input gradients, GEMM2 in high precision"
+    )
 
 
 def _layer(hidden, expert, recipe, overlap="none"):
