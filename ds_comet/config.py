@@ -36,6 +36,7 @@ MOE_SECTION = "moe"
 AUTOEP_SECTION = "expert_parallel"
 _warned_ignored = set()
 _warned_unread = set()
+_warned_recipe_off = set()
 
 
 class Fp8Recipe(DeepSpeedConfigModel):
@@ -413,9 +414,9 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
         config.backend == "comet"
         and recipe_keys
         and "enabled" not in recipe_keys
-        and recipe_keys not in _warned_ignored
+        and recipe_keys not in _warned_recipe_off
     ):
-        _warned_ignored.add(recipe_keys)  # a section written without "enabled" most likely meant to run
+        _warned_recipe_off.add(recipe_keys)  # a section written without "enabled" most likely meant to run
         logger.warning(
             f"ds_config '{MOE_SECTION}.fp8' sets {', '.join(recipe_keys)} but not \"enabled\", which is false by "
             'default: the recipe does not run; set "enabled": true to run it (or "enabled": false to keep it off '

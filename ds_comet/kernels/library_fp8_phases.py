@@ -33,6 +33,7 @@ bit for bit) before each GEMM; the weights come from the layer's ``Fp8WeightCach
 copies, once per weight version).
 """
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,12 +67,7 @@ NEEDS = Needs(
     fp8_scalings=("rowwise",),
 )
 # The weight gradients wait for nothing and take each expert's gradient apart: any group, any experts.
-WEIGHT_GRADIENT_NEEDS = Needs(
-    dtypes=NEEDS.dtypes,
-    capabilities=NEEDS.capabilities,
-    torch_functions=NEEDS.torch_functions,
-    fp8_scalings=NEEDS.fp8_scalings,
-)
+WEIGHT_GRADIENT_NEEDS = replace(NEEDS, alone=False, gated=False, stacked=False)
 
 
 def quantised_rows(x: Tensor, fmt: fp8.Fp8Format = fp8.E4M3) -> fp8.Quantised:

@@ -83,18 +83,8 @@ def _quantise_tile(x, E5M2: tl.constexpr):
     scales being the dequantised tile."""
     values = _as_fp32(x)
     amax = tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-    if E5M2:
-        scale, inverse = _scale_of(amax, E5M2_MAX_EXPONENT, E5M2_MAX_MANTISSA)
-        rounded = _round_to_format(
-            values * inverse[:, None], E5M2_DROPPED, E5M2_BIAS, E5M2_KEEP, E5M2_SMALLEST_NORMAL, E5M2_ROUNDER
-        )
-        return rounded.to(tl.float8e5), scale
-    else:
-        scale, inverse = _scale_of(amax, E4M3_MAX_EXPONENT, E4M3_MAX_MANTISSA)
-        rounded = _round_to_format(
-            values * inverse[:, None], E4M3_DROPPED, E4M3_BIAS, E4M3_KEEP, E4M3_SMALLEST_NORMAL, E4M3_ROUNDER
-        )
-        return rounded.to(tl.float8e4nv), scale
+    scale, inverse = _scale_in_format(amax, E5M2)
+    return _in_format(values * inverse[:, None], E5M2), scale
 
 
 @triton.jit

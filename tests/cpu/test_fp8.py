@@ -779,7 +779,7 @@ def test_a_recipe_written_without_enabled_is_reported_as_not_running(monkeypatch
 
     said = []
     monkeypatch.setattr(config.logger, "warning", said.append)
-    monkeypatch.setattr(config, "_warned_ignored", set())
+    monkeypatch.setattr(config, "_warned_recipe_off", set())
     section = {"scaling": "rowwise", "weight_gradients": True}
     for _ in range(2):  # once a job, not once a layer
         assert not moe_config_from({"moe": {"backend": "comet", "fp8": section}}).fp8.enabled
