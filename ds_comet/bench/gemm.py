@@ -218,10 +218,10 @@ def phase_calls(pipeline, tokens, indices, experts):
             2 * rows * ffn * hidden,
         ),
         "gemm1_bwd": TimedPhase(
-            lambda: kernels.first_layer_backward(x, grad_pre, pre, act=h),
+            lambda: kernels.first_layer_backward(x, grad_pre, pre, want_act=True),
             lambda: mm(x, w2, offs=offsets),
             2 * rows * hidden * ffn,
-            lambda: kernels.activations_backward(mm(x, w2, offs=offsets), pre, grad_pre, act=h),
+            lambda: kernels.activations_backward(mm(x, w2, offs=offsets), pre, grad_pre, want_act=True),
         ),
         "gemm2_bwd": TimedPhase(
             lambda: kernels.gemm2(grad_pre, out, backward=True),

@@ -208,12 +208,12 @@ class GemmImplementation:
         raise NotImplementedError
 
     def first_layer_backward(
-        self, call: "FusedKernels", rows: Tensor, grad_pre: Tensor, pre: Products, act: Tensor | None
-    ):
+        self, call: "FusedKernels", rows: Tensor, grad_pre: Tensor, pre: Products, want_act: bool
+    ) -> Tensor | None:
         """``Phase.FIRST_LAYER_BACKWARD`` on the received output gradients ``rows`` ([R, H]): the
         gradient of the first layer's products ``pre`` (as ``first_layer`` returned them) into
-        ``grad_pre`` ([R, F], gated [R, 2F]) and, unless ``act`` is None, the activations again
-        into ``act`` ([R, F])."""
+        ``grad_pre`` ([R, F], gated [R, 2F]); returns, with ``want_act``, the activations again
+        ([R, F], ``grad_pre``'s dtype), else None."""
         raise NotImplementedError
 
     def gemm2_backward(self, call: "FusedKernels", rows: Tensor, out: Tensor):

@@ -402,16 +402,17 @@ class FusedKernels:
         """
         return self.implementation(Phase.FIRST_LAYER).first_layer(self, rows, h, keep_pre)
 
-    def first_layer_backward(self, rows: Tensor, grad_pre: Tensor, pre: Products, act: Tensor | None):
+    def first_layer_backward(self, rows: Tensor, grad_pre: Tensor, pre: Products, want_act: bool) -> Tensor | None:
         """From the received output gradients ``rows`` ([R, H]): the gradient of the first layer's
-        products into ``grad_pre`` ([R, F], gated [R, 2F]) and, unless ``act`` is None, the activations
-        again into ``act`` ([R, F]) for W2's gradient. ``pre`` is what ``first_layer`` returned.
+        products into ``grad_pre`` ([R, F], gated [R, 2F]); returns, with ``want_act``, the activations
+        again ([R, F], ``grad_pre``'s dtype) for W2's gradient, else None. ``pre`` is what
+        ``first_layer`` returned.
 
         A GEMM stores ``g = rows @ W2`` ([R, F]), then an elementwise kernel computes the outputs from
         g and the products. GEMM1 computing them in its epilogue held up its MMAs: the two launches
         were 1-8 % faster for gated experts and 0-18 % for GELU ones (docs/decisions.md).
         """
-        self.implementation(Phase.FIRST_LAYER_BACKWARD).first_layer_backward(self, rows, grad_pre, pre, act)
+        return self.implementation(Phase.FIRST_LAYER_BACKWARD).first_layer_backward(self, rows, grad_pre, pre, want_act)
 
     def activations(self, pre: Products, h: Tensor):
         """The elementwise step after a first layer's products: the activations of ``pre`` (the
@@ -422,12 +423,20 @@ class FusedKernels:
         first, up = self._product_halves(pre)
         self._elementwise(activation_kernel, (), first, up, (h,), GATED=self.gated)
 
-    def activations_backward(self, grad_h: Tensor, pre: Products, grad_pre: Tensor, act: Tensor | None):
+    def activations_backward(self, grad_h: Tensor, pre: Products, grad_pre: Tensor, want_act: bool) -> Tensor | None:
         """The elementwise step after the backward's ``g = dY @ W2`` (``grad_h``, [R, F], contiguous):
-        the gradient of the products ``pre`` into ``grad_pre`` and, unless ``act`` is None, the
-        activations again into ``act`` (as ``first_layer_backward``)."""
+        the gradient of the products ``pre`` into ``grad_pre``; returns, with ``want_act``, the
+        activations again (as ``first_layer_backward``), stored over ``grad_h`` where it has
+        ``grad_pre``'s dtype, else None.
+
+        Over ``grad_h``: the kernel reads each element of g before it stores that element's activation,
+        in the same thread (as ``activations`` may store over the products), and g has no use after
+        it; the backward then holds one [R, F] tensor less where its first layer sets its peak."""
         from .triton_activation import activation_backward_kernel  # triton is an extra
 
+        act = None
+        if want_act:
+            act = grad_h if grad_h.dtype == grad_pre.dtype else torch.empty_like(grad_h, dtype=grad_pre.dtype)
         first, up = self._product_halves(pre)
         self._elementwise(
             activation_backward_kernel,
@@ -438,6 +447,7 @@ class FusedKernels:
             GATED=self.gated,
             STORE_ACT=act is not None,
         )
+        return act
 
     def _product_halves(self, pre: Products) -> tuple[Tensor, Tensor]:
         """(z, u) of the first layer's products: the library's pair as it is; a gated expert's

@@ -52,11 +52,11 @@ class LibraryGemm(GemmImplementation):
         return products if keep_pre else None
 
     def first_layer_backward(
-        self, call: "FusedKernels", rows: Tensor, grad_pre: Tensor, pre: Products, act: Tensor | None
-    ):
-        """``g = rows @ W2``, then the elementwise step."""
+        self, call: "FusedKernels", rows: Tensor, grad_pre: Tensor, pre: Products, want_act: bool
+    ) -> Tensor | None:
+        """``g = rows @ W2``, then the elementwise step (the activations over g)."""
         (grad_h,) = self.products(call, rows[: grad_pre.shape[0]], "w2")
-        call.activations_backward(grad_h, pre, grad_pre, act)
+        return call.activations_backward(grad_h, pre, grad_pre, want_act)
 
     def weight_gradients(self, call: "FusedKernels", a: Tensor, b: Tensor) -> Tensor:
         # Rows past the last group's end are not read.

@@ -56,12 +56,13 @@ class TritonGemm(GemmImplementation):
         return products if keep_pre else None
 
     def first_layer_backward(
-        self, call: "FusedKernels", rows: Tensor, grad_pre: Tensor, pre: Products, act: Tensor | None
-    ):
-        """GEMM1 stores ``g = rows @ W2`` ([R, F]), then the elementwise step computes the rest."""
+        self, call: "FusedKernels", rows: Tensor, grad_pre: Tensor, pre: Products, want_act: bool
+    ) -> Tensor | None:
+        """GEMM1 stores ``g = rows @ W2`` ([R, F]), then the elementwise step computes the rest (the
+        activations over g)."""
         grad_h = torch.empty((grad_pre.shape[0], call.ffn), dtype=grad_pre.dtype, device=grad_pre.device)
         self.gemm1(call, rows, grad_h, backward=True)
-        call.activations_backward(grad_h, pre, grad_pre, act)
+        return call.activations_backward(grad_h, pre, grad_pre, want_act)
 
     def gemm2(self, call: "FusedKernels", rows: Tensor, out: Tensor):
         self.launch_gemm2(call, rows, out, backward=False)

@@ -343,7 +343,6 @@ class FusedPipeline(Pipeline):
         width = kernels.ffn * (2 if kernels.gated else 1)
         rows = saved["rows"].shape[0]
         grad_pre = torch.empty((rows, width), dtype=dtype, device=device)
-        h = torch.empty((rows, kernels.ffn), dtype=dtype, device=device) if need_second else None
         # Allocated before the dispatch, which orders the communication stream after everything queued
         # so far: the combine writes them there, and a block freed later (``pre``) may still be read by
         # GEMM1 when the combine runs.
@@ -363,7 +362,7 @@ class FusedPipeline(Pipeline):
         kernels.dispatch(sent, plan, weights, scale_rows=True, outputs=outputs, packed_format=fmt)
         # Each saved tensor is dropped as soon as its last kernel is queued: the caching allocator
         # reuses its memory only for work queued after it on this stream, so the peak stays low.
-        kernels.first_layer_backward(recv, grad_pre, saved.pop("pre"), act=h)
+        h = kernels.first_layer_backward(recv, grad_pre, saved.pop("pre"), want_act=need_second)
         # GEMM2's rows go over the forward's outputs, saving an [R, H] tensor: the dispatch reads each
         # output row before it counts the row on its GEMM1 tile, and GEMM1 waits for every count (alone
         # in the group the dispatch runs before it on this stream), so no read is left once GEMM1 ends.

@@ -213,7 +213,7 @@ class Recording(GemmImplementation):
         self.calls.append(("first_layer", keep_pre))
         return "products"
 
-    def first_layer_backward(self, call, rows, grad_pre, pre, act):
+    def first_layer_backward(self, call, rows, grad_pre, pre, want_act):
         self.calls.append(("first_layer_backward", pre))
 
     def gemm2(self, call, rows, out):
@@ -269,7 +269,7 @@ def test_every_gemm_phase_of_the_launch_code_runs_on_the_chosen_implementation(m
     rows = torch.empty(3, 8)
     assert kernels.first_layer(rows, torch.empty(3, 4), keep_pre=True) == "products"
     kernels.gemm2(torch.empty(3, 4), torch.empty(3, 8), backward=False)
-    kernels.first_layer_backward(rows, torch.empty(3, 8), "products", act=None)
+    kernels.first_layer_backward(rows, torch.empty(3, 8), "products", want_act=False)
     kernels.gemm2(torch.empty(3, 8), torch.empty(3, 8), backward=True)
     assert kernels.wgrad(rows, torch.empty(3, 4)) == ("weights", None)  # no biases: no column sums
     assert recording.calls == [

@@ -349,15 +349,18 @@ def check(rows, received, ffn, gated, activation, form, seed):
     (ACT[activation](zd) * (ud if gated else 1)).backward(grad_h.double())
     expect_pre = torch.cat([zd.grad, ud.grad], dim=1) if gated else zd.grad
     grad_pre = torch.full((rows, ffn * (2 if gated else 1)), float("nan"))
-    act = torch.full((rows, ffn), float("nan"))
-    kernels.activations_backward(grad_h, pre, grad_pre, act)
+    g_then_act = grad_h.clone()
+    act = kernels.activations_backward(g_then_act, pre, grad_pre, True)
+    assert act.data_ptr() == g_then_act.data_ptr()  # the activations are stored over g
     torch.testing.assert_close(grad_pre[:received].double(), expect_pre[:received], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(act[:received].double(), expect_h[:received], rtol=1e-5, atol=1e-5)
-    assert grad_pre[received:].isnan().all() and act[received:].isnan().all()
-    # Without act the activations are not stored anywhere; grad_h is left for the kernel to reuse.
+    assert grad_pre[received:].isnan().all() and torch.equal(act[received:], grad_h[received:])
+    # Without the activations, g is only read.
     again = torch.full_like(grad_pre, float("nan"))
-    kernels.activations_backward(grad_h.clone(), pre, again, None)
+    g = grad_h.clone()
+    assert kernels.activations_backward(g, pre, again, False) is None
     torch.testing.assert_close(again[:received], grad_pre[:received], rtol=0, atol=0)
+    assert torch.equal(g, grad_h)
     if not gated:  # eval's in-place step: the products become the activations
         kernels.activations(pre, pre)
         torch.testing.assert_close(pre[:received], h[:received], rtol=0, atol=0)
