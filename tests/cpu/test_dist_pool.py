@@ -4,6 +4,7 @@ DS_COMET_TEST_SHARD splits a suite into parts (tests/conftest.py)."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,3 +70,21 @@ def test_shards_split_the_selected_tests_into_disjoint_parts():
     assert sum(map(len, parts)) == len(everything)
     returncode, _, stderr = collected("3/3")
     assert returncode != 0 and "DS_COMET_TEST_SHARD must be i/n" in stderr, stderr
+
+
+def wait_on_rank_1():
+    """Rank 1 sleeps past the pool's timeout; the others answer."""
+    from deepspeed import comm as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def test_a_rank_that_does_not_answer_is_shown_where_it_waits(cpu_pool):
+    with pytest.raises(TimeoutError) as raised:
+        cpu_pool.run(wait_on_rank_1, timeout=10)
+    message = str(raised.value)
+    assert "ranks [1] gave no answer to wait_on_rank_1 within 10 s" in message, message
+    assert "--- rank 1 ---\nit waits here:" in message and "in wait_on_rank_1" in message, message
+    assert "--- rank 0 ---" not in message, message

@@ -4,7 +4,8 @@ Starting ranks costs seconds (importing torch and DeepSpeed, joining the process
 pool starts them once and each test sends it a case: a module-level function that every rank
 runs. A failure on any rank comes back as that rank's traceback; a rank that does not answer in
 time, or whose process ended, fails the test instead of hanging it, and the pool is started afresh
-for the next test.
+for the next test. A rank that does not answer in time is asked for its Python stacks first (each
+rank's ``faulthandler`` answers SIGUSR1), and the test's error shows where it waits.
 
 How many ranks: DS_COMET_TEST_WORLD_SIZE, so that the suite runs unchanged at 2, 4 or 8 ranks.
 The gloo (CPU) pool has that many ranks (at least 2; 2 when it is unset); the NCCL pool has one
@@ -16,13 +17,16 @@ for a peer makes progress only when the peer's slice comes: slow, but the two-ra
 rows, peer counters, the exchange) run on a one-GPU machine. Correctness only; time nothing there.
 """
 
+import faulthandler
 import glob
 import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -32,6 +36,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 WORLD_SIZE_VAR = "DS_COMET_TEST_WORLD_SIZE"
 RANKS_PER_GPU_VAR = "DS_COMET_TEST_RANKS_PER_GPU"
 CPU_DEFAULT_WORLD_SIZE = 2
+# How long a rank that was asked for its stacks (SIGUSR1) is given to write them.
+STACKS_WAIT_S = 5.0
 
 
 def requested_world_size():
@@ -103,7 +109,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stacks_path(port: int, rank: int) -> str:
+    """Where rank ``rank`` of the pool on ``port`` writes its Python stacks when asked (SIGUSR1)."""
+    return os.path.join(tempfile.gettempdir(), f"ds_comet_pool_{os.getuid()}_{port}_rank{rank}.stacks")
+
+
 def _rank_main(rank, world_size, port, backend, gpu_ranks, tasks, results):
+    # Kept open for the process's life: faulthandler writes to its descriptor from the signal handler,
+    # which works while the main thread is blocked in C (a collective, a CUDA call).
+    stacks = open(stacks_path(port, rank), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     # LOCAL_RANK is the device: DeepSpeed's engine places its model on cuda:LOCAL_RANK.
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -183,6 +198,7 @@ class DistPool:
         if self.procs:
             remove_shm_buffers(self.port)
             remove_ipc_counters([proc.pid for proc in self.procs])
+            _unlink_matching(stacks_path(self.port, "*"))
         self.procs = []
 
     def _collect(self, timeout: float, what: str):
@@ -200,6 +216,7 @@ class DistPool:
                 if time.monotonic() < deadline:
                     continue
                 missing = sorted(set(range(self.world_size)) - set(answers))
+                failures += [(rank, f"it waits here:\n{stacks}") for rank, stacks in self._stacks(missing).items()]
                 self.stop()
                 details = "".join(f"\n--- rank {r} ---\n{v}" for r, v in failures)
                 message = f"ranks {missing} gave no answer to {what} within {timeout:.0f} s{details}"
@@ -212,6 +229,24 @@ class DistPool:
             self.stop()
             raise AssertionError("".join(f"\n--- rank {r} ---\n{v}" for r, v in failures))
         return [answers[rank] for rank in range(self.world_size)]
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """The Python stacks of the live ``ranks``, by rank, as their faulthandler writes them on SIGUSR1
+        (once a rank's writing stops; a rank that writes none within ``STACKS_WAIT_S`` is left out)."""
+        asked = [rank for rank in ranks if self.procs[rank].is_alive()]
+        for rank in asked:
+            os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        written = {rank: "" for rank in asked}
+        stacks, deadline = {}, time.monotonic() + STACKS_WAIT_S
+        while len(stacks) < len(asked) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for rank in asked:
+                with open(stacks_path(self.port, rank)) as file:
+                    text = file.read()
+                if text and text == written[rank]:
+                    stacks[rank] = text
+                written[rank] = text
+        return stacks
 
     def run(self, func, timeout: float = 300.0, **kwargs):
         """Run ``func(**kwargs)`` on every rank; returns the per-rank results in rank order."""
