@@ -55,8 +55,10 @@ ALIGNMENT = 16
 USE_FAST_ACCUM = False
 # quantise_rowwise_kernel's columns per pass over a row: 8 for each thread of its 4 warps.
 QUANTISE_COLUMNS = 1024
-# quantise_expert_columns_kernel's tile: rows a pass, columns a program.
+# The expert-column kernels' tile (maxima and values): rows a step, columns a program.
 EXPERT_COLUMNS_TILE = (64, 128)
+# Rows of an average expert a program of the weight gradients' quantisation takes (expert_column_parts).
+EXPERT_COLUMNS_RUN = 256
 NEEDS = Needs(
     dtypes=((torch.bfloat16, torch.bfloat16),),
     capabilities=((9, 0),),
@@ -139,22 +141,44 @@ def quantised_expert_columns(
 
 
 def quantised_expert_columns_by_triton(
-    x: Tensor, layout: Tensor, expert_start: int, padded_ends: Tensor, fmt: fp8.Fp8Format = fp8.E4M3
+    x: Tensor,
+    layout: Tensor,
+    expert_start: int,
+    padded_ends: Tensor,
+    fmt: fp8.Fp8Format = fp8.E4M3,
+    parts: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``quantised_expert_columns`` of bf16 ``x`` (unit column stride) by one Triton kernel
-    (``triton_fp8_quantise.quantise_expert_columns_kernel``): two reads of the rows, one write of
-    their values, transposed; no host sync (the experts' rows are read from the layout on the device)."""
-    from .triton_fp8_quantise import quantise_expert_columns_kernel  # triton is an extra
+    """``quantised_expert_columns`` of bf16 ``x`` (unit column stride) by two Triton kernels: each
+    column's largest magnitude over each expert's rows (``triton_fp8_quantise.expert_column_maxima_kernel``),
+    then the values, written transposed (``quantise_expert_columns_kernel``); each reads the rows once,
+    and no host sync (the experts' rows are read from the layout on the device).
+
+    ``parts``: runs each expert's rows are split into, a program a run and ``EXPERT_COLUMNS_TILE[1]``
+    columns (None: ``expert_column_parts``)."""
+    from .triton_fp8_quantise import expert_column_maxima_kernel, quantise_expert_columns_kernel  # triton is an extra
 
     values_t, scales = _expert_columns_out(x, padded_ends, fmt)  # the kernel writes the padding's zeros
     num_local, columns = scales.shape
     block_r, block_c = EXPERT_COLUMNS_TILE
     if num_local and columns:
-        quantise_expert_columns_kernel[(-(-columns // block_c), num_local)](
-            x, x.stride(0), values_t, values_t.shape[1], scales, layout, expert_start, padded_ends, columns,
-            E5M2=fmt is fp8.E5M2, BR=block_r, BC=block_c, num_warps=4,
+        parts = expert_column_parts(x.shape[0], num_local) if parts is None else parts
+        grid = (-(-columns // block_c), num_local, parts)
+        maxima = torch.zeros((num_local, columns), dtype=torch.int32, device=x.device)
+        expert_column_maxima_kernel[grid](
+            x, x.stride(0), maxima, layout, expert_start, columns, parts, BR=block_r, BC=block_c, num_warps=4
+        )
+        quantise_expert_columns_kernel[grid](
+            x, x.stride(0), values_t, values_t.shape[1], scales, maxima, layout, expert_start, padded_ends, columns,
+            parts, E5M2=fmt is fp8.E5M2, BR=block_r, BC=block_c, num_warps=4,
         )  # fmt: skip
     return values_t, scales
+
+
+def expert_column_parts(rows: int, num_local: int) -> int:
+    """Runs of rows a program each for ``quantised_expert_columns_by_triton``: about
+    ``EXPERT_COLUMNS_RUN`` rows of an expert of average size a run (at least one run an expert), so
+    that a hot expert's rows are not all one program's (docs/decisions.md)."""
+    return max(1, -(-rows // (num_local * EXPERT_COLUMNS_RUN)))
 
 
 def _expert_columns_out(x: Tensor, padded_ends: Tensor, fmt: fp8.Fp8Format) -> tuple[Tensor, Tensor]:

@@ -9,8 +9,8 @@ FP8 dispatch (``fp8_rows``), and ``dequantise_rows_kernel`` turns packed rows ba
 rowwise recipe's operands of the library's FP8 GEMMs (``library_fp8_phases``), and
 ``quantise_weight_rows_kernel`` and ``quantise_weight_columns_kernel`` the experts' weights into the
 rowwise copies those GEMMs read (``fp8_weights``), per row or per column written transposed, and
-``quantise_expert_columns_kernel`` the weight gradients' operands, per column over each expert's
-rows, written transposed (``fp8.quantise_columns`` of each expert's rows).
+``expert_column_maxima_kernel`` and ``quantise_expert_columns_kernel`` the weight gradients' operands,
+per column over each expert's rows, written transposed (``fp8.quantise_columns`` of each expert's rows).
 
 Both follow ``fp8.block_scales`` from bits rather than through float arithmetic that could round
 otherwise: a block's largest magnitude is an integer maximum over the magnitudes' fp32 bits (which
@@ -324,47 +324,78 @@ def _column_tile(weight, rows, columns, in_range, N, K):
 
 
 @triton.jit
+def expert_column_maxima_kernel(
+    x, stride, maxima, layout, off_expert_start, K, parts, BR: tl.constexpr, BC: tl.constexpr
+):
+    """Each local expert's largest magnitude per column of ``x`` ([R, K] bf16, row stride ``stride``; expert
+    l's rows are ``layout[off_expert_start + l]`` up to the next word), as fp32 bits, into ``maxima``
+    ([L, K] int32, zeros before the launch) by atomic maxima. Each expert's rows are split into ``parts``
+    runs of whole ``BR`` rows (grid: ceil(K / BC), L, parts), so that the programs are many whatever the
+    experts' sizes; BC columns of one run a program, read once."""
+    block, expert, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    columns = block * BC + tl.arange(0, BC)
+    in_range = columns < K
+    first = tl.load(layout + off_expert_start + expert)
+    end = tl.load(layout + off_expert_start + expert + 1)
+    start, stop = _run_of_part(end - first, parts, part, BR)
+    largest = tl.zeros((BC,), dtype=tl.int32)
+    for row0 in range(first + start, first + stop, BR):
+        tile = _expert_tile(x, stride, row0 + tl.arange(0, BR), first + stop, columns, in_range)
+        largest = tl.maximum(largest, tl.max(tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+    tl.atomic_max(maxima + expert.to(tl.int64) * K + columns, largest, mask=in_range & (stop > start), sem="relaxed")
+
+
+@triton.jit
 def quantise_expert_columns_kernel(
     x,
     stride,
     values_t,
     row_stride_t,
     scales,
+    maxima,
     layout,
     off_expert_start,
     padded_ends,
     K,
+    parts,
     E5M2: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
 ):
-    """``fp8.quantise_columns`` of each local expert's rows of ``x`` ([R, K] bf16, row stride ``stride``;
-    expert l's rows are ``layout[off_expert_start + l]`` up to the next word), written transposed with
-    each expert's rows padded to its ``padded_ends`` ([L] int32, ``library_fp8_phases.padded_expert_ends``):
-    the values (e5m2 with E5M2, else e4m3) into ``values_t`` ([K, row_stride_t]; expert l's at columns
-    ``padded_ends[l - 1]`` (0 for the first) up to ``padded_ends[l]``, zero past its rows) and each column's scale into
-    ``scales`` ([L, K] fp32). BC columns of one expert a program (grid: ceil(K / BC), L), two reads of
-    them, BR rows at a time: their largest magnitudes, then their values divided by the scales."""
-    block, expert = tl.program_id(0), tl.program_id(1)
+    """``fp8.quantise_columns`` of each local expert's rows of ``x`` (as ``expert_column_maxima_kernel``
+    reads them), from the columns' largest magnitudes that kernel left in ``maxima``, written transposed
+    with each expert's rows padded to its ``padded_ends`` ([L] int32,
+    ``library_fp8_phases.padded_expert_ends``): the values (e5m2 with E5M2, else e4m3) into ``values_t``
+    ([K, row_stride_t]; expert l's at columns ``padded_ends[l - 1]`` (0 for the first) up to
+    ``padded_ends[l]``, zero past its rows) and each column's scale into ``scales`` ([L, K] fp32). Each
+    expert's padded rows are split into ``parts`` runs of whole ``BR`` rows (grid: ceil(K / BC), L, parts);
+    BC columns of one run a program, read once."""
+    block, expert, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     columns = block * BC + tl.arange(0, BC)
     in_range = columns < K
     first = tl.load(layout + off_expert_start + expert)
     end = tl.load(layout + off_expert_start + expert + 1)
     padded_end = tl.load(padded_ends + expert)
     padded_first = tl.load(padded_ends + expert - 1, mask=expert > 0, other=0)
-    largest = tl.zeros((BC,), dtype=tl.int32)
-    for row0 in range(first, end, BR):
-        tile = _expert_tile(x, stride, row0 + tl.arange(0, BR), end, columns, in_range)
-        largest = tl.maximum(largest, tl.max(tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+    largest = tl.load(maxima + expert.to(tl.int64) * K + columns, mask=in_range, other=0)
     scale, inverse = _scale_in_format(largest, E5M2)
-    for offset in range(0, padded_end - padded_first, BR):
+    start, stop = _run_of_part(padded_end - padded_first, parts, part, BR)
+    for offset in range(start, stop, BR):
         rows = offset + tl.arange(0, BR)
         scaled = _expert_tile(x, stride, first + rows, end, columns, in_range) * inverse[None, :]
         rounded = _in_format(scaled, E5M2)
-        out_rows = padded_first + rows
-        addresses = values_t + columns.to(tl.int64)[:, None] * row_stride_t + out_rows[None, :]
-        tl.store(addresses, tl.trans(rounded), mask=in_range[:, None] & (out_rows < padded_end)[None, :])
-    tl.store(scales + expert.to(tl.int64) * K + columns, scale, mask=in_range)
+        addresses = values_t + columns.to(tl.int64)[:, None] * row_stride_t + (padded_first + rows)[None, :]
+        tl.store(addresses, tl.trans(rounded), mask=in_range[:, None] & (rows < stop)[None, :])
+    tl.store(scales + expert.to(tl.int64) * K + columns, scale, mask=in_range & (part == 0))
+
+
+@triton.jit
+def _run_of_part(count, parts, part, BR: tl.constexpr):
+    """Rows ``[start, stop)`` of ``count`` that run ``part`` of ``parts`` takes: whole ``BR``s each, the last
+    run shorter, runs past ``count`` empty."""
+    share = tl.cdiv(tl.cdiv(count, parts), BR) * BR
+    start = tl.minimum(part * share, count)
+    return start, tl.minimum(start + share, count)
 
 
 @triton.jit

@@ -103,7 +103,8 @@ from ds_comet.kernels.fp8_rows import packed_row_bytes
 from ds_comet.kernels.fp8_weights import WEIGHT_TILE
 from ds_comet.kernels.library_fp8_phases import EXPERT_COLUMNS_TILE, QUANTISE_COLUMNS
 from ds_comet.kernels.triton_fp8_quantise import (dequantise_rows_kernel, quantise_blocks_kernel, quantise_rows_kernel,
-                                                  quantise_expert_columns_kernel, quantise_rowwise_kernel,
+                                                  expert_column_maxima_kernel, quantise_expert_columns_kernel,
+                                                  quantise_rowwise_kernel,
                                                   quantise_weight_columns_kernel, quantise_weight_rows_kernel)
 from ds_comet.kernels.triton_fp8_phases import ACCUMULATOR_ELEMENTS, GATED_GEMM1_TILE_N, GEMM1_TILE_N
 MMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.(e4m3|e5m2)\.(e4m3|e5m2)")
@@ -173,12 +174,15 @@ for values in (u8, MockTensor(torch.float8_e5m2)):
     k = quantise_rowwise_kernel.warmup(bf, 14336, values, f32, 14336, E5M2=e5m2, BK=QUANTISE_COLUMNS, grid=(1, ),
                                        num_warps=4)
     check(f"quantise_rowwise e5m2={e5m2}", k, None)
-    # The FP8 weight gradients' operands, as library_fp8_phases.quantised_expert_columns_by_triton launches it
-    # (a column slice of the first layer's [R, 2F] gradients).
-    k = quantise_expert_columns_kernel.warmup(bf, 28672, values, 16512, f32, i32, 5, i32, 14336, E5M2=e5m2,
-                                              BR=EXPERT_COLUMNS_TILE[0], BC=EXPERT_COLUMNS_TILE[1], grid=(1, ),
-                                              num_warps=4)
+    # The FP8 weight gradients' operands, as library_fp8_phases.quantised_expert_columns_by_triton launches
+    # them (a column slice of the first layer's [R, 2F] gradients).
+    k = quantise_expert_columns_kernel.warmup(bf, 28672, values, 16512, f32, i32, i32, 5, i32, 14336, 8,
+                                              E5M2=e5m2, BR=EXPERT_COLUMNS_TILE[0], BC=EXPERT_COLUMNS_TILE[1],
+                                              grid=(1, ), num_warps=4)
     check(f"quantise_expert_columns e5m2={e5m2}", k, None)
+k = expert_column_maxima_kernel.warmup(bf, 28672, i32, i32, 5, 14336, 8, BR=EXPERT_COLUMNS_TILE[0],
+                                       BC=EXPERT_COLUMNS_TILE[1], grid=(1, ), num_warps=4)
+check("expert_column_maxima", k, None)
 # The rowwise weight copies, as Fp8WeightCache launches them: per row, and per column transposed (W2^T;
 # W1 and W3 together).
 k = quantise_weight_rows_kernel.warmup(i64, u8, f32, 14336, 4096, BK=QUANTISE_COLUMNS, grid=(1, ), num_warps=4)
@@ -227,4 +231,4 @@ def test_the_fp8_gemms_run_on_the_fp8_tensor_cores_without_predicated_collective
     (pytest -s)."""
     out = compile_for_sm90(tmp_path, FP8_SCRIPT)
     print(out)
-    assert "checked 36 kernels" in out
+    assert "checked 37 kernels" in out

@@ -215,7 +215,7 @@ def expert_columns_case(device: torch.device, seed: int) -> int:
     """The weight gradients' operands as library_fp8 quantises them (``quantised_expert_columns_by_triton``,
     and ``quantised_expert_columns`` off the GPU), bit for bit against ``fp8.quantise_columns`` of each
     expert's rows (scale 1 for one with none), transposed, each padded with zeros to whole 16s (at least
-    one): in both formats;
+    one): in both formats, each expert's rows taken by one program and split into runs;
     experts with no rows, one row, a whole 16 and odd counts, the first starting past row 0 and rows
     past the last expert's end (not read); columns whose magnitudes span 2**±40, more of them than one
     program's and not a multiple of it, read through a row stride wider than the row; and
@@ -240,9 +240,14 @@ def expert_columns_case(device: torch.device, seed: int) -> int:
         want_ends = torch.tensor([max(-(-c // 16) * 16, 16) for c in counts]).cumsum(0)  # none: 16 of zeros
         assert ends.dtype == torch.int32 and ends.cpu().tolist() == want_ends.tolist(), ends
         x = x_cpu.to(device)
-        by_kernel = quantised_expert_columns_by_triton(x, layout, expert_start, ends, fmt)
-        by_torch = quantised_expert_columns(x_cpu, layout.cpu(), expert_start, ends.cpu(), fmt)
-        for name, (values_t, scales) in (("kernel", by_kernel), ("fp8.py", by_torch)):
+        results = {
+            f"kernel, {parts} run(s) an expert": quantised_expert_columns_by_triton(
+                x, layout, expert_start, ends, fmt, parts
+            )
+            for parts in (1, 3)  # 3: expert 2's 70 rows in runs of 64, 6 and none
+        }
+        results["fp8.py"] = quantised_expert_columns(x_cpu, layout.cpu(), expert_start, ends.cpu(), fmt)
+        for name, (values_t, scales) in results.items():
             values_t, scales = values_t.cpu(), scales.cpu()
             assert values_t.shape[1] % 16 == 0 and values_t.shape[1] >= int(want_ends[-1]), values_t.shape
             padded_first = 0
