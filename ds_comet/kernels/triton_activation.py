@@ -81,7 +81,9 @@ def activation_backward_kernel(
 ):
     """GATED: grad_pre[:, :N] = g * u * act'(z), grad_pre[:, N:] = g * act(z) ([R, 2N]), and with
     STORE_ACT h = act(z) * u. Else (u unused): grad_pre = g * act'(z) ([R, N]), and with STORE_ACT
-    h = act(z). g and h are [R, N] row-major, z and u [R, N] of row stride zu_stride."""
+    h = act(z). g and h are [R, N] row-major, z and u [R, N] of row stride zu_stride. h may be g: each
+    program loads its block of g before it stores that block of h, both through ``at`` (one layout, so
+    each element is loaded and stored by the same thread)."""
     rows, cols, mask = _block(total_ptr, N, BM, BN)
     at = rows[:, None].to(tl.int64) * N + cols[None, :]
     at_zu = rows[:, None].to(tl.int64) * zu_stride + cols[None, :]

@@ -216,8 +216,11 @@ class DistPool:
                 if time.monotonic() < deadline:
                     continue
                 missing = sorted(set(range(self.world_size)) - set(answers))
-                failures += [(rank, f"it waits here:\n{stacks}") for rank, stacks in self._stacks(missing).items()]
-                self.stop()
+                try:
+                    stacks = self._stacks(missing)
+                finally:
+                    self.stop()
+                failures += [(rank, f"it waits here:\n{text}") for rank, text in stacks.items()]
                 details = "".join(f"\n--- rank {r} ---\n{v}" for r, v in failures)
                 message = f"ranks {missing} gave no answer to {what} within {timeout:.0f} s{details}"
                 raise TimeoutError(message) from None
@@ -241,8 +244,11 @@ class DistPool:
         while len(stacks) < len(asked) and time.monotonic() < deadline:
             time.sleep(0.2)
             for rank in asked:
-                with open(stacks_path(self.port, rank)) as file:
-                    text = file.read()
+                try:
+                    with open(stacks_path(self.port, rank)) as file:
+                        text = file.read()
+                except OSError:  # a rank still starting, before it opened its file
+                    continue
                 if text and text == written[rank]:
                     stacks[rank] = text
                 written[rank] = text
