@@ -1,0 +1,45 @@
+"""``ds_comet.bench.library_fp8`` without a GPU: its products are the rowwise recipe's training step,
+their groups are what the library takes, and their operands pass torch's own checks (meta device)."""
+
+import pytest
+import torch
+
+from ds_comet.bench import library_fp8
+from ds_comet.kernels.library_fp8_phases import ALIGNMENT
+
+
+@pytest.mark.parametrize("shape", [(4096, 14336, 8, 2, 8192), (48, 80, 5, 3, 37)])
+def test_the_products_are_a_gated_training_steps(shape):
+    hidden, ffn, experts, k, tokens = shape
+    rows = k * tokens
+    found = {p.name: p for p in library_fp8.products(hidden, ffn, experts, k, tokens)}
+    # Forward: two projections and GEMM2; backward: dY @ W2 and one GEMM over [W1; W3]; three weight
+    # gradients, W1's and W3's alike, over the padded rows: 9 products of 2 H F a row.
+    step = 2 * found["gemm1_fwd"].flops + found["gemm2_fwd"].flops + found["gemm1_bwd"].flops
+    step += found["gemm2_bwd"].flops + 2 * found["wgrad_w1"].flops + found["wgrad_w2"].flops
+    padded = found["wgrad_w1"].k
+    assert step == 2 * hidden * ffn * (6 * rows + 3 * padded)
+    assert padded >= rows and padded % ALIGNMENT == 0
+
+
+def test_the_groups_are_balanced_and_padded_as_the_library_takes_them():
+    assert library_fp8.group_ends(37, 5, pad=False) == [8, 16, 23, 30, 37]
+    assert library_fp8.group_ends(37, 5, pad=True) == [16, 32, 48, 64, 80]
+    assert library_fp8.group_ends(3, 4, pad=True) == [16, 32, 48, 64]  # an empty group: 16 rows of zeros
+    assert library_fp8.group_ends(16384, 8, pad=True)[-1] == 16384
+
+
+def test_each_implementation_passes_torchs_checks_on_the_meta_device():
+    hidden, ffn, experts, k, tokens = 64, 96, 4, 2, 40
+    meta = torch.device("meta")
+    for product in library_fp8.products(hidden, ffn, experts, k, tokens):
+        want = [experts, product.m, product.n] if product.two_d else [product.m, product.n]
+        for name, call in library_fp8.calls(product, experts, meta).items():
+            out = call()
+            assert list(out.shape) == want and out.dtype == torch.bfloat16, (product.name, name, out.shape)
+
+
+def test_without_a_hopper_gpu_it_says_what_it_needs(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["library_fp8"])
+    with pytest.raises(SystemExit, match="needs an sm_90 GPU"):
+        library_fp8.main()
