@@ -13,7 +13,13 @@ from ds_comet.config import Fp8Recipe
 from ds_comet.kernels import gemm_table
 from ds_comet.kernels.fp8_weights import Fp8WeightCache
 from ds_comet.kernels.gemm_phases import Fp8Facts, GemmFacts, Phase
-from ds_comet.kernels.library_fp8_phases import LibraryFp8Gemm, rowwise_grouped_mm, rowwise_operands
+from ds_comet.kernels.library_fp8_phases import (
+    EXPERT_COLUMNS_RUN,
+    LibraryFp8Gemm,
+    expert_column_parts,
+    rowwise_grouped_mm,
+    rowwise_operands,
+)
 from ds_comet.pipelines.expert_weights import StackedFusedExperts
 from ds_comet.pipelines.fp8_emulation import RecipeOperands
 from ds_comet.pipelines.policy import fp8_facts
@@ -291,3 +297,13 @@ def test_a_rowwise_recipe_at_ep1_on_sm90_with_stacked_experts_selects_the_fused_
         assert answer.startswith('the "fp8" recipe is enabled, and ') and outcome in answer, answer
         if "gemm2" in recipe:  # "gemm2": false would not help: the fix is not offered
             assert '"gemm2": false' not in answer, answer
+
+
+@pytest.mark.parametrize(
+    "rows, num_local, parts",
+    [(16384, 8, 8), (65536, 128, 2), (10, 4, 1), (0, 4, 1), (2 * EXPERT_COLUMNS_RUN + 1, 1, 3)],
+)
+def test_the_column_quantisation_splits_an_average_experts_rows_into_runs_of_about_256(rows, num_local, parts):
+    """At least one run an expert; a run about ``EXPERT_COLUMNS_RUN`` rows of an average expert, so that the
+    Mixtral-like 2,048 rows an expert take 8 programs a column block, not one."""
+    assert expert_column_parts(rows, num_local) == parts
