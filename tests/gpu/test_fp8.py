@@ -117,88 +117,38 @@ def test_each_fp8_gemm_gives_the_emulations_numbers_on_the_gpu(gated, gradient_f
     assert "ok gated=" in _on_the_gpu(code)
 
 
+# The layers' shapes and routings, each run with several recipes below.
+SKEWED_DROPS = dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(333, 190), skew=4.0)
+GELU_BIAS = dict(hidden=512, ffn=256, experts_per_rank=4, k=2, tokens_per_rank=(257, 300), expert_kind="gelu")
+# k = 1 under heavy skew, no dropping: some experts get no row.
+EMPTY_EXPERTS = dict(
+    hidden=256, ffn=512, experts_per_rank=4, k=1, tokens_per_rank=(301, 301), drop_tokens=False, skew=50.0
+)
+K8_ODD_ROWS = dict(hidden=384, ffn=256, experts_per_rank=8, k=8, tokens_per_rank=(129, 77), drop_tokens=False)
+SMALL = dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(200, 150))
 LAYER_CASES = [
-    dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(333, 190), skew=4.0),  # drops, skew
-    dict(hidden=512, ffn=256, experts_per_rank=4, k=2, tokens_per_rank=(257, 300), expert_kind="gelu"),
-    dict(hidden=256, ffn=512, experts_per_rank=4, k=1, tokens_per_rank=(301, 301), drop_tokens=False, skew=50.0),
-    dict(hidden=384, ffn=256, experts_per_rank=8, k=8, tokens_per_rank=(129, 77), drop_tokens=False),
-    dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(200, 150), recipe={"gradient_format": "e5m2"}),
-    dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(200, 150), recipe={"input_gradients": False}),
+    SKEWED_DROPS,
+    GELU_BIAS,
+    EMPTY_EXPERTS,
+    K8_ODD_ROWS,
+    {**SMALL, "recipe": {"gradient_format": "e5m2"}},
+    {**SMALL, "recipe": {"input_gradients": False}},
     # "dispatch": "fp8": the rows cross packed in FP8, GEMM1 takes them so, W1's gradient their dequantised values.
-    dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(333, 190), skew=4.0, recipe=FP8_ROWS),
-    dict(hidden=512, ffn=256, experts_per_rank=4, k=2, tokens_per_rank=(257, 300), expert_kind="gelu", recipe=FP8_ROWS),
-    dict(
-        hidden=256,
-        ffn=512,
-        experts_per_rank=4,
-        k=1,
-        tokens_per_rank=(301, 301),
-        drop_tokens=False,
-        skew=50.0,
-        recipe=FP8_ROWS,
-    ),
-    dict(hidden=384, ffn=256, experts_per_rank=8, k=8, tokens_per_rank=(129, 77), drop_tokens=False, recipe=FP8_ROWS),
-    dict(
-        hidden=256,
-        ffn=384,
-        experts_per_rank=4,
-        k=2,
-        tokens_per_rank=(200, 150),
-        recipe={**FP8_ROWS, "input_gradients": False},
-    ),
+    {**SKEWED_DROPS, "recipe": FP8_ROWS},
+    {**GELU_BIAS, "recipe": FP8_ROWS},
+    {**EMPTY_EXPERTS, "recipe": FP8_ROWS},
+    {**K8_ODD_ROWS, "recipe": FP8_ROWS},
+    {**SMALL, "recipe": {**FP8_ROWS, "input_gradients": False}},
     # "gradient_dispatch": "fp8": the output gradients cross packed, the backward's GEMM1 takes them so,
     # W2's gradient their dequantised values, each gate's gradient their dot product with its output.
-    dict(hidden=256, ffn=384, experts_per_rank=4, k=2, tokens_per_rank=(333, 190), skew=4.0, recipe=FP8_GRADIENTS),
-    dict(
-        hidden=512,
-        ffn=256,
-        experts_per_rank=4,
-        k=2,
-        tokens_per_rank=(257, 300),
-        expert_kind="gelu",
-        recipe={**FP8_GRADIENTS, "gradient_format": "e5m2"},
-    ),
-    dict(
-        hidden=256,
-        ffn=512,
-        experts_per_rank=4,
-        k=1,
-        tokens_per_rank=(301, 301),
-        drop_tokens=False,
-        skew=50.0,
-        recipe=FP8_GRADIENTS,
-    ),
-    dict(
-        hidden=384,
-        ffn=256,
-        experts_per_rank=8,
-        k=8,
-        tokens_per_rank=(129, 77),
-        drop_tokens=False,
-        recipe={**FP8_ROWS, **FP8_GRADIENTS, "gradient_format": "e5m2"},
-    ),
+    {**SKEWED_DROPS, "recipe": FP8_GRADIENTS},
+    {**GELU_BIAS, "recipe": {**FP8_GRADIENTS, "gradient_format": "e5m2"}},
+    {**EMPTY_EXPERTS, "recipe": FP8_GRADIENTS},
+    {**K8_ODD_ROWS, "recipe": {**FP8_ROWS, **FP8_GRADIENTS, "gradient_format": "e5m2"}},
     # "weight_gradients" alone (rowwise): the other GEMMs in bf16, on any EP size; biases, skewed routing,
     # empty experts.
-    dict(
-        hidden=512,
-        ffn=256,
-        experts_per_rank=4,
-        k=2,
-        tokens_per_rank=(257, 300),
-        expert_kind="gelu",
-        skew=4.0,
-        recipe=WEIGHT_GRADIENTS_ONLY,
-    ),
-    dict(
-        hidden=256,
-        ffn=512,
-        experts_per_rank=4,
-        k=1,
-        tokens_per_rank=(301, 301),
-        drop_tokens=False,
-        skew=50.0,
-        recipe=WEIGHT_GRADIENTS_ONLY,
-    ),
+    {**GELU_BIAS, "skew": 4.0, "recipe": WEIGHT_GRADIENTS_ONLY},
+    {**EMPTY_EXPERTS, "recipe": WEIGHT_GRADIENTS_ONLY},
 ]
 LAYER_IDS = [
     "swiglu-skewed-drops",
