@@ -2,6 +2,8 @@
 DS_COMET_TEST_SHARD splits a suite into parts (tests/conftest.py)."""
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -87,4 +89,25 @@ def test_a_rank_that_does_not_answer_is_shown_where_it_waits(cpu_pool):
     message = str(raised.value)
     assert "ranks [1] gave no answer to wait_on_rank_1 within 10 s" in message, message
     assert "--- rank 1 ---\nit waits here:" in message and "in wait_on_rank_1" in message, message
+    assert "--- rank 0 ---" not in message, message
+
+
+def wait_on_rank_1_deaf():
+    """Rank 1 sleeps past the pool's timeout ignoring SIGUSR1, as deaf as a rank stuck in a driver call
+    (the pool kills it after)."""
+    from deepspeed import comm as dist
+
+    if dist.get_rank() == 1:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def test_a_rank_deaf_to_sigusr1_is_shown_by_its_threads_states(cpu_pool):
+    with pytest.raises(TimeoutError) as raised:
+        cpu_pool.run(wait_on_rank_1_deaf, timeout=10)
+    message = str(raised.value)
+    assert "--- rank 1 ---\nit wrote no Python stacks within 5 s of SIGUSR1;" in message, message
+    # The main thread sleeps (S) in the kernel's timed sleep.
+    assert re.search(r"thread \d+ \(.+\): state S, in \S+", message), message
     assert "--- rank 0 ---" not in message, message

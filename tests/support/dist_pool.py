@@ -114,6 +114,27 @@ def stacks_path(port: int, rank: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"ds_comet_pool_{os.getuid()}_{port}_rank{rank}.stacks")
 
 
+def thread_states(pid: int) -> str:
+    """What the kernel says each thread of process ``pid`` is doing (Linux's /proc): its state and the
+    kernel function it sleeps in. For a rank that cannot run its SIGUSR1 handler, e.g. one blocked in
+    a driver call in uninterruptible sleep ("D")."""
+    lines = []
+    for task in sorted(glob.glob(f"/proc/{pid}/task/*"), key=lambda path: int(os.path.basename(path))):
+        try:
+            with open(os.path.join(task, "stat")) as file:
+                stat = file.read()
+            with open(os.path.join(task, "wchan")) as file:
+                wchan = file.read().strip() or "-"
+        except OSError:  # the thread ended while being read
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        state = stat[stat.rindex(")") + 2]
+        lines.append(f"  thread {os.path.basename(task)} ({name}): state {state}, in {wchan}")
+    if not lines:
+        return "its threads could not be read from /proc"
+    return "its threads (state R running, S sleeping, D uninterruptible):\n" + "\n".join(lines)
+
+
 def _rank_main(rank, world_size, port, backend, gpu_ranks, tasks, results):
     # Kept open for the process's life: faulthandler writes to its descriptor from the signal handler,
     # which works while the main thread is blocked in C (a collective, a CUDA call).
@@ -218,9 +239,16 @@ class DistPool:
                 missing = sorted(set(range(self.world_size)) - set(answers))
                 try:
                     stacks = self._stacks(missing)
+                    silent = {r: self.procs[r].pid for r in missing if r not in stacks and self.procs[r].is_alive()}
+                    # Read before stop(): a killed process has no threads left to read.
+                    silent = {rank: thread_states(pid) for rank, pid in silent.items()}
                 finally:
                     self.stop()
                 failures += [(rank, f"it waits here:\n{text}") for rank, text in stacks.items()]
+                failures += [
+                    (rank, f"it wrote no Python stacks within {STACKS_WAIT_S:.0f} s of SIGUSR1; {states}")
+                    for rank, states in silent.items()
+                ]
                 details = "".join(f"\n--- rank {r} ---\n{v}" for r, v in failures)
                 message = f"ranks {missing} gave no answer to {what} within {timeout:.0f} s{details}"
                 raise TimeoutError(message) from None
