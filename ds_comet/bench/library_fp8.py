@@ -1,7 +1,7 @@
 """Time the rowwise FP8 recipe's library products alone, with and without fast accumulation, against bf16.
 
     python -m ds_comet.bench.library_fp8 [--shape NAME ...] [--custom H,F,E,K,T ...] [--warm-ms 200]
-                                         [--time-ms 400]
+                                         [--time-ms 400] [--accumulation]
 
 One GPU (sm_90), EP=1, gated experts, balanced routing: R = k x T rows in E equal groups (each
 padded to a whole 16 for the weight gradients, as ``library_fp8_phases.padded_expert_ends`` pads
@@ -21,6 +21,13 @@ the timing, so these are the GEMMs' own times:
     wgrad_w2    per expert dY_e^T h_e -> [E, H, F]
 
 Prints ms and TFLOP/s for each and the ratios, and writes library_fp8.json under --out.
+
+With ``--accumulation`` it measures the two settings' error instead: one ``[M, K] x [K, N]`` product
+by K (``ACCUMULATION_K``), its operands quantised rowwise as the recipe's are, against float64 of the
+same dequantised operands; once on signed normal values and once on their magnitudes (same-signed:
+nothing cancels, the case an accumulator that drops low bits does worst on). Prints the largest
+elementwise error relative to ``sum_k |a_k b_k|`` and the normwise error, beside bf16's own rounding
+of the exact product, and writes accumulation.json under --out.
 """
 
 import argparse
@@ -31,12 +38,19 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import fp8
 from ..kernels.library_fp8_phases import ALIGNMENT, USE_FAST_ACCUM
 from .gemm import per_call_ms
 from .shapes import SHAPES, selected_shapes
 
 # The Mixtral-like shape: the one the FP8 targets are stated on.
 DEFAULT_SHAPE = "mixtral-H4096-F14336-E8-k2-T8192"
+# The reductions --accumulation measures: the Mixtral-like step's (H, F, 2F, an expert's 2,048 rows;
+# a hot expert's more) and beyond.
+ACCUMULATION_K = (1024, 2048, 4096, 8192, 14336, 28672, 65536)
+ACCUMULATION_OPERANDS = ("signed", "same-signed")
+# M and N of the measured product: 2M elementwise errors a case.
+ACCUMULATION_MN = (1024, 2048)
 
 
 @dataclass(frozen=True)
@@ -119,6 +133,57 @@ def calls(product: Product, experts: int, device: torch.device) -> dict[str, Cal
     }
 
 
+def accumulation_errors(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """How far ``out`` ([M, N], any float dtype) is from ``a @ b^T`` (``a`` [M, K], ``b`` [N, K], float64):
+    the largest elementwise error relative to ``sum_k |a_mk b_nk|`` (what an accumulation bound scales
+    with) and the normwise error ``||out - a b^T|| / ||a b^T||``."""
+    exact, magnitude = a @ b.t(), a.abs() @ b.abs().t()
+    error = (out.double() - exact).abs()
+    return (error / magnitude).max().item(), (error.norm() / exact.norm()).item()
+
+
+def accumulation_case(k: int, operands: str, device: torch.device) -> dict[str, tuple[float, float]]:
+    """``accumulation_errors`` of one rowwise FP8 product of reduction length ``k`` on ``operands``
+    ("signed" normal values or their magnitudes, "same-signed"): {"bf16 rounding": the exact product
+    rounded to bf16, "fp8": as the recipe runs it, "fp8_fast": with ``use_fast_accum=True``}."""
+    rows, columns = ACCUMULATION_MN
+    a, b = torch.randn(rows, k, device=device), torch.randn(columns, k, device=device)
+    if operands == "same-signed":
+        a, b = a.abs(), b.abs()
+    qa, qb = fp8.quantise_rows(a), fp8.quantise_rows(b)  # b's rows: the output channels
+    a64, b64 = qa.values.double() * qa.scales.double(), qb.values.double() * qb.scales.double()
+    offsets = torch.tensor([rows], dtype=torch.int32, device=device)
+    errors = {"bf16 rounding": accumulation_errors((a64 @ b64.t()).bfloat16(), a64, b64)}
+    for name, fast in (("fp8", USE_FAST_ACCUM), ("fp8_fast", True)):
+        out = torch._scaled_grouped_mm(
+            qa.values,
+            qb.values.unsqueeze(0).transpose(-2, -1),
+            qa.scales.view(-1),
+            qb.scales.view(1, -1),
+            offs=offsets,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=fast,
+        )
+        errors[name] = accumulation_errors(out, a64, b64)
+    return errors
+
+
+def report_accumulation(device: torch.device, out_dir: str):
+    """Every ``accumulation_case``, printed by operands and K and written to accumulation.json."""
+    report = {}
+    for operands in ACCUMULATION_OPERANDS:
+        for k in ACCUMULATION_K:
+            errors = report.setdefault(operands, {})[k] = accumulation_case(k, operands, device)
+            print(
+                f"  {operands:11s} K {k:6d}  "
+                + "  ".join(f"{name}: max {e[0]:.1e} norm {e[1]:.1e}" for name, e in errors.items()),
+                flush=True,
+            )
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "accumulation.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def bench_shape(shape: tuple, args, device: torch.device) -> dict:
     """Every product of ``shape`` (H, F, E, k, T) timed three ways: {product: {implementation: ms}}."""
     hidden, ffn, experts, k, tokens = shape
@@ -149,6 +214,7 @@ def parse_args():
     parser.add_argument("--custom", action="append", default=[], help="H,F,E,K,T (T = tokens)")
     parser.add_argument("--warm-ms", type=float, default=200.0)
     parser.add_argument("--time-ms", type=float, default=400.0, help="timed window of each implementation")
+    parser.add_argument("--accumulation", action="store_true", help="measure the error by K instead of timing")
     parser.add_argument("--out", default="library_fp8_out")
     return parser.parse_args()
 
@@ -160,6 +226,11 @@ def main():
             "ds_comet.bench.library_fp8 needs an sm_90 GPU: torch._scaled_grouped_mm's rowwise FP8 runs on Hopper"
         )
     device = torch.device("cuda", torch.cuda.current_device())
+    if args.accumulation:
+        rows, columns = ACCUMULATION_MN
+        print(f"error against float64, M {rows}, N {columns} ({torch.cuda.get_device_name(device)})")
+        report_accumulation(device, args.out)
+        return
     shapes = selected_shapes(args.shape or ([] if args.custom else [DEFAULT_SHAPE]), args.custom)
     report = {}
     for name, shape in shapes.items():

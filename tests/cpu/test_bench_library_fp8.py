@@ -43,3 +43,32 @@ def test_without_a_hopper_gpu_it_says_what_it_needs(monkeypatch):
     monkeypatch.setattr("sys.argv", ["library_fp8"])
     with pytest.raises(SystemExit, match="needs an sm_90 GPU"):
         library_fp8.main()
+
+
+def test_accumulation_errors_are_relative_to_the_magnitudes_sum_and_the_products_norm():
+    a = torch.tensor([[1.0, -1.0], [2.0, 2.0]], dtype=torch.float64)
+    b = torch.tensor([[3.0, 3.0]], dtype=torch.float64)
+    exact = a @ b.t()  # [[0], [12]]: the first cancels, sum_k |a b| = 6 and 12
+    assert library_fp8.accumulation_errors(exact, a, b) == (0.0, 0.0)
+    largest, normwise = library_fp8.accumulation_errors(exact + torch.tensor([[0.3], [0.6]], dtype=torch.float64), a, b)
+    assert largest == pytest.approx(0.05) and normwise == pytest.approx((0.3**2 + 0.6**2) ** 0.5 / 12)
+
+
+def test_an_accumulation_case_feeds_the_library_the_recipes_operands(monkeypatch):
+    """With the library's product emulated in float32 (the dequantised operands' product, as the GPU's
+    accumulation in fp32 gives), both settings come out at bf16's rounding: the values, their scales
+    and the weight's layout reach torch._scaled_grouped_mm as the recipe's ``fp8.quantise_rows`` made them."""
+
+    def emulated(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and list(offs) == [a.shape[0]]
+        product = (a.float() * scale_a[:, None]) @ (b[0].float() * scale_b[0][None, :])
+        return product.to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", emulated)
+    monkeypatch.setattr(library_fp8, "ACCUMULATION_MN", (16, 24))
+    for operands in library_fp8.ACCUMULATION_OPERANDS:
+        errors = library_fp8.accumulation_case(256, operands, torch.device("cpu"))
+        rounding = errors["bf16 rounding"]
+        for name in ("fp8", "fp8_fast"):
+            assert errors[name][0] <= 2 * max(rounding[0], 2.0**-9), (operands, name, errors)
+            assert errors[name][1] <= 2 * max(rounding[1], 2.0**-9), (operands, name, errors)

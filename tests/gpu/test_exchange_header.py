@@ -94,7 +94,7 @@ def test_ranks_in_different_exchanges_stop_with_the_field_named(gpu_pool, case, 
     if gpu_pool.world_size < 2:
         pytest.skip("needs two GPUs")
     try:
-        messages = gpu_pool.run(case, timeout=120)
+        messages = gpu_pool.run(case, timeout=60)
     finally:
         gpu_pool.stop()  # every rank's CUDA context is dead
     for message in messages:
