@@ -49,7 +49,7 @@ DEFAULT_SHAPE = "mixtral-H4096-F14336-E8-k2-T8192"
 # a hot expert's more) and beyond.
 ACCUMULATION_K = (1024, 2048, 4096, 8192, 14336, 28672, 65536)
 ACCUMULATION_OPERANDS = ("signed", "same-signed")
-# M and N of the measured product: 2M elementwise errors a case.
+# M and N of the measured product: some two million elementwise errors a case.
 ACCUMULATION_MN = (1024, 2048)
 
 
