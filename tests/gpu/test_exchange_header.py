@@ -6,6 +6,8 @@ Each case ends with every rank's CUDA context dead (the kernel traps, as a wait 
 so the pool restarts after each.
 """
 
+import time
+
 import pytest
 import torch
 from deepspeed import comm as dist
@@ -15,6 +17,8 @@ from ds_comet.experts import FeedForward
 from ds_comet.kernels.ops import CometWaitTimeout
 
 HIDDEN, FFN = 256, 512
+# How long a rank waits for its kernel's error record (the kernel stops within wait_timeout_s, 5 s).
+RECORD_WAIT_S = 30.0
 
 
 def fused_layers(*names):
@@ -36,23 +40,32 @@ def tokens() -> torch.Tensor:
     return torch.randn(1, 64, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
 
 
-def step(*layers):
+def step(*layers, synchronize=True):
     x = tokens()
     for layer in layers:
         x = layer(x)[0]
     x.float().sum().backward()
-    torch.cuda.synchronize()
+    if synchronize:
+        torch.cuda.synchronize()
 
 
 def stopped(layer, call) -> str:
-    """The error of ``call`` once the exchange kernel stopped: the fused pipeline's ``CometWaitTimeout``."""
+    """The error of ``call`` once the exchange kernel stopped: the fused pipeline's ``CometWaitTimeout``.
+
+    It waits for the kernel's error record (pinned host memory, filled before the kernel traps), not
+    for the device: with two ranks' contexts time-sliced on one GPU (DS_COMET_TEST_RANKS_PER_GPU=2),
+    when both kernels trap at once the driver may never end one rank's synchronize.
+    """
+    fused = layer.deepspeed_moe.pipelines.fused
     try:
         call()
-        torch.cuda.synchronize()
     except RuntimeError:
         pass
+    deadline = time.monotonic() + RECORD_WAIT_S
+    while fused.workspace.failed_wait() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     with pytest.raises(CometWaitTimeout) as raised:
-        layer.deepspeed_moe.pipelines.fused.raise_if_failed()
+        fused.raise_if_failed()
     return str(raised.value)
 
 
@@ -83,7 +96,7 @@ def evaluation_alone_case():
         layer.eval()
         with torch.no_grad():
             return stopped(layer, lambda: layer(tokens()))
-    return stopped(layer, lambda: step(layer))
+    return stopped(layer, lambda: step(layer, synchronize=False))
 
 
 @pytest.mark.parametrize(
