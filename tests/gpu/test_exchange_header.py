@@ -2,8 +2,9 @@
 the same exchange stop in the exchange kernel, before any row moves, with an error naming the field
 that differs, on every rank. Skipped without CUDA or with one GPU.
 
-Each case ends with every rank's CUDA context dead (the kernel traps, as a wait that gives up does),
-so the pool restarts after each.
+Each case ends with every rank's CUDA context stopped (the kernel traps, as a wait that gives up does;
+docs/troubleshooting.md, "Ranks sharing a GPU", on a synchronize after it), so the pool restarts
+after each.
 """
 
 import time
