@@ -74,40 +74,35 @@ def test_shards_split_the_selected_tests_into_disjoint_parts():
     assert returncode != 0 and "DS_COMET_TEST_SHARD must be i/n" in stderr, stderr
 
 
-def wait_on_rank_1():
-    """Rank 1 sleeps past the pool's timeout; the others answer."""
+def wait_on_rank_1(deaf: bool = False):
+    """Rank 1 sleeps past the pool's timeout, with ``deaf`` ignoring SIGUSR1 as a rank stuck in a driver
+    call cannot answer it (the pool kills it after); the others answer."""
     from deepspeed import comm as dist
 
     if dist.get_rank() == 1:
+        if deaf:
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         time.sleep(60)
     return dist.get_rank()
 
 
-def test_a_rank_that_does_not_answer_is_shown_where_it_waits(cpu_pool):
+@pytest.mark.parametrize(
+    "deaf, shown",
+    [
+        (False, r"--- rank 1 ---\nit waits here:\n(.|\n)*in wait_on_rank_1"),
+        # Its main thread sleeps (S) in the kernel's timed sleep.
+        (
+            True,
+            r"--- rank 1 ---\nit wrote no Python stacks within 5 s of SIGUSR1;"
+            r"(.|\n)*thread \d+ \(.+\): state S, in \S+",
+        ),
+    ],
+    ids=["its-stacks", "deaf-its-threads-states"],
+)
+def test_a_rank_that_does_not_answer_is_shown_where_it_waits(cpu_pool, deaf, shown):
     with pytest.raises(TimeoutError) as raised:
-        cpu_pool.run(wait_on_rank_1, timeout=10)
+        cpu_pool.run(wait_on_rank_1, timeout=10, deaf=deaf)
     message = str(raised.value)
     assert "ranks [1] gave no answer to wait_on_rank_1 within 10 s" in message, message
-    assert "--- rank 1 ---\nit waits here:" in message and "in wait_on_rank_1" in message, message
-    assert "--- rank 0 ---" not in message, message
-
-
-def wait_on_rank_1_deaf():
-    """Rank 1 sleeps past the pool's timeout ignoring SIGUSR1, as deaf as a rank stuck in a driver call
-    (the pool kills it after)."""
-    from deepspeed import comm as dist
-
-    if dist.get_rank() == 1:
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        time.sleep(60)
-    return dist.get_rank()
-
-
-def test_a_rank_deaf_to_sigusr1_is_shown_by_its_threads_states(cpu_pool):
-    with pytest.raises(TimeoutError) as raised:
-        cpu_pool.run(wait_on_rank_1_deaf, timeout=10)
-    message = str(raised.value)
-    assert "--- rank 1 ---\nit wrote no Python stacks within 5 s of SIGUSR1;" in message, message
-    # The main thread sleeps (S) in the kernel's timed sleep.
-    assert re.search(r"thread \d+ \(.+\): state S, in \S+", message), message
+    assert re.search(shown, message), message
     assert "--- rank 0 ---" not in message, message
