@@ -54,8 +54,9 @@ def stopped(layer, call) -> str:
     """The error of ``call`` once the exchange kernel stopped: the fused pipeline's ``CometWaitTimeout``.
 
     It waits for the kernel's error record (pinned host memory, filled before the kernel traps), not
-    for the device: with two ranks' contexts time-sliced on one GPU (DS_COMET_TEST_RANKS_PER_GPU=2),
-    when both kernels trap at once the driver may never end one rank's synchronize.
+    for the device: with two ranks time-sliced on one GPU (DS_COMET_TEST_RANKS_PER_GPU=2), once both
+    ranks' kernels stopped on the header, one rank's synchronize was seen never to return
+    (docs/troubleshooting.md, "Ranks sharing a GPU").
     """
     fused = layer.deepspeed_moe.pipelines.fused
     try:
@@ -110,7 +111,7 @@ def test_ranks_in_different_exchanges_stop_with_the_field_named(gpu_pool, case, 
     try:
         messages = gpu_pool.run(case, timeout=60)
     finally:
-        gpu_pool.stop()  # every rank's CUDA context is dead
+        gpu_pool.stop()  # every rank's CUDA context is stopped
     for message in messages:
         assert "exchange header differs from group rank" in message, message
         assert "not in the same exchange" in message and "this rank's last call" in message, message

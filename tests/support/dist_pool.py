@@ -5,7 +5,8 @@ pool starts them once and each test sends it a case: a module-level function tha
 runs. A failure on any rank comes back as that rank's traceback; a rank that does not answer in
 time, or whose process ended, fails the test instead of hanging it, and the pool is started afresh
 for the next test. A rank that does not answer in time is asked for its Python stacks first (each
-rank's ``faulthandler`` answers SIGUSR1), and the test's error shows where it waits.
+rank's ``faulthandler`` answers SIGUSR1), and the test's error shows where it waits; a rank that
+writes none is shown by its threads' states as the kernel reports them.
 
 How many ranks: DS_COMET_TEST_WORLD_SIZE, so that the suite runs unchanged at 2, 4 or 8 ranks.
 The gloo (CPU) pool has that many ranks (at least 2; 2 when it is unset); the NCCL pool has one
@@ -239,9 +240,12 @@ class DistPool:
                 missing = sorted(set(range(self.world_size)) - set(answers))
                 try:
                     stacks = self._stacks(missing)
-                    silent = {r: self.procs[r].pid for r in missing if r not in stacks and self.procs[r].is_alive()}
                     # Read before stop(): a killed process has no threads left to read.
-                    silent = {rank: thread_states(pid) for rank, pid in silent.items()}
+                    silent = {
+                        rank: thread_states(self.procs[rank].pid)
+                        for rank in missing
+                        if rank not in stacks and self.procs[rank].is_alive()
+                    }
                 finally:
                     self.stop()
                 failures += [(rank, f"it waits here:\n{text}") for rank, text in stacks.items()]
