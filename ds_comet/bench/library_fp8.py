@@ -32,6 +32,7 @@ of the exact product, and writes accumulation.json under --out.
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import fp8
-from ..kernels.library_fp8_phases import ALIGNMENT, USE_FAST_ACCUM
+from ..kernels.library_fp8_phases import ALIGNMENT, USE_FAST_ACCUM, rowwise_grouped_mm
 from .gemm import per_call_ms
 from .shapes import SHAPES, selected_shapes
 
@@ -121,25 +122,27 @@ def calls(product: Product, experts: int, device: torch.device) -> dict[str, Cal
         a_fp8, b_fp8 = a.to(e4m3), b.to(e4m3).transpose(-2, -1)
         a_scales, b_scales = scales(rows), scales(experts * n).view(experts, n)
 
-    def fp8(fast: bool) -> Callable[[], object]:
+    def scaled_call(fast: bool) -> Callable[[], object]:
         return lambda: torch._scaled_grouped_mm(
             a_fp8, b_fp8, a_scales, b_scales, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=fast
         )
 
     return {
         "bf16": lambda: torch._grouped_mm(a_bf16, b_bf16, offs=offsets),
-        "fp8": fp8(USE_FAST_ACCUM),
-        "fp8_fast": fp8(True),
+        "fp8": scaled_call(USE_FAST_ACCUM),
+        "fp8_fast": scaled_call(True),
     }
 
 
 def accumulation_errors(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     """How far ``out`` ([M, N], any float dtype) is from ``a @ b^T`` (``a`` [M, K], ``b`` [N, K], float64):
     the largest elementwise error relative to ``sum_k |a_mk b_nk|`` (what an accumulation bound scales
-    with) and the normwise error ``||out - a b^T|| / ||a b^T||``."""
+    with; an element whose sum is 0 counts as infinite if it has any error) and the normwise error
+    ``||out - a b^T|| / ||a b^T||``."""
     exact, magnitude = a @ b.t(), a.abs() @ b.abs().t()
     error = (out.double() - exact).abs()
-    return (error / magnitude).max().item(), (error.norm() / exact.norm()).item()
+    relative = torch.where(magnitude > 0, error / magnitude, error * math.inf)
+    return relative.nan_to_num(nan=0.0, posinf=math.inf).max().item(), (error.norm() / exact.norm()).item()
 
 
 def accumulation_case(k: int, operands: str, device: torch.device) -> dict[str, tuple[float, float]]:
@@ -154,16 +157,9 @@ def accumulation_case(k: int, operands: str, device: torch.device) -> dict[str, 
     a64, b64 = qa.values.double() * qa.scales.double(), qb.values.double() * qb.scales.double()
     offsets = torch.tensor([rows], dtype=torch.int32, device=device)
     errors = {"bf16 rounding": accumulation_errors((a64 @ b64.t()).bfloat16(), a64, b64)}
+    weights = fp8.Quantised(qb.values[None], qb.scales[None], qb.block)  # one group
     for name, fast in (("fp8", USE_FAST_ACCUM), ("fp8_fast", True)):
-        out = torch._scaled_grouped_mm(
-            qa.values,
-            qb.values.unsqueeze(0).transpose(-2, -1),
-            qa.scales.view(-1),
-            qb.scales.view(1, -1),
-            offs=offsets,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=fast,
-        )
+        out = rowwise_grouped_mm(qa, weights, offsets, use_fast_accum=fast)
         errors[name] = accumulation_errors(out, a64, b64)
     return errors
 

@@ -50,8 +50,13 @@ def test_accumulation_errors_are_relative_to_the_magnitudes_sum_and_the_products
     b = torch.tensor([[3.0, 3.0]], dtype=torch.float64)
     exact = a @ b.t()  # [[0], [12]]: the first cancels, sum_k |a b| = 6 and 12
     assert library_fp8.accumulation_errors(exact, a, b) == (0.0, 0.0)
-    largest, normwise = library_fp8.accumulation_errors(exact + torch.tensor([[0.3], [0.6]], dtype=torch.float64), a, b)
-    assert largest == pytest.approx(0.05) and normwise == pytest.approx((0.3**2 + 0.6**2) ** 0.5 / 12)
+    # The same error on both: relative to each element's own sum, 0.6 / 6 is the largest, not 0.6 / 12.
+    largest, normwise = library_fp8.accumulation_errors(exact + 0.6, a, b)
+    assert largest == pytest.approx(0.1) and normwise == pytest.approx((2 * 0.6**2) ** 0.5 / 12)
+    # An element whose sum is 0 counts only if it has an error.
+    zero = torch.zeros(1, 2, dtype=torch.float64)
+    assert library_fp8.accumulation_errors(torch.zeros(1, 1), zero, b)[0] == 0.0
+    assert library_fp8.accumulation_errors(torch.ones(1, 1), zero, b)[0] == float("inf")
 
 
 def test_an_accumulation_case_feeds_the_library_the_recipes_operands(monkeypatch):
@@ -66,9 +71,13 @@ def test_an_accumulation_case_feeds_the_library_the_recipes_operands(monkeypatch
 
     monkeypatch.setattr(torch, "_scaled_grouped_mm", emulated)
     monkeypatch.setattr(library_fp8, "ACCUMULATION_MN", (16, 24))
+    by_operands = {}
     for operands in library_fp8.ACCUMULATION_OPERANDS:
-        errors = library_fp8.accumulation_case(256, operands, torch.device("cpu"))
+        errors = by_operands[operands] = library_fp8.accumulation_case(256, operands, torch.device("cpu"))
         rounding = errors["bf16 rounding"]
         for name in ("fp8", "fp8_fast"):
             assert errors[name][0] <= 2 * max(rounding[0], 2.0**-9), (operands, name, errors)
             assert errors[name][1] <= 2 * max(rounding[1], 2.0**-9), (operands, name, errors)
+    # Same-signed operands cancel nothing: each result is its sum of magnitudes, so bf16's rounding of it
+    # is a larger share of that sum than where signed terms cancel.
+    assert by_operands["same-signed"]["bf16 rounding"][0] > 4 * by_operands["signed"]["bf16 rounding"][0]
