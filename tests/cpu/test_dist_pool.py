@@ -10,7 +10,14 @@ import time
 
 import pytest
 
-from tests.support.dist_pool import RANKS_PER_GPU_VAR, WORLD_SIZE_VAR, DistPool, gpu_world_size, ranks_per_gpu
+from tests.support.dist_pool import (
+    RANKS_PER_GPU_VAR,
+    WORLD_SIZE_VAR,
+    DistPool,
+    gpu_world_size,
+    ranks_per_gpu,
+    thread_name_and_state,
+)
 
 
 @pytest.fixture
@@ -106,3 +113,8 @@ def test_a_rank_that_does_not_answer_is_shown_where_it_waits(cpu_pool, deaf, sho
     assert "ranks [1] gave no answer to wait_on_rank_1 within 10 s" in message, message
     assert re.search(shown, message), message
     assert "--- rank 0 ---" not in message, message
+
+
+def test_a_threads_name_may_hold_spaces_and_parentheses():
+    assert thread_name_and_state("123 (a) S x (y) R 1 2 3") == ("a) S x (y", "R")
+    assert thread_name_and_state("7 (python3) D 1 7 7") == ("python3", "D")

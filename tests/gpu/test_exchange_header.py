@@ -66,6 +66,8 @@ def stopped(layer, call) -> str:
     deadline = time.monotonic() + RECORD_WAIT_S
     while fused.workspace.failed_wait() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    if fused.workspace.failed_wait() is None:
+        pytest.fail(f"rank {dist.get_rank()}: no kernel filled its error record within {RECORD_WAIT_S:.0f} s")
     with pytest.raises(CometWaitTimeout) as raised:
         fused.raise_if_failed()
     return str(raised.value)

@@ -115,6 +115,13 @@ def stacks_path(port: int, rank: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"ds_comet_pool_{os.getuid()}_{port}_rank{rank}.stacks")
 
 
+def thread_name_and_state(stat: str) -> tuple[str, str]:
+    """A thread's name and state letter from its /proc ``stat`` line, ``"<tid> (<name>) <state> ..."``,
+    whose name may hold spaces and parentheses: it ends at the line's last ")"."""
+    end = stat.rindex(")")
+    return stat[stat.index("(") + 1 : end], stat[end + 2]
+
+
 def thread_states(pid: int) -> str:
     """What the kernel says each thread of process ``pid`` is doing (Linux's /proc): its state and the
     kernel function it sleeps in. For a rank that cannot run its SIGUSR1 handler, e.g. one blocked in
@@ -125,11 +132,11 @@ def thread_states(pid: int) -> str:
             with open(os.path.join(task, "stat")) as file:
                 stat = file.read()
             with open(os.path.join(task, "wchan")) as file:
-                wchan = file.read().strip() or "-"
+                wchan = file.read().strip()
+            wchan = "-" if wchan in ("", "0") else wchan  # "0": running, in no kernel function
         except OSError:  # the thread ended while being read
             continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        state = stat[stat.rindex(")") + 2]
+        name, state = thread_name_and_state(stat)
         lines.append(f"  thread {os.path.basename(task)} ({name}): state {state}, in {wchan}")
     if not lines:
         return "its threads could not be read from /proc"
