@@ -31,6 +31,7 @@ of the exact product, and writes accumulation.json under --out.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import fp8
-from ..kernels.library_fp8_phases import ALIGNMENT, USE_FAST_ACCUM, rowwise_grouped_mm
+from ..kernels.library_fp8_phases import ALIGNMENT, USE_FAST_ACCUM, padded_expert_ends, rowwise_grouped_mm
 from .gemm import per_call_ms
 from .shapes import SHAPES, selected_shapes
 
@@ -88,16 +89,13 @@ def products(hidden: int, ffn: int, experts: int, k: int, tokens: int) -> list[P
 
 
 def group_ends(rows: int, experts: int, pad: bool) -> list[int]:
-    """Where each of ``experts`` balanced groups of ``rows`` ends, each padded to a whole ``ALIGNMENT``
-    with ``pad`` (and at least one, as the weight gradients' operands are)."""
+    """Where each of ``experts`` balanced groups of ``rows`` ends; with ``pad``, each group padded as the
+    weight gradients' operands are (``library_fp8_phases.padded_expert_ends``)."""
     counts = [rows // experts + (1 if e < rows % experts else 0) for e in range(experts)]
-    if pad:
-        counts = [max(-(-c // ALIGNMENT) * ALIGNMENT, ALIGNMENT) for c in counts]
-    ends, total = [], 0
-    for count in counts:
-        total += count
-        ends.append(total)
-    return ends
+    ends = list(itertools.accumulate(counts))
+    if not pad:
+        return ends
+    return padded_expert_ends(torch.tensor([0, *ends], dtype=torch.int32), 0, experts).tolist()
 
 
 def calls(product: Product, experts: int, device: torch.device) -> dict[str, Callable[[], object]]:
