@@ -14,7 +14,8 @@ def test_the_products_are_a_gated_training_steps(shape):
     rows = k * tokens
     found = {p.name: p for p in library_fp8.products(hidden, ffn, experts, k, tokens)}
     # Forward: two projections and GEMM2; backward: dY @ W2 and one GEMM over [W1; W3]; three weight
-    # gradients, W1's and W3's alike, over the padded rows: 9 products of 2 H F a row.
+    # gradients, W1's and W3's alike, over the padded rows: eight products, nine times 2 H F a row (the
+    # backward's GEMM2 reduces over 2F).
     step = 2 * found["gemm1_fwd"].flops + found["gemm2_fwd"].flops + found["gemm1_bwd"].flops
     step += found["gemm2_bwd"].flops + 2 * found["wgrad_w1"].flops + found["wgrad_w2"].flops
     padded = found["wgrad_w1"].k
