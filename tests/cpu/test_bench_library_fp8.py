@@ -70,15 +70,23 @@ def test_an_accumulation_case_feeds_the_library_the_recipes_operands(monkeypatch
         product = (a.float() * scale_a[:, None]) @ (b[0].float() * scale_b[0][None, :])
         return product.to(out_dtype)
 
+    quantised_signs = []
+    quantise_rows = library_fp8.fp8.quantise_rows
+
+    def recording(x, *args, **kwargs):
+        quantised_signs.append(bool((x >= 0).all()))
+        return quantise_rows(x, *args, **kwargs)
+
     monkeypatch.setattr(torch, "_scaled_grouped_mm", emulated)
+    monkeypatch.setattr(library_fp8.fp8, "quantise_rows", recording)
     monkeypatch.setattr(library_fp8, "ACCUMULATION_MN", (16, 24))
-    by_operands = {}
     for operands in library_fp8.ACCUMULATION_OPERANDS:
-        errors = by_operands[operands] = library_fp8.accumulation_case(256, operands, torch.device("cpu"))
+        quantised_signs.clear()
+        errors = library_fp8.accumulation_case(256, operands, torch.device("cpu"))
         rounding = errors["bf16 rounding"]
         for name in ("fp8", "fp8_fast"):
             assert errors[name][0] <= 2 * max(rounding[0], 2.0**-9), (operands, name, errors)
             assert errors[name][1] <= 2 * max(rounding[1], 2.0**-9), (operands, name, errors)
-    # Same-signed operands cancel nothing: each result is its sum of magnitudes, so bf16's rounding of it
-    # is a larger share of that sum than where signed terms cancel.
-    assert by_operands["same-signed"]["bf16 rounding"][0] > 4 * by_operands["signed"]["bf16 rounding"][0]
+        # Both operands are quantised from what the case names: magnitudes only, or signed values (which
+        # 256 normal draws per row are, but for a chance of 2^-255).
+        assert quantised_signs == [operands == "same-signed"] * 2, (operands, quantised_signs)
