@@ -132,13 +132,9 @@ class Fp8WeightCache:
             "_scales"`` to its fp32 scales, contiguous: ``[N / 128, K / 128]`` blocks, or rowwise
             ``[N, 1]``.
         """
-        tensors = experts.expert_tensors()
-        sources = {source for weight in self.wanted for source in weight.sources}
-        columns = [POINTER_NAMES.index(source) for source in sorted(sources)]
-        weights = [row[column] for row in tensors for column in columns if row[column] is not None]
-        key = (_optimizer_steps, tuple((w.data_ptr(), w._version) for w in weights))
+        key = (_optimizer_steps, experts.weight_key())
         if key != self._key:
-            self._quantise(tensors, device)
+            self._quantise(experts.expert_tensors(), device)
             self._key = key
         return self._tables
 

@@ -47,6 +47,11 @@ class FusedExperts:
         view of the weights the pointers point at)."""
         raise NotImplementedError
 
+    def weight_key(self) -> tuple[tuple[int, int], ...]:
+        """Each stored weight and bias tensor's ``(data_ptr(), _version)``: what changes when one is
+        replaced, moved or updated in place under autograd's eye (``Fp8WeightCache``'s key)."""
+        return tuple((t.data_ptr(), t._version) for row in self.expert_tensors() for t in row if t is not None)
+
     def tensors_reason(self, hidden: int, dtype: torch.dtype, device: torch.device) -> str | None:
         """Why the kernels cannot read these weights for [S, hidden] tokens of dtype on device, or None."""
         raise NotImplementedError

@@ -124,6 +124,11 @@ class StackedFusedExperts(FusedExperts):
         w1, w3, w2 = self._weights()
         return [(w1[expert], None, w3[expert], None, w2[expert], None) for expert in range(self.num_local)]
 
+    def weight_key(self) -> tuple[tuple[int, int], ...]:
+        # The stacked tensors themselves: an expert's view shares their version counter, and its address
+        # follows theirs (one view per expert would cost a select each).
+        return tuple((t.data_ptr(), t._version) for t in self._weights())
+
     def tensors_reason(self, hidden, dtype, device):
         w1, w3, w2 = self._weights()
         for name, tensor, shape in (

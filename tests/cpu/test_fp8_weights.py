@@ -125,6 +125,29 @@ def test_the_weights_are_quantised_once_per_version():
     assert cache.quantisations == 5
 
 
+def test_stacked_weights_are_quantised_once_per_version_of_the_stacked_tensors():
+    """AutoEP's stacked weights are keyed on the stacked tensors (not a view per expert): an in-place
+    update of one expert's slice, a replaced parameter and an optimizer step each quantise again."""
+    grouped = Stacked()
+    experts = StackedFusedExperts(grouped, "silu")
+    cache = Fp8WeightCache(ALL)
+    cache.tables(experts, CPU)
+    cache.tables(experts, CPU)
+    assert cache.quantisations == 1
+    with torch.no_grad():
+        grouped.w3[1].mul_(4)  # one expert's slice: the stacked tensor's version moves
+    cache.tables(experts, CPU)
+    assert cache.quantisations == 2
+    assert torch.equal(cache.quantised("w3").scales[1], fp8.quantise_blocks(grouped.w3[1].detach()).scales)
+    grouped.w2 = nn.Parameter(torch.randn(NUM_LOCAL, HIDDEN, FFN, dtype=torch.bfloat16))
+    cache.tables(experts, CPU)
+    assert cache.quantisations == 3
+    assert torch.equal(cache.quantised("w2").scales[2], fp8.quantise_blocks(grouped.w2[2].detach()).scales)
+    weights_changed()
+    cache.tables(experts, CPU)
+    assert cache.quantisations == 4
+
+
 def test_weights_that_are_not_whole_blocks_are_refused():
     experts = ModuleFusedExperts([fused_expert(GatedFeedForward(200, 128).bfloat16())])
     with pytest.raises(ValueError, match=r"quantised in 128x128 blocks, got \[128, 200\]"):
