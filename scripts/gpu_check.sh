@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): build the op, run the GPU tests, then the benchmark.
-# Usage: bash scripts/gpu_check.sh [tests|bench|all|sweep|shared|soak|gemm|internode] [extra bench args...]; logs go to $OUT (or ./gpu_out).
+# Usage: bash scripts/gpu_check.sh [tests|bench|all|sweep|shared|soak|gemm|internode|deepgemm] [extra bench args...]; logs go to $OUT (or ./gpu_out).
 # shared: the fused tests with SHARED_RANKS (2) ranks on the GPU (DS_COMET_TEST_RANKS_PER_GPU), for a
 # one-GPU machine: the multi-rank paths, time-sliced (results only; about 3 minutes on one H200 at
 # 2 ranks; at 4, 17 tests took about 4 minutes, so run the suite in parts with DS_COMET_TEST_SHARD=i/n),
@@ -13,6 +13,9 @@
 # gemm: each GEMM phase alone against torch._grouped_mm (python -m ds_comet.bench.gemm).
 # internode: the exchange across declared nodes (one GPU a node), each chunk count against the whole
 # exchange (python -m ds_comet.bench.internode); needs two GPUs or more.
+# deepgemm: builds DeepGEMM from DEEPGEMM_SRC into /tmp/site (scripts/build_deepgemm.sh), then times its
+# grouped GEMMs beside torch's and measures their error by K (python -m ds_comet.bench.library_fp8
+# --deepgemm, with and without --accumulation); needs no ds_comet op, so builds none.
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -21,6 +24,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 start=$(date +%s)
+if [ "$what" = deepgemm ]; then
+    timeout 420 bash scripts/build_deepgemm.sh "${DEEPGEMM_SRC:?set DEEPGEMM_SRC to a DeepGEMM source tree}" /tmp/site \
+        > "$out/deepgemm_build.log" 2>&1 || { tail -60 "$out/deepgemm_build.log"; exit 1; }
+    echo "DeepGEMM build: $(( $(date +%s) - start )) s"
+    timeout 300 python3 -m ds_comet.bench.library_fp8 --deepgemm --out "$out/library_fp8" "$@" 2>&1 \
+        | tee "$out/library_fp8.log" | tail -12
+    timeout 240 python3 -m ds_comet.bench.library_fp8 --deepgemm --accumulation --out "$out/library_fp8" 2>&1 \
+        | tee "$out/accumulation.log" | tail -16
+    exit 0
+fi
 python3 -c "from ds_comet.kernels.ops import load_op; load_op(); print('ds_comet op ready')" \
     > "$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
 echo "op build: $(( $(date +%s) - start )) s"
