@@ -7,9 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from tests import conftest
+from tests.conftest import SHARD_VAR
 from tests.support.dist_pool import (
     RANKS_PER_GPU_VAR,
     WORLD_SIZE_VAR,
@@ -51,9 +54,35 @@ def test_shared_gpus_need_gloo():
         DistPool(2, backend="nccl", gpu_ranks=2)
 
 
-def test_shards_split_the_selected_tests_into_disjoint_parts():
+def test_shards_split_the_selected_tests_into_disjoint_parts(monkeypatch):
+    """The hook in-process on stand-in items: the parts are disjoint and cover the selection; a bad
+    value is refused."""
+    items = [f"test_{number}" for number in range(11)]
+    deselected = []
+    config = SimpleNamespace(hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
+    parts = []
+    for index in range(3):
+        monkeypatch.setenv(SHARD_VAR, f"{index}/3")
+        kept = list(items)
+        deselected.clear()
+        conftest.pytest_collection_modifyitems(config, kept)
+        assert sorted(kept + deselected) == sorted(items)
+        parts.append(kept)
+    assert sorted(sum(parts, [])) == sorted(items) and all(parts), parts
+    for bad in ("3/3", "1", "a/b", "-1/2"):
+        monkeypatch.setenv(SHARD_VAR, bad)
+        with pytest.raises(pytest.UsageError, match="DS_COMET_TEST_SHARD must be i/n"):
+            conftest.pytest_collection_modifyitems(config, list(items))
+
+
+def test_pytest_takes_a_shard_from_the_environment():
+    """Through pytest itself: a shard's collection is every n-th test of the whole one, from the i-th."""
+
     def collected(shard):
-        env = dict(os.environ, DS_COMET_TEST_SHARD=shard) if shard else dict(os.environ)
+        env = dict(os.environ)
+        env.pop(SHARD_VAR, None)
+        if shard:
+            env[SHARD_VAR] = shard
         done = subprocess.run(
             [
                 sys.executable,
@@ -71,14 +100,11 @@ def test_shards_split_the_selected_tests_into_disjoint_parts():
             env=env,
             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         )
-        return done.returncode, [line for line in done.stdout.splitlines() if "::" in line], done.stderr
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return [line for line in done.stdout.splitlines() if "::" in line]
 
-    _, everything, _ = collected(None)
-    parts = [collected(f"{index}/3")[1] for index in range(3)]
-    assert sorted(sum(parts, [])) == sorted(everything) and all(parts), parts
-    assert sum(map(len, parts)) == len(everything)
-    returncode, _, stderr = collected("3/3")
-    assert returncode != 0 and "DS_COMET_TEST_SHARD must be i/n" in stderr, stderr
+    everything = collected(None)
+    assert len(everything) > 3 and collected("1/3") == everything[1::3]
 
 
 def wait_on_rank_1(deaf: bool = False):
@@ -108,9 +134,9 @@ def wait_on_rank_1(deaf: bool = False):
 )
 def test_a_rank_that_does_not_answer_is_shown_where_it_waits(cpu_pool, deaf, shown):
     with pytest.raises(TimeoutError) as raised:
-        cpu_pool.run(wait_on_rank_1, timeout=10, deaf=deaf)
+        cpu_pool.run(wait_on_rank_1, timeout=5, deaf=deaf)
     message = str(raised.value)
-    assert "ranks [1] gave no answer to wait_on_rank_1 within 10 s" in message, message
+    assert "ranks [1] gave no answer to wait_on_rank_1 within 5 s" in message, message
     assert re.search(shown, message), message
     assert "--- rank 0 ---" not in message, message
 
