@@ -28,11 +28,14 @@ if [ "$what" = deepgemm ]; then
     timeout 420 bash scripts/build_deepgemm.sh "${DEEPGEMM_SRC:?set DEEPGEMM_SRC to a DeepGEMM source tree}" /tmp/site \
         > "$out/deepgemm_build.log" 2>&1 || { tail -60 "$out/deepgemm_build.log"; exit 1; }
     echo "DeepGEMM build: $(( $(date +%s) - start )) s"
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     timeout 300 python3 -m ds_comet.bench.library_fp8 --deepgemm --out "$out/library_fp8" "$@" 2>&1 \
         | tee "$out/library_fp8.log" | tail -12
+    timed=${PIPESTATUS[0]}
     timeout 240 python3 -m ds_comet.bench.library_fp8 --deepgemm --accumulation --out "$out/library_fp8" 2>&1 \
         | tee "$out/accumulation.log" | tail -16
-    exit 0
+    measured=${PIPESTATUS[0]}
+    [ "$timed" = 0 ] && [ "$measured" = 0 ]; exit $?
 fi
 python3 -c "from ds_comet.kernels.ops import load_op; load_op(); print('ds_comet op ready')" \
     > "$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }

@@ -103,8 +103,11 @@ def test_deepgemms_layout_starts_each_group_on_its_alignment():
 
 
 class EmulatedDeepGemm:
-    """DeepGEMM's m-grouped contiguous GEMMs as its source states them, in float64 on the CPU: the
-    operand layouts and group alignment it asserts are asserted here too; padding rows stay untouched."""
+    """DeepGEMM's m-grouped contiguous GEMMs as its source states them (v2.6.1, csrc/apis/gemm.hpp), in
+    float64 on the CPU: the operand layouts, dtypes and group alignment it asserts on Hopper are
+    asserted here too, and the arguments after the groups must come by name; padding rows stay
+    untouched. The products are exact, so the tests against it check what reaches the kernel, not
+    DeepGEMM's own accuracy (its FP8 products accumulate in fp32 every 128 of K)."""
 
     ALIGNMENT = 32
 
@@ -121,25 +124,29 @@ class EmulatedDeepGemm:
         return storage[:, :rows].t()
 
     @classmethod
-    def check_groups(cls, groups, rows):
+    def check_groups(cls, groups, rows, experts):
         assert groups.dtype == torch.int32 and groups.is_contiguous() and groups.shape == (rows,)
+        assert int(groups.max()) < experts and int(groups.min()) >= -1
         # The kernel takes a block's group from its first row: a block holds one group's rows, then padding.
         blocks = groups.view(-1, cls.ALIGNMENT)
         real = blocks >= 0
         assert ((blocks == blocks[:, :1]) | ~real).all() and (real[:, :-1] >= real[:, 1:]).all()
 
     @classmethod
-    def m_grouped_fp8_gemm_nt_contiguous(cls, a, b, d, grouped_layout, disable_ue8m0_cast=False):
+    def m_grouped_fp8_gemm_nt_contiguous(
+        cls, a, b, d, grouped_layout, *, recipe=None, recipe_a=None, recipe_b=None, disable_ue8m0_cast=False
+    ):
         (values, tile_scales), (weights, block_scales) = a, b
         rows, width = values.shape
         experts, n, _ = weights.shape
-        assert disable_ue8m0_cast  # Hopper reads fp32 scales
+        assert recipe is recipe_a is recipe_b is None  # the default: (1, 128, 128) for fp32 scales
         assert values.dtype == weights.dtype == torch.float8_e4m3fn and values.stride(-1) == weights.stride(-1) == 1
+        assert tile_scales.dtype == block_scales.dtype == torch.float32
         assert tile_scales.shape == (rows, width // 128) and tile_scales.stride(0) == 1
         assert tile_scales.stride(1) % 4 == 0
         assert block_scales.shape == (experts, -(-n // 128), width // 128) and block_scales.is_contiguous()
-        assert d.dtype == torch.bfloat16 and d.shape == (rows, n)
-        cls.check_groups(grouped_layout, rows)
+        assert d.dtype == torch.bfloat16 and d.shape == (rows, n) and d.is_contiguous()
+        cls.check_groups(grouped_layout, rows, experts)
         x = fp8.Quantised(values, tile_scales.contiguous(), fp8.TILE).dequantise().double()
         for expert in range(experts):
             w = fp8.Quantised(weights[expert], block_scales[expert], fp8.WEIGHT_BLOCK).dequantise().double()
@@ -149,8 +156,9 @@ class EmulatedDeepGemm:
     @classmethod
     def m_grouped_bf16_gemm_nt_contiguous(cls, a, b, d, grouped_layout):
         assert a.dtype == b.dtype == d.dtype == torch.bfloat16 and a.stride(-1) == b.stride(-1) == 1
-        assert d.shape == (a.shape[0], b.shape[1])
-        cls.check_groups(grouped_layout, a.shape[0])
+        assert a.shape[1] % 64 == 0  # Hopper's bf16 kernel's K block
+        assert d.shape == (a.shape[0], b.shape[1]) and d.is_contiguous()
+        cls.check_groups(grouped_layout, a.shape[0], b.shape[0])
         for expert in range(b.shape[0]):
             mine = grouped_layout == expert
             d[mine] = (a[mine].double() @ b[expert].double().t()).bfloat16()
