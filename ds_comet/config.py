@@ -137,6 +137,18 @@ class Fp8Recipe(DeepSpeedConfigModel):
                 '"gradient_dispatch": "fp8" sends the output gradient as the backward\'s FP8 GEMM takes it, and '
                 '"input_gradients" is false: set "gradient_dispatch": "bf16", or "input_gradients": true'
             )
+        # A setting that can change nothing is refused, not ignored: it says the user meant another recipe.
+        if "gradient_format" in self.model_fields_set and not (self.input_gradients or self.weight_gradients):
+            raise ValueError(
+                '"gradient_format" is the format of the gradients in the FP8 input-gradient and weight-gradient '
+                'GEMMs, and neither runs in FP8 ("input_gradients" and "weight_gradients" are false): remove it, '
+                "or set one of them to true"
+            )
+        if "gemm2" in self.model_fields_set and not (self.forward or self.input_gradients):
+            raise ValueError(
+                '"gemm2" chooses GEMM2\'s precision within "forward" and "input_gradients", and both are false: '
+                "remove it, or set one of them to true"
+            )
         return self
 
 
@@ -290,8 +302,8 @@ def _explain(error: ValidationError, section: Mapping[str, Any]) -> str:
             allowed_keys = ", ".join(owner.model_fields) if owner is not None else ""
             where = "the section" if len(path) == 1 else f"'{key.rpartition('.')[0]}'"
             known = list(owner.model_fields) if owner is not None else []
-            close = difflib.get_close_matches(str(path[-1]), known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            close = closest_key(path[-1], known)
+            hint = f"; did you mean {close!r}?" if close else ""
             lines.append(f"unknown key '{key}'{hint}; {where} takes: {allowed_keys}")
             continue
         if item["type"] == "value_error":  # a section's own check: its message names the fix
@@ -425,6 +437,15 @@ def moe_config_from(ds_config=None) -> CometMoEConfig:
     return config
 
 
+def closest_key(key, known: list[str]) -> str | None:
+    """The key of ``known`` that ``key`` most likely meant: one that differs only in case, else the
+    closest spelling (difflib's, case ignored), else None."""
+    by_lower = {name.lower(): name for name in known}
+    lowered = str(key).lower()
+    close = difflib.get_close_matches(lowered, list(by_lower), n=1, cutoff=0.6)
+    return by_lower.get(lowered) or (by_lower[close[0]] if close else None)
+
+
 def _looks_like_moe(key: str) -> bool:
     """Whether top-level ``key``, not ``"moe"`` itself, was likely meant as the section: ``"moe"``
     in other case or with spaces, one edit away from it, or a word of it (``"comet_moe"``)."""
@@ -462,9 +483,9 @@ def autoep_section_keys() -> frozenset[str]:
 def unread_keys_warnings(ds_config: Mapping[str, Any]) -> list[str]:
     """What to tell the user of a ds_config (a dict) whose keys nothing reads, though they look
     meant for a section that is read: top-level keys like ``"moe"`` (``"MoE"``, ``"moe "``,
-    ``"comet_moe"``), and keys of ``"expert_parallel"`` that DeepSpeed's AutoEP parser does not
-    read (it ignores them: a misspelled ``"autoep_size"`` runs at EP 1), each with the closest
-    key that is read."""
+    ``"comet_moe"``), settings of that section written beside it (``"fp8"``), and keys of
+    ``"expert_parallel"`` that DeepSpeed's AutoEP parser does not read (it ignores them: a
+    misspelled ``"autoep_size"`` runs at EP 1), each with the closest key that is read."""
     messages = []
     for key in ds_config:
         if _looks_like_moe(key):
@@ -476,14 +497,20 @@ def unread_keys_warnings(ds_config: Mapping[str, Any]) -> list[str]:
                     "one the job runs stock DeepSpeed's MoE"
                 )
             messages.append(f"ds_config key {key!r} is not read: {read}")
+        elif isinstance(key, str) and key.lower() in CometMoEConfig.model_fields:
+            setting = key.lower()
+            messages.append(
+                f'ds_config key {key!r} is not read at the top level: "{setting}" is a setting of the '
+                f'"{MOE_SECTION}" section, and goes inside it ("{MOE_SECTION}": {{"{setting}": ...}})'
+            )
     section = ds_config.get(AUTOEP_SECTION)
     known = autoep_section_keys()
     if isinstance(section, Mapping) and known:
         for key in section:
             if key in known:
                 continue
-            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]!r}?" if close else f"it reads {', '.join(sorted(known))}"
+            close = closest_key(key, sorted(known))
+            hint = f"did you mean {close!r}?" if close else f"it reads {', '.join(sorted(known))}"
             messages.append(
                 f'ds_config "{AUTOEP_SECTION}" key {key!r} is not one that DeepSpeed\'s AutoEP reads, and it '
                 f"ignores it: {hint}"

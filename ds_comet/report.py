@@ -50,8 +50,8 @@ def fp8_verdict(config) -> str | None:
     recipe = section.fp8
     if section.backend == "deepspeed" or not recipe.enabled:
         return None
-    what = (
-        f"{recipe.scaling} scaling, rows crossing in {recipe.dispatch}, output gradients in {recipe.gradient_dispatch}"
+    what = (  # the GEMMs in FP8 as the layers' own log line names them, then what crosses the exchange
+        f"{recipe.described()}; rows crossing in {recipe.dispatch}, output gradients in {recipe.gradient_dispatch}"
     )
     emulated = "emulated in float on the reference pipeline"
     if section.overlap == "none":

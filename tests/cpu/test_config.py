@@ -13,6 +13,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 import ds_comet
 from ds_comet import CometMoEConfig, CometMOELayer, build_moe, moe_config_from
+from ds_comet.config import closest_key
 from ds_comet.experts import FeedForward
 from tests.support.dist_pool import cpu_world_size
 
@@ -349,6 +350,25 @@ def test_a_section_key_that_looks_like_moe_is_named(warnings_said, monkeypatch, 
     with pytest.raises(BaseException, match="not reached"):
         ds_comet.initialize(model=torch.nn.Linear(2, 2), config={key: {"backend": "comet"}, "moe": {}})
     assert warnings_said[-1] == f'ds_config key {key!r} is not read: only "moe" is, whose settings stand'
+
+
+@pytest.mark.parametrize("key", ["fp8", "Overlap"])
+def test_a_setting_of_the_section_written_beside_it_is_named(warnings_said, key):
+    """A recipe beside "moe" instead of inside it would not run, without a word."""
+    config = moe_config_from({key: {"enabled": True}, "moe": {"backend": "comet"}})
+    assert not config.fp8.enabled
+    setting = key.lower()
+    assert warnings_said == [
+        f'ds_config key {key!r} is not read at the top level: "{setting}" is a setting of the "moe" section, '
+        f'and goes inside it ("moe": {{"{setting}": ...}})'
+    ], warnings_said
+
+
+def test_the_closest_key_ignores_case_first():
+    known = ["enabled", "scaling", "fp8", "gemm2"]
+    assert closest_key("FP8", known) == "fp8" and closest_key("Enabled", known) == "enabled"
+    assert closest_key("scalng", known) == "scaling" and closest_key("SCALNG", known) == "scaling"
+    assert closest_key("colour", known) is None
 
 
 def test_keys_of_other_sections_are_not_taken_for_moe(warnings_said):

@@ -739,6 +739,22 @@ def test_ranks_that_differ_in_their_recipe_are_refused(cpu_pool):
             {"enable": True},
             ["unknown key 'moe.fp8.enable'; did you mean 'enabled'?; 'moe.fp8' takes: enabled, scaling,"],
         ),
+        (  # settings that could change nothing under this recipe
+            {"enabled": True, "input_gradients": False, "gradient_format": "e5m2"},
+            ['"gradient_format" is the format of the gradients', "remove it, or set one of them to true"],
+        ),
+        (
+            {
+                "scaling": "rowwise",
+                "forward": False,
+                "input_gradients": False,
+                "weight_gradients": True,
+                "dispatch": "bf16",
+                "gemm2": False,
+            },
+            ['"gemm2" chooses GEMM2\'s precision within "forward" and "input_gradients", and both are false'],
+        ),
+        ({"GEMM2": False}, ["unknown key 'moe.fp8.GEMM2'; did you mean 'gemm2'?"]),  # case alone differs
         ({"colour": "red"}, ["unknown key 'moe.fp8.colour'; 'moe.fp8' takes: enabled,"]),  # no close key: no guess
         ([True], ["'moe.fp8' must be a JSON object"]),
     ],

@@ -285,13 +285,22 @@ def test_report_runs_and_names_the_pipeline():
     "recipe, capability, words",
     [
         (None, None, None),
-        ({"enabled": True}, None, "blockwise scaling, rows crossing in fp8, output gradients in bf16: emulated"),
+        (
+            {"enabled": True},
+            None,
+            "blockwise: forward, input gradients; rows crossing in fp8, output gradients in bf16: emulated",
+        ),
+        (
+            {"enabled": True, "scaling": "rowwise", "weight_gradients": True, "gemm2": False, "dispatch": "bf16"},
+            None,
+            "rowwise: forward, input gradients, weight gradients, GEMM2 in high precision; rows crossing in bf16",
+        ),
         ({"enabled": True}, (8, 0), "(the fused FP8 GEMMs run on sm_90, this GPU is not)"),
         ({"enabled": True}, (9, 0), "fused, on the Triton FP8 GEMMs, for layers whose hidden and FFN sizes are"),
         ({"enabled": True, "scaling": "rowwise"}, (9, 0), 'crossing in bf16: "dispatch": "bf16", "gradient_dispatch"'),
         ({"enabled": True, "scaling": "rowwise", "dispatch": "bf16"}, (9, 0), "fused, on the library's FP8 GEMMs"),
     ],
-    ids=["off", "cpu", "sm80", "blockwise", "rowwise-fp8-rows", "rowwise"],
+    ids=["off", "cpu", "cpu-gemms", "sm80", "blockwise", "rowwise-fp8-rows", "rowwise"],
 )
 def test_report_says_where_an_fp8_recipe_would_run(monkeypatch, recipe, capability, words):
     """Without a recipe no line; on CPU (or another GPU) emulated, with why; on sm_90 fused where the
