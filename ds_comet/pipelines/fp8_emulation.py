@@ -6,7 +6,8 @@ quantised and dequantised (``ds_comet/fp8.py``, the numbers the fused FP8 kernel
 and each GEMM is computed in fp32 from the dequantised operands, so the emulation is the fused
 kernels' ground truth and the CPU suite can hold it to float64.
 
-One expert, rows ``x`` ``[n, H]`` of dtype D (bf16 or fp32), with ``W13`` the first layer's weight
+One expert, rows ``x`` ``[n, H]`` of dtype D (bf16 or fp32; under autocast, autocast's dtype, to
+which the rows are cast as a Linear's input would be, the products staying fp32), with ``W13`` the first layer's weight
 (``W1`` ``[F, H]``, or ``[W1; W3]`` ``[2F, H]`` for a gated expert: one GEMM, as the kernels run it)
 and Q the recipe's quantisation (e4m3; tiles along each GEMM's reduction dimension, or rows):
 
@@ -173,6 +174,8 @@ class _Fp8Experts(torch.autograd.Function):
         return torch.cat(outputs)
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
     def backward(ctx, grad_out: Tensor):
         rows, pre, h = ctx.saved_tensors[:3]
         experts, counts = ctx.experts, ctx.counts
@@ -199,7 +202,13 @@ class Fp8EmulatedExperts(LocalExperts):
         self.num_local = experts.num_local
 
     def run(self, rows: Tensor, counts) -> Tensor:
-        return _Fp8Experts.apply(rows, list(counts), self.weights, self.operands, *self.weights.parameters())
+        device = rows.device.type
+        if torch.is_autocast_enabled(device):
+            # As autocast casts a Linear's input: the experts then compute in its dtype, as without the
+            # recipe. The emulation's own products stay fp32, so autocast must not lower them.
+            rows = rows.to(torch.get_autocast_dtype(device))
+        with torch.autocast(device, enabled=False):
+            return _Fp8Experts.apply(rows, list(counts), self.weights, self.operands, *self.weights.parameters())
 
     def parameters(self) -> list[Tensor]:
         return self.experts.parameters()

@@ -321,6 +321,28 @@ def emulated_step(kind, dtype, recipe, seed, octaves):
     return dict(experts=experts, owner=owner, weights=weights, x=x, dy=dy, y=y.detach(), dx=inputs.grad, grads=grads)
 
 
+def test_under_autocast_the_emulation_computes_in_autocasts_dtype_as_the_experts_would():
+    """The rows are taken in autocast's dtype, as the experts' Linears would take them, and the
+    emulation's fp32 products are not lowered: the same numbers as the rows cast beforehand, and the
+    same output dtype as the experts without the recipe."""
+    generator = torch.Generator().manual_seed(_seed())
+    experts, _ = make_local_experts("swiglu", torch.float32, generator, octaves=2.0)
+    emulated = Fp8EmulatedExperts(experts, experts.fused(HIDDEN), Fp8Recipe(enabled=True))
+    x = spread_values(sum(COUNTS), HIDDEN, generator, 2.0)
+    dy = spread_values(sum(COUNTS), HIDDEN, generator, 2.0).bfloat16()
+    inputs = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = emulated.run(inputs, COUNTS)
+        plain = experts.run(x, torch.tensor(COUNTS))
+    assert y.dtype == plain.dtype == torch.bfloat16
+    y.backward(dy)
+    cast = x.bfloat16().requires_grad_()
+    want = emulated.run(cast, COUNTS)
+    want.backward(dy)
+    assert torch.equal(y, want)
+    assert inputs.grad.dtype == torch.float32 and torch.equal(inputs.grad, cast.grad.float())
+
+
 def independent_expert(x, tensors, activation, dy, recipe: Fp8Recipe):
     """One expert's forward and gradients as the recipe states them (ds_comet/pipelines/fp8_emulation.py's
     docstring), with the test's own quantisation: (y, dx, [dW1, db1, dW3, db3, dW2, db2])."""
