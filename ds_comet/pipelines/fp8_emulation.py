@@ -7,9 +7,10 @@ and each GEMM is computed in fp32 from the dequantised operands, so the emulatio
 kernels' ground truth and the CPU suite can hold it to float64.
 
 One expert, rows ``x`` ``[n, H]`` of dtype D (bf16 or fp32; under autocast, autocast's dtype, to
-which the rows are cast as a Linear's input would be, the products staying fp32), with ``W13`` the first layer's weight
-(``W1`` ``[F, H]``, or ``[W1; W3]`` ``[2F, H]`` for a gated expert: one GEMM, as the kernels run it)
-and Q the recipe's quantisation (e4m3; tiles along each GEMM's reduction dimension, or rows):
+which the rows are cast as a Linear's input would be, the products staying fp32), with ``W13`` the
+first layer's weight (``W1`` ``[F, H]``, or ``[W1; W3]`` ``[2F, H]`` for a gated expert: one GEMM,
+as the kernels run it) and Q the recipe's quantisation (e4m3; tiles along each GEMM's reduction
+dimension, or rows):
 
 - forward (``"forward"``): ``pre = round_D(Q(x) @ Q(W13)^T + b13)``;
   ``h = round_D(act(pre[:, :F]) [* pre[:, F:]])``; ``y = round_D(Q(h) @ Q(W2)^T + b2)``;
